@@ -1,0 +1,1 @@
+"""The `bertdist` command line: one module per subcommand, wired in main.py."""

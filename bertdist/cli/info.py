@@ -1,0 +1,75 @@
+"""`bertdist info`: versions, devices, and which kernels are built and active (and why not)."""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def collect() -> dict:
+    import torch
+
+    from bertdist.ops import kernel_status, resolve_kernels
+
+    devices = [f"cpu ({os.cpu_count()} logical cores, {torch.get_num_threads()} torch threads)"]
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            devices.append(f"cuda:{i} {p.name} (sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB)")
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    kernels = {}
+    for dt in sorted({"cpu", device_type}):
+        active = resolve_kernels("auto", dt).sources
+        kernels[dt] = [
+            {"op": s.op, "fused_usable": s.usable, "reason": s.reason, "active_under_auto": active[s.op]}
+            for s in kernel_status(dt)
+        ]
+    return {
+        "versions": {
+            "python": platform.python_version(),
+            "bertdist": _version("bertdist"),
+            "torch": torch.__version__,
+            "torch_cuda": torch.version.cuda or "none (CPU build)",
+            "deepspeed": _version("deepspeed"),
+            "apache-beam": _version("apache-beam"),
+            "transformers": _version("transformers"),
+            "tokenizers": _version("tokenizers"),
+        },
+        "devices": devices,
+        "kernels": kernels,
+    }
+
+
+def run(args) -> int:
+    info = collect()
+    if args.json:
+        import json
+
+        print(json.dumps(info, indent=2))
+        return 0
+    print("versions:")
+    for k, v in info["versions"].items():
+        print(f"  {k:<13} {v}")
+    print("devices:")
+    for d in info["devices"]:
+        print(f"  {d}")
+    for dt, rows in info["kernels"].items():
+        print(f"kernels on {dt} (kernels: auto picks the 'active' column):")
+        for r in rows:
+            state = "fused usable" if r["fused_usable"] else "fused NOT usable"
+            why = f" - {r['reason']}" if r["reason"] else ""
+            print(f"  {r['op']:<28} active={r['active_under_auto']:<9} {state}{why}")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("info", help="versions, devices and kernel status")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)

@@ -1,0 +1,292 @@
+"""The whole BERT model in one file.
+
+Module and parameter names mirror ``transformers.BertForPreTraining`` one to
+one, so a state dict moves between the two without renaming. Layer norm and
+attention go through the kernel seam (``bertdist.ops``): ``self.k`` is the
+``KernelSet`` chosen from ``config.kernels`` at construction, either the
+fused extension or the pure-PyTorch reference, side by side behind the same
+calls. Parallelism (DeepSpeed, ZeRO) and checkpointing are applied from
+outside; nothing here knows about ranks.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from bertdist.model.config import BertConfig
+from bertdist.ops import KernelSet, resolve_kernels
+
+IGNORE_INDEX = -100  # MLM label for positions that are not predicted
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm's parameters (HF names ``weight``/``bias``), computed through the seam."""
+
+    def __init__(self, hidden: int, eps: float, kernels: KernelSet):
+        super().__init__(hidden, eps=eps)
+        self.k = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.k.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, cfg: BertConfig, kernels: KernelSet):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
+        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
+        self.LayerNorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, kernels)
+        self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
+        self.max_positions = cfg.max_position_embeddings
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
+        seq = input_ids.shape[1]
+        if seq > self.max_positions:
+            raise ValueError(f"sequence length {seq} exceeds max_position_embeddings {self.max_positions}")
+        pos = self.position_embeddings.weight[:seq].unsqueeze(0)
+        h = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids) + pos
+        return self.dropout(self.LayerNorm(h))
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, cfg: BertConfig, kernels: KernelSet):
+        super().__init__()
+        self.heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
+        self.query = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.key = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.value = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.dropout_p = cfg.attention_probs_dropout_prob
+        self.k = kernels
+
+    def forward(self, h: torch.Tensor, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
+        b, s, _ = h.shape
+        # One GEMM for Q, K and V (the concatenated weight is tiny next to the activations).
+        w = torch.cat([self.query.weight, self.key.weight, self.value.weight])
+        bias = torch.cat([self.query.bias, self.key.bias, self.value.bias])
+        qkv = F.linear(h, w, bias).view(b, s, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        ctx = self.k.attention(
+            qkv[0], qkv[1], qkv[2], key_padding_mask, dropout_p=self.dropout_p, training=self.training
+        )  # [b, heads, s, head_dim]
+        return ctx.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
+
+
+class BertSelfOutput(nn.Module):
+    """Dense projection, then LN(residual + dropout(x + bias)) in one seam call."""
+
+    def __init__(self, cfg: BertConfig, in_features: int, kernels: KernelSet):
+        super().__init__()
+        self.dense = nn.Linear(in_features, cfg.hidden_size)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.dropout_p = cfg.hidden_dropout_prob
+        self.k = kernels
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        # The bias is left out of the GEMM so a fused kernel can add it with dropout and the residual.
+        y = F.linear(x, self.dense.weight)
+        return self.k.bias_dropout_add_layer_norm(
+            y, self.dense.bias, residual, self.LayerNorm.weight, self.LayerNorm.bias,
+            p=self.dropout_p, training=self.training, eps=self.LayerNorm.eps,
+        )
+
+
+class BertAttention(nn.Module):
+    def __init__(self, cfg: BertConfig, kernels: KernelSet):
+        super().__init__()
+        self.self = BertSelfAttention(cfg, kernels)
+        self.output = BertSelfOutput(cfg, cfg.hidden_size, kernels)
+
+    def forward(self, h: torch.Tensor, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
+        return self.output(self.self(h, key_padding_mask), h)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.dense(h))
+
+
+class BertLayer(nn.Module):
+    def __init__(self, cfg: BertConfig, kernels: KernelSet):
+        super().__init__()
+        self.attention = BertAttention(cfg, kernels)
+        self.intermediate = BertIntermediate(cfg)
+        self.output = BertSelfOutput(cfg, cfg.intermediate_size, kernels)
+
+    def forward(self, h: torch.Tensor, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
+        a = self.attention(h, key_padding_mask)
+        return self.output(self.intermediate(a), a)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, cfg: BertConfig, kernels: KernelSet):
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(cfg, kernels) for _ in range(cfg.num_hidden_layers))
+        # Set from outside (the trainer) to recompute each layer's activations in backward.
+        self.checkpoint_fn = None
+
+    def forward(self, h: torch.Tensor, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
+        for layer in self.layer:
+            if self.checkpoint_fn is not None and self.training:
+                h = self.checkpoint_fn(layer, h, key_padding_mask)
+            else:
+                h = layer(h, key_padding_mask)
+        return h
+
+
+class BertPooler(nn.Module):
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(h[:, 0]))
+
+
+class BertModel(nn.Module):
+    """Embeddings -> encoder -> pooler. Returns (sequence_output, pooled_output)."""
+
+    def __init__(self, cfg: BertConfig, add_pooling_layer: bool = True, device_type: str | None = None):
+        super().__init__()
+        self.config = cfg
+        self.kernels = resolve_kernels(cfg.kernels, device_type or _default_device_type())
+        self.embeddings = BertEmbeddings(cfg, self.kernels)
+        self.encoder = BertEncoder(cfg, self.kernels)
+        self.pooler = BertPooler(cfg) if add_pooling_layer else None
+        self.apply(lambda m: init_weights(m, cfg.initializer_range))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        key_padding_mask = None if attention_mask is None else attention_mask.bool()
+        h = self.encoder(self.embeddings(input_ids, token_type_ids), key_padding_mask)
+        return h, (self.pooler(h) if self.pooler is not None else None)
+
+
+class BertPredictionHeadTransform(nn.Module):
+    def __init__(self, cfg: BertConfig, kernels: KernelSet):
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.LayerNorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, kernels)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(F.gelu(self.dense(h)))
+
+
+class BertLMPredictionHead(nn.Module):
+    """Transform, then a decoder tied to the word embeddings, plus a bias (HF: ``cls.predictions``)."""
+
+    def __init__(self, cfg: BertConfig, word_embeddings: nn.Embedding, kernels: KernelSet):
+        super().__init__()
+        self.transform = BertPredictionHeadTransform(cfg, kernels)
+        self.decoder = nn.Linear(cfg.hidden_size, cfg.vocab_size)
+        self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
+        self.decoder.weight = word_embeddings.weight  # tied
+        self.decoder.bias = self.bias  # one tensor under both HF names
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.transform(h))
+
+
+class BertPreTrainingHeads(nn.Module):
+    def __init__(self, cfg: BertConfig, word_embeddings: nn.Embedding, kernels: KernelSet):
+        super().__init__()
+        self.predictions = BertLMPredictionHead(cfg, word_embeddings, kernels)
+        self.seq_relationship = nn.Linear(cfg.hidden_size, 2)
+
+
+@dataclasses.dataclass
+class PreTrainingOutput:
+    prediction_logits: torch.Tensor  # [B, S, V], or [N_masked, V] with the sparse head
+    seq_relationship_logits: torch.Tensor  # [B, 2]
+    loss: torch.Tensor | None = None
+    mlm_loss: torch.Tensor | None = None
+    nsp_loss: torch.Tensor | None = None
+    mlm_labels: torch.Tensor | None = None  # labels aligned with prediction_logits' rows
+
+
+class BertForPreTraining(nn.Module):
+    """BERT with the MLM and NSP (or SOP) heads."""
+
+    def __init__(self, cfg: BertConfig, device_type: str | None = None):
+        super().__init__()
+        self.config = cfg
+        self.bert = BertModel(cfg, device_type=device_type)
+        self.cls = BertPreTrainingHeads(cfg, self.bert.embeddings.word_embeddings, self.bert.kernels)
+        decoder = self.cls.predictions.decoder  # its weight is the (already initialised) embedding
+        for m in self.cls.modules():
+            if m is not decoder:
+                init_weights(m, cfg.initializer_range)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        next_sentence_label: torch.Tensor | None = None,
+    ) -> PreTrainingOutput:
+        seq, pooled = self.bert(input_ids, attention_mask, token_type_ids)
+        mlm_labels = labels
+        if labels is not None and self.config.sparse_mlm_head:
+            # Gather the masked positions before the vocab projection, as the original BERT does:
+            # the [N, hidden] x [hidden, V] GEMM replaces a [B*S, hidden] x [hidden, V] one.
+            keep = labels.reshape(-1) != IGNORE_INDEX
+            seq = seq.reshape(-1, seq.shape[-1])[keep]
+            mlm_labels = labels.reshape(-1)[keep]
+        logits = self.cls.predictions(seq)
+        nsp_logits = self.cls.seq_relationship(pooled)
+        out = PreTrainingOutput(logits, nsp_logits, mlm_labels=mlm_labels)
+        if labels is not None:
+            out.mlm_loss = mlm_loss(logits, mlm_labels)
+            out.loss = out.mlm_loss
+        if next_sentence_label is not None:
+            out.nsp_loss = nsp_loss(nsp_logits, next_sentence_label)
+            out.loss = out.nsp_loss if out.loss is None else out.loss + out.nsp_loss
+        return out
+
+
+def mlm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over predicted positions (labels == -100 are ignored); fp32 softmax."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX)
+
+
+def nsp_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the 2-way next-sentence (or sentence-order) head; 0 = IsNext, 1 = random."""
+    return F.cross_entropy(logits.float(), labels.reshape(-1))
+
+
+def init_weights(module: nn.Module, std: float) -> None:
+    """BERT's init: N(0, std) weights, zero biases, LayerNorm at identity, the padding row zero."""
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+        if module.padding_idx is not None:
+            with torch.no_grad():
+                module.weight[module.padding_idx].zero_()
+    elif isinstance(module, nn.LayerNorm):
+        nn.init.ones_(module.weight)
+        nn.init.zeros_(module.bias)
+
+
+def _default_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def count_parameters(module: nn.Module) -> int:
+    """Unique parameters (tied weights counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())

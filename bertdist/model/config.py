@@ -1,0 +1,106 @@
+"""BertConfig: the model's schema, with the tiny/mini/base/large presets.
+
+Field names follow Hugging Face's ``transformers.BertConfig`` so that export
+is a straight copy. ``vocab_size`` is normally taken from the vocab file
+(``with_vocab``); it has no default on purpose for presets built from a
+recipe, but the presets default to BERT's 30,522 so that parameter counts
+and summaries work without a vocab.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, Mapping
+
+from bertdist.config import ConfigError, from_dict
+
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, intermediate_size=512),
+    "mini": dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, intermediate_size=1024),
+    "base": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072),
+    "large": dict(num_hidden_layers=24, hidden_size=1024, num_attention_heads=16, intermediate_size=4096),
+}
+BERT_VOCAB_SIZE = 30522
+
+
+@dataclasses.dataclass
+class BertConfig:
+    preset: str = "base"
+    vocab_size: int = BERT_VOCAB_SIZE
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: Literal["gelu"] = "gelu"  # erf GELU, as in the original BERT
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    initializer_range: float = 0.02
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+    # Which implementation of layer norm / attention to use (bertdist.ops).
+    kernels: Literal["reference", "fused", "auto"] = "auto"
+    # Project only masked positions to the vocabulary when MLM labels are given.
+    sparse_mlm_head: bool = True
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS and self.preset != "custom":
+            raise ConfigError(f"model.preset: {self.preset!r} is not one of {sorted(PRESETS) + ['custom']}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"model: hidden_size ({self.hidden_size}) must be divisible by "
+                f"num_attention_heads ({self.num_attention_heads}); "
+                f"{self.hidden_size} / {self.num_attention_heads} = {self.hidden_size / self.num_attention_heads:.3f}"
+            )
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"model.{name} must be in [0, 1), got {getattr(self, name)}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> "BertConfig":
+        if name not in PRESETS:
+            raise ConfigError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+        return cls(**{"preset": name, **PRESETS[name], **overrides})
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> "BertConfig":
+        """Build from a YAML ``model:`` section: ``preset`` fills the sizes, explicit keys win."""
+        data = dict(data)
+        preset = data.get("preset", "base")
+        base = dict(PRESETS.get(preset, {}))
+        base.update(data)
+        return from_dict(cls, base)
+
+    def with_vocab(self, vocab_size: int) -> "BertConfig":
+        return dataclasses.replace(self, vocab_size=vocab_size)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The fields of ``transformers.BertConfig`` (for export and parity tests)."""
+        return dict(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            intermediate_size=self.intermediate_size,
+            hidden_act=self.hidden_act,
+            hidden_dropout_prob=self.hidden_dropout_prob,
+            attention_probs_dropout_prob=self.attention_probs_dropout_prob,
+            max_position_embeddings=self.max_position_embeddings,
+            type_vocab_size=self.type_vocab_size,
+            initializer_range=self.initializer_range,
+            layer_norm_eps=self.layer_norm_eps,
+            pad_token_id=self.pad_token_id,
+        )
+
+    @classmethod
+    def from_hf_dict(cls, data: Mapping[str, Any], **overrides: Any) -> "BertConfig":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kept = {k: v for k, v in data.items() if k in fields and k != "preset"}
+        return cls(preset="custom", **kept, **overrides)

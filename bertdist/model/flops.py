@@ -1,0 +1,37 @@
+"""Parameter and FLOP accounting for BERT (used by `model summary`, MFU logging and benchmarks).
+
+FLOPs count a multiply-add as 2. Training costs 3x the forward (forward, plus
+backward for activations and for weights). Per sequence of ``seq`` real tokens:
+
+- encoder GEMMs: 2 * seq * (4 d^2 + 2 d f) per layer, i.e. 2 x non-embedding
+  matmul parameters x tokens (BERT's "6 N T" for training);
+- attention scores and context: 2 * seq^2 * d each, per layer;
+- MLM head: 2 * P * (d^2 + d V) for P predicted positions (P = seq for a dense head);
+- pooler and NSP head: 2 * (d^2 + 2 d).
+Embedding lookups and element-wise ops are not counted, as is customary for MFU.
+"""
+from __future__ import annotations
+
+from bertdist.model.config import BertConfig
+
+
+def forward_flops_per_sequence(cfg: BertConfig, seq: int, predicted: int | None = None) -> dict[str, int]:
+    d, f, v, L = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers
+    p = seq if predicted is None else predicted
+    parts = {
+        "encoder_gemm": L * 2 * seq * (4 * d * d + 2 * d * f),
+        "attention": L * 2 * (2 * seq * seq * d),
+        "mlm_head": 2 * p * (d * d + d * v),
+        "pooler_nsp": 2 * (d * d + 2 * d),
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def train_flops_per_sequence(cfg: BertConfig, seq: int, predicted: int | None = None) -> int:
+    return 3 * forward_flops_per_sequence(cfg, seq, predicted)["total"]
+
+
+def mfu(cfg: BertConfig, sequences_per_s: float, seq: int, peak_flops: float, predicted: int | None = None) -> float:
+    """Model FLOPs utilisation: achieved training FLOP/s over the device's dense peak."""
+    return sequences_per_s * train_flops_per_sequence(cfg, seq, predicted) / peak_flops

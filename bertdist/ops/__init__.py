@@ -1,0 +1,34 @@
+"""Layer norm and attention, behind one seam (see dispatch.py)."""
+from bertdist.ops.dispatch import (
+    OP_NAMES,
+    REFERENCE,
+    KernelMode,
+    KernelSet,
+    OpStatus,
+    kernel_status,
+    resolve_kernels,
+)
+from bertdist.ops.reference import (
+    reference_attention,
+    reference_attention_math,
+    reference_bias_dropout_add_layer_norm,
+    reference_layer_norm,
+    reference_layer_norm_math,
+    reference_varlen_attention,
+)
+
+__all__ = [
+    "OP_NAMES",
+    "REFERENCE",
+    "KernelMode",
+    "KernelSet",
+    "OpStatus",
+    "kernel_status",
+    "resolve_kernels",
+    "reference_attention",
+    "reference_attention_math",
+    "reference_bias_dropout_add_layer_norm",
+    "reference_layer_norm",
+    "reference_layer_norm_math",
+    "reference_varlen_attention",
+]

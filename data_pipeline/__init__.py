@@ -1,0 +1,1 @@
+"""The Beam data pipeline: raw text to sharded MLM/NSP training records."""
