@@ -1,0 +1,54 @@
+"""The `bertdist` console script: info and model summary, run as a user would."""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bertdist.cli.main import SUBCOMMANDS, build_parser
+from bertdist.ops import kernel_status
+
+
+def _bertdist(*args: str) -> subprocess.CompletedProcess:
+    exe = shutil.which("bertdist") or str(Path(sys.executable).parent / "bertdist")
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=300)
+
+
+def test_info_reports_versions_and_true_kernel_status():
+    r = _bertdist("info", "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    import torch
+
+    assert info["versions"]["torch"] == torch.__version__
+    rows = {row["op"]: row for row in info["kernels"]["cpu"]}
+    # What info prints must be what the dispatcher decides in this very environment.
+    for s in kernel_status("cpu"):
+        assert rows[s.op]["fused_usable"] == s.usable
+        assert rows[s.op]["active_under_auto"] == ("fused" if s.usable else "reference")
+        if not s.usable:
+            assert rows[s.op]["reason"], f"{s.op}: an unusable kernel must say why"
+
+
+def test_model_summary_base_prints_published_count():
+    r = _bertdist("model", "summary", "--preset", "base", "--seq-len", "128")
+    assert r.returncode == 0, r.stderr
+    assert "109,482,240" in r.stdout
+    assert "train (3x)" in r.stdout
+
+
+def test_model_summary_rejects_unknown_override():
+    r = _bertdist("model", "summary", "--preset", "tiny", "--set", "hidden=3")
+    assert r.returncode == 2
+    assert "unknown key 'hidden'" in r.stderr
+
+
+@pytest.mark.parametrize("name", SUBCOMMANDS)
+def test_every_listed_subcommand_has_help(name):
+    parser = build_parser()
+    cmd = name.rsplit(".", 1)[1].replace("_", "-")
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args([cmd, "--help"])
+    assert e.value.code == 0
