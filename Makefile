@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # Worker count for pytest-style knobs and the demo; CI machines have 2 cores.
 JOBS ?= $(shell nproc)
 
-.PHONY: demo test venv clean lint-duplicates
+.PHONY: demo test venv clean lint-duplicates slurm
 
 venv: $(STAMP)
 
@@ -24,10 +24,14 @@ $(STAMP): requirements.lock pyproject.toml setup.py
 	$(PIP) install -q --no-build-isolation --no-deps -e .
 	touch $@
 
-test: venv
+test: venv slurm
 	$(PY) -m pytest -q -p no:cacheprovider tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5): treated as failure"; exit 1; fi; \
 	exit $$rc
+
+# One-node SLURM on localhost for the `slurm`-marked tests (idempotent; needs root).
+slurm:
+	bash cluster/testbed/slurm_up.sh
 
 demo: venv
 	$(PY) -m bertdist.demo --out demo_out
