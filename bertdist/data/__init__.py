@@ -1,0 +1,45 @@
+"""Training records: the contract between the Beam data pipeline and the trainer.
+
+The pipeline (``data_pipeline/``) writes Parquet shards plus ``manifest.json``; the trainer
+reads them through :func:`open_records`, which verifies the manifest before serving rows.
+
+Record columns (one row per training instance, no padding stored):
+  - ``input_ids``: list<uint16> (uint32 when the vocab has >= 65,536 entries):
+    ``[CLS] A [SEP] B [SEP]`` or ``[CLS] A [SEP]``. With static masking the masked positions
+    already hold [MASK] / random / kept ids.
+  - ``num_a_tokens``: uint16, length of ``[CLS] A [SEP]``; token_type_ids are 0 for the first
+    ``num_a_tokens`` positions and 1 after.
+  - ``next_sentence_label``: int8, 0 = B follows A (SOP: in order), 1 = random B (SOP: swapped),
+    -1 = no second objective.
+  - ``masked_lm_positions``: list<uint16>, ``masked_lm_ids``: list<uint16|uint32> (original ids);
+    empty lists when ``records.masking == "dynamic"`` (mask in the loader with
+    :func:`bertdist.data.masking.mask_sequence` / :func:`mask_batch`).
+
+Additions to the contract in common.md (nothing removed):
+  - The manifest holds two splits, ``train`` and ``heldout`` (a document-hash held-out split);
+    ``open_records(..., split="train")`` picks one (default ``train``).
+  - ``records.record_format`` (= ``manifest["records"]``) gives max_seq_length, masking,
+    objective, whole_word_mask, masked_lm_prob, max_predictions_per_seq, id_dtype in one place;
+    ``records.special_token_ids`` and ``records.vocab`` (path, sha256, size) likewise.
+  - :mod:`bertdist.data.masking` holds the one masking implementation, used by the pipeline for
+    static masking and by the trainer's loader for dynamic masking (same semantics).
+"""
+from bertdist.data.manifest import MANIFEST_NAME, RecordsError, file_sha256, load_manifest, write_manifest_atomic
+from bertdist.data.records import RECORD_COLUMNS, Records, open_records, record_schema
+from bertdist.data.vocab import continuation_mask, load_vocab, special_token_ids, vocab_sha256
+
+__all__ = [
+    "MANIFEST_NAME",
+    "RECORD_COLUMNS",
+    "Records",
+    "RecordsError",
+    "continuation_mask",
+    "file_sha256",
+    "load_manifest",
+    "load_vocab",
+    "open_records",
+    "record_schema",
+    "special_token_ids",
+    "vocab_sha256",
+    "write_manifest_atomic",
+]

@@ -1,0 +1,61 @@
+"""The manifest file: load it, write it atomically, hash shard files.
+
+The manifest is the commit point of a pipeline run: it is written last, through a temporary
+file and a rename, so it only ever points at shards that were completely written.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_NAME = "bertdist-records"
+FORMAT_VERSION = 1
+
+
+class RecordsError(RuntimeError):
+    """A manifest or shard that cannot be trusted; the message names the file."""
+
+
+def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                break
+            h.update(b)
+    return h.hexdigest()
+
+
+def load_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    p = Path(path)
+    if p.is_dir():
+        p = p / MANIFEST_NAME
+    if not p.is_file():
+        raise RecordsError(f"{p}: manifest not found (was the data build completed?)")
+    try:
+        data = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RecordsError(f"{p}: manifest is not valid JSON: {e}") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
+        raise RecordsError(f"{p}: not a {FORMAT_NAME} manifest (format={data.get('format') if isinstance(data, dict) else None!r})")
+    if data.get("format_version") != FORMAT_VERSION:
+        raise RecordsError(f"{p}: manifest format_version {data.get('format_version')!r}, this reader knows {FORMAT_VERSION}")
+    return data
+
+
+def write_manifest_atomic(manifest: dict[str, Any], path: str | os.PathLike) -> Path:
+    """Write JSON to ``path`` via ``path.tmp`` + fsync + rename (atomic on POSIX)."""
+    p = Path(path)
+    tmp = p.with_name(p.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=2, sort_keys=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, p)
+    return p
