@@ -1,0 +1,50 @@
+"""`bertdist import-hf`: an existing Hugging Face BERT -> a bertdist init checkpoint.
+
+The output (bertdist torch format) is what ``bertdist finetune --checkpoint`` and
+the trainer's init path read (``bertdist.export.load_pretrained``) for continued
+pretraining or domain adaptation, BioBERT-style.
+"""
+from __future__ import annotations
+
+
+def run(args) -> int:
+    from bertdist.export.hf import ExportError
+    from bertdist.export.sources import load_pretrained, write_torch_dir
+
+    lower = {"cased": False, "uncased": True, None: None}[args.casing]
+    try:
+        w = load_pretrained(args.hf_dir, vocab_file=args.vocab, do_lower_case=lower)
+    except (ExportError, FileNotFoundError) as e:
+        print(f"bertdist import-hf: {e}")
+        return 2
+    if w.origin.get("kind") != "hf":
+        print(f"bertdist import-hf: {args.hf_dir} is not a Hugging Face model directory")
+        return 2
+    fresh = w.origin.get("newly_initialised") or []
+    if not args.no_verify:
+        from bertdist.export.verify import max_logit_diff
+
+        if not fresh:
+            d = max_logit_diff(args.hf_dir, w.config, w.state_dict)
+            print(f"verify: max |ours - transformers| logits: MLM {d['mlm']:.2e}, NSP {d['nsp']:.2e}")
+            if max(d.values()) > 1e-4:
+                print("bertdist import-hf: our model does not reproduce the HF model's outputs")
+                return 1
+    out = write_torch_dir(args.out, w)
+    c = w.config
+    print(f"wrote {out}: BERT L={c.num_hidden_layers} H={c.hidden_size} A={c.num_attention_heads} "
+          f"vocab={c.vocab_size} ({'uncased' if w.do_lower_case else 'cased'})")
+    if fresh:
+        print(f"note: the HF checkpoint had no {sorted({k.rsplit('.', 1)[0] for k in fresh})}; newly initialised")
+    print(f"use it with: bertdist finetune <task> --checkpoint {out} ...  (or as the trainer's init checkpoint)")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("import-hf", help="turn a Hugging Face BERT directory into a bertdist init checkpoint")
+    p.add_argument("hf_dir", help="directory with config.json, model.safetensors (or pytorch_model.bin), vocab.txt")
+    p.add_argument("--out", required=True)
+    p.add_argument("--vocab", default=None, help="vocab.txt, when the HF dir has none")
+    p.add_argument("--casing", choices=["cased", "uncased"], default=None)
+    p.add_argument("--no-verify", action="store_true", help="skip the logits comparison with transformers")
+    p.set_defaults(func=run)

@@ -1,0 +1,199 @@
+"""Our BERT state dict <-> a Hugging Face model directory.
+
+Our parameter names equal ``transformers.BertForPreTraining``'s, so the
+conversion is about the edges: HF leaves the two tied keys
+(``cls.predictions.decoder.weight`` = word embeddings,
+``cls.predictions.decoder.bias`` = ``cls.predictions.bias``) out of
+``model.safetensors``; old checkpoints use ``gamma``/``beta`` for layer norms
+and carry a ``position_ids`` buffer; a bare ``BertModel`` has no ``bert.``
+prefix; a masked-LM-only checkpoint has no NSP head or pooler.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Callable, Mapping
+
+import torch
+
+from bertdist.export.tokenizer import infer_do_lower_case, read_tokenizer_casing, write_tokenizer_files
+from bertdist.model import BertConfig
+
+TIED = {  # key HF drops on save -> the key holding the same tensor
+    "cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
+    "cls.predictions.decoder.bias": "cls.predictions.bias",
+}
+HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+class ExportError(ValueError):
+    """A checkpoint or directory that cannot be exported or imported; the message says why."""
+
+
+def to_hf_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """fp32, contiguous, CPU copies; the tied keys dropped after checking they really are tied."""
+    out = {}
+    for k, v in state_dict.items():
+        if k in TIED:
+            src = state_dict.get(TIED[k])
+            if src is None or not torch.equal(v.float().cpu(), src.float().cpu()):
+                raise ExportError(f"{k} is not tied to {TIED[k]}; the checkpoint breaks BERT's weight tying")
+            continue
+        out[k] = v.detach().to("cpu", torch.float32).contiguous().clone()
+    return out
+
+
+def strip_wrapper_prefix(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Remove a wrapper's prefix (``module.``, ``model.``) so keys start at ``bert.``/``cls.``."""
+    anchor = "bert.embeddings.word_embeddings.weight"
+    hits = [k for k in state_dict if k.endswith(anchor)]
+    if not hits:
+        if "embeddings.word_embeddings.weight" in state_dict:  # a bare BertModel
+            return {f"bert.{k}": v for k, v in state_dict.items()}
+        raise ExportError(f"no BERT word embeddings in the state dict (keys: {sorted(state_dict)[:8]} ...)")
+    prefix = hits[0][: -len(anchor)]
+    if not prefix:
+        return dict(state_dict)
+    return {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+
+
+def from_hf_state_dict(
+    state_dict: Mapping[str, torch.Tensor],
+    reference: Mapping[str, torch.Tensor],
+    fresh_init: Callable[[], Mapping[str, torch.Tensor]] | None = None,
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """An HF state dict -> one our ``BertForPreTraining`` loads strictly.
+
+    ``reference`` gives the expected keys and shapes (meta tensors are fine).
+    Heads the HF checkpoint lacks (e.g. NSP in a masked-LM model) come from
+    ``fresh_init()`` (a newly initialised model's state dict) and are named in
+    the returned list; anything else missing, or extra, is an error.
+    """
+    renamed = {}
+    for k, v in state_dict.items():
+        if k.endswith("position_ids"):
+            continue  # a buffer, recomputed
+        k = k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
+        renamed[k] = v
+    renamed = strip_wrapper_prefix(renamed)
+    for k, src in TIED.items():
+        if src in renamed:
+            renamed[k] = renamed[src]
+    task_heads = [k for k in renamed if not (k.startswith("bert.") or k.startswith("cls."))]
+    for k in task_heads:  # e.g. classifier.* from a fine-tuned model: not part of pretraining
+        renamed.pop(k)
+    unexpected = sorted(set(renamed) - set(reference))
+    if unexpected:
+        raise ExportError(f"keys that are not in BERT for pretraining: {unexpected[:10]}")
+    missing = sorted(set(reference) - set(renamed))
+    fresh = [k for k in missing if k.startswith("cls.") or k.startswith("bert.pooler.")]
+    hard = sorted(set(missing) - set(fresh))
+    if hard:
+        raise ExportError(f"the checkpoint lacks encoder weights: {hard[:10]}")
+    if fresh:
+        if fresh_init is None:
+            raise ExportError(f"the checkpoint lacks {fresh} and no initialiser was given")
+        init = fresh_init()
+        for k in fresh:
+            renamed[k] = init[k]
+    for k, v in renamed.items():
+        if tuple(v.shape) != tuple(reference[k].shape):
+            raise ExportError(f"{k}: shape {tuple(v.shape)} in the checkpoint, {tuple(reference[k].shape)} in the config")
+    return {k: v.to(torch.float32) for k, v in renamed.items()}, fresh
+
+
+def hf_config_dict(cfg: BertConfig, architectures: list[str]) -> dict:
+    d = cfg.to_hf_dict()
+    d.update(model_type="bert", architectures=architectures, tie_word_embeddings=True,
+             position_embedding_type="absolute", classifier_dropout=None, torch_dtype="float32")
+    return d
+
+
+def write_hf_dir(
+    out_dir: str | Path,
+    cfg: BertConfig,
+    state_dict: Mapping[str, torch.Tensor],
+    vocab_file: str | Path,
+    do_lower_case: bool | None = None,
+    extra_config: Mapping | None = None,
+    architectures: tuple[str, ...] = ("BertForPreTraining",),
+) -> Path:
+    """config.json + model.safetensors (+ tokenizer files) that ``from_pretrained`` loads cleanly."""
+    from safetensors.torch import save_file
+
+    from bertdist.export.tokenizer import read_vocab
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    n_vocab = len(read_vocab(vocab_file))
+    if n_vocab != cfg.vocab_size:
+        raise ExportError(f"vocab {vocab_file} has {n_vocab} tokens but the model's vocab_size is {cfg.vocab_size}")
+    if do_lower_case is None:
+        do_lower_case = infer_do_lower_case(vocab_file)
+    tensors = to_hf_state_dict(state_dict)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = hf_config_dict(cfg, list(architectures))
+    config.update(extra_config or {})
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_tokenizer_files(out, vocab_file, do_lower_case, cfg.max_position_embeddings)
+    return out
+
+
+def is_hf_dir(path: str | Path) -> bool:
+    p = Path(path)
+    return (p / "config.json").is_file() and any((p / f).is_file() for f in HF_WEIGHT_FILES)
+
+
+@dataclasses.dataclass
+class HFCheckpoint:
+    config: BertConfig
+    state_dict: dict[str, torch.Tensor]  # loads strictly into our BertForPreTraining
+    vocab_file: Path
+    do_lower_case: bool
+    hf_config: dict
+    fresh_keys: list[str]  # pretraining-head keys the checkpoint lacked (newly initialised)
+    raw_state_dict: dict[str, torch.Tensor]  # as stored, incl. any task head
+
+
+def read_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
+    p = Path(hf_dir)
+    if (p / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        return load_file(str(p / "model.safetensors"))
+    if (p / "pytorch_model.bin").is_file():
+        return torch.load(p / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise ExportError(f"{p}: no model.safetensors or pytorch_model.bin (sharded checkpoints are not supported)")
+
+
+def read_hf_dir(hf_dir: str | Path, kernels: str = "auto") -> HFCheckpoint:
+    """Load an HF BERT directory as our config + a state dict for our ``BertForPreTraining``."""
+    from bertdist.model import BertForPreTraining
+
+    p = Path(hf_dir)
+    if not (p / "config.json").is_file():
+        raise ExportError(f"{p}: not a Hugging Face model directory (no config.json)")
+    hf_config = json.loads((p / "config.json").read_text())
+    if hf_config.get("model_type", "bert") != "bert":
+        raise ExportError(f"{p}: model_type {hf_config.get('model_type')!r} is not 'bert'")
+    if hf_config.get("position_embedding_type", "absolute") != "absolute":
+        raise ExportError(f"{p}: position_embedding_type {hf_config['position_embedding_type']!r} is not supported")
+    if hf_config.get("hidden_act", "gelu") != "gelu":
+        raise ExportError(f"{p}: hidden_act {hf_config['hidden_act']!r} is not supported (only erf 'gelu')")
+    cfg = BertConfig.from_hf_dict(hf_config, kernels=kernels)
+    vocab = p / "vocab.txt"
+    if not vocab.is_file():
+        raise ExportError(f"{p}: no vocab.txt beside the model")
+    lower = read_tokenizer_casing(p)
+    if lower is None:
+        lower = infer_do_lower_case(vocab)
+    raw = read_hf_state_dict(p)
+    with torch.device("meta"):
+        shapes = BertForPreTraining(dataclasses.replace(cfg, kernels="reference"), device_type="cpu").state_dict()
+
+    def fresh_init():
+        return BertForPreTraining(dataclasses.replace(cfg, kernels="reference"), device_type="cpu").state_dict()
+
+    sd, fresh = from_hf_state_dict(raw, shapes, fresh_init)
+    return HFCheckpoint(cfg, sd, vocab, lower, hf_config, fresh, raw)

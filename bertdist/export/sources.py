@@ -1,0 +1,175 @@
+"""Load BERT weights from anything we hand around: a training run or DeepSpeed
+checkpoint, a Hugging Face directory, or a bertdist torch-format directory
+(``bertdist export --format torch`` / ``bertdist import-hf``).
+
+Everything ends up as one ``PretrainedWeights``: our ``BertConfig``, a state
+dict that loads strictly into our ``BertForPreTraining``, and the vocab and
+casing the weights were trained with.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bertdist.export.hf import ExportError, is_hf_dir, read_hf_dir
+from bertdist.export.tokenizer import infer_do_lower_case, read_tokenizer_casing
+from bertdist.model import BertConfig
+
+TORCH_WEIGHTS = "bertdist_model.pt"
+TORCH_CONFIG = "bertdist_model.yaml"
+
+
+@dataclasses.dataclass
+class PretrainedWeights:
+    config: BertConfig
+    state_dict: dict[str, torch.Tensor]
+    vocab_file: Path | None
+    do_lower_case: bool | None
+    origin: dict[str, Any]  # what was read: kind, path, tag, zero stage, ...
+
+
+def is_torch_dir(path: str | os.PathLike) -> bool:
+    return (Path(path) / TORCH_WEIGHTS).is_file() and (Path(path) / TORCH_CONFIG).is_file()
+
+
+def load_pretrained(
+    path: str | os.PathLike,
+    *,
+    kernels: str | None = None,
+    vocab_file: str | os.PathLike | None = None,
+    do_lower_case: bool | None = None,
+    tag: str | None = None,
+) -> PretrainedWeights:
+    """Weights, config, vocab and casing from a run/checkpoint, an HF dir or a torch-format dir."""
+    p = Path(path)
+    if not p.exists():
+        raise ExportError(f"checkpoint path does not exist: {p}")
+    if is_torch_dir(p):
+        w = _load_torch_dir(p)
+    elif is_hf_dir(p):
+        ck = read_hf_dir(p)
+        origin = {"kind": "hf", "path": str(p)}
+        if ck.fresh_keys:
+            origin["newly_initialised"] = ck.fresh_keys
+        w = PretrainedWeights(ck.config, ck.state_dict, ck.vocab_file, ck.do_lower_case, origin)
+    else:
+        w = _load_deepspeed(p, tag)
+    if kernels is not None:
+        w.config = dataclasses.replace(w.config, kernels=kernels)
+    if vocab_file is not None:
+        w.vocab_file = Path(vocab_file)
+    if do_lower_case is not None:
+        w.do_lower_case = do_lower_case
+    if w.vocab_file is not None and w.do_lower_case is None:
+        w.do_lower_case = infer_do_lower_case(w.vocab_file)
+    return w
+
+
+def _load_torch_dir(p: Path) -> PretrainedWeights:
+    import yaml
+
+    cfg = BertConfig.from_mapping(yaml.safe_load((p / TORCH_CONFIG).read_text()))
+    sd = torch.load(p / TORCH_WEIGHTS, map_location="cpu", weights_only=True)
+    vocab = p / "vocab.txt"
+    lower = read_tokenizer_casing(p)
+    return PretrainedWeights(cfg, sd, vocab if vocab.is_file() else None, lower, {"kind": "torch", "path": str(p)})
+
+
+def write_torch_dir(out_dir: str | os.PathLike, w: PretrainedWeights) -> Path:
+    """Our own format: the full state dict (tied keys included), the BertConfig as YAML, the vocab."""
+    import shutil
+
+    from bertdist.config import save_config
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in w.state_dict.items()}
+    torch.save(sd, out / TORCH_WEIGHTS)
+    save_config(w.config, out / TORCH_CONFIG)
+    if w.vocab_file is not None:
+        shutil.copyfile(w.vocab_file, out / "vocab.txt")
+        lower = w.do_lower_case if w.do_lower_case is not None else infer_do_lower_case(w.vocab_file)
+        (out / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": lower}, indent=2) + "\n")
+    (out / "origin.json").write_text(json.dumps(w.origin, indent=2, default=str) + "\n")
+    return out
+
+
+def _load_deepspeed(p: Path, tag: str | None) -> PretrainedWeights:
+    from bertdist.export.deepspeed_ckpt import consolidate, find_resolved_config
+
+    ck = consolidate(p, tag)
+    found = find_resolved_config(ck.ref)
+    if found is None:
+        raise ExportError(
+            f"{ck.ref.path}: no resolved config (config.yaml) beside the checkpoint, so the model shape is unknown"
+        )
+    run_cfg, cfg_path = found
+    cfg = _model_config(run_cfg, cfg_path, ck.state_dict)
+    vocab, lower = _vocab_and_casing(run_cfg, cfg_path)
+    origin = {"kind": "deepspeed", "path": str(ck.ref.path), "tag": ck.ref.tag, "zero_stage": ck.zero_stage,
+              "world_size": ck.world_size, "fp32_master_weights": ck.master_weights, "config": str(cfg_path)}
+    return PretrainedWeights(cfg, ck.state_dict, vocab, lower, origin)
+
+
+def _find_key(tree: Any, names: tuple[str, ...]) -> list[Any]:
+    """Values of every key in ``names`` anywhere in a nested dict/list, depth-first."""
+    hits = []
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            if k in names:
+                hits.append(v)
+            hits.extend(_find_key(v, names))
+    elif isinstance(tree, list):
+        for v in tree:
+            hits.extend(_find_key(v, names))
+    return hits
+
+
+def _model_config(run_cfg: dict, cfg_path: Path, sd: dict[str, torch.Tensor]) -> BertConfig:
+    section = run_cfg.get("model")
+    if not isinstance(section, dict):
+        raise ExportError(f"{cfg_path}: no `model:` section")
+    cfg = BertConfig.from_mapping(section)
+    emb = sd.get("bert.embeddings.word_embeddings.weight")
+    if emb is not None and tuple(emb.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise ExportError(
+            f"{cfg_path}: model config says vocab {cfg.vocab_size} x hidden {cfg.hidden_size}, "
+            f"but the checkpoint's embeddings are {tuple(emb.shape)}"
+        )
+    return cfg
+
+
+def _resolve(value: Any, base: Path) -> Path | None:
+    if not isinstance(value, str) or not value:
+        return None
+    for cand in (Path(value), base / value, base.parent / value):
+        if cand.is_file():
+            return cand
+    return None
+
+
+def _vocab_and_casing(run_cfg: dict, cfg_path: Path) -> tuple[Path | None, bool | None]:
+    """The vocab file and casing the run trained with: named in its config or in its data manifest."""
+    vocab = None
+    for v in _find_key(run_cfg, ("vocab_file", "vocab_path", "vocab")):
+        vocab = vocab or _resolve(v, cfg_path.parent)
+    lower = next((bool(v) for v in _find_key(run_cfg, ("do_lower_case", "lower_case", "lowercase")) if v is not None), None)
+    if vocab is None:
+        for m in _find_key(run_cfg, ("manifest", "manifest_path", "train_manifest", "data_manifest")):
+            mp = _resolve(m, cfg_path.parent)
+            if mp is None and isinstance(m, str) and Path(m).is_dir() and (Path(m) / "manifest.json").is_file():
+                mp = Path(m) / "manifest.json"
+            if mp is None:
+                continue
+            manifest = json.loads(mp.read_text())
+            for v in _find_key(manifest, ("vocab_file", "vocab_path", "vocab")):
+                vocab = vocab or _resolve(v, mp.parent)
+            if lower is None:
+                lower = next((bool(v) for v in _find_key(manifest, ("do_lower_case", "lower_case", "lowercase"))
+                              if v is not None), None)
+    return vocab, lower
