@@ -10,6 +10,8 @@ import sys
 SUBCOMMANDS = [
     "bertdist.cli.info",
     "bertdist.cli.model",
+    "bertdist.cli.export",
+    "bertdist.cli.import_hf",
 ]
 
 
