@@ -1,0 +1,277 @@
+"""`bertdist submit pretrain|probe|data`: take a recipe from this machine to a cluster.
+
+Scripts, hostfiles and manifests are rendered from the training config itself
+(cluster/); the job re-reads that same file. --dry-run prints what would be
+submitted and submits nothing.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from cluster.errors import SubmitError
+
+SCHEDULERS = ("slurm", "deepspeed", "k8s", "local")
+
+
+def _add_resources(p) -> None:
+    g = p.add_argument_group("resources")
+    g.add_argument("--scheduler", choices=SCHEDULERS, default="slurm")
+    g.add_argument("--nodes", type=int, default=1)
+    g.add_argument("--gpus-per-node", type=int, default=None, help="GPUs (= training processes) per node")
+    g.add_argument("--gpus", type=int, default=None, help="total GPUs, spread evenly over --nodes")
+    g.add_argument("--procs-per-node", type=int, default=0,
+                   help="processes per node on CPU nodes (default: one per GPU, or 1)")
+    g.add_argument("--cpus-per-task", type=int, default=0, help="CPU cores per process (default: scheduler's)")
+    g.add_argument("--partition", default=None)
+    g.add_argument("--time", default=None, help="time limit, SLURM syntax (e.g. 2-00:00:00)")
+    g.add_argument("--account", default=None)
+    g.add_argument("--launcher", choices=("srun", "torchrun"), default="srun",
+                   help="SLURM: srun starts every process, or one torchrun agent per node")
+    g.add_argument("--grace", type=int, default=120,
+                   help="seconds between SIGTERM and the time limit / pod kill, to write a checkpoint")
+    g.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="extra environment for every process (repeatable; overrides the NCCL defaults)")
+    g.add_argument("--nccl-ifname", default=None, help="NCCL_SOCKET_IFNAME, e.g. ib0 or ^lo,docker")
+    g.add_argument("--python", default=sys.executable,
+                   help="interpreter on the compute nodes (default: this one, on a shared filesystem)")
+    g.add_argument("--name", default=None, help="job name (default: bertdist-<config stem>)")
+    g.add_argument("--dry-run", action="store_true", help="print what would be submitted; submit nothing")
+    d = p.add_argument_group("deepspeed (no scheduler)")
+    d.add_argument("--hosts", default=None, help="comma-separated node names, first = master")
+    d.add_argument("--ds-launcher", choices=("pdsh", "ssh"), default="pdsh")
+    d.add_argument("--master-port", type=int, default=29500)
+    k = p.add_argument_group("kubernetes (Kubeflow PyTorchJob)")
+    k.add_argument("--image", default=None, help="container image with bertdist installed")
+    k.add_argument("--namespace", default=None)
+    k.add_argument("--workdir-pvc", default="bertdist-workdir", help="PVC holding code + configs, mounted at the cwd")
+    k.add_argument("--data-pvc", default="bertdist-data", help="PVC holding the shards, mounted at their directory")
+    k.add_argument("--run-pvc", default="bertdist-runs", help="PVC for checkpoints and logs, mounted at run_dir")
+    k.add_argument("--shm-size", default="16Gi", help="size of the in-memory /dev/shm volume")
+
+
+def _resources(args):
+    from cluster.spec import Resources, gpus_per_node_from_total, parse_env
+
+    if args.gpus is not None and args.gpus_per_node is not None:
+        raise SubmitError("give --gpus (total) or --gpus-per-node, not both")
+    gpn = args.gpus_per_node or 0
+    if args.gpus is not None:
+        gpn = gpus_per_node_from_total(args.gpus, args.nodes)
+    return Resources(
+        nodes=args.nodes, gpus_per_node=gpn, procs_per_node=args.procs_per_node,
+        cpus_per_task=args.cpus_per_task, partition=args.partition, time=args.time,
+        account=args.account, launcher=args.launcher, requeue_grace_s=args.grace,
+        extra_env=parse_env(args.env),
+    ).validate()
+
+
+def _write(path: Path, text: str, mode: int = 0o644) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(mode)
+    return path
+
+
+def _stamp() -> str:
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+
+
+def submit_slurm_script(script: str, *, name: str, log_dir: Path, record: dict) -> str:
+    """Write the script beside the logs, sbatch it, and record the submission; returns the job id."""
+    from cluster import slurm_client
+
+    path = _write(log_dir / f"{name}-{_stamp()}.sbatch", script, 0o755)
+    job_id = slurm_client.sbatch(path)
+    info = {**record, "job_id": job_id, "script": str(path),
+            "log": str(log_dir / f"{name}-{job_id}.out"), "submitted": _stamp()}
+    _write(log_dir / f"{job_id}.json", json.dumps(info, indent=1) + "\n")
+    print(f"submitted SLURM job {job_id}\n  script: {path}\n  log:    {info['log']}\n"
+          f"  follow: bertdist jobs logs {job_id} --follow")
+    return job_id
+
+
+def _launch(args, *, name: str, run_dir: Path, label: str, program_argv: list[str],
+            program_module: list[str], job=None) -> int:
+    """Render (and unless --dry-run, submit) ``program`` on the chosen scheduler."""
+    from cluster import deepspeed_launch, k8s, local, slurm
+
+    res = _resources(args)
+    if job is not None:
+        job.check_world_size(res.world_size)
+    sched = args.scheduler
+    log_dir = slurm.job_log_dir(run_dir)
+    if sched == "slurm":
+        program = program_module if res.launcher == "torchrun" else program_argv
+        script = slurm.render_job_script(name=name, run_dir=run_dir, config_label=label, program=program,
+                                         res=res, python=args.python, nccl_ifname=args.nccl_ifname)
+        if args.dry_run:
+            print(script, end="")
+            return 0
+        submit_slurm_script(script, name=name, log_dir=log_dir,
+                            record={"scheduler": "slurm", "run_dir": str(run_dir), "what": label})
+        return 0
+    if sched == "deepspeed":
+        if not args.hosts:
+            raise SubmitError("--scheduler deepspeed needs --hosts node1,node2,... (the first is the master)")
+        hosts = deepspeed_launch.parse_hosts(args.hosts)
+        hostfile, envfile = log_dir / f"{name}.hostfile", log_dir / f"{name}.deepspeed_env"
+        launch = deepspeed_launch.deepspeed_launch(
+            program_module, res, hosts, hostfile_path=hostfile, env_file_path=envfile,
+            launcher=args.ds_launcher, master_port=args.master_port,
+            deepspeed_bin=str(Path(args.python).with_name("deepspeed")), nccl_ifname=args.nccl_ifname)
+        if args.dry_run:
+            print(f"# {hostfile}\n{launch.hostfile}# {envfile}\n{launch.env_file}# commands")
+            print("\n".join(launch.shell_lines()))
+            return 0
+        _write(hostfile, launch.hostfile)
+        _write(envfile, launch.env_file)
+        procs = [subprocess.Popen(argv) for _, argv in launch.commands]
+        return max(p.wait() for p in procs)
+    if sched == "k8s":
+        if job is None:
+            raise SubmitError("--scheduler k8s renders training jobs only")
+        opts = k8s.K8sOptions(image=args.image or "", namespace=args.namespace, workdir_pvc=args.workdir_pvc,
+                              data_pvc=args.data_pvc, run_pvc=args.run_pvc, shm_size=args.shm_size)
+        manifest = k8s.render_pytorchjob(job, res, opts)
+        k8s.validate_pytorchjob(manifest)
+        text = k8s.to_yaml(manifest)
+        if args.dry_run:
+            print(text, end="")
+            return 0
+        path = _write(log_dir / f"{name}.pytorchjob.yaml", text)
+        kubectl = shutil.which("kubectl")
+        if kubectl is None:
+            raise SubmitError(f"kubectl not found on PATH; the manifest is at {path} (kubectl create -f {path})")
+        proc = subprocess.run([kubectl, "create", "-f", str(path)], capture_output=True, text=True)
+        if proc.returncode:
+            raise SubmitError(f"kubectl rejected the PyTorchJob: {proc.stderr.strip() or proc.stdout.strip()}")
+        print(proc.stdout.strip())
+        return 0
+    argv = local.local_command(program_module, res, python=args.python)
+    if args.dry_run:
+        print(shlex.join(argv))
+        return 0
+    return local.run_local(argv, res)
+
+
+def run_pretrain(args) -> int:
+    from cluster.training import read_training_job
+
+    job = read_training_job(args.config, args.overrides, check_data=True, name=args.name)
+    return _launch(args, name=job.name, run_dir=job.run_dir, label=f"training config {job.config_path}",
+                   program_argv=job.command(args.python), program_module=job.command(launcher_module=True),
+                   job=job)
+
+
+def run_probe(args) -> int:
+    out = Path(args.out).resolve()
+    tail = ["cluster.probe", "--out", str(out)]
+    return _launch(args, name=args.name or "bertdist-probe", run_dir=out, label="launch probe (cluster.probe)",
+                   program_argv=[args.python, "-m", *tail], program_module=["-m", *tail])
+
+
+def _guard(fn):
+    def wrapped(args) -> int:
+        try:
+            return fn(args)
+        except SubmitError as e:
+            print(f"bertdist submit: {e}", file=sys.stderr)
+            return 2
+    return wrapped
+
+
+def register(sub) -> None:
+    p = sub.add_parser("submit", help="submit a pretraining run, launch probe or data job to a cluster")
+    s = p.add_subparsers(dest="what", metavar="WHAT", required=True)
+    pt = s.add_parser("pretrain", help="run `bertdist pretrain <config> --resume auto` on a cluster")
+    pt.add_argument("config", help="training config YAML (the job re-reads this file)")
+    pt.add_argument("overrides", nargs="*", help="dotted overrides passed through, e.g. data.micro_batch_size=16")
+    _add_resources(pt)
+    pt.set_defaults(func=_guard(run_pretrain))
+    pr = s.add_parser("probe", help="check a launch path: every rank joins and all-reduces once")
+    pr.add_argument("--out", required=True, help="directory for rank-<r>.json results and job logs")
+    _add_resources(pr)
+    pr.set_defaults(func=_guard(run_probe))
+    da = s.add_parser("data", help="run the Beam data pipeline: one-node SLURM job, or a distributed runner")
+    da.add_argument("config", help="data pipeline config YAML (the job re-reads this file)")
+    da.add_argument("overrides", nargs="*", help="dotted overrides passed through")
+    da.add_argument("--runner", choices=("direct", "dataflow", "flink", "spark"), default="direct")
+    da.add_argument("--scheduler", choices=("slurm", "local"), default="slurm",
+                    help="where the pipeline driver runs (direct runner: also where the work runs)")
+    da.add_argument("--cpus", type=int, default=8, help="direct runner: cores (= worker processes) on the node")
+    da.add_argument("--workers", type=int, default=0, help="flink/spark parallelism, dataflow max workers")
+    da.add_argument("--partition", default=None)
+    da.add_argument("--account", default=None)
+    da.add_argument("--time", default=None)
+    da.add_argument("--project", default=None, help="dataflow: GCP project")
+    da.add_argument("--region", default=None, help="dataflow: GCP region")
+    da.add_argument("--temp-location", default=None, help="dataflow: gs:// temp location")
+    da.add_argument("--flink-master", default=None, help="flink: JobManager host:port")
+    da.add_argument("--spark-master", default=None, help="spark: spark://host:port")
+    da.add_argument("--environment-type", default=None, help="portable runners: DOCKER, PROCESS, EXTERNAL, LOOPBACK")
+    da.add_argument("--sdk-container-image", default=None)
+    da.add_argument("--python", default=sys.executable)
+    da.add_argument("--name", default=None)
+    da.add_argument("--log-dir", default=None, help="SLURM logs and script (default: <output>/../jobs)")
+    da.add_argument("--dry-run", action="store_true")
+    da.set_defaults(func=_guard(run_data))
+
+
+# The data command the job runs; Beam options follow the `--` separator.
+DATA_COMMAND = ("bertdist.cli.main", "data", "build")
+
+
+def run_data(args) -> int:
+    from bertdist.config import ConfigError, apply_overrides, load_yaml
+
+    from cluster import beam, local, slurm
+    from cluster.spec import Resources
+
+    cfg = Path(args.config).expanduser()
+    if not cfg.is_file():
+        raise SubmitError(f"data config not found: {cfg}")
+    cfg = cfg.resolve()
+    try:
+        from data_pipeline.config import DataConfig
+
+        data = apply_overrides(DataConfig, load_yaml(cfg), args.overrides)
+    except ConfigError as e:
+        raise SubmitError(f"{cfg}: {e}") from None
+    # Local inputs must exist before a job waits in the queue for them (remote URLs are the runner's business).
+    for item in data.get("inputs") or []:
+        path = str(item.get("path", "")) if isinstance(item, dict) else ""
+        if path and "://" not in path and not any(c in path for c in "*?[") and not Path(path).expanduser().exists():
+            raise SubmitError(f"input path in {cfg.name} does not exist: {path}")
+    vocab = str(data.get("vocab") or "")
+    if vocab and "://" not in vocab and not Path(vocab).expanduser().exists():
+        raise SubmitError(f"vocab in {cfg.name} does not exist: {vocab}")
+    workers = args.cpus if args.runner == "direct" else args.workers
+    ropts = beam.RunnerOptions(
+        runner=args.runner, workers=workers, project=args.project, region=args.region,
+        temp_location=args.temp_location, job_name=args.name, flink_master=args.flink_master,
+        spark_master=args.spark_master, environment_type=args.environment_type,
+        sdk_container_image=args.sdk_container_image)
+    command = [args.python, "-m", *DATA_COMMAND, str(cfg), *args.overrides, "--", *beam.runner_args(ropts)]
+    name = args.name or f"bertdist-data-{cfg.stem}"
+    output = Path(str(data.get("output") or "data_out")).expanduser().resolve()
+    log_dir = Path(args.log_dir).resolve() if args.log_dir else output.parent / "jobs"
+    if args.scheduler == "local" or args.runner != "direct":
+        # Distributed runners: this machine only drives the pipeline; the runner does the work.
+        if args.dry_run:
+            print(shlex.join(command))
+            return 0
+        return local.run_local(command, Resources())
+    script = slurm.render_data_script(cfg, command, name=name, log_dir=log_dir, cpus=args.cpus,
+                                      partition=args.partition, account=args.account, time=args.time)
+    if args.dry_run:
+        print(script, end="")
+        return 0
+    submit_slurm_script(script, name=name, log_dir=log_dir,
+                        record={"scheduler": "slurm", "what": f"data config {cfg}", "output": str(output)})
+    return 0

@@ -1,0 +1,109 @@
+"""DeepSpeed multi-node launch without a scheduler: a hostfile plus the `deepspeed` command.
+
+Two ways to start it:
+  pdsh - one `deepspeed` command on the first node; DeepSpeed reaches the others with pdsh
+         (over ssh) and forwards the variables in the env file (DS_ENV_FILE).
+  ssh  - one `deepspeed --no_ssh --node_rank=i` command per node, which you (or your tooling)
+         start on each node, e.g. through ssh; they meet at master_addr:master_port.
+"""
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from cluster.errors import SubmitError
+from cluster.launch import job_environment
+from cluster.spec import Resources
+
+LAUNCHERS = ("pdsh", "ssh")
+_HOST_RE = re.compile(r"^[A-Za-z0-9_.:\-\[\]]+$")
+
+
+def parse_hosts(hosts: str | Sequence[str]) -> list[str]:
+    items = [h.strip() for h in (hosts.split(",") if isinstance(hosts, str) else hosts) if h.strip()]
+    if not items:
+        raise SubmitError("--hosts is empty: list the nodes, e.g. --hosts node1,node2")
+    for h in items:
+        if not _HOST_RE.match(h):
+            raise SubmitError(f"--hosts: {h!r} is not a host name or address")
+    if len(set(items)) != len(items):
+        raise SubmitError(f"--hosts lists a node twice: {items}")
+    return items
+
+
+def render_hostfile(hosts: Sequence[str], slots: int) -> str:
+    """DeepSpeed/OpenMPI hostfile: ``<host> slots=<processes on that host>`` per line."""
+    if slots < 1:
+        raise SubmitError(f"slots per host must be >= 1, got {slots}")
+    return "".join(f"{h} slots={slots}\n" for h in hosts)
+
+
+def render_env_file(env: dict[str, str]) -> str:
+    """DeepSpeed's env file (KEY=VALUE lines), exported by the pdsh launcher on every node."""
+    for k, v in env.items():
+        if "\n" in v:
+            raise SubmitError(f"--env {k}: a value with a newline cannot go into the DeepSpeed env file")
+    return "".join(f"{k}={v}\n" for k, v in env.items())
+
+
+@dataclass(frozen=True)
+class DeepSpeedLaunch:
+    hostfile: str
+    env_file: str
+    commands: list[tuple[str, list[str]]]  # (host, argv) to run there; pdsh: one entry for the first host
+
+    def shell_lines(self) -> list[str]:
+        """The commands as shell lines (pdsh: one, run on the first host; ssh: one per node)."""
+        return [shlex.join(argv) for _, argv in self.commands]
+
+
+def deepspeed_launch(
+    program: Sequence[str],
+    res: Resources,
+    hosts: Sequence[str],
+    *,
+    hostfile_path: Path,
+    env_file_path: Path,
+    launcher: str = "pdsh",
+    master_port: int = 29500,
+    workdir: Path | None = None,
+    deepspeed_bin: str | None = None,
+    nccl_ifname: str | None = None,
+) -> DeepSpeedLaunch:
+    """``program`` is ``["-m", module, *args]`` (the form after ``deepspeed --module``)."""
+    res.validate()
+    if launcher not in LAUNCHERS:
+        raise SubmitError(f"--ds-launcher must be one of {list(LAUNCHERS)}, got {launcher!r}")
+    if len(hosts) != res.nodes:
+        raise SubmitError(f"--nodes {res.nodes} but --hosts lists {len(hosts)} host(s): {list(hosts)}")
+    if not (program and program[0] == "-m" and len(program) >= 2):
+        raise SubmitError("internal: the DeepSpeed program must be of the form ['-m', module, ...]")
+    if not 1 <= master_port <= 65535:
+        raise SubmitError(f"--master-port {master_port} is not a TCP port")
+    ds = deepspeed_bin or str(Path(sys.executable).with_name("deepspeed"))
+    env = job_environment(res, nccl_ifname=nccl_ifname)
+    base = [
+        ds,
+        f"--hostfile={hostfile_path}",
+        f"--master_addr={hosts[0]}",
+        f"--master_port={master_port}",
+        # Ranks come from the environment (LOCAL_RANK), not a --local_rank argument.
+        "--no_local_rank",
+    ]
+    tail = ["--module", *program[1:]]
+    wd = str(workdir or Path.cwd())
+    if launcher == "pdsh":
+        argv = [*base, "--launcher=pdsh", f"--num_nodes={res.nodes}", f"--num_gpus={res.procs}", *tail]
+        commands = [(hosts[0], ["env", f"DS_ENV_FILE={env_file_path}", *argv])]
+    else:
+        commands = []
+        exports = [f"{k}={v}" for k, v in env.items()]
+        for rank, host in enumerate(hosts):
+            node_argv = [*base, "--no_ssh", f"--node_rank={rank}", *tail]
+            remote = f"cd {shlex.quote(wd)} && exec env {shlex.join(exports)} {shlex.join(node_argv)}"
+            commands.append((host, ["ssh", "-o", "BatchMode=yes", host, remote]))
+    return DeepSpeedLaunch(render_hostfile(hosts, res.procs), render_env_file(env), commands)
