@@ -1,0 +1,52 @@
+"""Schema of the data pipeline's config (``configs/data/*.yaml`` are instances of it)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+SourceKind = Literal["wiki", "books", "text", "jsonl"]
+
+
+@dataclass
+class InputConfig:
+    """One source. ``path`` is a file, directory (books), or glob on any Beam filesystem."""
+
+    kind: SourceKind
+    path: str
+    text_field: str = "text"  # jsonl only
+    id_field: str = ""  # jsonl only; "" = use file name + line number
+
+
+@dataclass
+class DataConfig:
+    inputs: list[InputConfig] = field(default_factory=list)
+    output: str = ""
+    vocab: str = ""
+    # None = infer from the vocab (a vocab with upper-case word pieces is cased)
+    lowercase: Optional[bool] = None
+    seed: int = 12345
+    # --- instances (google-research/bert create_pretraining_data.py semantics) ---
+    max_seq_length: int = 128
+    short_seq_prob: float = 0.1
+    dupe_factor: int = 5
+    objective: Literal["nsp", "sop", "none"] = "nsp"
+    nsp_random_prob: float = 0.5
+    masking: Literal["static", "dynamic"] = "static"
+    masked_lm_prob: float = 0.15
+    max_predictions_per_seq: int = 20
+    whole_word_mask: bool = False
+    # NSP negatives come from a deterministic pool: the windows with the smallest hashes,
+    # ``nsp_pool_windows_per_doc`` candidate windows per document, at most ``nsp_pool_size``.
+    nsp_pool_size: int = 32768
+    nsp_pool_windows_per_doc: int = 4
+    # --- documents ---
+    min_sentences: int = 2  # for nsp/sop; shorter documents are skipped and counted
+    max_document_chars: int = 50_000_000  # larger documents are truncated (counted)
+    max_document_sentences: int = 20_000  # larger documents are split into parts (counted)
+    max_sentence_chars: int = 20_000  # longer "sentences" are cut at whitespace (counted)
+    # --- output ---
+    heldout_fraction: float = 0.01
+    num_shards: int = 8
+    heldout_num_shards: int = 1
+    row_group_size: int = 2048
+    compression: str = "zstd"

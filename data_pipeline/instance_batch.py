@@ -1,0 +1,105 @@
+"""A columnar batch of training instances (numpy), the unit that flows through the shuffle.
+
+Moving thousands of instances as one element of flat arrays instead of one Python object each
+keeps Beam's per-element cost (pickling, shuffling) off the hot path. The columns map 1:1 onto
+the record schema in :mod:`bertdist.data.records`; ``keys`` (uint64, a hash of seed, document,
+dupe and position) decides the shard and the row order, so both are independent of bundling.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from bertdist.data.records import record_schema
+
+
+@dataclass
+class InstanceBatch:
+    keys: np.ndarray  # uint64 [n]
+    ids: np.ndarray  # id dtype, concatenated input_ids
+    ids_offsets: np.ndarray  # int64 [n + 1]
+    num_a: np.ndarray  # uint16 [n]
+    nsp: np.ndarray  # int8 [n]
+    mpos: np.ndarray  # uint16, concatenated masked_lm_positions
+    mids: np.ndarray  # id dtype, concatenated masked_lm_ids
+    m_offsets: np.ndarray  # int64 [n + 1]
+
+    def __len__(self) -> int:
+        return int(self.keys.shape[0])
+
+    @staticmethod
+    def empty(id_dtype) -> "InstanceBatch":
+        z = np.zeros(1, np.int64)
+        return InstanceBatch(np.empty(0, np.uint64), np.empty(0, id_dtype), z, np.empty(0, np.uint16),
+                             np.empty(0, np.int8), np.empty(0, np.uint16), np.empty(0, id_dtype), z.copy())
+
+    @staticmethod
+    def concat(batches: list["InstanceBatch"]) -> "InstanceBatch":
+        batches = [b for b in batches if len(b)] or batches[:1]
+        if len(batches) == 1:
+            return batches[0]
+
+        def offsets(parts):
+            out = [np.zeros(1, np.int64)]
+            base = 0
+            for o in parts:
+                out.append(o[1:] + base)
+                base += int(o[-1])
+            return np.concatenate(out)
+
+        return InstanceBatch(
+            keys=np.concatenate([b.keys for b in batches]),
+            ids=np.concatenate([b.ids for b in batches]),
+            ids_offsets=offsets([b.ids_offsets for b in batches]),
+            num_a=np.concatenate([b.num_a for b in batches]),
+            nsp=np.concatenate([b.nsp for b in batches]),
+            mpos=np.concatenate([b.mpos for b in batches]),
+            mids=np.concatenate([b.mids for b in batches]),
+            m_offsets=offsets([b.m_offsets for b in batches]),
+        )
+
+    def take(self, rows: np.ndarray) -> "InstanceBatch":
+        """Rows in the given order (a gather over the ragged columns)."""
+        rows = np.asarray(rows, dtype=np.int64)
+
+        def gather(values, offs):
+            starts, ends = offs[rows], offs[rows + 1]
+            lens = ends - starts
+            new_offs = np.zeros(rows.size + 1, np.int64)
+            np.cumsum(lens, out=new_offs[1:])
+            if new_offs[-1] == 0:
+                return values[:0], new_offs
+            # index of every element: start of its row + position within the row
+            idx = np.repeat(starts - new_offs[:-1], lens) + np.arange(new_offs[-1])
+            return values[idx], new_offs
+
+        ids, io = gather(self.ids, self.ids_offsets)
+        mp, mo = gather(self.mpos, self.m_offsets)
+        mi, _ = gather(self.mids, self.m_offsets)
+        return InstanceBatch(self.keys[rows], ids, io, self.num_a[rows], self.nsp[rows], mp, mi, mo)
+
+    def sorted_by_key(self) -> "InstanceBatch":
+        return self.take(np.argsort(self.keys, kind="stable"))
+
+    def num_tokens(self) -> int:
+        return int(self.ids_offsets[-1])
+
+    def num_masked(self) -> int:
+        return int(self.m_offsets[-1])
+
+    def to_arrow(self, vocab_size: int) -> pa.Table:
+        schema = record_schema(vocab_size)
+        id_type = schema.field("input_ids").type.value_type
+
+        def lst(values, offs, typ):
+            return pa.ListArray.from_arrays(pa.array(offs.astype(np.int32)), pa.array(values, type=typ))
+
+        return pa.Table.from_arrays([
+            lst(self.ids, self.ids_offsets, id_type),
+            pa.array(self.num_a, type=pa.uint16()),
+            pa.array(self.nsp, type=pa.int8()),
+            lst(self.mpos, self.m_offsets, pa.uint16()),
+            lst(self.mids, self.m_offsets, id_type),
+        ], schema=schema)

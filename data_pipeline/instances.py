@@ -1,0 +1,309 @@
+"""Training instances from tokenized documents: google-research/bert create_pretraining_data.py
+semantics, made deterministic per document and vectorised where the reference loops.
+
+A tokenized document is ``(doc_id, ids, bounds)``: all its token ids concatenated and the
+sentence boundaries (``ids[bounds[i]:bounds[i+1]]`` is sentence i), so segments are slices.
+
+Determinism: every random choice for (document, dupe) comes from RNGs seeded by
+``derive_seed(seed, doc_id, dupe)``; NSP negatives come from a pool whose content depends only
+on the corpus and the seed (see :func:`pool_windows`). Nothing depends on bundling or order.
+
+Differences from the reference, on purpose:
+  - NSP negatives are drawn from a deterministic pool of random windows (segments starting at a
+    random sentence of a document) instead of the whole in-memory corpus, which the reference
+    needs and a distributed pipeline cannot have. Windows are picked uniformly, so a negative is
+    still a uniformly random document at a uniformly random sentence, as in the reference,
+    restricted to the pool.
+  - ``truncate_seq_pair`` removes the same number of tokens from the same segments as the
+    reference; the front/back choice per removed token is an independent coin flip as in the
+    reference, drawn as one batch of random bits.
+  - Whole-word groups never cross [SEP] (the reference joins a '##' piece that starts segment B
+    to the last word of A).
+  - SOP with a one-sentence chunk splits that sentence at a random token (the reference would
+    take B from a random document, which is NSP, not SOP).
+"""
+from __future__ import annotations
+
+import hashlib
+import random
+import struct
+from bisect import bisect_left
+from dataclasses import dataclass
+
+import numpy as np
+
+from bertdist.data.masking import mask_sequence
+from data_pipeline.instance_batch import InstanceBatch
+
+
+def derive_seed(*parts) -> int:
+    """64-bit seed from any parts (blake2b of their repr: stable across processes and runs)."""
+    h = hashlib.blake2b("\x1f".join(map(str, parts)).encode("utf-8"), digest_size=8)
+    return int.from_bytes(h.digest(), "little")
+
+
+def unit_hash(*parts) -> float:
+    """A stable uniform number in [0, 1) for a held-out split by document hash."""
+    return derive_seed(*parts) / 2.0**64
+
+
+@dataclass(frozen=True)
+class InstanceParams:
+    max_seq_length: int
+    short_seq_prob: float
+    objective: str  # nsp | sop | none
+    nsp_random_prob: float
+    masking: str  # static | dynamic
+    masked_lm_prob: float
+    max_predictions_per_seq: int
+    whole_word_mask: bool
+    cls_id: int
+    sep_id: int
+    mask_id: int
+    vocab_size: int
+
+
+@dataclass
+class InstanceStats:
+    instances: int = 0
+    random_next: int = 0
+    negatives_unavailable: int = 0
+    skipped_short_sentence: int = 0
+
+
+def pool_windows(doc_id: str, ids: np.ndarray, bounds: np.ndarray, *, seed: int, windows_per_doc: int,
+                 max_tokens: int) -> list[tuple[int, str, np.ndarray, np.ndarray]]:
+    """Candidate NSP-negative windows of one document: (hash, doc_id, ids, bounds).
+
+    A window starts at a random sentence and runs until it holds ``max_tokens`` tokens or the
+    document ends, exactly what the reference reads from a random document. The pool keeps the
+    windows with the smallest hashes corpus-wide, so its content depends on the corpus only."""
+    n = len(bounds) - 1
+    out = []
+    b = bounds.tolist()
+    for w in range(windows_per_doc):
+        r = random.Random(derive_seed(seed, "pool", doc_id, w))
+        start = r.randrange(n)
+        end = min(bisect_left(b, b[start] + max_tokens, lo=start + 1), n)
+        wb = bounds[start:end + 1] - bounds[start]
+        out.append((derive_seed(seed, "pool-key", doc_id, w), doc_id, ids[b[start]:b[end]].copy(), wb))
+    return out
+
+
+def _truncation_counts(la: int, lb: int, max_tokens: int) -> tuple[int, int]:
+    """Tokens the reference's truncate_seq_pair removes from (A, B): always from the longer
+    segment, from B on ties."""
+    ex = la + lb - max_tokens
+    ra = rb = 0
+    if ex <= 0:
+        return 0, 0
+    if la > lb:
+        d = min(ex, la - lb)
+        ra, ex = d, ex - d
+    elif lb > la:
+        d = min(ex, lb - la)
+        rb, ex = d, ex - d
+    rb += (ex + 1) // 2
+    ra += ex // 2
+    return ra, rb
+
+
+def _trim(seg: np.ndarray, remove: int, rng: random.Random) -> np.ndarray:
+    if remove <= 0:
+        return seg
+    front = bin(rng.getrandbits(remove)).count("1")  # Binomial(remove, 1/2) fronts
+    return seg[front: seg.shape[0] - (remove - front)]
+
+
+def create_instances(
+    doc_id: str,
+    ids: np.ndarray,
+    bounds: np.ndarray,
+    dupe: int,
+    *,
+    params: InstanceParams,
+    seed: int,
+    pool: list | None = None,
+    continuation: np.ndarray | None = None,
+    stats: InstanceStats | None = None,
+) -> InstanceBatch:
+    """All instances of one (document, dupe) pass, masked when ``params.masking == 'static'``."""
+    stats = stats if stats is not None else InstanceStats()
+    rng = random.Random(derive_seed(seed, doc_id, dupe))
+    p = params
+    b = bounds.tolist()
+    n = len(b) - 1
+    segs_a: list[np.ndarray] = []
+    segs_b: list[np.ndarray | None] = []
+    labels: list[int] = []
+    if p.objective == "none":
+        max_tokens = p.max_seq_length - 2
+        target = max_tokens
+        if rng.random() < p.short_seq_prob:
+            target = rng.randint(2, max_tokens)
+        i = 0
+        while i < n:
+            e = min(bisect_left(b, b[i] + target, lo=i + 1), n)
+            seg = ids[b[i]:b[e]]
+            if seg.shape[0] > max_tokens:
+                seg = _trim(seg, seg.shape[0] - max_tokens, rng)
+            segs_a.append(seg)
+            segs_b.append(None)
+            labels.append(-1)
+            i = e
+    else:
+        max_tokens = p.max_seq_length - 3
+        target = max_tokens
+        if rng.random() < p.short_seq_prob:
+            target = rng.randint(2, max_tokens)
+        i = 0
+        while i < n:
+            e = min(bisect_left(b, b[i] + target, lo=i + 1), n)  # chunk = sentences [i, e)
+            k = e - i
+            a_end = 1 if k < 2 else rng.randint(1, k - 1)
+            seg_a = ids[b[i]:b[i + a_end]]
+            label = 0
+            next_i = e
+            if p.objective == "nsp":
+                if k == 1 or rng.random() < p.nsp_random_prob:
+                    window = _pick_negative(doc_id, pool, rng)
+                    if window is None:
+                        stats.negatives_unavailable += 1
+                        if k == 1:
+                            i = e
+                            continue
+                        seg_b = ids[b[i + a_end]:b[e]]
+                    else:
+                        _, _, wids, wb = window
+                        target_b = target - seg_a.shape[0]
+                        eb = min(bisect_left(wb, target_b, lo=1), len(wb) - 1)
+                        seg_b = wids[: wb[eb]]
+                        label = 1
+                        next_i = i + a_end  # the unused segments go back
+                else:
+                    seg_b = ids[b[i + a_end]:b[e]]
+            else:  # sop
+                if k == 1:
+                    if seg_a.shape[0] < 2:
+                        stats.skipped_short_sentence += 1
+                        i = e
+                        continue
+                    cut = rng.randint(1, seg_a.shape[0] - 1)
+                    seg_a, seg_b = seg_a[:cut], seg_a[cut:]
+                else:
+                    seg_b = ids[b[i + a_end]:b[e]]
+                if rng.random() < 0.5:
+                    seg_a, seg_b = seg_b, seg_a
+                    label = 1
+            ra, rb = _truncation_counts(seg_a.shape[0], seg_b.shape[0], max_tokens)
+            segs_a.append(_trim(seg_a, ra, rng))
+            segs_b.append(_trim(seg_b, rb, rng))
+            labels.append(label)
+            i = next_i
+    stats.instances += len(labels)
+    stats.random_next += sum(1 for x in labels if x == 1)
+    return _assemble(doc_id, dupe, segs_a, segs_b, labels, ids.dtype, params, seed, continuation)
+
+
+def _pick_negative(doc_id: str, pool: list | None, rng: random.Random):
+    if not pool:
+        return None
+    for _ in range(10):  # the reference's retry count for "another document"
+        w = pool[rng.randrange(len(pool))]
+        if w[1] != doc_id:
+            return w
+    return None
+
+
+def _assemble(doc_id, dupe, segs_a, segs_b, labels, dtype, p: InstanceParams, seed, continuation) -> InstanceBatch:
+    m = len(labels)
+    if m == 0:
+        return InstanceBatch.empty(dtype)
+    la = np.fromiter((s.shape[0] for s in segs_a), np.int64, m)
+    lb = np.fromiter((0 if s is None else s.shape[0] for s in segs_b), np.int64, m)
+    has_b = lb > 0
+    lengths = la + 2 + np.where(has_b, lb + 1, 0)
+    offs = np.zeros(m + 1, np.int64)
+    np.cumsum(lengths, out=offs[1:])
+    cls, sep = np.array([p.cls_id], dtype), np.array([p.sep_id], dtype)
+    parts = []
+    for a, bseg in zip(segs_a, segs_b):
+        parts += (cls, a, sep) if bseg is None else (cls, a, sep, bseg, sep)
+    flat = np.concatenate(parts)
+    num_a = (la + 2).astype(np.uint16)
+    keys = np.fromiter((derive_seed(seed, "row", doc_id, dupe, j) for j in range(m)), np.uint64, m)
+    nsp = np.asarray(labels, np.int8)
+    if p.masking == "dynamic":
+        z = np.zeros(m + 1, np.int64)
+        return InstanceBatch(keys, flat, offs, num_a, nsp, np.empty(0, np.uint16), np.empty(0, dtype), z)
+    mrng = np.random.Generator(np.random.PCG64(derive_seed(seed, "mask", doc_id, dupe)))
+    if p.whole_word_mask:
+        flat, mpos, mids, moffs = _mask_rows_wwm(flat, offs, num_a, has_b, mrng, p, continuation)
+    else:
+        flat, mpos, mids, moffs = _mask_rows(flat, offs, num_a, has_b, mrng, p)
+    return InstanceBatch(keys, flat, offs, num_a, nsp, mpos, mids, moffs)
+
+
+def _special_positions(offs, num_a, has_b):
+    """Flat indices of [CLS] and the [SEP]s of every row."""
+    starts, ends = offs[:-1], offs[1:]
+    sp = [starts, starts + num_a.astype(np.int64) - 1, ends[has_b] - 1]
+    return np.concatenate(sp)
+
+
+def _mask_rows(flat, offs, num_a, has_b, rng: np.random.Generator, p: InstanceParams):
+    """Token-level masking of all rows at once: per row, a uniformly random subset of
+    ``min(max_pred, max(1, round(len * prob)))`` non-special positions, 80/10/10."""
+    m = offs.shape[0] - 1
+    lengths = np.diff(offs)
+    row = np.repeat(np.arange(m), lengths)
+    keys = rng.random(flat.shape[0])
+    keys[_special_positions(offs, num_a, has_b)] = 2.0  # never chosen
+    ncand = lengths - 2 - has_b.astype(np.int64)
+    budget = np.minimum(np.minimum(p.max_predictions_per_seq, np.maximum(1, np.rint(lengths * p.masked_lm_prob).astype(np.int64))), ncand)
+    # sort by (row, key): positions of each row in random order, specials last
+    order = np.lexsort((keys, row))
+    rank = np.empty_like(order)
+    rank[order] = np.arange(order.shape[0]) - np.repeat(offs[:-1], lengths)
+    chosen = np.flatnonzero(rank < np.repeat(budget, lengths))  # already in row-major position order
+    labels = flat[chosen]
+    out = flat.copy()
+    u = rng.random(chosen.shape[0])
+    rand_ids = rng.integers(0, p.vocab_size, size=chosen.shape[0]).astype(flat.dtype)
+    out[chosen[u < 0.8]] = p.mask_id
+    rnd = u >= 0.9
+    out[chosen[rnd]] = rand_ids[rnd]
+    counts = np.bincount(row[chosen], minlength=m)
+    moffs = np.zeros(m + 1, np.int64)
+    np.cumsum(counts, out=moffs[1:])
+    mpos = (chosen - np.repeat(offs[:-1], counts)).astype(np.uint16)
+    return out, mpos, labels, moffs
+
+
+def _mask_rows_wwm(flat, offs, num_a, has_b, rng: np.random.Generator, p: InstanceParams, continuation):
+    if continuation is None:
+        raise ValueError("whole-word masking needs the vocab's continuation mask")
+    m = offs.shape[0] - 1
+    special_flat = np.zeros(flat.shape[0], bool)
+    special_flat[_special_positions(offs, num_a, has_b)] = True
+    out = flat.copy()
+    pos_parts, lab_parts, counts = [], [], np.zeros(m, np.int64)
+    for r in range(m):
+        s, e = offs[r], offs[r + 1]
+        row_ids = flat[s:e]
+        masked, pos, lab = mask_sequence(
+            row_ids, rng, special=special_flat[s:e], masked_lm_prob=p.masked_lm_prob,
+            max_predictions=p.max_predictions_per_seq, mask_id=p.mask_id, vocab_size=p.vocab_size,
+            continuation=continuation[row_ids],
+        )
+        out[s:e] = masked
+        pos_parts.append(pos.astype(np.uint16))
+        lab_parts.append(lab)
+        counts[r] = pos.shape[0]
+    moffs = np.zeros(m + 1, np.int64)
+    np.cumsum(counts, out=moffs[1:])
+    return out, np.concatenate(pos_parts), np.concatenate(lab_parts).astype(flat.dtype), moffs
+
+
+def encode_key(split: str, shard: int) -> bytes:
+    return struct.pack("<8sI", split.encode()[:8], shard)

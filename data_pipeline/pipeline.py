@@ -1,0 +1,257 @@
+"""``run()``: wire sources -> sentences -> tokens -> instances -> shards, then commit atomically.
+
+The commit protocol (so a killed run never leaves a manifest pointing at partial shards):
+  1. Beam writes every shard and a ``.json`` sidecar into ``<output>/.staging-<run>/``.
+  2. After the pipeline finished, the driver checks that every shard is there with its
+     recorded size, renames the staging dir to ``<output>/shards-<run>/`` and writes
+     ``manifest.json`` through a temporary file and a rename. That rename is the commit.
+  3. Older ``shards-*`` dirs and stale ``.staging-*`` dirs are removed afterwards.
+A run killed before step 2 leaves the previous manifest (if any) pointing at the previous,
+complete shards; a re-run replaces both cleanly.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Sequence
+
+import apache_beam as beam
+from apache_beam.options.pipeline_options import PipelineOptions
+
+from bertdist.config import from_dict, to_dict
+from bertdist.data.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, write_manifest_atomic
+from bertdist.data.records import record_schema
+from bertdist.data.vocab import load_vocab, special_token_ids, vocab_sha256
+from data_pipeline.config import DataConfig, InputConfig
+from data_pipeline.instance_batch import InstanceBatch
+from data_pipeline.instances import InstanceParams, unit_hash
+from data_pipeline.tokenization import vocab_is_cased
+from data_pipeline.transforms import (
+    NS, CreateInstances, ReadBertFormatText, ReadBooks, ReadJsonLines, ReadWikipediaDump, SplitSentences,
+    Tokenize, WriteShards, shard_name,
+)
+
+log = logging.getLogger("data_pipeline")
+SPLITS = ("train", "heldout")
+
+
+def default_pipeline_args() -> list[str]:
+    """DirectRunner, multi-processing on every local core (named explicitly: the default
+    Prism runner downloads a binary, which is not possible here)."""
+    return ["--runner=DirectRunner", "--direct_running_mode=multi_processing",
+            f"--direct_num_workers={os.cpu_count() or 1}"]
+
+
+def read_source(p: beam.Pipeline, i: int, src: InputConfig, cfg: DataConfig):
+    label = f"Read{i}_{src.kind}"
+    if src.kind == "wiki":
+        return p | label >> ReadWikipediaDump(src.path) | f"Sentences{i}" >> SplitSentences()
+    if src.kind == "books":
+        return p | label >> ReadBooks(src.path, cfg.max_document_chars) | f"Sentences{i}" >> SplitSentences()
+    if src.kind == "jsonl":
+        return p | label >> ReadJsonLines(src.path, src.text_field, src.id_field) | f"Sentences{i}" >> SplitSentences()
+    if src.kind == "text":
+        return p | label >> ReadBertFormatText(src.path)
+    raise ValueError(f"unknown source kind {src.kind!r}")
+
+
+def instance_params(cfg: DataConfig, tokens: list[str]) -> InstanceParams:
+    sp = special_token_ids(tokens)
+    return InstanceParams(
+        max_seq_length=cfg.max_seq_length, short_seq_prob=cfg.short_seq_prob, objective=cfg.objective,
+        nsp_random_prob=cfg.nsp_random_prob, masking=cfg.masking, masked_lm_prob=cfg.masked_lm_prob,
+        max_predictions_per_seq=cfg.max_predictions_per_seq, whole_word_mask=cfg.whole_word_mask,
+        cls_id=sp["cls"], sep_id=sp["sep"], mask_id=sp["mask"], vocab_size=len(tokens),
+    )
+
+
+def validate(cfg: DataConfig) -> None:
+    from bertdist.config import ConfigError
+
+    if not cfg.inputs:
+        raise ConfigError("inputs: at least one input is needed")
+    if not cfg.output:
+        raise ConfigError("output: an output directory is needed")
+    if not cfg.vocab or not os.path.isfile(cfg.vocab):
+        raise ConfigError(f"vocab: {cfg.vocab!r} is not a file (train one with `bertdist data vocab`)")
+    if not 8 <= cfg.max_seq_length <= 65535:
+        raise ConfigError(f"max_seq_length {cfg.max_seq_length} must be in [8, 65535]")
+    if cfg.num_shards < 1 or cfg.heldout_num_shards < 1 or cfg.dupe_factor < 1:
+        raise ConfigError("num_shards, heldout_num_shards and dupe_factor must be >= 1")
+    if not 0.0 <= cfg.heldout_fraction < 1.0:
+        raise ConfigError(f"heldout_fraction {cfg.heldout_fraction} must be in [0, 1)")
+
+
+def build_pipeline(p: beam.Pipeline, cfg: DataConfig, staging: str, tokens: list[str], lowercase: bool) -> None:
+    docs = [read_source(p, i, src, cfg) for i, src in enumerate(cfg.inputs)]
+    sentences = docs[0] if len(docs) == 1 else tuple(docs) | "AllSources" >> beam.Flatten()
+    min_sents = cfg.min_sentences if cfg.objective != "none" else 1
+    tokenized = sentences | "Tokenize" >> Tokenize(
+        cfg.vocab, lowercase, min_sentences=min_sents, max_document_sentences=cfg.max_document_sentences,
+        max_sentence_chars=cfg.max_sentence_chars)
+    frac = cfg.heldout_fraction
+    train, heldout = tokenized | "SplitHeldOut" >> beam.Partition(
+        lambda d, _n: 1 if unit_hash("heldout", d[0]) < frac else 0, 2)
+    params = instance_params(cfg, tokens)
+    for split, docs_split, n in (("train", train, cfg.num_shards), ("heldout", heldout, cfg.heldout_num_shards)):
+        (docs_split
+         | f"{split}_Instances" >> CreateInstances(
+             params, seed=cfg.seed, dupe_factor=cfg.dupe_factor, num_shards=n, split=split, vocab_path=cfg.vocab,
+             pool_size=cfg.nsp_pool_size, windows_per_doc=cfg.nsp_pool_windows_per_doc)
+         | f"{split}_Write" >> WriteShards(staging, split, n, len(tokens), cfg.row_group_size, cfg.compression))
+
+
+def _query_counters(result) -> dict[str, int]:
+    out: dict[str, int] = {}
+    try:
+        for c in result.metrics().query()["counters"]:
+            if c.key.metric.namespace == NS:
+                v = c.committed if c.committed is not None else c.attempted
+                out[c.key.metric.name] = out.get(c.key.metric.name, 0) + int(v or 0)
+    except Exception as e:  # some runners do not report metrics; the manifest says so
+        log.warning("could not query Beam metrics: %s", e)
+    return dict(sorted(out.items()))
+
+
+def run(cfg: DataConfig, pipeline_args: Sequence[str] | None = None) -> dict[str, Any]:
+    """Build the records described by ``cfg``; returns the manifest (also written to disk).
+
+    ``pipeline_args`` are Beam options (``--runner=...`` etc.); None = :func:`default_pipeline_args`.
+    """
+    validate(cfg)
+    t0 = time.time()
+    tokens = load_vocab(cfg.vocab)
+    lowercase = cfg.lowercase if cfg.lowercase is not None else not vocab_is_cased(tokens)
+    out = Path(cfg.output)
+    out.mkdir(parents=True, exist_ok=True)
+    run_id = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
+    staging = out / f".staging-{run_id}"
+    staging.mkdir()
+    args = list(default_pipeline_args() if pipeline_args is None else pipeline_args)
+    options = PipelineOptions(args)
+    log.info("data build: %d input(s) -> %s (run %s), Beam args %s", len(cfg.inputs), out, run_id, args)
+    p = beam.Pipeline(options=options)
+    build_pipeline(p, cfg, str(staging), tokens, lowercase)
+    result = p.run()
+    result.wait_until_finish()
+    counters = _query_counters(result)
+    manifest = _commit(cfg, out, staging, run_id, tokens, lowercase, counters, args, time.time() - t0)
+    return manifest
+
+
+def _write_empty_shard(path: Path, vocab_size: int, cfg: DataConfig) -> dict[str, Any]:
+    import hashlib
+    import io
+
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(InstanceBatch.empty("uint16" if vocab_size < 65536 else "uint32").to_arrow(vocab_size), buf,
+                   row_group_size=cfg.row_group_size, compression=cfg.compression, write_statistics=False)
+    data = buf.getvalue()
+    path.write_bytes(data)
+    return {"path": path.name, "rows": 0, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+            "tokens": 0, "masked_tokens": 0, "random_next": 0}
+
+
+def _commit(cfg, out: Path, staging: Path, run_id: str, tokens, lowercase, counters, args, wall) -> dict[str, Any]:
+    final_dir = out / f"shards-{run_id}"
+    splits: dict[str, Any] = {}
+    totals = {"instances": 0, "tokens": 0, "masked_tokens": 0, "random_next": 0}
+    for split, n in (("train", cfg.num_shards), ("heldout", cfg.heldout_num_shards)):
+        entries = []
+        for i in range(n):
+            name = shard_name(split, i, n)
+            side = staging / f"{name}.json"
+            if side.is_file():
+                st = json.loads(side.read_text())
+                if (staging / name).stat().st_size != st["bytes"]:
+                    raise RuntimeError(f"{staging / name}: size differs from what the writer recorded")
+                side.unlink()
+            else:  # no rows reached this shard (tiny corpus): an empty, valid shard keeps N fixed
+                st = _write_empty_shard(staging / name, len(tokens), cfg)
+            for k in totals:
+                totals[k] += st["rows" if k == "instances" else k]
+            entries.append({"path": f"{final_dir.name}/{name}", "rows": st["rows"], "bytes": st["bytes"],
+                            "sha256": st["sha256"]})
+        rows = [e["rows"] for e in entries]
+        splits[split] = {"rows": sum(rows), "num_shards": n, "max_row_difference": max(rows) - min(rows),
+                         "shards": entries}
+    staging.rename(final_dir)
+    nsp_total = totals["instances"] if cfg.objective != "none" else 0
+    manifest = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "run_id": run_id,
+        "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "records": {
+            "max_seq_length": cfg.max_seq_length, "masking": cfg.masking, "objective": cfg.objective,
+            "whole_word_mask": cfg.whole_word_mask, "masked_lm_prob": cfg.masked_lm_prob,
+            "max_predictions_per_seq": cfg.max_predictions_per_seq,
+            "id_dtype": str(record_schema(len(tokens)).field("input_ids").type.value_type),
+            "columns": [f.name for f in record_schema(len(tokens))],
+        },
+        "vocab": {"path": os.path.abspath(cfg.vocab), "sha256": vocab_sha256(cfg.vocab), "size": len(tokens),
+                  "lowercase": lowercase},
+        "special_token_ids": special_token_ids(tokens),
+        "seed": cfg.seed,
+        "config": to_dict(cfg),
+        "splits": splits,
+        "counts": {
+            "documents": counters.get("documents", 0),
+            "sentences": counters.get("sentences", 0),
+            "input_words": counters.get("input_words", 0),
+            **totals,
+            "random_next_fraction": (totals["random_next"] / nsp_total) if nsp_total else None,
+            "masked_fraction": (totals["masked_tokens"] / totals["tokens"]) if totals["tokens"] else None,
+        },
+        "skips": {k: v for k, v in counters.items() if k.startswith(("skipped_", "truncated_"))},
+        "repairs": {k: v for k, v in counters.items() if k.startswith("repaired_") or k == "nsp_negative_unavailable"},
+        "metrics": counters,
+        "beam_args": list(args),
+        "wall_seconds": round(wall, 3),
+    }
+    write_manifest_atomic(manifest, out / MANIFEST_NAME)
+    for old in out.iterdir():  # the commit is done; older outputs are garbage now
+        if old.is_dir() and old != final_dir and (old.name.startswith("shards-") or old.name.startswith(".staging-")):
+            shutil.rmtree(old, ignore_errors=True)
+    return manifest
+
+
+def parse_input(spec: str) -> InputConfig:
+    """``KIND:PATH`` (kind in wiki|books|text|jsonl) or a bare path whose kind is guessed:
+    .xml/.xml.bz2 -> wiki, .jsonl -> jsonl, a directory -> books, anything else -> text."""
+    kind, sep, rest = spec.partition(":")
+    if sep and kind in ("wiki", "books", "text", "jsonl"):
+        return InputConfig(kind=kind, path=rest)
+    path = spec
+    if ".xml" in os.path.basename(path):
+        return InputConfig(kind="wiki", path=path)
+    if ".jsonl" in os.path.basename(path):
+        return InputConfig(kind="jsonl", path=path)
+    if os.path.isdir(path):
+        return InputConfig(kind="books", path=path)
+    return InputConfig(kind="text", path=path)
+
+
+def build_records(inputs: Sequence[str], output: str | os.PathLike, vocab: str | os.PathLike, *,
+                  in_process: bool = True, pipeline_args: Sequence[str] | None = None, **overrides) -> Path:
+    """Small-corpus helper for the demo and tests: build records, return the manifest path.
+
+    ``inputs``: ``KIND:PATH`` strings (see :func:`parse_input`); ``overrides``: DataConfig fields
+    (e.g. ``max_seq_length=64, dupe_factor=1, num_shards=2``). ``in_process=True`` runs the
+    DirectRunner in this process (no worker start-up cost), fine for a few MB of text.
+    """
+    data = {"inputs": [to_dict(parse_input(s)) for s in inputs], "output": os.fspath(output),
+            "vocab": os.fspath(vocab), **overrides}
+    cfg = from_dict(DataConfig, data)
+    if pipeline_args is None and in_process:
+        pipeline_args = ["--runner=DirectRunner", "--direct_running_mode=in_memory", "--direct_num_workers=1"]
+    run(cfg, pipeline_args)
+    return Path(output) / MANIFEST_NAME

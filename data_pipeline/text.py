@@ -1,0 +1,100 @@
+"""Pure text functions: decoding, cleaning, Project Gutenberg stripping, sentence splitting.
+
+Sentence segmentation uses **blingfire** (Microsoft's finite-state tokenizer, maintained, on
+PyPI with wheels): it splits ~10 MB/s on one core, about 100x faster than pysbd's rule engine,
+and its English model handles abbreviations ("Mr.", "e.g.") and quotes well enough for
+pretraining; throughput is the point of this pipeline.
+"""
+from __future__ import annotations
+
+import re
+import unicodedata
+
+import blingfire
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ufffe\uffff]")
+_SPACES = re.compile(r"[ \t\u00a0\u2000-\u200b\u3000]+")
+_BLANK_LINES = re.compile(r"\n\s*\n")
+
+
+def decode_bytes(data: bytes) -> tuple[str, bool]:
+    """UTF-8 decode; invalid bytes become U+FFFD (then dropped by cleaning). Returns (text, repaired)."""
+    try:
+        return data.decode("utf-8"), False
+    except UnicodeDecodeError:
+        return data.decode("utf-8", errors="replace").replace("\ufffd", " "), True
+
+
+def clean_line(text: str) -> str:
+    """NFC-normalize, drop control characters, collapse runs of spaces."""
+    text = unicodedata.normalize("NFC", text)
+    text = _CONTROL.sub(" ", text)
+    return _SPACES.sub(" ", text).strip()
+
+
+def paragraphs(text: str) -> list[str]:
+    """Blank-line separated paragraphs, hard line wraps joined with a space."""
+    out = []
+    for block in _BLANK_LINES.split(text.replace("\r\n", "\n").replace("\r", "\n")):
+        p = clean_line(" ".join(block.split("\n")))
+        if p:
+            out.append(p)
+    return out
+
+
+def split_sentences(paragraph: str) -> list[str]:
+    if not paragraph:
+        return []
+    return [s for s in (x.strip() for x in blingfire.text_to_sentences(paragraph).split("\n")) if s]
+
+
+def cut_long_sentence(sentence: str, max_chars: int) -> list[str]:
+    """Cut a run-on "sentence" (tables of numbers, lists without punctuation) at whitespace."""
+    if len(sentence) <= max_chars:
+        return [sentence]
+    out = []
+    while len(sentence) > max_chars:
+        cut = sentence.rfind(" ", 0, max_chars)
+        if cut <= 0:
+            cut = max_chars
+        out.append(sentence[:cut].strip())
+        sentence = sentence[cut:].strip()
+    if sentence:
+        out.append(sentence)
+    return [s for s in out if s]
+
+
+def text_to_sentences(text: str) -> list[str]:
+    """Raw document text -> sentences (paragraph boundaries are sentence boundaries)."""
+    out: list[str] = []
+    for p in paragraphs(text):
+        out.extend(split_sentences(p))
+    return out
+
+
+# Project Gutenberg markers, old and new styles ("*** START OF THIS PROJECT GUTENBERG EBOOK X ***",
+# "*END*THE SMALL PRINT!", "End of the Project Gutenberg EBook of X").
+_PG_START = re.compile(
+    r"^\s*\*{3}\s*START OF (THIS|THE) PROJECT GUTENBERG E-?BOOK.*$|^\s*\*END\*THE SMALL PRINT.*$",
+    re.IGNORECASE | re.MULTILINE,
+)
+_PG_END = re.compile(
+    r"^\s*\*{3}\s*END OF (THIS|THE) PROJECT GUTENBERG E-?BOOK.*$|^\s*End of (the )?Project Gutenberg('s)? .*$",
+    re.IGNORECASE | re.MULTILINE,
+)
+
+
+def strip_gutenberg(text: str) -> tuple[str, bool]:
+    """Remove the Project Gutenberg licence header and footer if present. Returns (text, stripped)."""
+    stripped = False
+    m = None
+    for m in _PG_START.finditer(text):
+        pass  # the last start marker: the small-print block may precede the real start line
+    if m is not None and m.end() < len(text) // 2:
+        text = text[m.end():]
+        stripped = True
+    e = _PG_END.search(text)
+    if e is not None:
+        text = text[: e.start()]
+        stripped = True
+    return text, stripped

@@ -1,0 +1,452 @@
+"""Beam DoFns and composite PTransforms (sources, Tokenize, CreateInstances, WriteShards).
+
+Parse DoFns count every skipped or repaired input with a Beam Metrics counter in the
+``data_pipeline`` namespace (``skipped_*``, ``repaired_*``) and log it; nothing is dropped silently.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import time
+from typing import Iterable
+
+import apache_beam as beam
+import numpy as np
+from apache_beam.metrics import Metrics
+
+from data_pipeline import sources, text as textlib
+from data_pipeline.instance_batch import InstanceBatch
+from data_pipeline.instances import InstanceParams, InstanceStats, create_instances, pool_windows, unit_hash
+
+NS = "data_pipeline"
+log = logging.getLogger("data_pipeline")
+_counters: dict[str, object] = {}
+
+
+def count(name: str, n: int = 1) -> None:
+    c = _counters.get(name)
+    if c is None:
+        c = _counters[name] = Metrics.counter(NS, name)
+    c.inc(n)
+
+
+def event(name: str, where: str) -> None:
+    count(name)
+    if name.startswith(("skipped_", "truncated_")) or name == "repaired_truncated_enormous_document":
+        log.warning("%s: %s", name, where)
+
+
+class _Progress:
+    """A log line per worker every ``every`` seconds, so a long run shows it is moving."""
+
+    def __init__(self, what: str, every: float = 15.0):
+        self.what, self.every, self.n, self.last = what, every, 0, time.monotonic()
+
+    def tick(self, n: int = 1):
+        self.n += n
+        now = time.monotonic()
+        if now - self.last >= self.every:
+            self.last = now
+            log.info("progress [pid %d]: %s %d", os.getpid(), self.what, self.n)
+
+
+# ---------------------------------------------------------------- sources
+
+
+def _relative_ids(paths: list[str]) -> dict[str, str]:
+    """Document-id prefix per file: its path relative to the files' common directory, so ids
+    (and so the output) do not depend on where the corpus is mounted."""
+    if len(paths) == 1:
+        return {paths[0]: os.path.basename(paths[0])}
+    common = os.path.commonpath(paths) if all(p.startswith("/") for p in paths) else os.path.dirname(os.path.commonprefix(paths))
+    return {p: os.path.relpath(p, common) if common else p for p in paths}
+
+
+def match_files(pattern: str, *, directory_suffix: str = "*") -> list[str]:
+    """Expand a path, directory or glob on any Beam filesystem (sorted, for stable ids)."""
+    from apache_beam.io.filesystems import FileSystems
+
+    pat = pattern
+    if not any(ch in pattern for ch in "*?[") and FileSystems.exists(pattern) and os.path.isdir(pattern):
+        pat = os.path.join(pattern, directory_suffix)
+    files = sorted(m.path for r in FileSystems.match([pat]) for m in r.metadata_list)
+    if not files:
+        raise FileNotFoundError(f"no input files match {pattern!r}")
+    return files
+
+
+class _ReadWikiPages(beam.DoFn):
+    def __init__(self, max_page_bytes: int):
+        self.max_page_bytes = max_page_bytes
+
+    def process(self, item):
+        path, prefix = item
+        from data_pipeline.wikitext import iter_page_blobs
+
+        with sources.open_input(path) as stream:
+            try:
+                for kind, blob in iter_page_blobs(stream, self.max_page_bytes):
+                    if kind == "page":
+                        yield blob
+                    else:
+                        event(f"skipped_wiki_{kind}_page", path)
+            except sources.STREAM_ERRORS as e:
+                event("truncated_input_file", f"{path}: {e}; pages before the damage are kept")
+
+
+class _ParseWikiPage(beam.DoFn):
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self.progress = None
+
+    def process(self, blob: bytes):
+        from data_pipeline.wikitext import article_paragraphs, parse_page
+
+        if self.progress is None:
+            self.progress = _Progress("wiki pages parsed")
+        self.progress.tick()
+        page, repaired = parse_page(blob)
+        if repaired:
+            event("repaired_non_utf8", "wiki page")
+        if page is None:
+            event("skipped_wiki_malformed_page", blob[:120].decode("utf-8", "replace"))
+            return
+        if page.ns != 0:
+            count("skipped_wiki_not_article_namespace")
+            return
+        if page.redirect:
+            count("skipped_wiki_redirect")
+            return
+        try:
+            paras = article_paragraphs(page.title, page.text)
+        except Exception as e:  # the parser on pathological markup: one page lost, counted
+            event("skipped_wiki_unparseable_page", f"{page.title}: {e!r}")
+            return
+        if paras is None:
+            count("skipped_wiki_disambiguation")
+            return
+        yield (f"{self.prefix}{page.page_id}", "\n\n".join(paras))
+
+
+class ReadWikipediaDump(beam.PTransform):
+    """pages-articles XML (.xml / .xml.bz2, multistream ok) -> (doc_id, text), articles only."""
+
+    def __init__(self, pattern: str, max_page_bytes: int = 64 << 20):
+        super().__init__()
+        self.files = match_files(pattern, directory_suffix="*.xml*")
+        self.max_page_bytes = max_page_bytes
+
+    def expand(self, pbegin):
+        return (
+            pbegin
+            | "Files" >> beam.Create([(f, "") for f in self.files])
+            | "SplitPages" >> beam.ParDo(_ReadWikiPages(self.max_page_bytes))
+            | "Spread" >> beam.Reshuffle()
+            | "Parse" >> beam.ParDo(_ParseWikiPage("wiki:"))
+        )
+
+
+class _ReadBook(beam.DoFn):
+    def __init__(self, max_chars: int):
+        self.max_chars = max_chars
+
+    def process(self, item):
+        path, rel = item
+        with sources.open_input(path) as stream:
+            text, events = sources.read_text_document(stream, self.max_chars)
+        for e in events:
+            event(e, path)
+        text, stripped = textlib.strip_gutenberg(text)
+        if stripped:
+            count("repaired_gutenberg_boilerplate_stripped")
+        yield (f"books:{rel}", text)
+
+
+class ReadBooks(beam.PTransform):
+    """A directory (or glob) of plain-text books -> (doc_id, text), one book per document."""
+
+    def __init__(self, pattern: str, max_document_chars: int = 50_000_000):
+        super().__init__()
+        self.files = match_files(pattern, directory_suffix="*.txt")
+        self.max_chars = max_document_chars
+
+    def expand(self, pbegin):
+        ids = _relative_ids(self.files)
+        return (pbegin | "Files" >> beam.Create([(f, ids[f]) for f in self.files])
+                | "Read" >> beam.ParDo(_ReadBook(self.max_chars)))
+
+
+class _ReadBertText(beam.DoFn):
+    def process(self, item):
+        path, rel = item
+        with sources.open_input(path) as stream:
+            for a, b in sources.iter_bert_format(stream):
+                if a == "!event":
+                    event(b, path)
+                else:
+                    yield beam.pvalue.TaggedOutput("sentences", (f"text:{rel}:{a}", b))
+
+
+class ReadBertFormatText(beam.PTransform):
+    """One sentence per line, blank line between documents -> (doc_id, [sentences])."""
+
+    def __init__(self, pattern: str):
+        super().__init__()
+        self.files = match_files(pattern)
+
+    def expand(self, pbegin):
+        ids = _relative_ids(self.files)
+        return (pbegin | "Files" >> beam.Create([(f, ids[f]) for f in self.files])
+                | "Read" >> beam.ParDo(_ReadBertText()).with_outputs("sentences").sentences
+                | "Spread" >> beam.Reshuffle())
+
+
+class _ReadJsonl(beam.DoFn):
+    def __init__(self, text_field: str, id_field: str):
+        self.text_field, self.id_field = text_field, id_field
+
+    def process(self, item):
+        path, rel = item
+        with sources.open_input(path) as stream:
+            for a, b in sources.iter_json_lines(stream, self.text_field, self.id_field):
+                if a == "!event":
+                    event(b, path)
+                else:
+                    yield (f"jsonl:{rel}:{a}", b)
+
+
+class ReadJsonLines(beam.PTransform):
+    """JSON Lines with a configurable text field -> (doc_id, text)."""
+
+    def __init__(self, pattern: str, text_field: str = "text", id_field: str = ""):
+        super().__init__()
+        self.files = match_files(pattern, directory_suffix="*.jsonl*")
+        self.text_field, self.id_field = text_field, id_field
+
+    def expand(self, pbegin):
+        ids = _relative_ids(self.files)
+        return (pbegin | "Files" >> beam.Create([(f, ids[f]) for f in self.files])
+                | "Read" >> beam.ParDo(_ReadJsonl(self.text_field, self.id_field))
+                | "Spread" >> beam.Reshuffle())
+
+
+# ---------------------------------------------------------------- text -> tokens
+
+
+class SplitSentences(beam.PTransform):
+    """(doc_id, text) -> (doc_id, [sentences]) with blingfire (see data_pipeline.text)."""
+
+    def expand(self, docs):
+        return docs | "Split" >> beam.Map(lambda kv: (kv[0], textlib.text_to_sentences(kv[1])))
+
+
+class _TokenizeDoFn(beam.DoFn):
+    def __init__(self, vocab_path: str, lowercase, min_sentences: int, max_sentences: int, max_sentence_chars: int):
+        self.vocab_path, self.lowercase = vocab_path, lowercase
+        self.min_sentences, self.max_sentences, self.max_sentence_chars = min_sentences, max_sentences, max_sentence_chars
+
+    def setup(self):
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread per worker: honest per-core rates
+        from data_pipeline.tokenization import load_tokenizer
+
+        self.tok, _ = load_tokenizer(self.vocab_path, self.lowercase)
+        self.dtype = np.uint16 if self.tok.get_vocab_size() < 65536 else np.uint32
+        self.progress = _Progress("documents tokenized")
+
+    def process(self, kv):
+        doc_id, sentences = kv
+        self.progress.tick()
+        sents: list[str] = []
+        for s in sentences:
+            if len(s) > self.max_sentence_chars:
+                count("repaired_long_sentence_cut")
+                sents.extend(textlib.cut_long_sentence(s, self.max_sentence_chars))
+            else:
+                sents.append(s)
+        if not sents:
+            count("skipped_empty_document")
+            return
+        count("input_words", sum(s.count(" ") + 1 for s in sents))
+        encs = self.tok.encode_batch_fast(sents, add_special_tokens=False)
+        arrays = [np.asarray(e.ids, dtype=self.dtype) for e in encs]
+        arrays = [a for a in arrays if a.shape[0]]
+        if len(arrays) < self.min_sentences:
+            count("skipped_empty_document" if not arrays else "skipped_too_few_sentences")
+            return
+        parts = [arrays[i:i + self.max_sentences] for i in range(0, len(arrays), self.max_sentences)]
+        if len(parts) > 1:
+            count("repaired_enormous_document_split")
+        for j, part in enumerate(parts):
+            if len(part) < self.min_sentences:
+                continue
+            lens = np.fromiter((a.shape[0] for a in part), np.int64, len(part))
+            bounds = np.zeros(len(part) + 1, np.int64)
+            np.cumsum(lens, out=bounds[1:])
+            count("documents")
+            count("sentences", len(part))
+            yield ((doc_id if len(parts) == 1 else f"{doc_id}#part{j}"), np.concatenate(part), bounds)
+
+
+class Tokenize(beam.PTransform):
+    """(doc_id, [sentences]) -> (doc_id, ids, sentence bounds), fast WordPiece in batches."""
+
+    def __init__(self, vocab_path: str, lowercase=None, *, min_sentences: int = 2,
+                 max_document_sentences: int = 20_000, max_sentence_chars: int = 20_000):
+        super().__init__()
+        self.fn = _TokenizeDoFn(vocab_path, lowercase, min_sentences, max_document_sentences, max_sentence_chars)
+
+    def expand(self, docs):
+        return docs | "Tokenize" >> beam.ParDo(self.fn)
+
+
+# ---------------------------------------------------------------- instances
+
+
+class _CreateInstancesDoFn(beam.DoFn):
+    def __init__(self, params: InstanceParams, seed: int, dupe_factor: int, num_shards: int, split: str, vocab_path: str):
+        self.params, self.seed, self.dupe_factor = params, seed, dupe_factor
+        self.num_shards, self.split, self.vocab_path = num_shards, split, vocab_path
+
+    def setup(self):
+        from bertdist.data.vocab import continuation_mask
+
+        self.continuation = continuation_mask(self.vocab_path) if self.params.whole_word_mask else None
+        self.progress = _Progress(f"{self.split} documents turned into instances")
+
+    def process(self, doc, pool):
+        doc_id, ids, bounds = doc
+        stats = InstanceStats()
+        batches = [create_instances(doc_id, ids, bounds, d, params=self.params, seed=self.seed, pool=pool,
+                                    continuation=self.continuation, stats=stats) for d in range(self.dupe_factor)]
+        batch = InstanceBatch.concat(batches)
+        self.progress.tick()
+        count(f"{self.split}_instances", stats.instances)
+        count(f"{self.split}_random_next", stats.random_next)
+        if stats.negatives_unavailable:
+            count("nsp_negative_unavailable", stats.negatives_unavailable)
+        if stats.skipped_short_sentence:
+            count("skipped_sop_one_token_chunk", stats.skipped_short_sentence)
+        if not len(batch):
+            return
+        shard = (batch.keys % np.uint64(self.num_shards)).astype(np.int64)
+        order = np.argsort(shard, kind="stable")
+        cuts = np.searchsorted(shard[order], np.arange(self.num_shards + 1))
+        for s in range(self.num_shards):
+            if cuts[s + 1] > cuts[s]:
+                yield (s, batch.take(order[cuts[s]:cuts[s + 1]]))
+
+
+class CreateInstances(beam.PTransform):
+    """Tokenized documents -> (preliminary shard, InstanceBatch), with a deterministic NSP pool."""
+
+    def __init__(self, params: InstanceParams, *, seed: int, dupe_factor: int, num_shards: int, split: str,
+                 vocab_path: str, pool_size: int, windows_per_doc: int):
+        super().__init__()
+        self.params, self.seed, self.dupe_factor, self.num_shards = params, seed, dupe_factor, num_shards
+        self.split, self.vocab_path, self.pool_size, self.windows_per_doc = split, vocab_path, pool_size, windows_per_doc
+
+    def expand(self, docs):
+        pool = None
+        if self.params.objective == "nsp":
+            max_tokens = self.params.max_seq_length - 3
+            seed, wpd = self.seed, self.windows_per_doc
+            pool = (docs
+                    | "PoolWindows" >> beam.FlatMap(lambda d: pool_windows(d[0], d[1], d[2], seed=seed, windows_per_doc=wpd, max_tokens=max_tokens))
+                    | "Pool" >> beam.combiners.Top.Smallest(self.pool_size, key=lambda w: (w[0], w[1])))
+            pool_side = beam.pvalue.AsSingleton(pool)
+        else:
+            pool_side = beam.pvalue.AsSingleton(docs.pipeline | "NoPool" >> beam.Create([[]]))
+        return docs | "Create" >> beam.ParDo(
+            _CreateInstancesDoFn(self.params, self.seed, self.dupe_factor, self.num_shards, self.split, self.vocab_path),
+            pool_side)
+
+
+# ---------------------------------------------------------------- balanced shards
+
+
+def shard_targets(total: int, num_shards: int) -> list[int]:
+    """Rows per shard: floor(total/N), the first total mod N shards one more (differ by <= 1)."""
+    base, extra = divmod(total, num_shards)
+    return [base + (1 if i < extra else 0) for i in range(num_shards)]
+
+
+def rebalance(shard: int, batch: InstanceBatch, counts: dict[int, int], num_shards: int):
+    """Keep the first ``target`` rows (by key) of a preliminary shard; hand each overflow row to
+    the shard whose deficit it fills. Overflow ranks and deficits are laid out in shard order,
+    so every worker computes the same assignment from the same counts."""
+    full = [counts.get(i, 0) for i in range(num_shards)]
+    targets = shard_targets(sum(full), num_shards)
+    over = [max(0, c - t) for c, t in zip(full, targets)]
+    deficit = [max(0, t - c) for c, t in zip(full, targets)]
+    keep = min(full[shard], targets[shard])
+    yield (shard, batch.take(np.arange(keep)))
+    n_over = full[shard] - keep
+    if n_over <= 0:
+        return
+    first_rank = sum(over[:shard])
+    edges = np.cumsum([0] + deficit)  # shard d takes overflow ranks [edges[d], edges[d+1])
+    ranks = first_rank + np.arange(n_over)
+    dest = np.searchsorted(edges, ranks, side="right") - 1
+    for d in np.unique(dest):
+        rows = keep + np.flatnonzero(dest == d)
+        yield (int(d), batch.take(rows))
+
+
+class _WriteShardDoFn(beam.DoFn):
+    def __init__(self, staging: str, split: str, num_shards: int, vocab_size: int, row_group_size: int, compression: str):
+        self.staging, self.split, self.num_shards = staging, split, num_shards
+        self.vocab_size, self.row_group_size, self.compression = vocab_size, row_group_size, compression
+
+    def process(self, kv):
+        import pyarrow.parquet as pq
+        from apache_beam.io.filesystems import FileSystems
+
+        shard, batches = kv
+        batch = InstanceBatch.concat(list(batches)).sorted_by_key()
+        name = shard_name(self.split, shard, self.num_shards)
+        buf = io.BytesIO()
+        pq.write_table(batch.to_arrow(self.vocab_size), buf, row_group_size=self.row_group_size,
+                       compression=self.compression, write_statistics=False)
+        data = buf.getvalue()
+        stats = {
+            "path": name, "rows": len(batch), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+            "tokens": batch.num_tokens(), "masked_tokens": batch.num_masked(),
+            "random_next": int((batch.nsp == 1).sum()),
+        }
+        with FileSystems.create(f"{self.staging}/{name}") as f:
+            f.write(data)
+        with FileSystems.create(f"{self.staging}/{name}.json") as f:
+            f.write(json.dumps(stats).encode())
+        count(f"{self.split}_rows_written", len(batch))
+        yield stats
+
+
+def shard_name(split: str, i: int, n: int) -> str:
+    return f"{split}-{i:05d}-of-{n:05d}.parquet"
+
+
+class WriteShards(beam.PTransform):
+    """(preliminary shard, InstanceBatch) -> exactly balanced Parquet shards in ``staging``,
+    rows sorted by key; each shard also gets a ``.json`` sidecar with its size, sha256, counts."""
+
+    def __init__(self, staging: str, split: str, num_shards: int, vocab_size: int, row_group_size: int, compression: str):
+        super().__init__()
+        self.staging, self.split, self.num_shards = staging, split, num_shards
+        self.vocab_size, self.row_group_size, self.compression = vocab_size, row_group_size, compression
+
+    def expand(self, keyed):
+        n = self.num_shards
+        counts = (keyed | "Sizes" >> beam.Map(lambda kv: (kv[0], len(kv[1])))
+                  | "CountPerShard" >> beam.CombinePerKey(sum))
+        return (
+            keyed
+            | "GroupPreliminary" >> beam.GroupByKey()
+            | "Merge" >> beam.Map(lambda kv: (kv[0], InstanceBatch.concat(list(kv[1])).sorted_by_key()))
+            | "Rebalance" >> beam.FlatMap(lambda kv, c: rebalance(kv[0], kv[1], c, n), beam.pvalue.AsDict(counts))
+            | "GroupFinal" >> beam.GroupByKey()
+            | "Write" >> beam.ParDo(_WriteShardDoFn(self.staging, self.split, n, self.vocab_size,
+                                                    self.row_group_size, self.compression))
+        )
