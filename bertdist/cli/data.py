@@ -1,0 +1,124 @@
+"""`bertdist data build` (the Beam pipeline) and `bertdist data vocab` (WordPiece training)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    for noisy in ("apache_beam", "root"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def run_build(args, beam_args: list[str]) -> int:
+    from bertdist.config import apply_overrides, from_dict, load_yaml, to_dict
+    from data_pipeline.config import DataConfig
+    from data_pipeline.pipeline import default_pipeline_args, parse_input, run
+
+    _setup_logging()
+    data = load_yaml(args.config) if args.config else {}
+    if args.input:
+        data["inputs"] = [to_dict(parse_input(s)) for s in args.input]
+    for key in ("output", "vocab"):
+        if getattr(args, key):
+            data[key] = getattr(args, key)
+    cfg = from_dict(DataConfig, apply_overrides(DataConfig, data, args.set))
+    # user flags come last: Beam's parser lets a later flag win over the defaults; a different
+    # runner gets only the user's flags (the DirectRunner defaults mean nothing to it)
+    user_runner = any(a.startswith("--runner") and "DirectRunner" not in a for a in beam_args)
+    pipeline_args = list(beam_args) if user_runner else default_pipeline_args() + list(beam_args)
+    t = time.time()
+    manifest = run(cfg, pipeline_args)
+    c = manifest["counts"]
+    print(f"data build: {manifest['splits']['train']['rows']:,} train + {manifest['splits']['heldout']['rows']:,} held-out "
+          f"instances in {time.time() - t:.1f}s -> {os.path.join(cfg.output, 'manifest.json')}")
+    print(f"  documents {c['documents']:,}  sentences {c['sentences']:,}  input words {c['input_words']:,}  "
+          f"tokens {c['tokens']:,}  masked {c['masked_tokens']:,}")
+    print("  Beam metrics (namespace data_pipeline):")
+    for k, v in manifest["metrics"].items():
+        print(f"    {k:<45} {v:>12,}")
+    return 0
+
+
+def run_vocab(args) -> int:
+    from data_pipeline.pipeline import parse_input
+    from data_pipeline.tokenization import train_vocab
+    from data_pipeline.vocab_corpus import iter_sentences
+
+    _setup_logging()
+    if args.existing:
+        from bertdist.data.vocab import load_vocab, special_token_ids, vocab_sha256
+
+        tokens = load_vocab(args.existing)
+        special_token_ids(tokens)  # raises when a special token is missing
+        if os.path.abspath(args.existing) != os.path.abspath(args.output):
+            os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+            with open(args.existing, "rb") as src, open(args.output, "wb") as dst:
+                dst.write(src.read())
+        print(f"vocab: {len(tokens):,} tokens from {args.existing} -> {args.output} (sha256 {vocab_sha256(args.output)})")
+        return 0
+    if not args.input:
+        print("bertdist data vocab: --input is required unless --existing is given", file=sys.stderr)
+        return 2
+    inputs = [parse_input(s) for s in args.input]
+    t = time.time()
+    tokens = train_vocab(iter_sentences(inputs), args.output, vocab_size=args.size, lowercase=not args.cased,
+                         min_frequency=args.min_frequency)
+    print(f"vocab: trained {len(tokens):,} WordPiece tokens ({'cased' if args.cased else 'uncased'}) in "
+          f"{time.time() - t:.1f}s -> {args.output}")
+    return 0
+
+
+def _pass_unknown_options_to_beam(parser) -> None:
+    """Unknown options of `data build` are Beam pipeline options: keep them instead of failing.
+
+    The subcommand's parser is asked with ``parse_known_args`` by the top-level parser; this
+    wrapper stores the leftovers in ``args._beam_args`` and reports none unrecognised."""
+    original = parser.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):
+        ns, extra = original(args, namespace)
+        ns._beam_args = [a for a in extra if a != "--"]
+        return ns, []
+
+    parser.parse_known_args = parse_known_args
+
+
+def register(sub) -> None:
+    p = sub.add_parser("data", help="build training records (Beam) and vocabularies")
+    dsub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+
+    b = dsub.add_parser(
+        "build", help="raw text -> sharded Parquet training records + manifest (Apache Beam)",
+        description="Unknown --options are passed to Beam (e.g. --direct_num_workers=4, --runner=FlinkRunner). "
+                    "Default: DirectRunner, multi_processing, one worker per local core.")
+    b.add_argument("--config", help="YAML DataConfig (configs/data/*.yaml)")
+    b.add_argument("--input", action="append", default=[], metavar="[KIND:]PATH",
+                   help="repeatable; KIND in wiki|books|text|jsonl, guessed from the path when omitted")
+    b.add_argument("--output", help="output directory (manifest.json + shards)")
+    b.add_argument("--vocab", help="vocab.txt (BERT WordPiece)")
+    b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a DataConfig field, e.g. --set max_seq_length=512")
+    b.set_defaults(func=None, _data_build=True)
+    _pass_unknown_options_to_beam(b)
+
+    v = dsub.add_parser("vocab", help="train a WordPiece vocab (HF tokenizers) or take an existing vocab.txt")
+    v.add_argument("--input", action="append", default=[], metavar="[KIND:]PATH")
+    v.add_argument("--output", required=True, help="vocab.txt to write")
+    v.add_argument("--size", type=int, default=30522)
+    v.add_argument("--cased", action="store_true", help="keep case and accents (default: uncased)")
+    v.add_argument("--min-frequency", type=int, default=2)
+    v.add_argument("--existing", help="use this vocab.txt instead of training (checked, then copied)")
+    v.set_defaults(func=run_vocab)
+
+    def dispatch(args):
+        if getattr(args, "_data_build", False):
+            return run_build(args, getattr(args, "_beam_args", []))
+        return run_vocab(args)
+
+    p.set_defaults(func=dispatch)
+    b.set_defaults(func=dispatch)

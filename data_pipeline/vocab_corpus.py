@@ -1,0 +1,44 @@
+"""Sentences from the configured sources without Beam, for vocab training (one process)."""
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+from data_pipeline import sources, text as textlib
+from data_pipeline.config import InputConfig
+
+
+def iter_sentences(inputs: Iterable[InputConfig], max_document_chars: int = 50_000_000) -> Iterator[str]:
+    from data_pipeline.transforms import match_files
+
+    for src in inputs:
+        if src.kind == "wiki":
+            from data_pipeline.wikitext import article_paragraphs, iter_page_blobs, parse_page
+
+            for path in match_files(src.path, directory_suffix="*.xml*"):
+                with sources.open_input(path) as stream:
+                    try:
+                        for kind, blob in iter_page_blobs(stream, 64 << 20):
+                            page = parse_page(blob)[0] if kind == "page" else None
+                            if page is None or page.ns != 0 or page.redirect:
+                                continue
+                            for p in article_paragraphs(page.title, page.text) or []:
+                                yield from textlib.split_sentences(p)
+                    except sources.STREAM_ERRORS:
+                        continue
+        elif src.kind == "books":
+            for path in match_files(src.path, directory_suffix="*.txt"):
+                with sources.open_input(path) as stream:
+                    text, _ = sources.read_text_document(stream, max_document_chars)
+                yield from textlib.text_to_sentences(textlib.strip_gutenberg(text)[0])
+        elif src.kind == "jsonl":
+            for path in match_files(src.path, directory_suffix="*.jsonl*"):
+                with sources.open_input(path) as stream:
+                    for a, b in sources.iter_json_lines(stream, src.text_field, src.id_field):
+                        if a != "!event":
+                            yield from textlib.text_to_sentences(b)
+        else:
+            for path in match_files(src.path):
+                with sources.open_input(path) as stream:
+                    for a, b in sources.iter_bert_format(stream):
+                        if a != "!event":
+                            yield from b
