@@ -10,6 +10,7 @@ import sys
 SUBCOMMANDS = [
     "bertdist.cli.info",
     "bertdist.cli.model",
+    "bertdist.cli.data",
     "bertdist.cli.export",
     "bertdist.cli.import_hf",
 ]
