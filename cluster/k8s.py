@@ -7,6 +7,7 @@ on one of them, so the pods read the very file that was submitted.
 """
 from __future__ import annotations
 
+import copy
 import json
 import re
 from dataclasses import dataclass
@@ -109,7 +110,7 @@ def render_pytorchjob(job: TrainingJob, res: Resources, opts: K8sOptions, *, wor
 
     def replica(n: int) -> dict[str, Any]:
         # OnFailure: a crashed or preempted pod restarts in place and resumes (--resume auto).
-        return {"replicas": n, "restartPolicy": "OnFailure", "template": {"spec": pod_spec}}
+        return {"replicas": n, "restartPolicy": "OnFailure", "template": {"spec": copy.deepcopy(pod_spec)}}
 
     specs = {"Master": replica(1)}
     if res.nodes > 1:

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 from cluster.errors import SubmitError
 
 # Input paths of a TrainConfig (bertdist/train/config.py) that must exist before a job is queued.
-DATA_KEYS = ("data.train_manifest", "data.eval_manifest", "data.vocab_file")
+DATA_KEYS = ("data.train_manifest", "data.vocab_file")
 
 
 def _get(data: dict, dotted: str) -> Any:
@@ -97,7 +97,7 @@ def _facts_from_train_config(cfg_path: Path, overrides: Sequence[str]) -> dict[s
     from bertdist.train.config import load_train_config
 
     tc = load_train_config(cfg_path, overrides)
-    data_paths = [p for p in (tc.data.train_manifest, tc.data.eval_manifest, tc.data.vocab_file) if p]
+    data_paths = [v for k in DATA_KEYS if (v := getattr(tc.data, k.split(".", 1)[1], None))]
     return {
         "run_dir": tc.run_dir,
         "data_paths": data_paths,
