@@ -13,6 +13,8 @@ SUBCOMMANDS = [
     "bertdist.cli.data",
     "bertdist.cli.export",
     "bertdist.cli.import_hf",
+    "bertdist.cli.submit",
+    "bertdist.cli.jobs",
 ]
 
 
