@@ -13,6 +13,7 @@ SUBCOMMANDS = [
     "bertdist.cli.data",
     "bertdist.cli.export",
     "bertdist.cli.import_hf",
+    "bertdist.cli.finetune",
     "bertdist.cli.submit",
     "bertdist.cli.jobs",
 ]
