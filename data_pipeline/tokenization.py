@@ -11,7 +11,7 @@ import os
 import re
 from typing import Iterable
 
-from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from bertdist.data.vocab import SPECIAL_TOKENS, load_vocab
 
@@ -34,6 +34,7 @@ def load_tokenizer(vocab_path: str | os.PathLike, lowercase: bool | None = None)
         clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=lowercase
     )
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece(prefix="##")
     tok.add_special_tokens([t for t in SPECIAL_TOKENS if t in vocab])
     return tok, lowercase
 
