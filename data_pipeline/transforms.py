@@ -187,7 +187,7 @@ class _ReadBertText(beam.DoFn):
                 if a == "!event":
                     event(b, path)
                 else:
-                    yield beam.pvalue.TaggedOutput("sentences", (f"text:{rel}:{a}", b))
+                    yield (f"text:{rel}:{a}", b)
 
 
 class ReadBertFormatText(beam.PTransform):
@@ -200,7 +200,7 @@ class ReadBertFormatText(beam.PTransform):
     def expand(self, pbegin):
         ids = _relative_ids(self.files)
         return (pbegin | "Files" >> beam.Create([(f, ids[f]) for f in self.files])
-                | "Read" >> beam.ParDo(_ReadBertText()).with_outputs("sentences").sentences
+                | "Read" >> beam.ParDo(_ReadBertText())
                 | "Spread" >> beam.Reshuffle())
 
 

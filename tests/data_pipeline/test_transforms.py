@@ -1,0 +1,121 @@
+"""Each PTransform under TestPipeline with assert_that, including bad input."""
+from __future__ import annotations
+
+import bz2
+import json
+
+import apache_beam as beam
+import numpy as np
+from apache_beam.testing.test_pipeline import TestPipeline
+from apache_beam.testing.util import assert_that, equal_to, is_not_empty
+
+from data_pipeline.transforms import (
+    CreateInstances, ReadBertFormatText, ReadBooks, ReadJsonLines, ReadWikipediaDump, SplitSentences, Tokenize,
+    WriteShards,
+)
+
+OPTS = ["--runner=DirectRunner", "--direct_running_mode=in_memory", "--direct_num_workers=1"]
+
+
+def page(pid, title, text, ns=0, redirect=False):
+    r = '<redirect title="X" />' if redirect else ""
+    return (f"  <page>\n    <title>{title}</title>\n    <ns>{ns}</ns>\n    <id>{pid}</id>\n    {r}\n"
+            f"    <revision>\n      <text xml:space=\"preserve\">{text}</text>\n    </revision>\n  </page>\n")
+
+
+ARTICLE = ("'''Foo''' is a [[bar (thing)|bar]] in [[Baz]].&lt;ref&gt;Cited.&lt;/ref&gt; {{Infobox x|a=1}}"
+           "It is &lt;!-- hidden --&gt; well known. __NOTOC__\n\n[[File:Foo.jpg|thumb|A caption.]]\n"
+           "{| class=\"wikitable\"\n|-\n| cell one || cell two\n|}\n== History ==\nFoo was made in 1900. It grew.\n"
+           "== References ==\n* A reference list item that should not appear anywhere.\n[[Category:Things]]")
+
+
+def write_dump(path, pages, truncate=False, bad_bytes=False):
+    xml = "<mediawiki>\n" + "".join(pages) + "</mediawiki>\n"
+    data = xml.encode()
+    if bad_bytes:
+        data = data.replace(b"well known", b"well \xff\xfe known")
+    comp = bz2.compress(data, compresslevel=1)  # 100 kB blocks: a cut file keeps whole early blocks
+    path.write_bytes(comp[: len(comp) * 2 // 3] if truncate else comp)
+
+
+def test_read_wikipedia_dump(tmp_path):
+    pages = [page(1, "Foo", ARTICLE), page(2, "Redir", "#REDIRECT [[Foo]]", redirect=True),
+             page(3, "Talk:Foo", "talk text. More.", ns=1), page(4, "Foo (disambiguation)", "'''Foo''' may be: a. b."),
+             page(5, "Broken", "x")[: -12] + "\n", page(6, "Other", "Second article. It has two sentences.")]
+    write_dump(tmp_path / "a.xml.bz2", pages, bad_bytes=True)
+    with TestPipeline(options=beam.options.pipeline_options.PipelineOptions(OPTS)) as p:
+        docs = p | ReadWikipediaDump(str(tmp_path / "a.xml.bz2"))
+        assert_that(docs, equal_to([
+            ("wiki:1", "Foo is a bar in Baz. It is well known.\n\nFoo was made in 1900. It grew."),
+            ("wiki:6", "Second article. It has two sentences."),
+        ]))
+    res = p.result.metrics().query()["counters"]
+    names = {c.key.metric.name: c.committed for c in res}
+    assert names["skipped_wiki_redirect"] == 1 and names["skipped_wiki_not_article_namespace"] == 1
+    assert names["skipped_wiki_disambiguation"] == 1 and names["skipped_wiki_malformed_page"] == 1
+    assert names["repaired_non_utf8"] == 1
+
+
+def test_truncated_bz2_keeps_pages_before_damage(tmp_path):
+    pages = [page(i, f"T{i}", f"Article number {i} text. Second sentence here. " * 20) for i in range(1, 400)]
+    write_dump(tmp_path / "t.xml.bz2", pages, truncate=True)
+    with TestPipeline(options=beam.options.pipeline_options.PipelineOptions(OPTS)) as p:
+        docs = p | ReadWikipediaDump(str(tmp_path / "t.xml.bz2"))
+        assert_that(docs | beam.combiners.Count.Globally(), lambda n: _check(0 < n[0] < 399))
+    names = {c.key.metric.name: c.committed for c in p.result.metrics().query()["counters"]}
+    assert names["truncated_input_file"] == 1
+
+
+def _check(cond):
+    assert cond
+
+
+def test_read_books_strips_gutenberg(tmp_path):
+    (tmp_path / "b1.txt").write_text("The Project Gutenberg EBook of X\nlicence blah\n"
+                                     "*** START OF THIS PROJECT GUTENBERG EBOOK X ***\nCall me Ishmael. Some years ago.\n"
+                                     "*** END OF THIS PROJECT GUTENBERG EBOOK X ***\nfooter licence\n")
+    (tmp_path / "b2.txt").write_bytes(b"Plain book \xff text. Second.\n")
+    with TestPipeline(options=beam.options.pipeline_options.PipelineOptions(OPTS)) as p:
+        docs = p | ReadBooks(str(tmp_path)) | SplitSentences()
+        assert_that(docs, equal_to([("books:b1.txt", ["Call me Ishmael.", "Some years ago."]),
+                                    ("books:b2.txt", ["Plain book text.", "Second."])]))
+
+
+def test_read_bert_text_and_jsonl(tmp_path):
+    (tmp_path / "c.txt").write_text("Sent one.\nSent two.\n\n\nDoc two a.\nDoc two b.\n")
+    (tmp_path / "d.jsonl").write_text(json.dumps({"body": "Hello there. General Kenobi.", "id": "k1"}) + "\n{broken\n"
+                                      + json.dumps({"other": 1}) + "\n")
+    with TestPipeline(options=beam.options.pipeline_options.PipelineOptions(OPTS)) as p:
+        t = p | ReadBertFormatText(str(tmp_path / "c.txt"))
+        assert_that(t, equal_to([("text:c.txt:0", ["Sent one.", "Sent two."]), ("text:c.txt:1", ["Doc two a.", "Doc two b."])]),
+                    label="text")
+        j = p | ReadJsonLines(str(tmp_path / "d.jsonl"), text_field="body", id_field="id") | SplitSentences()
+        assert_that(j, equal_to([("jsonl:d.jsonl:k1", ["Hello there.", "General Kenobi."])]), label="jsonl")
+    names = {c.key.metric.name: c.committed for c in p.result.metrics().query()["counters"]}
+    assert names["skipped_malformed_json_line"] == 1 and names["skipped_json_missing_text_field"] == 1
+
+
+def test_tokenize_instances_and_write(tmp_path, small_vocab):
+    from data_pipeline.pipeline import instance_params
+    from data_pipeline.config import DataConfig
+    from bertdist.data.vocab import load_vocab
+    import pyarrow.parquet as pq
+
+    tokens = load_vocab(small_vocab)
+    docs = [(f"d{i}", [f"Sentence {j} of document {i} is here." for j in range(30)]) for i in range(12)]
+    docs += [("empty", []), ("one", ["Only one sentence."])]
+    cfg = DataConfig(max_seq_length=32, dupe_factor=2)
+    with TestPipeline(options=beam.options.pipeline_options.PipelineOptions(OPTS)) as p:
+        tok = p | beam.Create(docs) | Tokenize(str(small_vocab))
+        assert_that(tok | beam.Map(lambda d: (d[0], len(d[2]) - 1)), equal_to([(f"d{i}", 30) for i in range(12)]),
+                    label="tok")
+        inst = tok | CreateInstances(instance_params(cfg, tokens), seed=1, dupe_factor=2, num_shards=3, split="train",
+                                     vocab_path=str(small_vocab), pool_size=100, windows_per_doc=4)
+        assert_that(inst | "n" >> beam.Map(lambda kv: kv[0]), lambda ks: _check(set(ks) <= {0, 1, 2} and ks), label="inst")
+        written = inst | WriteShards(str(tmp_path), "train", 3, len(tokens), 1024, "zstd")
+        assert_that(written | beam.Map(lambda s: s["rows"]) | beam.combiners.ToList(),
+                    lambda r: _check(len(r[0]) == 3 and max(r[0]) - min(r[0]) <= 1), label="rows")
+    names = {c.key.metric.name: c.committed for c in p.result.metrics().query()["counters"]}
+    assert names["skipped_empty_document"] == 1 and names["skipped_too_few_sentences"] == 1
+    t = pq.read_table(tmp_path / "train-00000-of-00003.parquet")
+    assert t.num_rows > 0 and max(len(x) for x in t.column("input_ids").to_pylist()) <= 32
