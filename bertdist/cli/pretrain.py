@@ -1,0 +1,74 @@
+"""`bertdist pretrain <config.yaml> [--resume auto|PATH] [key=value ...]`: one pretraining phase.
+
+Launch it once per process: directly for one process, or under `deepspeed`, `torchrun`
+or `srun` for many (see bertdist/train/distributed.py), e.g.
+
+    torchrun --nproc_per_node 2 -m bertdist.cli.main pretrain configs/pretrain/tiny.yaml
+"""
+from __future__ import annotations
+
+import sys
+
+
+def run(args) -> int:
+    from bertdist.train import load_train_config
+
+    overrides = list(args.overrides)
+    # The deepspeed launcher appends --local_rank=N; the environment already has LOCAL_RANK.
+    overrides = [o for o in overrides if not o.startswith("--local_rank")]
+    cfg = load_train_config(args.config, overrides)
+    from bertdist.data import RecordsError
+    from bertdist.train.trainer import NonFiniteLossError, run_pretraining
+
+    try:
+        result = run_pretraining(cfg, resume=args.resume)
+    except RecordsError as e:
+        print(f"bertdist: data error: {e}", file=sys.stderr)
+        return 2
+    except NonFiniteLossError as e:
+        print(f"bertdist: training aborted: {e}", file=sys.stderr)
+        return 3
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() == 0:
+        print(f"bertdist pretrain: stopped ({result.stopped_by}) at step {result.step}; "
+              f"last checkpoint: {result.last_checkpoint}; run dir: {result.run_dir}", flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("pretrain", help="BERT pretraining with DeepSpeed (one phase)")
+    p.add_argument("config", help="recipe YAML, e.g. configs/pretrain/bert-base-phase1.yaml")
+    p.add_argument("--resume", default=None, metavar="auto|PATH",
+                   help="'auto': continue from the run's latest checkpoint if there is one; or a checkpoint path")
+    p.add_argument("--local_rank", type=int, default=None, help=argparse_suppress())
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides, e.g. data.micro_batch_size=16")
+    p.set_defaults(func=run)
+
+
+def argparse_suppress():
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry (``python -m bertdist.cli.pretrain``), the form launchers run per rank."""
+    import argparse
+
+    from bertdist.config import ConfigError
+
+    parser = argparse.ArgumentParser(prog="bertdist pretrain")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["pretrain", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return run(args)
+    except ConfigError as e:
+        print(f"bertdist: config error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""Atomic DeepSpeed checkpoints with a ``latest`` pointer, retention and world-size changes.
+
+Layout of ``<checkpoint dir>``::
+
+    latest                      # text: the tag of the newest COMPLETE checkpoint
+    step_00000500/              # one DeepSpeed checkpoint (tag = step_<global step>)
+        mp_rank_00_model_states.pt           # DeepSpeed: module weights, client state
+        *zero_pp_rank_<r>_mp_rank_00_optim_states.pt   # DeepSpeed: ZeRO shards, one per rank
+        bertdist_config.yaml    # the resolved TrainConfig of the run
+        trainer_state.json      # step, phase, loader state, world size, batch sizes, model config
+        rng_state_rank<r>.pt    # python / numpy / torch (/ cuda) RNG states of rank r
+        COMPLETE                # written last, before the directory is published
+    universal/step_00000500/    # made on demand: DeepSpeed universal checkpoint for a new world size
+    .staging/                   # checkpoints being written; never read
+
+A save writes everything under ``.staging/<tag>``, then rank 0 renames it to
+``<tag>`` and only then replaces ``latest`` (write tmp, fsync, rename). A
+crash at any point leaves the previous ``latest`` and its directory untouched.
+All paths must be on a file system shared by the ranks (as DeepSpeed assumes).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from bertdist.config import ConfigError, save_config
+
+LATEST = "latest"
+COMPLETE = "COMPLETE"
+STATE_FILE = "trainer_state.json"
+CONFIG_FILE = "bertdist_config.yaml"
+STAGING = ".staging"
+UNIVERSAL = "universal"
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> tuple[Path, str]:
+    """(checkpoint dir, tag) from either a checkpoint dir (follows ``latest``) or one tag dir."""
+    p = Path(path)
+    if (p / LATEST).is_file():
+        tag = (p / LATEST).read_text().strip()
+        return p, tag
+    if (p / COMPLETE).is_file():
+        return p.parent, p.name
+    raise ConfigError(f"{p}: neither a checkpoint directory with a '{LATEST}' file nor a complete checkpoint "
+                      f"(a tag directory with '{COMPLETE}')")
+
+
+def read_checkpoint_state(ckpt_dir: Path, tag: str) -> dict[str, Any]:
+    tdir = ckpt_dir / tag
+    if not (tdir / COMPLETE).is_file():
+        raise ConfigError(f"{tdir}: checkpoint is incomplete or missing ('{COMPLETE}' marker absent)")
+    return json.loads((tdir / STATE_FILE).read_text())
+
+
+class CheckpointManager:
+    def __init__(self, directory: str | os.PathLike, keep_last_n: int, rank: int, world_size: int):
+        self.dir = Path(directory)
+        self.keep_last_n = keep_last_n
+        self.rank, self.world = rank, world_size
+        if rank == 0:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        _barrier()
+
+    def latest_tag(self) -> str | None:
+        p = self.dir / LATEST
+        if not p.is_file():
+            return None
+        tag = p.read_text().strip()
+        if not (self.dir / tag / COMPLETE).is_file():
+            raise ConfigError(f"{p} points at {tag!r}, which is not a complete checkpoint in {self.dir}")
+        return tag
+
+    def save(self, engine, step: int, trainer_state: dict[str, Any], config) -> str:
+        """All ranks call this. Returns the tag once ``latest`` points at it."""
+        tag = tag_for(step)
+        staging_root = self.dir / STAGING
+        if self.rank == 0:
+            shutil.rmtree(staging_root / tag, ignore_errors=True)  # leftovers of a crashed save
+            staging_root.mkdir(parents=True, exist_ok=True)
+        _barrier()
+        engine.save_checkpoint(str(staging_root), tag=tag, client_state={"bertdist": trainer_state},
+                               save_latest=False)
+        sdir = staging_root / tag
+        torch.save(rng_state(), sdir / f"rng_state_rank{self.rank}.pt")
+        _barrier()
+        if self.rank == 0:
+            save_config(config, sdir / CONFIG_FILE)
+            (sdir / STATE_FILE).write_text(json.dumps(trainer_state, indent=2, sort_keys=True))
+            for f in sdir.iterdir():  # everything on disk before the directory is published
+                if f.is_file():
+                    with open(f, "rb") as fh:
+                        os.fsync(fh.fileno())
+            _write_atomic(sdir / COMPLETE, f"{tag}\n")
+            final = self.dir / tag
+            if final.exists():  # a re-save of the same step: keep the old one until the new is in place
+                old = self.dir / STAGING / f"{tag}.old"
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+                os.replace(sdir, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(sdir, final)
+            _fsync_dir(self.dir)
+            _write_atomic(self.dir / LATEST, f"{tag}\n")
+            self._retain(tag)
+        _barrier()
+        return tag
+
+    def _retain(self, current: str) -> None:
+        if self.keep_last_n <= 0:
+            return
+        tags = sorted(p.name for p in self.dir.glob("step_*") if (p / COMPLETE).is_file())
+        for old in tags[:-self.keep_last_n]:
+            if old != current:
+                shutil.rmtree(self.dir / old, ignore_errors=True)
+                shutil.rmtree(self.dir / UNIVERSAL / old, ignore_errors=True)
+
+
+def ensure_universal(ckpt_dir: Path, tag: str, rank: int) -> Path:
+    """Convert ``<ckpt_dir>/<tag>`` to a DeepSpeed universal checkpoint (rank 0; others wait).
+
+    Universal checkpoints hold each parameter's fp32 weights and optimizer moments whole, so a
+    ZeRO checkpoint saved on N ranks loads on M. Returns the directory holding the converted tag.
+    """
+    out_root = ckpt_dir / UNIVERSAL
+    out = out_root / tag
+    if rank == 0 and not (out / COMPLETE).is_file():
+        shutil.rmtree(out, ignore_errors=True)
+        out_root.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ckpt_dir / tag),
+               "--output_folder", str(out), "--inject_missing_state", "--num_extract_workers", "1",
+               "--num_merge_workers", "1"]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"converting {ckpt_dir / tag} to a universal checkpoint failed:\n{res.stdout[-3000:]}\n"
+                               f"{res.stderr[-3000:]}")
+        for name in (STATE_FILE, CONFIG_FILE):
+            shutil.copy2(ckpt_dir / tag / name, out / name)
+        _write_atomic(out / COMPLETE, f"{tag}\n")
+    _barrier()
+    return out_root

@@ -1,0 +1,209 @@
+"""TrainConfig: the schema of `bertdist pretrain` recipes (configs/pretrain/*.yaml).
+
+Each component gets only its own section: the model its ``BertConfig``, the
+loader ``DataConfig``, the optimizer ``OptimizerConfig`` and so on. The model
+section is filled from its ``preset`` first, explicit keys win; its
+``vocab_size`` always comes from the vocab file (``data.vocab_file``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Literal, Optional, Sequence
+
+from bertdist.config import ConfigError, apply_overrides, from_dict, load_yaml
+from bertdist.model import PRESETS, BertConfig
+
+
+@dataclasses.dataclass
+class DataConfig:
+    train_manifest: str = ""  # manifest.json of the pipeline's training shards
+    eval_split: Optional[str] = "heldout"  # split of the same manifest used for evaluation; None: no eval
+    vocab_file: str = ""  # must be the vocab the shards were built with (sha256 checked)
+    max_seq_length: int = 128  # must equal the manifest's
+    micro_batch_size: int = 32  # per process, per forward
+    global_batch_size: int = 256  # micro x accumulation x world size
+    masking: Literal["auto", "static", "dynamic"] = "auto"  # auto: dynamic iff the records are unmasked
+    mask_prob: Optional[float] = None  # None: the manifest's masked_lm_prob
+    max_predictions_per_seq: Optional[int] = None  # None: the manifest's
+    whole_word_mask: Optional[bool] = None  # None: the manifest's setting
+    shuffle_window_shards: int = 8  # rows are shuffled within windows of this many shards
+    pad_to_multiple_of: int = 8  # batches are padded to their longest row, rounded up to this
+    seed: int = 12345  # data order and masking
+    prefetch_steps: int = 2  # steps collated ahead in a background thread (0: inline)
+
+    def __post_init__(self) -> None:
+        if self.mask_prob is not None and not 0.0 < self.mask_prob < 1.0:
+            raise ConfigError(f"data.mask_prob must be in (0, 1), got {self.mask_prob}")
+        for name in ("micro_batch_size", "global_batch_size", "max_seq_length", "shuffle_window_shards",
+                     "pad_to_multiple_of", "max_predictions_per_seq"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ConfigError(f"data.{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+    name: Literal["lamb", "adamw"] = "lamb"
+    lr: float = 6e-3  # peak learning rate (reached at the end of warmup)
+    betas: list[float] = dataclasses.field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-6
+    weight_decay: float = 0.01
+    no_decay: list[str] = dataclasses.field(default_factory=lambda: ["bias", "LayerNorm"])
+    # LAMB trust-ratio clamp, as in DeepSpeed's FusedLamb (max_coeff / min_coeff).
+    lamb_max_coeff: float = 10.0
+    lamb_min_coeff: float = 0.01
+    implementation: Literal["auto", "fused", "torch"] = "auto"  # auto: fused on CUDA, torch on CPU
+
+    def __post_init__(self) -> None:
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"optimizer.betas must be two numbers in [0, 1), got {self.betas}")
+        if self.lr <= 0:
+            raise ConfigError(f"optimizer.lr must be positive, got {self.lr}")
+
+
+@dataclasses.dataclass
+class ScheduleConfig:
+    total_steps: int = 7038  # length of the decay; the run stops here unless max_steps is smaller
+    warmup_steps: Optional[int] = None  # either this ...
+    warmup_fraction: Optional[float] = 0.2843  # ... or a fraction of total_steps (NVIDIA phase 1)
+    decay: Literal["linear", "poly", "constant"] = "poly"
+    poly_power: float = 0.5
+    min_lr_ratio: float = 0.0  # floor of the decay, as a fraction of the peak lr
+
+    def __post_init__(self) -> None:
+        if self.total_steps <= 0:
+            raise ConfigError(f"schedule.total_steps must be positive, got {self.total_steps}")
+        if self.warmup_steps is not None and self.warmup_fraction is not None:
+            raise ConfigError("schedule: set warmup_steps or warmup_fraction, not both "
+                              f"(got {self.warmup_steps} and {self.warmup_fraction}); set the other to null")
+
+    @property
+    def resolved_warmup_steps(self) -> int:
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        return int(round((self.warmup_fraction or 0.0) * self.total_steps))
+
+
+@dataclasses.dataclass
+class DeepSpeedSection:
+    zero_stage: int = 1
+    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    gradient_clipping: float = 1.0  # 0 disables
+    # fp16 dynamic loss scaling (DeepSpeed's names)
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+    activation_checkpointing: Literal["none", "torch", "deepspeed"] = "none"
+    ds_config: Optional[str] = None  # user JSON merged into the generated one; conflicts are errors
+    dist_backend: Optional[str] = None  # None: nccl on CUDA, gloo on CPU
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"deepspeed.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    dir: Optional[str] = None  # default: <run_dir>/checkpoints
+    every_steps: int = 1000  # 0: only at the end / on SIGTERM
+    keep_last_n: int = 3  # 0 keeps all
+    save_at_end: bool = True
+    save_on_sigterm: bool = True
+    # Phase 2: start from this phase-1 checkpoint (a checkpoint dir with `latest`, or one tag dir),
+    # loading weights and optimizer moments but with a fresh LR schedule and step count.
+    init_from: Optional[str] = None
+    init_load_optimizer: bool = True
+
+
+@dataclasses.dataclass
+class LoggingConfig:
+    every_steps: int = 10  # TensorBoard scalars and progress-bar refresh; JSONL gets every step
+    tensorboard: bool = True
+    progress: Literal["tqdm", "rich", "none"] = "tqdm"
+    device_peak_tflops: Optional[float] = None  # None: from the table in metrics.py
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    every_steps: int = 1000  # 0: only at start/end
+    max_sequences: int = 4096
+    micro_batch_size: int = 64
+    seed: int = 4242  # the fixed masks of the held-out set
+    at_start: bool = True
+    at_end: bool = True
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    run_dir: str = "runs/pretrain"
+    phase: int = 1  # bookkeeping: 1 = seq 128, 2 = seq 512 (from a phase-1 checkpoint)
+    seed: int = 42
+    deterministic: bool = False  # torch deterministic algorithms; bitwise-exact resume on CPU
+    max_steps: Optional[int] = None  # stop early (the schedule still spans schedule.total_steps)
+    max_consecutive_nonfinite: int = 20
+    model: BertConfig = dataclasses.field(default_factory=BertConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
+    deepspeed: DeepSpeedSection = dataclasses.field(default_factory=DeepSpeedSection)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        if self.optimizer.name == "lamb" and self.deepspeed.zero_stage > 0:
+            # ZeRO flattens and partitions the parameters, so the optimizer would see slices of a flat
+            # buffer instead of layers, and LAMB's per-layer trust ratio ||w|| / ||update|| would be wrong.
+            raise ConfigError(
+                f"optimizer.name=lamb needs deepspeed.zero_stage=0 (got {self.deepspeed.zero_stage}): LAMB's "
+                "per-layer trust ratio needs whole parameter tensors, and ZeRO 1-3 hand the optimizer flat "
+                "partitions. Use zero_stage 0 with LAMB (NVIDIA's BERT recipe), or adamw with ZeRO."
+            )
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or os.path.join(self.run_dir, "checkpoints")
+
+    @property
+    def steps_to_run(self) -> int:
+        return min(self.schedule.total_steps, self.max_steps or self.schedule.total_steps)
+
+
+def _expand_model_preset(data: dict) -> dict:
+    model = dict(data.get("model") or {})
+    preset = model.get("preset", "base")
+    if preset in PRESETS:
+        model = {**PRESETS[preset], **model}
+    return {**data, "model": model}
+
+
+def train_config_from_dict(data: dict) -> TrainConfig:
+    return from_dict(TrainConfig, _expand_model_preset(data))
+
+
+def load_train_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """A recipe YAML plus dotted overrides -> validated TrainConfig (model preset expanded)."""
+    data = load_yaml(path) if path is not None else {}
+    data = apply_overrides(TrainConfig, data, overrides)
+    # A preset override replaces the recipe's explicit sizes, not the other way round.
+    if any(o.split("=", 1)[0].strip() == "model.preset" for o in overrides):
+        preset = data["model"]["preset"]
+        for key in PRESETS.get(preset, {}):
+            if not any(o.split("=", 1)[0].strip() == f"model.{key}" for o in overrides):
+                data["model"].pop(key, None)
+    return train_config_from_dict(data)
+
+
+def check_batch_sizes(data: DataConfig, world_size: int) -> int:
+    """Gradient-accumulation steps from global = micro x accum x world, or a ConfigError with the numbers."""
+    per_step = data.micro_batch_size * world_size
+    if data.global_batch_size % per_step:
+        lo = (data.global_batch_size // per_step) * per_step
+        hint = f"; nearest valid global batch sizes: {lo or per_step} or {lo + per_step}"
+        raise ConfigError(
+            f"global_batch_size {data.global_batch_size} is not divisible by micro_batch_size "
+            f"{data.micro_batch_size} x world_size {world_size} = {per_step} "
+            f"({data.global_batch_size} / {per_step} = {data.global_batch_size / per_step:.3f}){hint}"
+        )
+    return data.global_batch_size // per_step

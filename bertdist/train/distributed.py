@@ -1,0 +1,67 @@
+"""Process-group set-up for every launch mode.
+
+- ``deepspeed`` launcher and ``torchrun``: both export RANK / WORLD_SIZE /
+  LOCAL_RANK / MASTER_ADDR / MASTER_PORT (env rendezvous); we use them as is.
+- SLURM ``srun`` without a launcher: derived from SLURM_PROCID / SLURM_NTASKS /
+  SLURM_LOCALID (MASTER_ADDR must be exported by the batch script).
+- A plain ``python -m bertdist ...``: a world of one on a free local port.
+
+Without CUDA, DeepSpeed must pick its CPU accelerator (``DS_ACCELERATOR=cpu``)
+and the backend is gloo; with CUDA it is NCCL.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prepare_environment() -> None:
+    """Call before importing deepspeed: selects its accelerator and fills launcher variables."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    env = os.environ
+    if "RANK" not in env and "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
+        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+    if "RANK" not in env:
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        env.setdefault("MASTER_ADDR", "127.0.0.1")
+        env.setdefault("MASTER_PORT", str(_free_port()))
+    env.setdefault("LOCAL_RANK", "0")
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    env.setdefault("MASTER_PORT", "29500")
+
+
+def init_distributed(backend: str | None = None) -> DistInfo:
+    prepare_environment()
+    import deepspeed
+    import torch.distributed as dist
+
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)

@@ -1,0 +1,302 @@
+"""The pretraining data loader: pipeline records -> padded, masked, rank-sharded batches.
+
+Order. One global order per epoch that does not depend on the world size:
+the shards are permuted (seeded by ``seed, epoch``), cut into windows of
+``shuffle_window_shards`` shards, and the rows of each window are permuted
+(seeded by ``seed, epoch, window``). Global batch ``b`` is the next
+``global_batch_size`` rows of that stream; rank ``r`` of ``W`` takes the
+``r``-th ``1/W`` of it, as ``accum`` micro-batches. So every rank gets a
+disjoint, equal share, every rank runs ``rows // global_batch`` steps per
+epoch (the remainder, fewer than one global batch, is reported and falls in a
+different place next epoch), and the position survives a change of world
+size.
+
+State. ``(epoch, position)``, the number of rows of the epoch's stream already
+consumed, is all a resume needs: the masking RNG of each micro-batch is
+derived from ``(seed, epoch, position, rank slice)``, so batches are neither
+replayed nor skipped, and masks after a resume equal the uninterrupted run's.
+
+Memory: one or two windows of shards are held as flat numpy arrays (the
+columns of the parquet shards, zero-copy where possible).
+"""
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+from typing import Any, Iterator, Protocol
+
+import numpy as np
+import torch
+
+from bertdist.config import ConfigError
+from bertdist.train.config import DataConfig
+from bertdist.train.masking import IGNORE_INDEX, SpecialIds, dynamic_mask, pad_rows, special_ids_from_manifest, static_labels
+
+
+class RecordSource(Protocol):
+    """What ``bertdist.data.open_records`` returns (see the record contract)."""
+
+    manifest: dict
+    shards: list  # [(path, rows)]
+    num_rows: int
+
+    def read_shard(self, i: int): ...
+
+
+@dataclasses.dataclass
+class LoaderState:
+    epoch: int = 0
+    position: int = 0  # rows of this epoch's global stream already consumed
+
+    def to_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "LoaderState":
+        return cls(int(d["epoch"]), int(d["position"]))
+
+
+def open_training_records(manifest_path: str, vocab_file: str, max_seq_length: int, split: str = "train",
+                          verify: bool = True) -> RecordSource:
+    """The data pipeline's reader, checked against the vocab and sequence length this run expects.
+
+    Missing, truncated or altered shards and a vocab / max_seq_length mismatch raise
+    ``bertdist.data.RecordsError`` naming the file.
+    """
+    from bertdist.data import open_records, vocab_sha256
+
+    return open_records(manifest_path, expect_vocab_sha256=vocab_sha256(vocab_file),
+                        expect_max_seq_length=max_seq_length, verify=verify, split=split)
+
+
+class _Window:
+    """The rows of one window of shards as flat arrays (rows in window order: shard by shard)."""
+
+    def __init__(self, tables: list):
+        import pyarrow as pa
+
+        def flat_list(name: str) -> tuple[np.ndarray, np.ndarray]:
+            arrs = [t.column(name).combine_chunks() for t in tables]
+            offsets, values, base = [], [], 0
+            for a in arrs:
+                if isinstance(a, pa.ChunkedArray):
+                    a = a.combine_chunks()
+                off = a.offsets.to_numpy().astype(np.int64)
+                vals = a.values.to_numpy(zero_copy_only=False)
+                offsets.append(off[:-1] - off[0] + base)
+                values.append(vals[off[0]:off[-1]])
+                base += int(off[-1] - off[0])
+            return np.concatenate(values) if values else np.zeros(0, np.uint16), np.concatenate(offsets)
+
+        self.tokens, self.tok_start = flat_list("input_ids")
+        self.tok_len = np.diff(np.append(self.tok_start, len(self.tokens)))
+        self.num_a = np.concatenate([t.column("num_a_tokens").to_numpy() for t in tables]).astype(np.int64)
+        self.nsp = np.concatenate([t.column("next_sentence_label").to_numpy() for t in tables]).astype(np.int64)
+        self.mpos, self.mpos_start = flat_list("masked_lm_positions")
+        self.mids, _ = flat_list("masked_lm_ids")
+        self.mpos_len = np.diff(np.append(self.mpos_start, len(self.mpos)))
+        self.rows = len(self.tok_start)
+
+
+class PretrainingLoader:
+    """Yields, per optimizer step, this rank's ``accum`` micro-batches (dicts of int64 tensors)."""
+
+    def __init__(self, source: RecordSource, cfg: DataConfig, *, rank: int, world_size: int, grad_accum: int,
+                 continuation: np.ndarray | None = None, mask_seed: int | None = None):
+        """``continuation``: bool[V] "##" table (``bertdist.data.continuation_mask``), for whole-word masking."""
+        self.source, self.cfg, self.rank, self.world = source, cfg, rank, world_size
+        self.accum, self.micro = grad_accum, cfg.micro_batch_size
+        self.global_batch = cfg.micro_batch_size * grad_accum * world_size
+        fmt = source.manifest["records"]
+        where = getattr(source, "manifest_path", "the manifest")
+        if int(fmt["max_seq_length"]) != cfg.max_seq_length:
+            raise ConfigError(f"data.max_seq_length is {cfg.max_seq_length} but the records of {where} were built "
+                              f"with max_seq_length {fmt['max_seq_length']}; use matching shards or change the config")
+        if cfg.masking == "static" and fmt["masking"] == "dynamic":
+            raise ConfigError(f"data.masking=static but the records of {where} are unmasked (masking: dynamic)")
+        self.dynamic = cfg.masking == "dynamic" or fmt["masking"] == "dynamic"
+        self.mask_prob = cfg.mask_prob if cfg.mask_prob is not None else float(fmt.get("masked_lm_prob", 0.15))
+        self.max_predictions = (cfg.max_predictions_per_seq if cfg.max_predictions_per_seq is not None
+                                else int(fmt.get("max_predictions_per_seq", 20)))
+        self.vocab_size = int(source.manifest["vocab"]["size"])
+        self.special = special_ids_from_manifest(source.manifest["special_token_ids"])
+        wwm = bool(fmt.get("whole_word_mask", False)) if cfg.whole_word_mask is None else cfg.whole_word_mask
+        if wwm and self.dynamic and continuation is None:
+            raise ValueError("whole-word masking needs the vocab's continuation table")
+        self.continuation = continuation if wwm else None
+        self.has_nsp = fmt.get("objective", "nsp") in ("nsp", "sop")
+        self.seed = cfg.seed if mask_seed is None else mask_seed
+        self.shard_rows = np.array([int(r) for _, r in source.shards], dtype=np.int64)
+        self.num_rows = int(self.shard_rows.sum())
+        if self.num_rows < self.global_batch:
+            raise ConfigError(f"the records of {where} hold {self.num_rows} sequences, fewer than one global batch "
+                              f"({self.global_batch}); build more data or lower data.global_batch_size")
+        self.steps_per_epoch = self.num_rows // self.global_batch
+        self.dropped_per_epoch = self.num_rows - self.steps_per_epoch * self.global_batch
+        self._windows: dict[tuple[int, int], _Window] = {}
+        self._epoch_plan: tuple[int, list, np.ndarray] | None = None
+
+    # ----- order -------------------------------------------------------------------------
+    def _plan(self, epoch: int) -> tuple[list[np.ndarray], np.ndarray]:
+        """(shard ids per window, cumulative row counts of windows) for ``epoch``."""
+        if self._epoch_plan is None or self._epoch_plan[0] != epoch:
+            perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.shard_rows))
+            w = self.cfg.shuffle_window_shards
+            windows = [perm[i:i + w] for i in range(0, len(perm), w)]
+            bounds = np.cumsum([0] + [int(self.shard_rows[ws].sum()) for ws in windows])
+            self._epoch_plan = (epoch, windows, bounds)
+        return self._epoch_plan[1], self._epoch_plan[2]
+
+    def _window(self, epoch: int, wi: int) -> tuple[_Window, np.ndarray]:
+        windows, _ = self._plan(epoch)
+        key = (epoch, wi)
+        if key not in self._windows:
+            for old in [k for k in self._windows if k[0] != epoch or k[1] < wi - 1]:
+                del self._windows[old]  # keep at most the previous and the current window
+            self._windows[key] = _Window([self.source.read_shard(int(s)) for s in windows[wi]])
+        win = self._windows[key]
+        perm = np.random.default_rng([self.seed, epoch, wi]).permutation(win.rows)
+        return win, perm
+
+    def _rows(self, epoch: int, start: int, count: int) -> list[tuple[_Window, np.ndarray]]:
+        """The window rows at stream positions [start, start + count), grouped by window."""
+        _, bounds = self._plan(epoch)
+        out, pos, end = [], start, start + count
+        while pos < end:
+            wi = int(np.searchsorted(bounds, pos, side="right") - 1)
+            stop = min(end, int(bounds[wi + 1]))
+            win, perm = self._window(epoch, wi)
+            out.append((win, perm[pos - bounds[wi]: stop - bounds[wi]]))
+            pos = stop
+        return out
+
+    # ----- collation ---------------------------------------------------------------------
+    def collate(self, parts: list[tuple[_Window, np.ndarray]], rng: np.random.Generator) -> dict[str, torch.Tensor]:
+        s_max = self.cfg.max_seq_length
+        lens = np.concatenate([w.tok_len[r] for w, r in parts])
+        if lens.max() > s_max:
+            raise ValueError(f"a record holds {lens.max()} tokens, more than max_seq_length {s_max}")
+        m = self.cfg.pad_to_multiple_of
+        width = min(s_max, int(-(-lens.max() // m) * m))
+        ids = np.concatenate([pad_rows(w.tokens, w.tok_start[r], w.tok_len[r], width, self.special.pad)
+                              for w, r in parts]) if len(parts) > 1 else \
+            pad_rows(parts[0][0].tokens, parts[0][0].tok_start[parts[0][1]], lens, width, self.special.pad)
+        num_a = np.concatenate([w.num_a[r] for w, r in parts])
+        cols = np.arange(width)
+        attention = (cols[None, :] < lens[:, None]).astype(np.int64)
+        token_type = ((cols[None, :] >= num_a[:, None]) & (attention == 1)).astype(np.int64)
+        if self.dynamic:
+            ids, labels = dynamic_mask(ids, lens, self.special, self.vocab_size, rng, self.mask_prob,
+                                       self.max_predictions, self.continuation)
+        else:
+            labels = np.concatenate([
+                static_labels((len(r), width), w.mpos, w.mids, w.mpos_start[r], w.mpos_len[r]) for w, r in parts
+            ])
+        batch = {
+            "input_ids": torch.from_numpy(ids),
+            "attention_mask": torch.from_numpy(attention),
+            "token_type_ids": torch.from_numpy(token_type),
+            "labels": torch.from_numpy(labels),
+        }
+        if self.has_nsp:
+            nsp = np.concatenate([w.nsp[r] for w, r in parts])
+            if (nsp < 0).any():
+                raise ValueError("records mix next_sentence_label -1 with an nsp/sop objective")
+            batch["next_sentence_label"] = torch.from_numpy(nsp)
+        return batch
+
+    def micro_batches(self, state: LoaderState) -> list[dict[str, torch.Tensor]]:
+        """This rank's micro-batches of the global batch that starts at ``state``."""
+        share = self.global_batch // self.world
+        base = state.position + self.rank * share
+        out = []
+        for i in range(self.accum):
+            start = base + i * self.micro
+            rng = np.random.default_rng([self.seed, state.epoch, start, 1])
+            out.append(self.collate(self._rows(state.epoch, start, self.micro), rng))
+        return out
+
+    def advance(self, state: LoaderState) -> LoaderState:
+        pos = state.position + self.global_batch
+        if pos + self.global_batch > self.num_rows:
+            return LoaderState(state.epoch + 1, 0)
+        return LoaderState(state.epoch, pos)
+
+    def steps(self, state: LoaderState) -> Iterator[tuple[list[dict[str, torch.Tensor]], LoaderState]]:
+        """Endless: (micro-batches of the step at ``state``, the state after that step)."""
+        if self.cfg.prefetch_steps <= 0:
+            while True:
+                nxt = self.advance(state)
+                yield self.micro_batches(state), nxt
+                state = nxt
+        yield from _prefetch(self._produce(state), self.cfg.prefetch_steps)
+
+    def _produce(self, state: LoaderState):
+        while True:
+            nxt = self.advance(state)
+            yield self.micro_batches(state), nxt
+            state = nxt
+
+
+def _prefetch(gen, depth: int):
+    """Run ``gen`` in a background thread, ``depth`` items ahead; exceptions re-raise in the consumer."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def work():
+        try:
+            for item in gen:
+                while not stop.is_set():
+                    try:
+                        q.put(("item", item), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            q.put(("error", e))
+
+    t = threading.Thread(target=work, daemon=True, name="bertdist-loader")
+    t.start()
+    try:
+        while True:
+            kind, item = q.get()
+            if kind == "error":
+                raise item
+            yield item
+    finally:
+        stop.set()
+
+
+def eval_batches(source: RecordSource, cfg: DataConfig, continuation: np.ndarray | None, *, rank: int, world_size: int,
+                 micro_batch_size: int, max_sequences: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    """This rank's share of the held-out set (file order), masked with fixed seeded masks.
+
+    The first ``max_sequences`` rows are cut into micro-batches; batch ``i`` goes to rank
+    ``i % world_size`` and is masked with the RNG seeded by ``(seed, i)``, so the masks do not
+    depend on the world size. Built once and reused at every evaluation of a run.
+    """
+    ecfg = dataclasses.replace(cfg, micro_batch_size=1, global_batch_size=1, prefetch_steps=0)
+    loader = PretrainingLoader(source, ecfg, rank=0, world_size=1, grad_accum=1, continuation=continuation,
+                               mask_seed=seed)
+    total = min(max_sequences, loader.num_rows)
+    tables, have = [], 0
+    for i in range(len(source.shards)):
+        if have >= total:
+            break
+        tables.append(source.read_shard(i))
+        have += tables[-1].num_rows
+    win = _Window(tables)
+    out = []
+    for bi, start in enumerate(range(0, total, micro_batch_size)):
+        if bi % world_size != rank:
+            continue
+        rows = np.arange(start, min(total, start + micro_batch_size))
+        out.append(loader.collate([(win, rows)], np.random.default_rng([seed, bi])))
+    return out
+
+
+__all__ = ["IGNORE_INDEX", "LoaderState", "PretrainingLoader", "RecordSource", "SpecialIds", "eval_batches",
+           "open_training_records"]

@@ -1,0 +1,130 @@
+"""Vectorised BERT masking and collation of variable-length records into padded batches.
+
+Everything works on whole batches with numpy (no per-sequence Python loop), so
+collation plus dynamic masking stays far ahead of the GPU (see
+benchmarks/loader.py).
+
+Masking (Devlin et al.): choose ``k = min(max_predictions, max(1, round(n * p)))``
+of the ``n`` maskable tokens (everything but [CLS], [SEP] and padding); of the
+chosen, 80% become [MASK], 10% a random token, 10% stay. With whole-word
+masking, a word (a piece plus its following "##" pieces) is chosen or skipped
+as a unit: words are visited in a random order and taken while they fit in ``k``.
+Same semantics as the pipeline's static masking (``bertdist.data.masking``),
+which is a per-sequence loop; this one is batched for the loader's speed.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+IGNORE_INDEX = -100
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecialIds:
+    pad: int
+    cls: int
+    sep: int
+    mask: int
+
+
+def special_ids_from_manifest(ids: dict[str, int]) -> SpecialIds:
+    """From the manifest's ``special_token_ids`` ({'pad','cls','sep','mask',...} -> id)."""
+    return SpecialIds(int(ids["pad"]), int(ids["cls"]), int(ids["sep"]), int(ids["mask"]))
+
+
+def pad_rows(flat: np.ndarray, starts: np.ndarray, lengths: np.ndarray, width: int, pad: int) -> np.ndarray:
+    """Gather variable-length rows ``flat[starts[i] : starts[i] + lengths[i]]`` into an int64 [B, width] array."""
+    cols = np.arange(width, dtype=np.int64)
+    real = cols[None, :] < lengths[:, None]
+    idx = np.where(real, starts[:, None] + cols[None, :], 0)
+    out = flat[idx].astype(np.int64)
+    out[~real] = pad
+    return out
+
+
+def dynamic_mask(
+    input_ids: np.ndarray,
+    lengths: np.ndarray,
+    special: SpecialIds,
+    vocab_size: int,
+    rng: np.random.Generator,
+    mask_prob: float,
+    max_predictions: int,
+    continuation: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Mask ``input_ids`` [B, S] in place; returns (input_ids, labels) with labels = -100 where not predicted.
+
+    Same semantics as ``bertdist.data.masking.mask_sequence`` (the pipeline's static masking):
+    budget ``min(max_predictions, max(1, round(len * p)))`` with ``len`` counting [CLS]/[SEP];
+    whole words are visited in random order and one that would overshoot the budget is skipped.
+    """
+    b, s = input_ids.shape
+    cols = np.arange(s)
+    real = cols[None, :] < lengths[:, None]
+    maskable = real & (input_ids != special.cls) & (input_ids != special.sep) & (input_ids != special.pad)
+    n = maskable.sum(1)
+    k = np.minimum(max_predictions, np.maximum(1, np.rint(lengths * mask_prob).astype(np.int64)))
+    k = np.minimum(k, n)
+    noise = rng.random((b, s))
+    if continuation is None:
+        # k uniformly random maskable positions per row: the k smallest noise values.
+        score = np.where(maskable, noise, np.inf)
+        order = np.argsort(score, axis=1, kind="stable")
+        rank = np.empty_like(order)
+        np.put_along_axis(rank, order, np.broadcast_to(cols, (b, s)), axis=1)
+        chosen = rank < k[:, None]
+    else:
+        # A word starts at a maskable token that is not a "##" piece or follows a non-maskable one.
+        prev_maskable = np.concatenate([np.zeros((b, 1), bool), maskable[:, :-1]], axis=1)
+        starts = maskable & (~continuation[input_ids] | ~prev_maskable)
+        word = np.where(maskable, np.cumsum(starts, axis=1) - 1, s)  # s = "no word" bucket
+        n_words = starts.sum(1)
+        flat = (np.arange(b)[:, None] * (s + 1) + word).ravel()
+        wlen = np.bincount(flat, minlength=b * (s + 1)).reshape(b, s + 1)[:, :s]
+        wscore = np.where(cols[None, :] < n_words[:, None], noise, np.inf)
+        order = np.argsort(wscore, axis=1, kind="stable")  # random visiting order of the words
+        sorted_len = np.take_along_axis(wlen, order, axis=1)
+        taken_sorted = np.zeros((b, s), bool)
+        total = np.zeros(b, np.int64)
+        for j in range(int(n_words.max(initial=0))):
+            fits = (j < n_words) & (total < k) & (total + sorted_len[:, j] <= k)
+            taken_sorted[:, j] = fits
+            total += np.where(fits, sorted_len[:, j], 0)
+            if (total >= k).all():
+                break
+        word_taken = np.zeros((b, s + 1), bool)
+        np.put_along_axis(word_taken, order, taken_sorted, axis=1)
+        chosen = np.take_along_axis(word_taken, word, axis=1) & maskable
+    labels = np.where(chosen, input_ids, IGNORE_INDEX)
+    action = rng.random((b, s))
+    to_mask = chosen & (action < 0.8)
+    to_random = chosen & (action >= 0.9)
+    input_ids[to_mask] = special.mask
+    n_rand = int(to_random.sum())
+    if n_rand:
+        input_ids[to_random] = rng.integers(0, vocab_size, n_rand)
+    return input_ids, labels
+
+
+def static_labels(
+    shape: tuple[int, int],
+    pos_flat: np.ndarray,
+    ids_flat: np.ndarray,
+    pos_starts: np.ndarray,
+    pos_lengths: np.ndarray,
+) -> np.ndarray:
+    """Labels [B, S] from records that carry their masks (masked_lm_positions / masked_lm_ids)."""
+    b, s = shape
+    labels = np.full((b, s), IGNORE_INDEX, dtype=np.int64)
+    total = int(pos_lengths.sum())
+    if total:
+        row = np.repeat(np.arange(b), pos_lengths)
+        within = np.arange(total) - np.repeat(np.cumsum(pos_lengths) - pos_lengths, pos_lengths)
+        src = np.repeat(pos_starts, pos_lengths) + within
+        cols = pos_flat[src].astype(np.int64)
+        if cols.max() >= s:
+            raise ValueError(f"masked_lm_positions reach {cols.max()}, beyond the sequence width {s}")
+        labels[row, cols] = ids_flat[src]
+    return labels
