@@ -223,8 +223,10 @@ def register(sub) -> None:
     da.set_defaults(func=_guard(run_data))
 
 
-# The data command the job runs; Beam options follow the `--` separator.
-DATA_COMMAND = ("bertdist.cli.main", "data", "build")
+def data_command(python: str, config: Path, overrides: list[str], beam_args: list[str]) -> list[str]:
+    """`bertdist data build --config <file> --set k=v ... <Beam options>` (unknown options go to Beam)."""
+    sets = [x for o in overrides for x in ("--set", o)]
+    return [python, "-m", "bertdist.cli.main", "data", "build", "--config", str(config), *sets, *beam_args]
 
 
 def run_data(args) -> int:
@@ -257,7 +259,7 @@ def run_data(args) -> int:
         temp_location=args.temp_location, job_name=args.name, flink_master=args.flink_master,
         spark_master=args.spark_master, environment_type=args.environment_type,
         sdk_container_image=args.sdk_container_image)
-    command = [args.python, "-m", *DATA_COMMAND, str(cfg), *args.overrides, "--", *beam.runner_args(ropts)]
+    command = data_command(args.python, cfg, args.overrides, beam.runner_args(ropts))
     name = args.name or f"bertdist-data-{cfg.stem}"
     output = Path(str(data.get("output") or "data_out")).expanduser().resolve()
     log_dir = Path(args.log_dir).resolve() if args.log_dir else output.parent / "jobs"

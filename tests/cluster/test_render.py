@@ -89,8 +89,10 @@ def test_slurm_torchrun_launcher_one_agent_per_node():
 
 
 def test_slurm_data_script():
-    cmd = [PY, "-m", "bertdist.cli.main", "data", "build", "/shared/bertdist/configs/data/wiki.yaml", "--",
-           *beam.runner_args(beam.RunnerOptions("direct", workers=32))]
+    from bertdist.cli.submit import data_command
+
+    cmd = data_command(PY, Path("/shared/bertdist/configs/data/wiki.yaml"), ["num_shards=64"],
+                       beam.runner_args(beam.RunnerOptions("direct", workers=32)))
     script = slurm.render_data_script(Path("/shared/bertdist/configs/data/wiki.yaml"), cmd, name="bertdist-data-wiki",
                                       log_dir=Path("/shared/data/jobs"), cpus=32, partition="cpu", workdir=WORKDIR)
     check_golden("slurm_data_wiki.sbatch", script)
@@ -98,6 +100,7 @@ def test_slurm_data_script():
     d = _directives(script)
     assert d["--nodes"] == "1" and d["--ntasks"] == "1" and d["--cpus-per-task"] == "32"
     assert "--direct_num_workers=32" in script
+    assert "data build --config /shared/bertdist/configs/data/wiki.yaml --set num_shards=64 --runner=DirectRunner" in script
 
 
 # ---------------------------------------------------------------- DeepSpeed

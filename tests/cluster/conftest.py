@@ -1,0 +1,45 @@
+"""The `slurm_cluster` fixture: a real one-node SLURM started by the Makefile's script."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SLURM_UP = REPO / "cluster" / "testbed" / "slurm_up.sh"
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> str:
+    """Starts (or checks) the local SLURM via cluster/testbed/slurm_up.sh; returns the node name."""
+    if os.geteuid() != 0:
+        pytest.skip("SLURM test-bed needs root (it installs slurm/munge and starts the daemons); run `make slurm` as root")
+    proc = subprocess.run(["bash", str(SLURM_UP)], capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        pytest.skip(f"could not start SLURM with {SLURM_UP}: {(proc.stderr or proc.stdout).strip()[-500:]}")
+    return subprocess.run(["hostname"], capture_output=True, text=True).stdout.strip()
+
+
+def wait_for_job(job_id: str, timeout: float = 180, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")) -> dict:
+    """Poll scontrol until the job reaches one of ``states``; returns scontrol's fields."""
+    from cluster.slurm_client import _parse_scontrol
+
+    deadline = time.monotonic() + timeout
+    fields: dict = {}
+    while time.monotonic() < deadline:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
+        fields = _parse_scontrol(out) if out.strip() else {}
+        if fields.get("JobState") in states:
+            return fields
+        time.sleep(0.5)
+    subprocess.run(["scancel", job_id])
+    raise AssertionError(f"job {job_id} did not reach {states} in {timeout}s: {fields.get('JobState')} {fields.get('Reason')}")
+
+
+def bertdist(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    exe = shutil.which("bertdist") or str(Path(os.sys.executable).with_name("bertdist"))
+    return subprocess.run([exe, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
