@@ -262,16 +262,21 @@ def _mask_rows(flat, offs, num_a, has_b, rng: np.random.Generator, p: InstancePa
     ``min(max_pred, max(1, round(len * prob)))`` non-special positions, 80/10/10."""
     m = offs.shape[0] - 1
     lengths = np.diff(offs)
+    width = int(lengths.max())
     row = np.repeat(np.arange(m), lengths)
-    keys = rng.random(flat.shape[0])
-    keys[_special_positions(offs, num_a, has_b)] = 2.0  # never chosen
+    col = np.arange(flat.shape[0]) - np.repeat(offs[:-1], lengths)
+    # a [rows, width] matrix of random keys; specials and padding get 2.0 so they sort last
+    keys = np.full((m, width), 2.0)
+    keys[row, col] = rng.random(flat.shape[0])
+    sp = _special_positions(offs, num_a, has_b)
+    keys[row[sp], col[sp]] = 2.0
     ncand = lengths - 2 - has_b.astype(np.int64)
     budget = np.minimum(np.minimum(p.max_predictions_per_seq, np.maximum(1, np.rint(lengths * p.masked_lm_prob).astype(np.int64))), ncand)
-    # sort by (row, key): positions of each row in random order, specials last
-    order = np.lexsort((keys, row))
-    rank = np.empty_like(order)
-    rank[order] = np.arange(order.shape[0]) - np.repeat(offs[:-1], lengths)
-    chosen = np.flatnonzero(rank < np.repeat(budget, lengths))  # already in row-major position order
+    order = np.argsort(keys, axis=1)  # per row: positions in random order (short rows: cheap)
+    sel = np.zeros((m, width), bool)
+    np.put_along_axis(sel, order, np.arange(width)[None, :] < budget[:, None], axis=1)
+    r_idx, c_idx = np.nonzero(sel)  # row-major: rows in order, positions ascending
+    chosen = offs[:-1][r_idx] + c_idx
     labels = flat[chosen]
     out = flat.copy()
     u = rng.random(chosen.shape[0])
@@ -279,7 +284,7 @@ def _mask_rows(flat, offs, num_a, has_b, rng: np.random.Generator, p: InstancePa
     out[chosen[u < 0.8]] = p.mask_id
     rnd = u >= 0.9
     out[chosen[rnd]] = rand_ids[rnd]
-    counts = np.bincount(row[chosen], minlength=m)
+    counts = np.bincount(r_idx, minlength=m)
     moffs = np.zeros(m + 1, np.int64)
     np.cumsum(counts, out=moffs[1:])
     mpos = (chosen - np.repeat(offs[:-1], counts)).astype(np.uint16)

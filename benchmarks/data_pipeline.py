@@ -1,0 +1,108 @@
+"""Data pipeline throughput and memory benchmark (not a test).
+
+Workload (the reference figure in ../shared/data/README.md): the 14 Gutenberg books split into
+sentences (blingfire) in BERT format, max_seq_length 128, dupe_factor 5, masked_lm_prob 0.15,
+max_predictions_per_seq 20, uncased BERT vocab. Runs ``bertdist data build`` on the DirectRunner
+(multi_processing) and reports input words/s per core, wall time, and peak RSS per process
+(driver/runner and each SDK worker), for the corpus at 1x and 5x.
+
+    .venv/bin/python benchmarks/data_pipeline.py [--workers N] [--scales 1,5] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("BERTDIST_SHARED_DATA", REPO.parent / "shared" / "data"))
+REFERENCE_WORDS_PER_S = 59_000
+
+
+def make_bert_format(out: Path, scale: int) -> int:
+    """Books -> one sentence per line, blank line between documents; ``scale`` copies. Returns words."""
+    sys.path.insert(0, str(REPO))
+    from data_pipeline.text import text_to_sentences
+
+    docs = []
+    for p in sorted((SHARED / "books").glob("*.txt")):
+        docs.append("\n".join(text_to_sentences(p.read_text(encoding="utf-8", errors="replace"))))
+    body = "\n\n".join(docs) + "\n"
+    with out.open("w") as f:
+        for i in range(scale):
+            f.write(body + "\n")
+    return len(body.split()) * scale
+
+
+def run_once(inp: Path, outdir: Path, workers: int) -> dict:
+    cmd = [sys.executable, "-m", "bertdist.cli.main", "data", "build", "--input", f"text:{inp}",
+           "--vocab", str(SHARED / "vocab" / "bert-base-uncased-vocab.txt"), "--output", str(outdir),
+           "--set", "max_seq_length=128", "--set", "dupe_factor=5", "--set", "masked_lm_prob=0.15",
+           "--set", "max_predictions_per_seq=20", "--set", "num_shards=8",
+           "--runner=DirectRunner", "--direct_running_mode=multi_processing", f"--direct_num_workers={workers}"]
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    root = psutil.Process(proc.pid)
+    peak: dict[int, tuple[str, int]] = {}
+    cpu: dict[int, float] = {}
+    while proc.poll() is None:
+        try:
+            procs = [root] + root.children(recursive=True)
+        except psutil.NoSuchProcess:
+            break
+        for p in procs:
+            try:
+                rss = p.memory_info().rss
+                kind = "worker" if "sdk_worker_main" in " ".join(p.cmdline()) else "driver"
+                t = p.cpu_times()
+                cpu[p.pid] = t.user + t.system
+                if rss > peak.get(p.pid, ("", 0))[1]:
+                    peak[p.pid] = (kind, rss)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+        time.sleep(0.2)
+    out, _ = proc.communicate()
+    wall = time.time() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"build failed ({proc.returncode}):\n{out}")
+    man = json.loads((outdir / "manifest.json").read_text())
+    workers_rss = sorted((r for k, r in peak.values() if k == "worker"), reverse=True)
+    driver_rss = max((r for k, r in peak.values() if k == "driver"), default=0)
+    return {"wall_s": round(wall, 2), "pipeline_wall_s": man["wall_seconds"], "cpu_s": round(sum(cpu.values()), 1),
+            "instances": man["counts"]["instances"], "input_words_counted": man["counts"]["input_words"],
+            "peak_rss_worker_mb": [round(r / 2**20) for r in workers_rss],
+            "peak_rss_driver_mb": round(driver_rss / 2**20)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--scales", default="1,5")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for scale in (int(s) for s in args.scales.split(",")):
+            inp = Path(tmp) / f"books_x{scale}.txt"
+            words = make_bert_format(inp, scale)
+            r = run_once(inp, Path(tmp) / f"out_x{scale}", args.workers)
+            r.update(scale=scale, workers=args.workers, input_words=words,
+                     words_per_s_per_core=round(words / r["wall_s"] / args.workers),
+                     words_per_cpu_s=round(words / r["cpu_s"]) if r["cpu_s"] else None)
+            r["x_reference_per_core"] = round(r["words_per_s_per_core"] / REFERENCE_WORDS_PER_S, 2)
+            results.append(r)
+            print(json.dumps(r), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
