@@ -282,3 +282,11 @@ def test_missing_config_and_data_path(tmp_path):
     job = read_training_job(cfg, [f"data.train_manifest={tmp_path / 'shards/manifest.json'}"])
     assert job.run_dir == tmp_path / "run" and job.config_path == cfg
     assert job.command("py")[-1] == f"data.train_manifest={tmp_path / 'shards/manifest.json'}"
+
+
+def test_sbatch_not_found(tmp_path, monkeypatch):
+    from cluster import slurm_client
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(SubmitError, match="sbatch not found on PATH"):
+        slurm_client.sbatch(tmp_path / "x.sbatch")
