@@ -269,7 +269,7 @@ def test_missing_config_and_data_path(tmp_path):
     with pytest.raises(SubmitError, match="training config not found"):
         read_training_job(tmp_path / "nope.yaml")
     cfg = tmp_path / "tiny.yaml"
-    cfg.write_text(yaml.safe_dump({"run_dir": str(tmp_path / "run"),
+    cfg.write_text(yaml.safe_dump({"run_dir": str(tmp_path / "run"), "deepspeed": {"zero_stage": 0},
                                    "data": {"train_manifest": str(tmp_path / "missing/manifest.json"),
                                             "vocab_file": str(tmp_path / "vocab.txt"),
                                             "micro_batch_size": 2, "global_batch_size": 8}}))
