@@ -1,0 +1,390 @@
+"""Fused ops backed by the ``bertdist._C`` extension (C++ on CPU, CUDA kernels on GPU).
+
+Each op is a ``torch.library`` custom op (``torch.ops.bertdist.*``) with a fake (meta)
+implementation and a registered autograd formula, so autograd and ``torch.compile`` see one
+opaque, traceable op; the backward is itself a custom op. The public functions below have
+the same signatures as their twins in ``reference.py`` (the fallback and test oracle).
+
+Dropout is counter-based: every call draws a 63-bit Philox seed from torch's default CPU
+generator (so ``torch.manual_seed`` reproduces it), or takes an explicit ``seed``/``offset``;
+the backward regenerates the mask from them instead of storing it. CPU and CUDA kernels drop
+the same elements for the same seed and offset.
+
+``availability(op, device_type)`` says whether an op can run fused on a device type, and why
+not; ``bertdist.ops.dispatch`` uses it to pick kernels.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from bertdist.ops import _extension
+
+OPS = ("layer_norm", "bias_dropout_add_layer_norm", "attention", "varlen_attention")
+MIN_CUDA_CAPABILITY = (8, 0)
+
+
+def _C():
+    ext, why = _extension.load()
+    if ext is None:
+        raise RuntimeError(f"bertdist fused kernels unavailable: {why}")
+    return ext
+
+
+def availability(op: str, device_type: str) -> tuple[bool, str]:
+    """(usable, reason) for running ``op`` fused on ``device_type`` ("cpu" or "cuda")."""
+    if op not in OPS:
+        return False, f"no fused op named {op!r} (have {', '.join(OPS)})"
+    ext, why = _extension.load()
+    if ext is None:
+        return False, why
+    if device_type == "cpu":
+        return True, f"C++ CPU kernels, {why}"
+    if device_type != "cuda":
+        return False, f"no fused kernels for device type {device_type!r}"
+    info = ext.build_info()
+    if not info["with_cuda"]:
+        return False, f"{why} has no CUDA kernels ({info['note']})"
+    if not torch.cuda.is_available():
+        return False, f"CUDA kernels built ({info['cuda_archs']}) but no CUDA device is visible"
+    cap = torch.cuda.get_device_capability()
+    if cap < MIN_CUDA_CAPABILITY:
+        return False, f"CUDA kernels need sm_80+, device is sm_{cap[0]}{cap[1]}"
+    return True, f"CUDA kernels ({info['cuda_archs']}), {why}"
+
+
+@torch.compiler.disable
+def _draw_seed() -> int:
+    return int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
+
+
+def _acc_dtype(t: Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+# ---------------------------------------------------------------- layer norm
+
+
+@torch.library.custom_op("bertdist::layer_norm_fwd", mutates_args=())
+def _layer_norm_fwd(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    y, mean, rstd = _C().layer_norm_fwd(x, weight, bias, eps)
+    return y, mean, rstd
+
+
+@_layer_norm_fwd.register_fake
+def _(x, weight, bias, eps):
+    rows = x.numel() // x.shape[-1]
+    return torch.empty_like(x), x.new_empty(rows, dtype=_acc_dtype(x)), x.new_empty(rows, dtype=_acc_dtype(x))
+
+
+@torch.library.custom_op("bertdist::layer_norm_bwd", mutates_args=())
+def _layer_norm_bwd(
+    grad_out: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    dx, dw, db = _C().layer_norm_bwd(grad_out, x, mean, rstd, weight)
+    return dx, dw, db
+
+
+@_layer_norm_bwd.register_fake
+def _(grad_out, x, mean, rstd, weight):
+    return torch.empty_like(x), torch.empty_like(weight), torch.empty_like(weight)
+
+
+def _layer_norm_setup(ctx, inputs, output):
+    x, weight, _bias, _eps = inputs
+    _y, mean, rstd = output
+    ctx.save_for_backward(x, weight, mean, rstd)
+
+
+def _layer_norm_backward(ctx, grad_y, _grad_mean, _grad_rstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    dx, dw, db = torch.ops.bertdist.layer_norm_bwd(grad_y.contiguous(), x, mean, rstd, weight)
+    return dx, dw, db, None
+
+
+_layer_norm_fwd.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup)
+
+
+def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
+    """LayerNorm over the last dim, fp32 statistics; output in x's dtype."""
+    y, _, _ = torch.ops.bertdist.layer_norm_fwd(x.contiguous(), weight, bias, float(eps))
+    return y
+
+
+# ---------------------------------------------------------------- bias + dropout + residual + layer norm
+
+
+@torch.library.custom_op("bertdist::bias_dropout_add_layer_norm_fwd", mutates_args=())
+def _bdaln_fwd(
+    x: Tensor,
+    bias: Optional[Tensor],
+    residual: Tensor,
+    weight: Tensor,
+    ln_bias: Tensor,
+    p: float,
+    eps: float,
+    seed: int,
+    offset: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    y, h, mean, rstd = _C().bias_dropout_add_layer_norm_fwd(x, bias, residual, weight, ln_bias, p, eps, seed, offset)
+    return y, h, mean, rstd
+
+
+@_bdaln_fwd.register_fake
+def _(x, bias, residual, weight, ln_bias, p, eps, seed, offset):
+    rows = x.numel() // x.shape[-1]
+    acc = _acc_dtype(x)
+    return torch.empty_like(x), torch.empty_like(x), x.new_empty(rows, dtype=acc), x.new_empty(rows, dtype=acc)
+
+
+@torch.library.custom_op("bertdist::bias_dropout_add_layer_norm_bwd", mutates_args=())
+def _bdaln_bwd(
+    grad_out: Tensor,
+    h: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    weight: Tensor,
+    has_bias: bool,
+    p: float,
+    seed: int,
+    offset: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    dh, dx, dw, dlnb, dbias = _C().bias_dropout_add_layer_norm_bwd(grad_out, h, mean, rstd, weight, has_bias, p, seed, offset)
+    return dh, dx, dw, dlnb, dbias
+
+
+@_bdaln_bwd.register_fake
+def _(grad_out, h, mean, rstd, weight, has_bias, p, seed, offset):
+    acc = _acc_dtype(h)
+    dx = torch.empty_like(h) if p > 0 else h.new_empty(0)
+    dbias = h.new_empty(h.shape[-1], dtype=acc) if has_bias else h.new_empty(0, dtype=acc)
+    return torch.empty_like(h), dx, torch.empty_like(weight), torch.empty_like(weight), dbias
+
+
+def _bdaln_setup(ctx, inputs, output):
+    x, bias, _residual, weight, _ln_bias, p, _eps, seed, offset = inputs
+    _y, h, mean, rstd = output
+    ctx.save_for_backward(h, weight, mean, rstd)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.p, ctx.seed, ctx.offset = p, seed, offset
+
+
+def _bdaln_backward(ctx, grad_y, _grad_h, _grad_mean, _grad_rstd):
+    h, weight, mean, rstd = ctx.saved_tensors
+    has_bias = ctx.bias_dtype is not None
+    dh, dx, dw, dlnb, dbias = torch.ops.bertdist.bias_dropout_add_layer_norm_bwd(
+        grad_y.contiguous(), h, mean, rstd, weight, has_bias, ctx.p, ctx.seed, ctx.offset
+    )
+    if ctx.p == 0:
+        dx = dh  # no dropout: x and the residual get the same gradient
+    return dx, (dbias.to(ctx.bias_dtype) if has_bias else None), dh, dw, dlnb, None, None, None, None
+
+
+_bdaln_fwd.register_autograd(_bdaln_backward, setup_context=_bdaln_setup)
+
+
+def bias_dropout_add_layer_norm(
+    x: Tensor,
+    bias: Tensor | None,
+    residual: Tensor,
+    weight: Tensor,
+    ln_bias: Tensor,
+    *,
+    p: float,
+    training: bool,
+    eps: float,
+    seed: int | None = None,
+    offset: int = 0,
+) -> Tensor:
+    """``LN(residual + dropout(x + bias))`` in one kernel; statistics in fp32."""
+    p = float(p) if training else 0.0
+    if p > 0 and seed is None:
+        seed = _draw_seed()
+    y, _, _, _ = torch.ops.bertdist.bias_dropout_add_layer_norm_fwd(
+        x.contiguous(), bias, residual.contiguous(), weight, ln_bias, p, float(eps), int(seed or 0), int(offset)
+    )
+    return y
+
+
+# ---------------------------------------------------------------- attention
+
+
+def _bhsd_like(q: Tensor) -> Tensor:
+    # Outputs live in [B, S, H, D] memory viewed as [B, H, S, D] (what the C++ side allocates).
+    b, h, s, d = q.shape
+    return q.new_empty(b, s, h, d).permute(0, 2, 1, 3)
+
+
+@torch.library.custom_op("bertdist::attention_fwd", mutates_args=())
+def _attention_fwd(
+    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], scale: float, p: float, seed: int, offset: int
+) -> tuple[Tensor, Tensor]:
+    out, stats = _C().attention_fwd(q, k, v, key_padding_mask, scale, p, seed, offset)
+    return out, stats
+
+
+@_attention_fwd.register_fake
+def _(q, k, v, key_padding_mask, scale, p, seed, offset):
+    b, h, s, _ = q.shape
+    return _bhsd_like(q), q.new_empty(2, b * h * s, dtype=_acc_dtype(q))
+
+
+@torch.library.custom_op("bertdist::attention_bwd", mutates_args=())
+def _attention_bwd(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    stats: Tensor,
+    key_padding_mask: Optional[Tensor],
+    scale: float,
+    p: float,
+    seed: int,
+    offset: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = _C().attention_bwd(grad_out, q, k, v, out, stats, key_padding_mask, scale, p, seed, offset)
+    return dq, dk, dv
+
+
+@_attention_bwd.register_fake
+def _(grad_out, q, k, v, out, stats, key_padding_mask, scale, p, seed, offset):
+    return _bhsd_like(q), _bhsd_like(q), _bhsd_like(q)
+
+
+def _attention_setup(ctx, inputs, output):
+    q, k, v, mask, scale, p, seed, offset = inputs
+    out, stats = output
+    ctx.save_for_backward(q, k, v, out, stats, mask)
+    ctx.scale, ctx.p, ctx.seed, ctx.offset = scale, p, seed, offset
+
+
+def _attention_backward(ctx, grad_out, _grad_stats):
+    q, k, v, out, stats, mask = ctx.saved_tensors
+    if grad_out.stride(-1) != 1:
+        grad_out = grad_out.contiguous()
+    dq, dk, dv = torch.ops.bertdist.attention_bwd(
+        grad_out, q, k, v, out, stats, mask, ctx.scale, ctx.p, ctx.seed, ctx.offset
+    )
+    return dq, dk, dv, None, None, None, None, None
+
+
+_attention_fwd.register_autograd(_attention_backward, setup_context=_attention_setup)
+
+
+def _unit_last_stride(t: Tensor) -> Tensor:
+    # The kernels take any [B, H, S, D] strides as long as head_dim is dense (the model's
+    # permuted views of its packed QKV projection qualify, so they are not copied).
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    key_padding_mask: Tensor | None,
+    *,
+    dropout_p: float = 0.0,
+    training: bool = False,
+    scale: float | None = None,
+    seed: int | None = None,
+    offset: int = 0,
+) -> Tensor:
+    """``softmax(Q K^T * scale + mask) -> dropout -> @ V`` for ``[B, H, S, D]`` q/k/v; the
+    result is a ``[B, H, S, D]`` view of ``[B, S, H, D]`` memory."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    p = float(dropout_p) if training else 0.0
+    if p > 0 and seed is None:
+        seed = _draw_seed()
+    out, _ = torch.ops.bertdist.attention_fwd(
+        _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v), key_padding_mask, scale, p,
+        int(seed or 0), int(offset),
+    )
+    return out
+
+
+@torch.library.custom_op("bertdist::varlen_attention_fwd", mutates_args=())
+def _varlen_fwd(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float, p: float, seed: int, offset: int
+) -> tuple[Tensor, Tensor]:
+    out, stats = _C().varlen_attention_fwd(q, k, v, cu_seqlens, max_seqlen, scale, p, seed, offset)
+    return out, stats
+
+
+@_varlen_fwd.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, scale, p, seed, offset):
+    t, h, _ = q.shape
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(2, t * h, dtype=_acc_dtype(q))
+
+
+@torch.library.custom_op("bertdist::varlen_attention_bwd", mutates_args=())
+def _varlen_bwd(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    stats: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    scale: float,
+    p: float,
+    seed: int,
+    offset: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = _C().varlen_attention_bwd(grad_out, q, k, v, out, stats, cu_seqlens, max_seqlen, scale, p, seed, offset)
+    return dq, dk, dv
+
+
+@_varlen_bwd.register_fake
+def _(grad_out, q, k, v, out, stats, cu_seqlens, max_seqlen, scale, p, seed, offset):
+    return tuple(torch.empty_like(q, memory_format=torch.contiguous_format) for _ in range(3))
+
+
+def _varlen_setup(ctx, inputs, output):
+    q, k, v, cu, max_seqlen, scale, p, seed, offset = inputs
+    out, stats = output
+    ctx.save_for_backward(q, k, v, out, stats, cu)
+    ctx.max_seqlen, ctx.scale, ctx.p, ctx.seed, ctx.offset = max_seqlen, scale, p, seed, offset
+
+
+def _varlen_backward(ctx, grad_out, _grad_stats):
+    q, k, v, out, stats, cu = ctx.saved_tensors
+    if grad_out.stride(-1) != 1:
+        grad_out = grad_out.contiguous()
+    dq, dk, dv = torch.ops.bertdist.varlen_attention_bwd(
+        grad_out, q, k, v, out, stats, cu, ctx.max_seqlen, ctx.scale, ctx.p, ctx.seed, ctx.offset
+    )
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup)
+
+
+def varlen_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    *,
+    dropout_p: float = 0.0,
+    training: bool = False,
+    scale: float | None = None,
+    seed: int | None = None,
+    offset: int = 0,
+) -> Tensor:
+    """Unpadded attention over packed ``[total_tokens, heads, head_dim]`` q/k/v; sequence b is
+    tokens ``cu_seqlens[b]:cu_seqlens[b+1]`` (int32) and attends only to itself."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    p = float(dropout_p) if training else 0.0
+    if p > 0 and seed is None:
+        seed = _draw_seed()
+    out, _ = torch.ops.bertdist.varlen_attention_fwd(
+        _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v), cu_seqlens, int(max_seqlen), scale, p,
+        int(seed or 0), int(offset),
+    )
+    return out

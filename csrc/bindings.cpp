@@ -1,0 +1,616 @@
+// pybind11 host functions of the bertdist._C extension.
+//
+// Every entry point checks its arguments (device, dtype, shape, contiguity/strides) with a
+// message naming the expected and the actual value, allocates outputs, and hands raw
+// pointers to the CPU kernels or, for CUDA tensors, to the CUDA kernels (when built with
+// BERTDIST_WITH_CUDA). Autograd lives in Python (bertdist/ops/fused.py).
+#include <torch/extension.h>
+
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "ops.h"
+#include "philox.h"
+
+#ifdef BERTDIST_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+// Written by the build (bertdist/ops/_build_config.py: write_build_info).
+#if __has_include("bertdist_build_info.h")
+#include "bertdist_build_info.h"
+#endif
+#ifndef BERTDIST_CUDA_ARCHS
+#define BERTDIST_CUDA_ARCHS ""
+#endif
+#ifndef BERTDIST_BUILD_NOTE
+#define BERTDIST_BUILD_NOTE ""
+#endif
+
+namespace bertdist {
+namespace {
+
+std::string shape_str(const at::Tensor& t) { return c10::str(t.sizes()); }
+
+DType dtype_of(const at::Tensor& t, const char* op) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::F32;
+    case at::kHalf: return DType::F16;
+    case at::kBFloat16: return DType::BF16;
+    case at::kDouble:
+      TORCH_CHECK(t.device().is_cpu(), op, ": float64 is supported on CPU only (got a float64 tensor on ",
+                  t.device(), ")");
+      return DType::F64;
+    default:
+      TORCH_CHECK(false, op, ": expected dtype float32, float16 or bfloat16 (float64 on CPU), got ",
+                  t.scalar_type());
+  }
+  return DType::F32;
+}
+
+at::ScalarType acc_type(const at::Tensor& t) {
+  return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+void check_same_device(const at::Tensor& ref, const at::Tensor& t, const char* op, const char* ref_name,
+                       const char* name) {
+  TORCH_CHECK(t.device() == ref.device(), op, ": ", name, " must be on ", ref_name, "'s device ",
+              ref.device(), ", got ", t.device());
+}
+
+void check_dtype(const at::Tensor& t, at::ScalarType want, const char* op, const char* name) {
+  TORCH_CHECK(t.scalar_type() == want, op, ": ", name, " must have dtype ", want, ", got ", t.scalar_type());
+}
+
+void check_contiguous(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous, got strides ", t.strides(),
+              " for shape ", t.sizes());
+}
+
+void check_vector(const at::Tensor& t, int64_t n, const char* op, const char* name) {
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == n, op, ": ", name, " must have shape [", n, "], got ", shape_str(t));
+}
+
+// Small per-feature vectors (weights, biases) go to the kernels in the accumulation type.
+at::Tensor as_acc(const at::Tensor& t, at::ScalarType acc) { return t.to(acc).contiguous(); }
+
+uint32_t checked_offset(int64_t offset, const char* op) {
+  TORCH_CHECK(offset >= 0 && offset <= 0xFFFFFFFFLL, op, ": offset must be in [0, 2^32), got ", offset);
+  return static_cast<uint32_t>(offset);
+}
+
+void check_p(double p, const char* op) {
+  TORCH_CHECK(p >= 0.0 && p < 1.0, op, ": dropout probability must be in [0, 1), got ", p);
+}
+
+#ifdef BERTDIST_WITH_CUDA
+void* current_stream() { return static_cast<void*>(c10::cuda::getCurrentCUDAStream().stream()); }
+#endif
+
+// Runs the CPU or CUDA variant of a kernel for tensors on `ref`'s device.
+template <typename CpuFn, typename CudaFn>
+void run_on_device(const at::Tensor& ref, const char* op, CpuFn&& cpu, CudaFn&& cuda) {
+  if (ref.device().is_cpu()) {
+    cpu();
+    return;
+  }
+#ifdef BERTDIST_WITH_CUDA
+  if (ref.device().is_cuda()) {
+    c10::cuda::CUDAGuard guard(ref.device());
+    try {
+      cuda(current_stream());
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, op, ": ", e.what());
+    }
+    return;
+  }
+  TORCH_CHECK(false, op, ": expected a CPU or CUDA tensor, got device ", ref.device());
+#else
+  (void)cuda;
+  TORCH_CHECK(false, op, ": expected a CPU tensor (this build of bertdist._C has no CUDA kernels: ",
+              BERTDIST_BUILD_NOTE, "), got device ", ref.device());
+#endif
+}
+
+// ---------------------------------------------------------------- layer norm
+
+constexpr int64_t kMaxHidden = 16384;
+
+struct LnInputs {
+  int64_t rows, hidden;
+  at::Tensor gamma, beta;
+};
+
+LnInputs check_ln_inputs(const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& beta, const char* op) {
+  TORCH_CHECK(x.dim() >= 1, op, ": x must have at least 1 dimension, got shape ", shape_str(x));
+  dtype_of(x, op);
+  check_contiguous(x, op, "x");
+  const int64_t hidden = x.size(-1);
+  TORCH_CHECK(hidden >= 1 && hidden <= kMaxHidden, op, ": hidden size (x.shape[-1]) must be in [1, ", kMaxHidden,
+              "], got ", hidden);
+  check_same_device(x, gamma, op, "x", "weight");
+  check_same_device(x, beta, op, "x", "bias");
+  check_vector(gamma, hidden, op, "weight");
+  check_vector(beta, hidden, op, "bias");
+  const auto acc = acc_type(x);
+  return {x.numel() / hidden, hidden, as_acc(gamma, acc), as_acc(beta, acc)};
+}
+
+std::vector<at::Tensor> layer_norm_fwd(const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& beta,
+                                       double eps) {
+  const char* op = "bertdist.layer_norm_fwd";
+  auto in = check_ln_inputs(x, gamma, beta, op);
+  auto y = at::empty_like(x);
+  auto stat_opts = x.options().dtype(acc_type(x));
+  auto mean = at::empty({in.rows}, stat_opts), rstd = at::empty({in.rows}, stat_opts);
+  LnFwdParams p;
+  p.x = x.data_ptr();
+  p.gamma = in.gamma.data_ptr();
+  p.beta = in.beta.data_ptr();
+  p.y = y.data_ptr();
+  p.mean = mean.data_ptr();
+  p.rstd = rstd.data_ptr();
+  p.rows = in.rows;
+  p.hidden = in.hidden;
+  p.eps = static_cast<float>(eps);
+  const DType t = dtype_of(x, op);
+  if (in.rows > 0)
+    run_on_device(x, op, [&] { ln_fwd_cpu(p, t); }, [&](void* s) {
+#ifdef BERTDIST_WITH_CUDA
+      ln_fwd_cuda(p, t, s);
+#endif
+    });
+  return {y, mean, rstd};
+}
+
+// Column sums for the LN backward; on CUDA the kernel needs a partial-sum workspace.
+void run_ln_bwd(const at::Tensor& ref, LnBwdParams& p, DType t, const char* op) {
+  run_on_device(ref, op, [&] { ln_bwd_cpu(p, t); }, [&](void* s) {
+#ifdef BERTDIST_WITH_CUDA
+    const int parts = ln_bwd_cuda_parts(p.rows, ref.device().index());
+    auto ws = at::empty({3 * static_cast<int64_t>(parts) * p.hidden}, ref.options().dtype(at::kFloat));
+    ln_bwd_cuda(p, t, ws.data_ptr<float>(), parts, s);
+#endif
+  });
+}
+
+void check_ln_bwd_inputs(const at::Tensor& dy, const at::Tensor& h, const at::Tensor& mean,
+                         const at::Tensor& rstd, const char* op, const char* h_name) {
+  check_same_device(h, dy, op, h_name, "grad_out");
+  check_dtype(dy, h.scalar_type(), op, "grad_out");
+  TORCH_CHECK(dy.sizes() == h.sizes(), op, ": grad_out must have ", h_name, "'s shape ", shape_str(h), ", got ",
+              shape_str(dy));
+  check_contiguous(dy, op, "grad_out");
+  const int64_t rows = h.numel() / h.size(-1);
+  for (auto* t : {&mean, &rstd}) {
+    check_same_device(h, *t, op, h_name, "mean/rstd");
+    check_dtype(*t, acc_type(h), op, "mean/rstd");
+    check_vector(*t, rows, op, "mean/rstd");
+  }
+}
+
+std::vector<at::Tensor> layer_norm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
+                                       const at::Tensor& rstd, const at::Tensor& gamma) {
+  const char* op = "bertdist.layer_norm_bwd";
+  auto in = check_ln_inputs(x, gamma, gamma, op);
+  check_ln_bwd_inputs(dy, x, mean, rstd, op, "x");
+  auto dx = at::empty_like(x);
+  auto acc_opts = x.options().dtype(acc_type(x));
+  auto dgamma = at::zeros({in.hidden}, acc_opts), dbeta = at::zeros({in.hidden}, acc_opts);
+  LnBwdParams p;
+  p.dy = dy.data_ptr();
+  p.h = x.data_ptr();
+  p.mean = mean.data_ptr();
+  p.rstd = rstd.data_ptr();
+  p.gamma = in.gamma.data_ptr();
+  p.dh = dx.data_ptr();
+  p.dgamma = dgamma.data_ptr();
+  p.dbeta = dbeta.data_ptr();
+  p.rows = in.rows;
+  p.hidden = in.hidden;
+  if (in.rows > 0) run_ln_bwd(x, p, dtype_of(x, op), op);
+  return {dx, dgamma.to(gamma.scalar_type()), dbeta.to(gamma.scalar_type())};
+}
+
+// y = LN(residual + dropout(x + bias)); returns (y, h = residual + dropout(x + bias), mean, rstd).
+std::vector<at::Tensor> bdaln_fwd(const at::Tensor& x, const c10::optional<at::Tensor>& bias,
+                                  const at::Tensor& residual, const at::Tensor& gamma, const at::Tensor& beta,
+                                  double p_drop, double eps, int64_t seed, int64_t offset) {
+  const char* op = "bertdist.bias_dropout_add_layer_norm_fwd";
+  auto in = check_ln_inputs(x, gamma, beta, op);
+  check_p(p_drop, op);
+  check_same_device(x, residual, op, "x", "residual");
+  check_dtype(residual, x.scalar_type(), op, "residual");
+  TORCH_CHECK(residual.sizes() == x.sizes(), op, ": residual must have x's shape ", shape_str(x), ", got ",
+              shape_str(residual));
+  check_contiguous(residual, op, "residual");
+  at::Tensor bias_acc;
+  if (bias.has_value()) {
+    check_same_device(x, *bias, op, "x", "dense bias");
+    check_vector(*bias, in.hidden, op, "dense bias");
+    bias_acc = as_acc(*bias, acc_type(x));
+  }
+  auto y = at::empty_like(x), h = at::empty_like(x);
+  auto stat_opts = x.options().dtype(acc_type(x));
+  auto mean = at::empty({in.rows}, stat_opts), rstd = at::empty({in.rows}, stat_opts);
+  LnFwdParams p;
+  p.x = x.data_ptr();
+  p.bias = bias_acc.defined() ? bias_acc.data_ptr() : nullptr;
+  p.residual = residual.data_ptr();
+  p.gamma = in.gamma.data_ptr();
+  p.beta = in.beta.data_ptr();
+  p.y = y.data_ptr();
+  p.h = h.data_ptr();
+  p.mean = mean.data_ptr();
+  p.rstd = rstd.data_ptr();
+  p.rows = in.rows;
+  p.hidden = in.hidden;
+  p.eps = static_cast<float>(eps);
+  p.dropout = p_drop > 0.0;
+  p.p = static_cast<float>(p_drop);
+  p.seed = static_cast<uint64_t>(seed);
+  p.offset = checked_offset(offset, op);
+  const DType t = dtype_of(x, op);
+  if (in.rows > 0)
+    run_on_device(x, op, [&] { ln_fwd_cpu(p, t); }, [&](void* s) {
+#ifdef BERTDIST_WITH_CUDA
+      ln_fwd_cuda(p, t, s);
+#endif
+    });
+  return {y, h, mean, rstd};
+}
+
+// Returns (d_h, d_x, d_weight, d_bias_ln, d_dense_bias). d_h is the residual's gradient;
+// d_x (x's gradient) is an empty tensor when p == 0, since it then equals d_h; d_dense_bias
+// (in the accumulation type; the caller casts it to the bias's dtype) is empty unless has_bias.
+std::vector<at::Tensor> bdaln_bwd(const at::Tensor& dy, const at::Tensor& h, const at::Tensor& mean,
+                                  const at::Tensor& rstd, const at::Tensor& gamma, bool has_bias,
+                                  double p_drop, int64_t seed, int64_t offset) {
+  const char* op = "bertdist.bias_dropout_add_layer_norm_bwd";
+  auto in = check_ln_inputs(h, gamma, gamma, op);
+  check_ln_bwd_inputs(dy, h, mean, rstd, op, "h");
+  check_p(p_drop, op);
+  auto dh = at::empty_like(h);
+  auto dx = p_drop > 0.0 ? at::empty_like(h) : at::empty({0}, h.options());
+  auto acc_opts = h.options().dtype(acc_type(h));
+  auto dgamma = at::zeros({in.hidden}, acc_opts), dbeta = at::zeros({in.hidden}, acc_opts);
+  auto dbias = has_bias ? at::zeros({in.hidden}, acc_opts) : at::empty({0}, acc_opts);
+  LnBwdParams p;
+  p.dy = dy.data_ptr();
+  p.h = h.data_ptr();
+  p.mean = mean.data_ptr();
+  p.rstd = rstd.data_ptr();
+  p.gamma = in.gamma.data_ptr();
+  p.dh = dh.data_ptr();
+  p.dx = p_drop > 0.0 ? dx.data_ptr() : nullptr;
+  p.dgamma = dgamma.data_ptr();
+  p.dbeta = dbeta.data_ptr();
+  p.dbias = has_bias ? dbias.data_ptr() : nullptr;
+  p.rows = in.rows;
+  p.hidden = in.hidden;
+  p.dropout = p_drop > 0.0;
+  p.p = static_cast<float>(p_drop);
+  p.seed = static_cast<uint64_t>(seed);
+  p.offset = checked_offset(offset, op);
+  if (in.rows > 0) run_ln_bwd(h, p, dtype_of(h, op), op);
+  return {dh, dx, dgamma.to(gamma.scalar_type()), dbeta.to(gamma.scalar_type()),
+          dbias};
+}
+
+// ---------------------------------------------------------------- attention
+
+HeadTensor head_view(const at::Tensor& t) {
+  HeadTensor h;
+  h.ptr = t.data_ptr();
+  if (t.dim() == 4) {  // [B, H, S, D]
+    h.stride_b = t.stride(0);
+    h.stride_h = t.stride(1);
+    h.stride_s = t.stride(2);
+  } else {  // [T, H, D]
+    h.stride_h = t.stride(1);
+    h.stride_s = t.stride(0);
+  }
+  return h;
+}
+
+void check_head_tensor(const at::Tensor& ref, const at::Tensor& t, const char* op, const char* name) {
+  check_same_device(ref, t, op, "q", name);
+  check_dtype(t, ref.scalar_type(), op, name);
+  TORCH_CHECK(t.sizes() == ref.sizes(), op, ": ", name, " must have q's shape ", shape_str(ref), ", got ",
+              shape_str(t));
+  TORCH_CHECK(t.stride(-1) == 1, op, ": ", name, " must have unit stride on head_dim, got strides ", t.strides());
+}
+
+void check_head_dim(const at::Tensor& q, const char* op) {
+  const int64_t d = q.size(-1);
+  if (q.device().is_cuda()) {
+    TORCH_CHECK(d == 32 || d == 64 || d == 128, op, ": head_dim must be 32, 64 or 128 on CUDA, got ", d);
+  } else {
+    TORCH_CHECK(d >= 1 && d <= 1024, op, ": head_dim must be in [1, 1024], got ", d);
+  }
+}
+
+// Output in [B, S, H, D] memory seen as [B, H, S, D]: the model's transpose(1, 2).reshape
+// back to [B, S, H * D] is then free.
+at::Tensor empty_bshd(const at::Tensor& q) {
+  return at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options()).permute({0, 2, 1, 3});
+}
+
+void fill_mask(AttnParams& p, const c10::optional<at::Tensor>& mask, const at::Tensor& q, const char* op) {
+  if (!mask.has_value()) return;
+  const auto& m = *mask;
+  check_same_device(q, m, op, "q", "key_padding_mask");
+  check_dtype(m, at::kBool, op, "key_padding_mask");
+  TORCH_CHECK(m.dim() == 2 && m.size(0) == q.size(0) && m.size(1) == q.size(2), op,
+              ": key_padding_mask must have shape [batch, seq] = [", q.size(0), ", ", q.size(2), "], got ",
+              shape_str(m));
+  TORCH_CHECK(m.stride(1) == 1 || m.size(1) == 1, op, ": key_padding_mask must have unit stride on seq, got strides ",
+              m.strides());
+  p.key_mask = reinterpret_cast<const uint8_t*>(m.data_ptr<bool>());
+  p.mask_stride_b = m.stride(0);
+}
+
+void fill_common(AttnParams& p, const at::Tensor& q, double scale, double p_drop, int64_t seed, int64_t offset,
+                 const char* op) {
+  check_p(p_drop, op);
+  p.head_dim = static_cast<int>(q.size(-1));
+  p.scale = static_cast<float>(scale);
+  p.dropout = p_drop > 0.0;
+  p.p = static_cast<float>(p_drop);
+  p.seed = static_cast<uint64_t>(seed);
+  p.offset = checked_offset(offset, op);
+}
+
+void check_padded_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const char* op) {
+  TORCH_CHECK(q.dim() == 4, op, ": q must be [batch, heads, seq, head_dim], got shape ", shape_str(q));
+  dtype_of(q, op);
+  TORCH_CHECK(q.stride(-1) == 1, op, ": q must have unit stride on head_dim, got strides ", q.strides());
+  check_head_tensor(q, k, op, "k");
+  check_head_tensor(q, v, op, "v");
+  check_head_dim(q, op);
+}
+
+void run_attn(const at::Tensor& ref, const AttnParams& p, DType t, bool backward, const char* op) {
+  run_on_device(ref, op, [&] { backward ? attn_bwd_cpu(p, t) : attn_fwd_cpu(p, t); }, [&](void* s) {
+#ifdef BERTDIST_WITH_CUDA
+    backward ? attn_bwd_cuda(p, t, s) : attn_fwd_cuda(p, t, s);
+#endif
+  });
+}
+
+// Returns (out [B, H, S, D], stats [2, B * H * S]).
+std::vector<at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const c10::optional<at::Tensor>& key_padding_mask, double scale,
+                                      double p_drop, int64_t seed, int64_t offset) {
+  const char* op = "bertdist.attention_fwd";
+  check_padded_qkv(q, k, v, op);
+  AttnParams p;
+  fill_common(p, q, scale, p_drop, seed, offset, op);
+  fill_mask(p, key_padding_mask, q, op);
+  p.batch = static_cast<int>(q.size(0));
+  p.heads = static_cast<int>(q.size(1));
+  p.seq = static_cast<int>(q.size(2));
+  auto o = empty_bshd(q);
+  auto stats = at::empty({2, q.size(0) * q.size(1) * q.size(2)}, q.options().dtype(acc_type(q)));
+  p.q = head_view(q);
+  p.k = head_view(k);
+  p.v = head_view(v);
+  p.o = head_view(o);
+  p.stats = stats.data_ptr();
+  if (q.numel() > 0) run_attn(q, p, dtype_of(q, op), false, op);
+  return {o, stats};
+}
+
+std::vector<at::Tensor> attention_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                                      const at::Tensor& v, const at::Tensor& o, const at::Tensor& stats,
+                                      const c10::optional<at::Tensor>& key_padding_mask, double scale,
+                                      double p_drop, int64_t seed, int64_t offset) {
+  const char* op = "bertdist.attention_bwd";
+  check_padded_qkv(q, k, v, op);
+  check_head_tensor(q, o, op, "out");
+  check_head_tensor(q, dout, op, "grad_out");
+  const int64_t rows = q.size(0) * q.size(1) * q.size(2);
+  check_same_device(q, stats, op, "q", "stats");
+  check_dtype(stats, acc_type(q), op, "stats");
+  TORCH_CHECK(stats.dim() == 2 && stats.size(0) == 2 && stats.size(1) == rows && stats.is_contiguous(), op,
+              ": stats must be a contiguous [2, ", rows, "] tensor, got shape ", shape_str(stats));
+  AttnParams p;
+  fill_common(p, q, scale, p_drop, seed, offset, op);
+  fill_mask(p, key_padding_mask, q, op);
+  p.batch = static_cast<int>(q.size(0));
+  p.heads = static_cast<int>(q.size(1));
+  p.seq = static_cast<int>(q.size(2));
+  auto dq = empty_bshd(q), dk = empty_bshd(q), dv = empty_bshd(q);
+  auto delta = at::empty({rows}, stats.options());
+  p.q = head_view(q);
+  p.k = head_view(k);
+  p.v = head_view(v);
+  p.o = head_view(o);
+  p.dout = head_view(dout);
+  p.dq = head_view(dq);
+  p.dk = head_view(dk);
+  p.dv = head_view(dv);
+  p.stats = stats.data_ptr();
+  p.delta = delta.data_ptr();
+  if (q.numel() > 0) run_attn(q, p, dtype_of(q, op), true, op);
+  return {dq, dk, dv};
+}
+
+void check_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu,
+                  int64_t max_seqlen, const char* op) {
+  TORCH_CHECK(q.dim() == 3, op, ": q must be [total_tokens, heads, head_dim], got shape ", shape_str(q));
+  dtype_of(q, op);
+  TORCH_CHECK(q.stride(-1) == 1, op, ": q must have unit stride on head_dim, got strides ", q.strides());
+  check_head_tensor(q, k, op, "k");
+  check_head_tensor(q, v, op, "v");
+  check_head_dim(q, op);
+  check_same_device(q, cu, op, "q", "cu_seqlens");
+  check_dtype(cu, at::kInt, op, "cu_seqlens");
+  TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 1, op, ": cu_seqlens must be [batch + 1], got shape ", shape_str(cu));
+  check_contiguous(cu, op, "cu_seqlens");
+  TORCH_CHECK(max_seqlen >= 0, op, ": max_seqlen must be >= 0, got ", max_seqlen);
+  if (cu.device().is_cpu()) {  // on CUDA this would cost a device sync; the caller vouches
+    const int32_t* c = cu.data_ptr<int32_t>();
+    const int64_t n = cu.size(0);
+    TORCH_CHECK(c[0] == 0, op, ": cu_seqlens[0] must be 0, got ", c[0]);
+    TORCH_CHECK(c[n - 1] == q.size(0), op, ": cu_seqlens[-1] must equal total_tokens ", q.size(0), ", got ",
+                c[n - 1]);
+    for (int64_t i = 1; i < n; ++i) {
+      TORCH_CHECK(c[i] >= c[i - 1], op, ": cu_seqlens must be non-decreasing, got ", c[i - 1], " then ", c[i],
+                  " at index ", i);
+      TORCH_CHECK(c[i] - c[i - 1] <= max_seqlen, op, ": sequence ", i - 1, " has length ", c[i] - c[i - 1],
+                  " > max_seqlen ", max_seqlen);
+    }
+  }
+}
+
+void fill_varlen(AttnParams& p, const at::Tensor& q, const at::Tensor& cu, int64_t max_seqlen) {
+  p.cu_seqlens = cu.data_ptr<int32_t>();
+  p.batch = static_cast<int>(cu.size(0) - 1);
+  p.heads = static_cast<int>(q.size(1));
+  p.seq = static_cast<int>(max_seqlen);
+  p.total_tokens = q.size(0);
+}
+
+// Returns (out [T, H, D], stats [2, H * T]).
+std::vector<at::Tensor> varlen_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                             const at::Tensor& cu_seqlens, int64_t max_seqlen, double scale,
+                                             double p_drop, int64_t seed, int64_t offset) {
+  const char* op = "bertdist.varlen_attention_fwd";
+  check_varlen(q, k, v, cu_seqlens, max_seqlen, op);
+  AttnParams p;
+  fill_common(p, q, scale, p_drop, seed, offset, op);
+  fill_varlen(p, q, cu_seqlens, max_seqlen);
+  auto o = at::empty(q.sizes(), q.options());
+  auto stats = at::empty({2, q.size(0) * q.size(1)}, q.options().dtype(acc_type(q)));
+  p.q = head_view(q);
+  p.k = head_view(k);
+  p.v = head_view(v);
+  p.o = head_view(o);
+  p.stats = stats.data_ptr();
+  if (q.numel() > 0 && p.batch > 0) run_attn(q, p, dtype_of(q, op), false, op);
+  return {o, stats};
+}
+
+std::vector<at::Tensor> varlen_attention_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                                             const at::Tensor& v, const at::Tensor& o, const at::Tensor& stats,
+                                             const at::Tensor& cu_seqlens, int64_t max_seqlen, double scale,
+                                             double p_drop, int64_t seed, int64_t offset) {
+  const char* op = "bertdist.varlen_attention_bwd";
+  check_varlen(q, k, v, cu_seqlens, max_seqlen, op);
+  check_head_tensor(q, o, op, "out");
+  check_head_tensor(q, dout, op, "grad_out");
+  const int64_t rows = q.size(0) * q.size(1);
+  check_same_device(q, stats, op, "q", "stats");
+  check_dtype(stats, acc_type(q), op, "stats");
+  TORCH_CHECK(stats.dim() == 2 && stats.size(0) == 2 && stats.size(1) == rows && stats.is_contiguous(), op,
+              ": stats must be a contiguous [2, ", rows, "] tensor, got shape ", shape_str(stats));
+  AttnParams p;
+  fill_common(p, q, scale, p_drop, seed, offset, op);
+  fill_varlen(p, q, cu_seqlens, max_seqlen);
+  auto dq = at::empty(q.sizes(), q.options()), dk = at::empty(q.sizes(), q.options()),
+       dv = at::empty(q.sizes(), q.options());
+  auto delta = at::empty({rows}, stats.options());
+  p.q = head_view(q);
+  p.k = head_view(k);
+  p.v = head_view(v);
+  p.o = head_view(o);
+  p.dout = head_view(dout);
+  p.dq = head_view(dq);
+  p.dk = head_view(dk);
+  p.dv = head_view(dv);
+  p.stats = stats.data_ptr();
+  p.delta = delta.data_ptr();
+  if (q.numel() > 0 && p.batch > 0) run_attn(q, p, dtype_of(q, op), true, op);
+  return {dq, dk, dv};
+}
+
+// The dropout keep masks the kernels use, materialised on CPU: for tests (an explicit-mask
+// reference must match the fused ops with dropout on) and for anyone checking reproducibility.
+at::Tensor hidden_keep_mask(int64_t rows, int64_t hidden, double p_drop, int64_t seed, int64_t offset) {
+  const char* op = "bertdist.hidden_keep_mask";
+  check_p(p_drop, op);
+  TORCH_CHECK(rows >= 0 && hidden >= 1, op, ": need rows >= 0 and hidden >= 1, got ", rows, ", ", hidden);
+  const uint32_t off = checked_offset(offset, op), thr = keep_threshold(static_cast<float>(p_drop));
+  auto keep = at::empty({rows, hidden}, at::kBool);
+  bool* k = keep.data_ptr<bool>();
+  for (int64_t e = 0; e < rows * hidden; ++e)
+    k[e] = hidden_draws(static_cast<uint64_t>(seed), off, static_cast<uint64_t>(e) >> 2).v[e & 3] < thr;
+  return keep;
+}
+
+at::Tensor attention_keep_mask(int64_t batch_heads, int64_t rows, int64_t cols, double p_drop, int64_t seed,
+                               int64_t offset) {
+  const char* op = "bertdist.attention_keep_mask";
+  check_p(p_drop, op);
+  TORCH_CHECK(batch_heads >= 0 && rows >= 0 && cols >= 0, op, ": sizes must be >= 0");
+  const uint32_t off = checked_offset(offset, op), thr = keep_threshold(static_cast<float>(p_drop));
+  auto keep = at::empty({batch_heads, rows, cols}, at::kBool);
+  bool* k = keep.data_ptr<bool>();
+  for (int64_t bh = 0; bh < batch_heads; ++bh)
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < cols; ++j)
+        *k++ = attn_keep(static_cast<uint64_t>(seed), off, static_cast<uint32_t>(bh), static_cast<uint32_t>(i),
+                         static_cast<uint32_t>(j), thr);
+  return keep;
+}
+
+bool with_cuda() {
+#ifdef BERTDIST_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+pybind11::dict build_info() {
+  pybind11::dict d;
+  d["with_cuda"] = with_cuda();
+  d["cuda_archs"] = std::string(BERTDIST_CUDA_ARCHS);
+  d["note"] = std::string(BERTDIST_BUILD_NOTE);
+#ifdef _OPENMP
+  d["openmp"] = true;
+#else
+  d["openmp"] = false;
+#endif
+  d["cuda_head_dims"] = std::vector<int>{32, 64, 128};
+  d["max_hidden"] = kMaxHidden;
+  return d;
+}
+
+}  // namespace
+}  // namespace bertdist
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace bertdist;
+  namespace py = pybind11;
+  m.doc() = "bertdist fused kernels: layer norm, bias+dropout+residual+layer norm, attention (CPU and CUDA)";
+  m.def("layer_norm_fwd", &layer_norm_fwd, py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("eps"));
+  m.def("layer_norm_bwd", &layer_norm_bwd, py::arg("grad_out"), py::arg("x"), py::arg("mean"), py::arg("rstd"),
+        py::arg("weight"));
+  m.def("bias_dropout_add_layer_norm_fwd", &bdaln_fwd, py::arg("x"), py::arg("bias"), py::arg("residual"),
+        py::arg("weight"), py::arg("ln_bias"), py::arg("p"), py::arg("eps"), py::arg("seed"), py::arg("offset"));
+  m.def("bias_dropout_add_layer_norm_bwd", &bdaln_bwd, py::arg("grad_out"), py::arg("h"), py::arg("mean"),
+        py::arg("rstd"), py::arg("weight"), py::arg("has_bias"), py::arg("p"),
+        py::arg("seed"), py::arg("offset"));
+  m.def("attention_fwd", &attention_fwd, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("key_padding_mask"),
+        py::arg("scale"), py::arg("p"), py::arg("seed"), py::arg("offset"));
+  m.def("attention_bwd", &attention_bwd, py::arg("grad_out"), py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("out"), py::arg("stats"), py::arg("key_padding_mask"), py::arg("scale"), py::arg("p"),
+        py::arg("seed"), py::arg("offset"));
+  m.def("varlen_attention_fwd", &varlen_attention_fwd, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("cu_seqlens"), py::arg("max_seqlen"), py::arg("scale"), py::arg("p"), py::arg("seed"),
+        py::arg("offset"));
+  m.def("varlen_attention_bwd", &varlen_attention_bwd, py::arg("grad_out"), py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("out"), py::arg("stats"), py::arg("cu_seqlens"), py::arg("max_seqlen"),
+        py::arg("scale"), py::arg("p"), py::arg("seed"), py::arg("offset"));
+  m.def("hidden_keep_mask", &hidden_keep_mask, py::arg("rows"), py::arg("hidden"), py::arg("p"), py::arg("seed"),
+        py::arg("offset"), "Keep mask [rows, hidden] of the fused layer-norm dropout (CPU)");
+  m.def("attention_keep_mask", &attention_keep_mask, py::arg("batch_heads"), py::arg("rows"), py::arg("cols"),
+        py::arg("p"), py::arg("seed"), py::arg("offset"),
+        "Keep mask [batch*heads, rows, cols] of the fused attention dropout (CPU); varlen uses per-sequence rows/cols");
+  m.def("with_cuda", &with_cuda, "True when this build contains the CUDA kernels");
+  m.def("build_info", &build_info, "How this module was built (CUDA archs, OpenMP, notes)");
+}

@@ -1,0 +1,86 @@
+// Device helpers shared by the CUDA kernels: dtype conversion, warp/block reductions,
+// launch checks, and dtype dispatch. No torch headers (see ops.h).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "ops.h"
+
+namespace bertdist {
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// N elements moved as one aligned load/store.
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum of a and b over the block (blockDim.x a multiple of 32); every thread gets the result.
+// smem needs 2 * 33 floats.
+__device__ __forceinline__ float2 block_sum2(float a, float b, float* smem) {
+  a = warp_sum(a);
+  b = warp_sum(b);
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  __syncthreads();  // smem may still be read from the previous call
+  if (lane == 0) {
+    smem[w] = a;
+    smem[33 + w] = b;
+  }
+  __syncthreads();
+  if (w == 0) {
+    float ta = lane < nw ? smem[lane] : 0.f, tb = lane < nw ? smem[33 + lane] : 0.f;
+    ta = warp_sum(ta);
+    tb = warp_sum(tb);
+    if (lane == 0) {
+      smem[32] = ta;
+      smem[65] = tb;
+    }
+  }
+  __syncthreads();
+  return make_float2(smem[32], smem[65]);
+}
+
+inline void check_launch(const char* what) {
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+inline void check_cuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+template <typename F>
+void dispatch_cuda_dtype(DType t, const char* op, F&& f) {
+  switch (t) {
+    case DType::F32: f(float{}); break;
+    case DType::F16: f(__half{}); break;
+    case DType::BF16: f(__nv_bfloat16{}); break;
+    default: throw std::runtime_error(std::string(op) + ": dtype not supported by the CUDA kernels");
+  }
+}
+
+}  // namespace bertdist

@@ -1,0 +1,274 @@
+// CUDA LayerNorm and fused bias + dropout + residual + LayerNorm, forward and backward.
+//
+// One block per row; each thread owns NV vectors of VEC elements (16-byte accesses when the
+// hidden size and pointers allow), keeps them in registers between the statistics and the
+// output, and never re-reads global memory. Statistics are fp32. The backward walks a
+// grid-stride set of rows per block, so each thread also accumulates its columns' gamma,
+// beta and dense-bias gradients in registers; a second kernel sums the per-block partials
+// (deterministic, no atomics). Dropout masks come from Philox counters (philox.h), so the
+// backward regenerates the forward's mask and matches the CPU kernel bit for bit.
+#include <algorithm>
+
+#include "cuda_common.cuh"
+#include "philox.h"
+
+namespace bertdist {
+namespace {
+
+constexpr int kMaxThreads = 1024;
+
+template <int VEC>
+struct DropDraws {
+  // keep[e] for elements e0 .. e0 + VEC - 1 of the flattened [rows, hidden] tensor.
+  __device__ __forceinline__ static void fill(const uint64_t seed, const uint32_t offset, const uint32_t threshold,
+                                              uint64_t e0, bool* keep) {
+    uint64_t last = ~0ull;
+    Philox4 r{};
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      const uint64_t e = e0 + k;
+      if ((e >> 2) != last) {
+        last = e >> 2;
+        r = hidden_draws(seed, offset, last);
+      }
+      keep[k] = r.v[e & 3] < threshold;
+    }
+  }
+};
+
+template <typename T, int VEC, int NV>
+__global__ void ln_fwd_kernel(LnFwdParams p, uint32_t threshold, float inv_keep) {
+  __shared__ float red[66];
+  const int64_t row = blockIdx.x;
+  const int nvec = static_cast<int>(p.hidden / VEC);
+  const int64_t base = row * p.hidden;
+  const float* gamma = static_cast<const float*>(p.gamma);
+  const float* beta = static_cast<const float*>(p.beta);
+  const float* bias = static_cast<const float*>(p.bias);
+  float v[NV][VEC];
+  float sum = 0.f;
+#pragma unroll
+  for (int n = 0; n < NV; ++n) {
+    const int vi = threadIdx.x + n * blockDim.x;
+    if (vi >= nvec) continue;
+    const int64_t off = base + static_cast<int64_t>(vi) * VEC;
+    Vec<T, VEC> xv = *reinterpret_cast<const Vec<T, VEC>*>(static_cast<const T*>(p.x) + off);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) v[n][k] = to_f(xv.v[k]) + (bias ? bias[vi * VEC + k] : 0.f);
+    if (p.dropout) {
+      bool keep[VEC];
+      DropDraws<VEC>::fill(p.seed, p.offset, threshold, static_cast<uint64_t>(off), keep);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) v[n][k] = keep[k] ? v[n][k] * inv_keep : 0.f;
+    }
+    if (p.residual) {
+      Vec<T, VEC> rv = *reinterpret_cast<const Vec<T, VEC>*>(static_cast<const T*>(p.residual) + off);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) v[n][k] += to_f(rv.v[k]);
+    }
+    if (p.h) {
+      // The backward recomputes from the stored h, so the statistics use its rounded value.
+      Vec<T, VEC> hv;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        hv.v[k] = from_f<T>(v[n][k]);
+        v[n][k] = to_f(hv.v[k]);
+      }
+      *reinterpret_cast<Vec<T, VEC>*>(static_cast<T*>(p.h) + off) = hv;
+    }
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) sum += v[n][k];
+  }
+  const float mean = block_sum2(sum, 0.f, red).x / static_cast<float>(p.hidden);
+  float sq = 0.f;
+#pragma unroll
+  for (int n = 0; n < NV; ++n) {
+    const int vi = threadIdx.x + n * blockDim.x;
+    if (vi >= nvec) continue;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      const float d = v[n][k] - mean;
+      sq += d * d;
+    }
+  }
+  const float var = block_sum2(sq, 0.f, red).x / static_cast<float>(p.hidden);
+  const float rstd = 1.f / sqrtf(var + p.eps);
+#pragma unroll
+  for (int n = 0; n < NV; ++n) {
+    const int vi = threadIdx.x + n * blockDim.x;
+    if (vi >= nvec) continue;
+    Vec<T, VEC> yv;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      const int c = vi * VEC + k;
+      yv.v[k] = from_f<T>((v[n][k] - mean) * rstd * gamma[c] + beta[c]);
+    }
+    *reinterpret_cast<Vec<T, VEC>*>(static_cast<T*>(p.y) + base + static_cast<int64_t>(vi) * VEC) = yv;
+  }
+  if (threadIdx.x == 0) {
+    static_cast<float*>(p.mean)[row] = mean;
+    static_cast<float*>(p.rstd)[row] = rstd;
+  }
+}
+
+// ws layout: [3][parts][hidden] partial column sums of (dgamma, dbeta, dbias).
+template <typename T, int VEC, int NV>
+__global__ void ln_bwd_kernel(LnBwdParams p, float* ws, int parts, uint32_t threshold, float inv_keep) {
+  __shared__ float red[66];
+  const int nvec = static_cast<int>(p.hidden / VEC);
+  const float* gamma = static_cast<const float*>(p.gamma);
+  const float inv_h = 1.f / static_cast<float>(p.hidden);
+  float dg[NV][VEC], db[NV][VEC], dbias[NV][VEC];
+#pragma unroll
+  for (int n = 0; n < NV; ++n)
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) dg[n][k] = db[n][k] = dbias[n][k] = 0.f;
+
+  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const int64_t base = row * p.hidden;
+    const float mean = static_cast<const float*>(p.mean)[row];
+    const float rstd = static_cast<const float*>(p.rstd)[row];
+    float xh[NV][VEC], g[NV][VEC];
+    float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+    for (int n = 0; n < NV; ++n) {
+      const int vi = threadIdx.x + n * blockDim.x;
+      if (vi >= nvec) continue;
+      const int64_t off = base + static_cast<int64_t>(vi) * VEC;
+      Vec<T, VEC> dyv = *reinterpret_cast<const Vec<T, VEC>*>(static_cast<const T*>(p.dy) + off);
+      Vec<T, VEC> hv = *reinterpret_cast<const Vec<T, VEC>*>(static_cast<const T*>(p.h) + off);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float dy = to_f(dyv.v[k]);
+        xh[n][k] = (to_f(hv.v[k]) - mean) * rstd;
+        g[n][k] = dy * gamma[vi * VEC + k];
+        s1 += g[n][k];
+        s2 += g[n][k] * xh[n][k];
+        dg[n][k] += dy * xh[n][k];
+        db[n][k] += dy;
+      }
+    }
+    const float2 s = block_sum2(s1, s2, red);
+    const float m1 = s.x * inv_h, m2 = s.y * inv_h;
+#pragma unroll
+    for (int n = 0; n < NV; ++n) {
+      const int vi = threadIdx.x + n * blockDim.x;
+      if (vi >= nvec) continue;
+      const int64_t off = base + static_cast<int64_t>(vi) * VEC;
+      Vec<T, VEC> dhv;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        g[n][k] = rstd * (g[n][k] - m1 - xh[n][k] * m2);
+        dhv.v[k] = from_f<T>(g[n][k]);
+      }
+      *reinterpret_cast<Vec<T, VEC>*>(static_cast<T*>(p.dh) + off) = dhv;
+      if (p.dropout) {
+        bool keep[VEC];
+        DropDraws<VEC>::fill(p.seed, p.offset, threshold, static_cast<uint64_t>(off), keep);
+        Vec<T, VEC> dxv;
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          g[n][k] = keep[k] ? g[n][k] * inv_keep : 0.f;
+          dxv.v[k] = from_f<T>(g[n][k]);
+        }
+        *reinterpret_cast<Vec<T, VEC>*>(static_cast<T*>(p.dx) + off) = dxv;
+      }
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) dbias[n][k] += g[n][k];
+    }
+  }
+#pragma unroll
+  for (int n = 0; n < NV; ++n) {
+    const int vi = threadIdx.x + n * blockDim.x;
+    if (vi >= nvec) continue;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      const int64_t c = static_cast<int64_t>(vi) * VEC + k;
+      ws[(0 * static_cast<int64_t>(parts) + blockIdx.x) * p.hidden + c] = dg[n][k];
+      ws[(1 * static_cast<int64_t>(parts) + blockIdx.x) * p.hidden + c] = db[n][k];
+      ws[(2 * static_cast<int64_t>(parts) + blockIdx.x) * p.hidden + c] = dbias[n][k];
+    }
+  }
+}
+
+// out_k[c] = sum over parts of ws[k][part][c], for k = blockIdx.y (0: gamma, 1: beta, 2: bias).
+__global__ void column_sum_kernel(const float* ws, int parts, int64_t hidden, float* dgamma, float* dbeta,
+                                  float* dbias) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  float* out = blockIdx.y == 0 ? dgamma : (blockIdx.y == 1 ? dbeta : dbias);
+  if (c >= hidden || out == nullptr) return;
+  const float* src = ws + static_cast<int64_t>(blockIdx.y) * parts * hidden + c;
+  float s = 0.f;
+  for (int i = 0; i < parts; ++i) s += src[static_cast<int64_t>(i) * hidden];
+  out[c] = s;
+}
+
+bool aligned16(const void* ptr) { return ptr == nullptr || (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+
+// Picks the vector width and vectors per thread, then calls f(VEC, NV, threads) as types.
+template <typename T, typename F>
+void dispatch_layout(int64_t hidden, bool can_vectorize, const char* op, F&& f) {
+  constexpr int kVec = 16 / sizeof(T);
+  const bool vec = can_vectorize && hidden % kVec == 0;
+  const int64_t nvec = vec ? hidden / kVec : hidden;
+  int nv = 1;
+  while (nvec > static_cast<int64_t>(kMaxThreads) * nv) nv *= 2;
+  if (nv > 8) throw std::runtime_error(std::string(op) + ": hidden size " + std::to_string(hidden) + " too large");
+  const int threads = static_cast<int>(std::min<int64_t>(kMaxThreads, ((nvec + nv - 1) / nv + 31) / 32 * 32));
+  auto go = [&](auto vec_c) {
+    constexpr int V = decltype(vec_c)::value;
+    switch (nv) {
+      case 1: f(std::integral_constant<int, V>{}, std::integral_constant<int, 1>{}, threads); break;
+      case 2: f(std::integral_constant<int, V>{}, std::integral_constant<int, 2>{}, threads); break;
+      case 4: f(std::integral_constant<int, V>{}, std::integral_constant<int, 4>{}, threads); break;
+      default: f(std::integral_constant<int, V>{}, std::integral_constant<int, 8>{}, threads); break;
+    }
+  };
+  if (vec)
+    go(std::integral_constant<int, kVec>{});
+  else
+    go(std::integral_constant<int, 1>{});
+}
+
+}  // namespace
+
+void ln_fwd_cuda(const LnFwdParams& p, DType t, void* stream) {
+  const uint32_t threshold = keep_threshold(p.p);
+  const float inv_keep = p.p < 1.f ? 1.f / (1.f - p.p) : 0.f;
+  const bool can_vec = aligned16(p.x) && aligned16(p.residual) && aligned16(p.y) && aligned16(p.h);
+  dispatch_cuda_dtype(t, "ln_fwd_cuda", [&](auto tv) {
+    using T = decltype(tv);
+    dispatch_layout<T>(p.hidden, can_vec, "ln_fwd_cuda", [&](auto vec_c, auto nv_c, int threads) {
+      ln_fwd_kernel<T, decltype(vec_c)::value, decltype(nv_c)::value>
+          <<<static_cast<unsigned>(p.rows), threads, 0, static_cast<cudaStream_t>(stream)>>>(p, threshold, inv_keep);
+      check_launch("ln_fwd_kernel");
+    });
+  });
+}
+
+int ln_bwd_cuda_parts(int64_t rows, int device) {
+  int sms = 0;
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(rows, 4 * static_cast<int64_t>(sms))));
+}
+
+void ln_bwd_cuda(const LnBwdParams& p, DType t, float* workspace, int parts, void* stream) {
+  const uint32_t threshold = keep_threshold(p.p);
+  const float inv_keep = p.p < 1.f ? 1.f / (1.f - p.p) : 0.f;
+  const bool can_vec = aligned16(p.dy) && aligned16(p.h) && aligned16(p.dh) && aligned16(p.dx);
+  auto s = static_cast<cudaStream_t>(stream);
+  dispatch_cuda_dtype(t, "ln_bwd_cuda", [&](auto tv) {
+    using T = decltype(tv);
+    dispatch_layout<T>(p.hidden, can_vec, "ln_bwd_cuda", [&](auto vec_c, auto nv_c, int threads) {
+      ln_bwd_kernel<T, decltype(vec_c)::value, decltype(nv_c)::value>
+          <<<parts, threads, 0, s>>>(p, workspace, parts, threshold, inv_keep);
+      check_launch("ln_bwd_kernel");
+    });
+  });
+  dim3 grid(static_cast<unsigned>((p.hidden + 255) / 256), 3);
+  column_sum_kernel<<<grid, 256, 0, s>>>(workspace, parts, p.hidden, static_cast<float*>(p.dgamma),
+                                         static_cast<float*>(p.dbeta), static_cast<float*>(p.dbias));
+  check_launch("column_sum_kernel");
+}
+
+}  // namespace bertdist

@@ -1,0 +1,99 @@
+// Raw-pointer interface between the pybind11 host functions (bindings.cpp, which own all
+// tensor checks and allocation) and the kernels (cpu_*.cpp, cuda_*.cu). Keeping torch
+// headers out of the kernel files makes them quick to compile, which matters most for nvcc.
+#pragma once
+#include <cstdint>
+
+namespace bertdist {
+
+enum class DType : int { F32 = 0, F16 = 1, BF16 = 2, F64 = 3 };
+
+// "acc" below is the accumulation type: double for F64 tensors, float for every other dtype.
+// Weights, statistics and column sums are passed in it (the host casts the small weight
+// vectors), so statistics stay fp32 for fp16/bf16 and gradcheck in float64 is exact.
+
+// LN(residual + dropout(x + bias)); bias, residual and h may be null (plain LayerNorm).
+// x, residual, y and h share x's dtype; bias, gamma, beta, mean, rstd are acc.
+struct LnFwdParams {
+  const void* x = nullptr;
+  const void* bias = nullptr;
+  const void* residual = nullptr;
+  const void* gamma = nullptr;
+  const void* beta = nullptr;
+  void* y = nullptr;
+  void* h = nullptr;       // pre-norm sum, saved for the backward; null for plain LN
+  void* mean = nullptr;    // [rows]
+  void* rstd = nullptr;    // [rows]
+  int64_t rows = 0;
+  int64_t hidden = 0;
+  float eps = 1e-12f;
+  bool dropout = false;    // false: p is ignored
+  float p = 0.f;
+  uint64_t seed = 0;
+  uint32_t offset = 0;
+};
+
+// Backward of the above. h is the saved pre-norm input (x itself for plain LN).
+// dx (gradient of x + bias before dropout) is only written when dropout is on; otherwise
+// it equals dh. The column sums (acc) are final results.
+struct LnBwdParams {
+  const void* dy = nullptr;
+  const void* h = nullptr;
+  const void* mean = nullptr;
+  const void* rstd = nullptr;
+  const void* gamma = nullptr;
+  void* dh = nullptr;
+  void* dx = nullptr;          // null unless dropout
+  void* dgamma = nullptr;     // [hidden]
+  void* dbeta = nullptr;      // [hidden]
+  void* dbias = nullptr;      // [hidden] sum over rows of dx; null when there is no bias
+  int64_t rows = 0;
+  int64_t hidden = 0;
+  bool dropout = false;
+  float p = 0.f;
+  uint64_t seed = 0;
+  uint32_t offset = 0;
+};
+
+// A [batch, heads, seq, head_dim] view with unit stride on head_dim. For the varlen layout
+// [tokens, heads, head_dim] stride_b is unused and stride_s is the token stride.
+struct HeadTensor {
+  void* ptr = nullptr;
+  int64_t stride_b = 0, stride_h = 0, stride_s = 0;
+};
+
+// Row statistics of the softmax, saved by the forward for the backward's recomputation:
+// stats[0][r] = row max m, stats[1][r] = 1 / sum_j exp(s_j - m), r = stat_row(b, h, i):
+// padded (b * heads + h) * seq + i; varlen h * total_tokens + cu_seqlens[b] + i.
+struct AttnParams {
+  HeadTensor q, k, v, o;
+  HeadTensor dout, dq, dk, dv;      // backward only
+  void* stats = nullptr;            // acc [2, rows]
+  void* delta = nullptr;            // acc backward workspace [rows]: rowsum(dO * O)
+  const uint8_t* key_mask = nullptr;  // padded only: [batch, seq] (1 = real token), may be null
+  int64_t mask_stride_b = 0;
+  const int32_t* cu_seqlens = nullptr;  // varlen: [batch + 1]
+  int64_t total_tokens = 0;             // varlen
+  int batch = 0, heads = 0, seq = 0, head_dim = 0;  // seq: padded length or max_seqlen
+  float scale = 1.f;
+  bool dropout = false;
+  float p = 0.f;
+  uint64_t seed = 0;
+  uint32_t offset = 0;
+};
+
+// CPU kernels (always built).
+void ln_fwd_cpu(const LnFwdParams& p, DType t);
+void ln_bwd_cpu(const LnBwdParams& p, DType t);
+void attn_fwd_cpu(const AttnParams& p, DType t);
+void attn_bwd_cpu(const AttnParams& p, DType t);
+
+// CUDA kernels (built when BERTDIST_WITH_CUDA); `stream` is a cudaStream_t.
+// Each throws std::runtime_error on an unsupported shape or a launch error.
+void ln_fwd_cuda(const LnFwdParams& p, DType t, void* stream);
+int ln_bwd_cuda_parts(int64_t rows, int device);
+void ln_bwd_cuda(const LnBwdParams& p, DType t, float* workspace, int parts, void* stream);
+void attn_fwd_cuda(const AttnParams& p, DType t, void* stream);
+void attn_bwd_cuda(const AttnParams& p, DType t, void* stream);
+
+}  // namespace bertdist
