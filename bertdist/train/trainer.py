@@ -324,6 +324,9 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None) -> TrainResult:
     if cfg.checkpoint.save_on_sigterm:
         stop.install()
     fp16 = cfg.deepspeed.precision == "fp16"
+    need_own_grad_norm = cfg.deepspeed.zero_stage == 0 and cfg.deepspeed.precision == "fp32"
+    unique_params = list({id(p): p for p in engine.module.parameters()}.values())
+    own_gn = float("nan")
     consecutive_bad = 0
     final_eval = None
     stopped_by = "end" if total == cfg.schedule.total_steps else "max_steps"
@@ -366,6 +369,10 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None) -> TrainResult:
                             f"deepspeed.gradient_clipping, fp32 instead of bf16, and check the records; then "
                             f"restart from the last good checkpoint with --resume auto")
                 engine.backward(loss)
+                if i == grad_accum - 1 and need_own_grad_norm:
+                    # DeepSpeed computes no global norm for fp32 without ZeRO; gradients are reduced by now.
+                    own_gn = torch.sqrt(sum((p.grad.detach().float() ** 2).sum() for p in unique_params
+                                            if p.grad is not None)).item()
                 engine.step()
             step += 1
             loader_state = next_state
@@ -378,7 +385,7 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None) -> TrainResult:
             consecutive_bad = consecutive_bad + 1 if nonfinite else 0
             lr = engine.get_lr()[0]
             gn = engine.get_global_grad_norm()
-            gn = float(gn) if gn is not None else float("nan")
+            gn = float(gn) if gn is not None else own_gn
             scale = float(engine.optimizer.cur_scale) if fp16 and hasattr(engine.optimizer, "cur_scale") else 1.0
             seqs, tokens, flops = acc[9].item(), acc[7].item(), acc[10].item()
             m = {

@@ -1,0 +1,125 @@
+"""Fixtures for the trainer tests: real records from the real pipeline, and process launchers.
+
+Records are built by ``data_pipeline.build_records`` (the Beam pipeline, in-process) from the
+bundled real text in ``data_pipeline/samples`` (Gutenberg books + a Wikipedia sample), with a
+3,000-piece WordPiece vocab trained on the same text (``../shared`` is not needed). Unmasked
+(dynamic masking in the loader), seq 64, NSP.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SAMPLES = REPO / "data_pipeline" / "samples"
+TINY = REPO / "configs" / "pretrain" / "tiny.yaml"
+
+
+@pytest.fixture(scope="session")
+def train_vocab(tmp_path_factory) -> Path:
+    from data_pipeline.config import InputConfig
+    from data_pipeline.tokenization import train_vocab as train
+    from data_pipeline.vocab_corpus import iter_sentences
+
+    out = tmp_path_factory.mktemp("train_vocab") / "vocab.txt"
+    train(iter_sentences([InputConfig(kind="books", path=str(SAMPLES / "books"))]), out, vocab_size=3000,
+          lowercase=True)
+    return out
+
+
+def build(out: Path, vocab: Path, **overrides) -> Path:
+    from data_pipeline import build_records
+
+    args = dict(max_seq_length=64, dupe_factor=2, num_shards=4, heldout_fraction=0.1, masking="dynamic")
+    args.update(overrides)
+    return build_records([f"wiki:{SAMPLES / 'wiki'}", f"books:{SAMPLES / 'books'}"], out, vocab, **args)
+
+
+@pytest.fixture(scope="session")
+def train_records(tmp_path_factory, train_vocab) -> Path:
+    """manifest.json of dynamic-masking records (seq 64) with a train and a held-out split."""
+    return build(tmp_path_factory.mktemp("train_records"), train_vocab)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+FAULTS = Path(__file__).with_name("fault_injection.py")
+
+
+def pretrain_cmd(nproc: int, *args: str, faults: list[str] | None = None) -> list[str]:
+    """``bertdist pretrain`` under torchrun (env rendezvous), or a plain process for one rank.
+
+    ``faults``: options of fault_injection.py (the run then goes through that wrapper)."""
+    entry = ["-m", "bertdist.cli.pretrain"] if faults is None else [str(FAULTS), *faults, "--"]
+    if nproc == 1:
+        return [sys.executable, *entry, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *entry, *args]
+
+
+def proc_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def tiny_args(run_dir: Path, manifest: Path, vocab: Path, *extra: str) -> list[str]:
+    return [str(TINY), f"run_dir={run_dir}", f"data.train_manifest={manifest}", f"data.vocab_file={vocab}",
+            "logging.progress=none", *extra]
+
+
+def run_pretrain(nproc: int, args: list[str], timeout: float = 300, faults: list[str] | None = None
+                 ) -> subprocess.CompletedProcess:
+    return subprocess.run(pretrain_cmd(nproc, *args, faults=faults), env=proc_env(), cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def start_pretrain(nproc: int, args: list[str], log: Path) -> subprocess.Popen:
+    f = open(log, "w")
+    return subprocess.Popen(pretrain_cmd(nproc, *args), env=proc_env(), cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def wait_for(pred, proc: subprocess.Popen, timeout: float, what: str, log: Path | None = None) -> None:
+    end = time.time() + timeout
+    while time.time() < end:
+        if pred():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"process exited ({proc.returncode}) before {what}:\n"
+                                 + (log.read_text()[-4000:] if log else ""))
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise AssertionError(f"timed out waiting for {what}:\n" + (log.read_text()[-4000:] if log else ""))
+
+
+def metrics(run_dir: Path, kind: str = "train") -> list[dict]:
+    p = run_dir / "metrics.jsonl"
+    if not p.is_file():
+        return []
+    rows = []
+    for line in p.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line being written right now
+            continue
+        if row["kind"] == kind:
+            rows.append(row)
+    return rows
+
+
+def last_train_step(run_dir: Path) -> int:
+    rows = metrics(run_dir)
+    return rows[-1]["step"] if rows else 0

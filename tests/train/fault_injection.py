@@ -1,0 +1,64 @@
+"""Run `bertdist pretrain` in this process with a real fault injected (used by the tests).
+
+    python tests/train/fault_injection.py --kill-after-step N  -- <pretrain args>
+    python tests/train/fault_injection.py --kill-in-save TAG   -- <pretrain args>
+
+--kill-after-step: rank 0 SIGKILLs itself right after optimizer step N (a crash between checkpoints).
+--kill-in-save: rank 0 SIGKILLs itself in the middle of writing checkpoint TAG, after half of the
+first file DeepSpeed writes has reached the disk (a crash mid-save).
+Works as a plain process or as a torchrun script.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--kill-after-step", type=int)
+    p.add_argument("--kill-in-save")
+    args, rest = p.parse_known_args()
+    if rest and rest[0] == "--":
+        rest = rest[1:]
+    rank = int(os.environ.get("RANK", "0"))
+    if args.kill_after_step is not None and rank == 0:
+        from bertdist.train import metrics
+
+        orig = metrics.RunLogger.record
+
+        def record(self, kind, step, values, tensorboard=True):
+            orig(self, kind, step, values, tensorboard)
+            if kind == "train" and step >= args.kill_after_step:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        metrics.RunLogger.record = record
+    if args.kill_in_save and rank == 0:
+        import torch
+
+        orig_save = torch.save
+
+        def save(obj, f, *a, **kw):
+            if isinstance(f, (str, os.PathLike)) and f"/.staging/{args.kill_in_save}/" in os.fspath(f):
+                import io
+
+                buf = io.BytesIO()
+                orig_save(obj, buf, *a, **kw)
+                data = buf.getvalue()
+                with open(f, "wb") as fh:
+                    fh.write(data[: len(data) // 2])
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                os.kill(os.getpid(), signal.SIGKILL)
+            return orig_save(obj, f, *a, **kw)
+
+        torch.save = save
+    from bertdist.cli.pretrain import main as pretrain_main
+
+    return pretrain_main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

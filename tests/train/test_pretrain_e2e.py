@@ -1,0 +1,147 @@
+"""Real DeepSpeed runs on CPU (gloo): two ranks under torchrun, the tiny config, seq 64.
+
+- the reference run: loss falls, held-out MLM accuracy rises, logs / TensorBoard / checkpoints exist;
+- SIGKILL after step 23, `--resume auto` from step 20: losses of steps 21..40 equal the
+  reference run's bitwise (deterministic mode);
+- SIGTERM: both ranks stop at the same step, write a checkpoint and exit 0;
+- a crash in the middle of writing a checkpoint leaves `latest` on the previous one, which resumes;
+- a ZeRO-2 checkpoint written by 2 ranks resumes on 1 (universal checkpoint).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from tests.train.conftest import (
+    last_train_step,
+    metrics,
+    run_pretrain,
+    start_pretrain,
+    tiny_args,
+    wait_for,
+)
+
+
+def _ok(res):
+    assert res.returncode == 0, f"rc={res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, train_records, train_vocab):
+    run_dir = tmp_path_factory.mktemp("reference")
+    res = run_pretrain(2, tiny_args(run_dir, train_records, train_vocab))
+    _ok(res)
+    return run_dir
+
+
+def test_two_process_run_learns(reference_run):
+    train = metrics(reference_run)
+    assert [r["step"] for r in train] == list(range(1, 41))
+    losses = [r["loss"] for r in train]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.2, losses
+    evals = metrics(reference_run, "eval")
+    assert [e["step"] for e in evals] == [0, 20, 40]
+    assert evals[-1]["mlm_acc"] > evals[0]["mlm_acc"] + 0.02, evals
+    assert evals[-1]["mlm_loss"] < evals[0]["mlm_loss"], evals
+    run = metrics(reference_run, "run")[0]
+    assert run["world_size"] == 2 and run["grad_accum"] == 1
+    for key in ("lr", "grad_norm", "loss_scale", "skipped_steps", "seq_per_s", "tokens_per_s", "tflops", "mfu",
+                "mlm_acc", "nsp_acc", "nsp_loss", "mlm_loss"):
+        assert key in train[-1], key
+    assert all(r["grad_norm"] == r["grad_norm"] and r["grad_norm"] > 0 for r in train)  # finite, not NaN
+    ckpt = reference_run / "checkpoints"
+    assert (ckpt / "latest").read_text().strip() == "step_00000040"
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000020", "step_00000040"]  # keep_last_n=2
+    tag = ckpt / "step_00000040"
+    for name in ("COMPLETE", "bertdist_config.yaml", "trainer_state.json", "mp_rank_00_model_states.pt",
+                 "rng_state_rank0.pt", "rng_state_rank1.pt"):
+        assert (tag / name).is_file(), name
+    state = json.loads((tag / "trainer_state.json").read_text())
+    assert state["step"] == 40 and state["world_size"] == 2 and state["loader"] == {"epoch": 0, "position": 40 * 32}
+    assert (reference_run / "config.yaml").is_file() and list((reference_run / "tensorboard").glob("events.*"))
+
+
+def test_kill_and_resume_is_bitwise_exact(reference_run, tmp_path, train_records, train_vocab):
+    args = tiny_args(tmp_path, train_records, train_vocab)
+    res = run_pretrain(2, args, faults=["--kill-after-step", "23"])
+    assert res.returncode != 0  # rank 0 was SIGKILLed
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000020"
+    assert last_train_step(tmp_path) >= 23
+    res = run_pretrain(2, [*args, "--resume", "auto"])
+    _ok(res)
+    ref = {r["step"]: r["loss"] for r in metrics(reference_run)}
+    rows = metrics(tmp_path)
+    resumed = [r for r in rows[rows.index(next(r for r in rows if r["step"] == 23)) + 1:]]
+    assert [r["step"] for r in resumed] == list(range(21, 41))  # no replayed or skipped step
+    mismatch = [(r["step"], r["loss"], ref[r["step"]]) for r in resumed if r["loss"] != ref[r["step"]]]
+    assert not mismatch, mismatch
+    first_run = {r["step"]: r["loss"] for r in rows[: rows.index(resumed[0])]}
+    assert all(first_run[s] == ref[s] for s in range(1, 24))
+
+
+def test_sigterm_checkpoints_and_exits_cleanly(tmp_path, train_records, train_vocab):
+    args = tiny_args(tmp_path, train_records, train_vocab, "schedule.total_steps=400", "checkpoint.every_steps=0",
+                     "eval.every_steps=0", "data.prefetch_steps=0")
+    log = tmp_path / "log.txt"
+    proc = start_pretrain(2, args, log)
+    wait_for(lambda: last_train_step(tmp_path) >= 3, proc, 240, "step 3", log)
+    os.killpg(proc.pid, signal.SIGTERM)  # like SLURM: every process of the job gets it
+    rc = proc.wait(timeout=120)
+    text = log.read_text()
+    step = last_train_step(tmp_path)
+    assert 3 <= step < 400
+    tag = f"step_{step:08d}"
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == tag, text[-3000:]
+    assert (tmp_path / "checkpoints" / tag / "COMPLETE").is_file()
+    assert f"SIGTERM: stopping after step {step}" in text
+    assert "stopped (sigterm)" in text, text[-3000:]
+    # The workers exit 0; torchrun itself re-raises the signal it received (its only traceback).
+    assert rc in (0, 1, -signal.SIGTERM, 128 + signal.SIGTERM), text[-3000:]
+    assert "ChildFailedError" not in text, text[-5000:]
+    for chunk in text.split("Traceback (most recent call last):")[1:]:
+        assert "SignalException" in chunk.split("\n\n")[0] or "SignalException" in chunk[:4000], chunk[:4000]
+
+
+def test_killed_save_leaves_last_good_checkpoint(tmp_path, train_records, train_vocab):
+    args = tiny_args(tmp_path, train_records, train_vocab, "schedule.total_steps=10", "checkpoint.every_steps=5",
+                     "eval.at_start=false", "eval.every_steps=0")
+    res = run_pretrain(1, args, faults=["--kill-in-save", "step_00000010"])
+    assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]
+    ckpt = tmp_path / "checkpoints"
+    assert (ckpt / "latest").read_text().strip() == "step_00000005"
+    assert not (ckpt / "step_00000010").exists()
+    partial = list((ckpt / ".staging" / "step_00000010").iterdir())
+    assert partial, "the crash should have happened mid-save"
+    res = run_pretrain(1, [*args, "--resume", "auto"])
+    _ok(res)
+    resumed = [r for r in metrics(tmp_path)][-5:]
+    assert [r["step"] for r in resumed] == [6, 7, 8, 9, 10]
+    assert (ckpt / "latest").read_text().strip() == "step_00000010"
+    assert (ckpt / "step_00000010" / "COMPLETE").is_file()
+    assert not (ckpt / ".staging" / "step_00000010").exists()
+
+
+def test_zero2_checkpoint_from_two_ranks_resumes_on_one(tmp_path, train_records, train_vocab):
+    common = ["optimizer.name=adamw", "optimizer.lr=1e-3", "deepspeed.zero_stage=2", "model.hidden_dropout_prob=0",
+              "model.attention_probs_dropout_prob=0", "schedule.total_steps=12", "checkpoint.every_steps=10",
+              "checkpoint.keep_last_n=0", "eval.at_start=false", "eval.every_steps=0", "eval.at_end=false"]
+    two = tmp_path / "two"
+    _ok(run_pretrain(2, tiny_args(two, train_records, train_vocab, *common)))
+    assert (two / "checkpoints" / "step_00000010" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").is_file()
+    one = tmp_path / "one"
+    res = run_pretrain(1, [*tiny_args(one, train_records, train_vocab, *common),
+                           "--resume", str(two / "checkpoints" / "step_00000010")])
+    _ok(res)
+    ref = {r["step"]: r for r in metrics(two)}
+    got = metrics(one)
+    assert [r["step"] for r in got] == [11, 12]
+    # Same global batch, same data and masks (the order does not depend on the world size), no dropout:
+    # only the summation order differs.
+    for r in got:
+        assert r["loss"] == pytest.approx(ref[r["step"]]["loss"], rel=1e-4), (r, ref[r["step"]])
+        assert r["lr"] == ref[r["step"]]["lr"]
+    assert (two / "checkpoints" / "universal" / "step_00000010" / "COMPLETE").is_file()
+    assert metrics(one, "run")[0]["world_size"] == 1
