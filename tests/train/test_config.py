@@ -1,0 +1,91 @@
+"""Recipes load, batch-size arithmetic, DeepSpeed config generation and the user-JSON merge."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bertdist.config import ConfigError
+from bertdist.train.config import check_batch_sizes, load_train_config
+from bertdist.train.ds_config import build_ds_config, generate_ds_config, merge_user_ds_config
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPES = sorted((REPO / "configs" / "pretrain").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
+def test_recipes_load_and_generate(path):
+    cfg = load_train_config(path)
+    accum = check_batch_sizes(cfg.data, 1)
+    ds = generate_ds_config(cfg, 1, accum)
+    assert ds["train_batch_size"] == cfg.data.global_batch_size
+    assert cfg.schedule.resolved_warmup_steps < cfg.schedule.total_steps
+
+
+def test_recipes_cover_the_two_phases():
+    names = {p.stem for p in RECIPES}
+    assert {"tiny", "bert-base-phase1", "bert-base-phase2", "bert-large-phase1", "bert-large-phase2"} <= names
+    p1 = load_train_config(REPO / "configs/pretrain/bert-large-phase1.yaml")
+    p2 = load_train_config(REPO / "configs/pretrain/bert-large-phase2.yaml")
+    assert (p1.phase, p1.data.max_seq_length, p1.optimizer.lr) == (1, 128, 6e-3)
+    assert (p2.phase, p2.data.max_seq_length, p2.optimizer.lr) == (2, 512, 4e-3)
+    assert p2.checkpoint.init_from and p2.schedule.decay == "poly"
+    assert (p1.model.num_hidden_layers, p1.model.hidden_size) == (24, 1024)
+    base = load_train_config(REPO / "configs/pretrain/bert-base-phase1.yaml", ["model.preset=tiny"])
+    assert base.model.hidden_size == 128  # a preset override replaces the preset's sizes
+
+
+def test_indivisible_batch_sizes_name_the_numbers():
+    cfg = load_train_config(REPO / "configs/pretrain/tiny.yaml", ["data.global_batch_size=50"])
+    with pytest.raises(ConfigError) as e:
+        check_batch_sizes(cfg.data, 3)
+    msg = str(e.value)
+    assert "50" in msg and "16" in msg and "3" in msg and "48" in msg and "1.042" in msg
+    assert check_batch_sizes(load_train_config(REPO / "configs/pretrain/tiny.yaml").data, 2) == 1
+
+
+def test_lamb_with_zero_is_refused():
+    with pytest.raises(ConfigError, match="zero_stage=0"):
+        load_train_config(REPO / "configs/pretrain/tiny.yaml", ["deepspeed.zero_stage=1"])
+    load_train_config(REPO / "configs/pretrain/tiny.yaml", ["deepspeed.zero_stage=3", "optimizer.name=adamw"])
+
+
+def test_generated_deepspeed_config_covers_precision_zero_and_checkpointing():
+    cfg = load_train_config(REPO / "configs/pretrain/tiny.yaml", [
+        "optimizer.name=adamw", "deepspeed.zero_stage=3", "deepspeed.precision=fp16",
+        "deepspeed.activation_checkpointing=deepspeed", "deepspeed.gradient_clipping=0.5",
+        "data.global_batch_size=128"])
+    ds = generate_ds_config(cfg, world_size=2, grad_accum=4)
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (128, 16, 4)
+    assert ds["zero_optimization"]["stage"] == 3 and ds["gradient_clipping"] == 0.5
+    assert ds["fp16"]["enabled"] and ds["fp16"]["loss_scale"] == 0 and not ds["bf16"]["enabled"]
+    assert "activation_checkpointing" in ds
+    base = load_train_config(REPO / "configs/pretrain/bert-base-phase1.yaml")
+    bf = generate_ds_config(base, 8, check_batch_sizes(base.data, 8))
+    assert bf["gradient_accumulation_steps"] == 65536 // (256 * 8)
+    assert bf["bf16"]["enabled"] and not bf["fp16"]["enabled"]
+
+
+def test_user_ds_config_merge_and_conflicts(tmp_path):
+    cfg = load_train_config(REPO / "configs/pretrain/tiny.yaml", ["optimizer.name=adamw", "deepspeed.zero_stage=2"])
+    gen = generate_ds_config(cfg, 2, 1)
+    merged = merge_user_ds_config(gen, {"zero_optimization": {"stage": 2, "overlap_comm": True,
+                                                              "reduce_bucket_size": 5e7},
+                                        "train_batch_size": "auto", "comms_logger": {"enabled": True}})
+    assert merged["zero_optimization"] == {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e7}
+    assert merged["train_batch_size"] == 32 and merged["comms_logger"] == {"enabled": True}
+    with pytest.raises(ConfigError) as e:
+        merge_user_ds_config(gen, {"zero_optimization": {"stage": 3}, "gradient_clipping": 5.0})
+    assert "zero_optimization.stage" in str(e.value) and "deepspeed.zero_stage" in str(e.value)
+    assert "gradient_clipping" in str(e.value) and "5.0" in str(e.value)
+    with pytest.raises(ConfigError, match="optimizer"):
+        merge_user_ds_config(gen, {"optimizer": {"type": "Adam"}})
+    user = tmp_path / "ds.json"
+    user.write_text(json.dumps({"bf16": {"enabled": True}}))
+    cfg.deepspeed.ds_config = str(user)
+    with pytest.raises(ConfigError, match="bf16.enabled"):
+        build_ds_config(cfg, 2, 1)
+    user.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        build_ds_config(cfg, 2, 1)

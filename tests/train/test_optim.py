@@ -1,0 +1,111 @@
+"""LAMB against a from-the-paper scalar loop, AdamW wiring, the LR schedules."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from bertdist.config import ConfigError
+from bertdist.train.config import OptimizerConfig, ScheduleConfig
+from bertdist.train.lamb import Lamb
+from bertdist.train.optim import WarmupDecay, build_optimizer, build_scheduler, param_groups
+
+
+def lamb_reference(w, grads, lr, b1, b2, eps, wd, max_c, min_c):
+    """LAMB written out element by element in float64, independently of the implementation."""
+    w = [float(x) for x in w]
+    m = [0.0] * len(w)
+    v = [0.0] * len(w)
+    for t, g in enumerate(grads, start=1):
+        u = []
+        for i, gi in enumerate(g):
+            m[i] = b1 * m[i] + (1 - b1) * gi
+            v[i] = b2 * v[i] + (1 - b2) * gi * gi
+            mh, vh = m[i] / (1 - b1**t), v[i] / (1 - b2**t)
+            u.append(mh / (math.sqrt(vh) + eps) + wd * w[i])
+        wn = math.sqrt(sum(x * x for x in w))
+        un = math.sqrt(sum(x * x for x in u))
+        r = min(max(wn / un, min_c), max_c) if wn > 0 and un > 0 else 1.0
+        w = [wi - lr * r * ui for wi, ui in zip(w, u)]
+    return w
+
+
+@pytest.mark.parametrize("wd,scale", [(0.0, 1.0), (0.01, 1.0), (0.1, 1e-4), (0.0, 1e3)])
+def test_lamb_matches_the_paper_formula(wd, scale):
+    gen = torch.Generator().manual_seed(0)
+    w0 = torch.randn(7, generator=gen) * scale  # scale exercises the trust-ratio clamp
+    grads = [torch.randn(7, generator=gen) for _ in range(4)]
+    p = torch.nn.Parameter(w0.clone())
+    opt = Lamb([p], lr=0.05, betas=(0.9, 0.99), eps=1e-6, weight_decay=wd, max_coeff=10.0, min_coeff=0.01)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    ref = lamb_reference(w0.tolist(), [g.tolist() for g in grads], 0.05, 0.9, 0.99, 1e-6, wd, 10.0, 0.01)
+    assert p.detach().double().tolist() == pytest.approx(ref, rel=1e-5, abs=1e-6)
+
+
+def test_lamb_trust_ratio_is_per_tensor():
+    # Two tensors of very different norms move by lr * ||w|| in relative terms, each its own.
+    big = torch.nn.Parameter(torch.full((4,), 100.0))
+    small = torch.nn.Parameter(torch.full((4,), 0.01))
+    opt = Lamb([big, small], lr=0.1, weight_decay=0.0, max_coeff=1e9, min_coeff=0.0)
+    big.grad, small.grad = torch.ones(4), torch.ones(4)
+    opt.step()
+    assert (100.0 - big.detach()).tolist() == pytest.approx([10.0] * 4, rel=1e-4)
+    assert (0.01 - small.detach()).tolist() == pytest.approx([0.001] * 4, rel=1e-3)
+
+
+def test_lamb_minimises_a_quadratic():
+    torch.manual_seed(0)
+    target = torch.randn(32)
+    w = torch.nn.Parameter(torch.randn(32))
+    opt = Lamb([w], lr=0.05, weight_decay=0.0)
+    for _ in range(300):
+        opt.zero_grad()
+        ((w - target) ** 2).sum().backward()
+        opt.step()
+    assert torch.allclose(w.detach(), target, atol=0.05)
+
+
+def test_param_groups_exclude_bias_and_layernorm_from_decay():
+    from bertdist.model import BertConfig, BertForPreTraining
+
+    model = BertForPreTraining(BertConfig.from_preset("tiny", vocab_size=100, kernels="reference"), device_type="cpu")
+    decay, no_decay = param_groups(model, OptimizerConfig())
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all("bias" in names[id(p)] or "LayerNorm" in names[id(p)] for p in no_decay["params"])
+    assert not any("bias" in names[id(p)] or "LayerNorm" in names[id(p)] for p in decay["params"])
+    unique = {id(p) for p in model.parameters()}
+    assert len(decay["params"]) + len(no_decay["params"]) == len(unique)  # tied decoder counted once
+    assert isinstance(build_optimizer(model, OptimizerConfig(name="lamb"), "cpu"), Lamb)
+    assert isinstance(build_optimizer(model, OptimizerConfig(name="adamw"), "cpu"), torch.optim.AdamW)
+    with pytest.raises(ConfigError, match="needs CUDA"):
+        build_optimizer(model, OptimizerConfig(implementation="fused"), "cpu")
+
+
+def test_bert_paper_linear_schedule():
+    f = WarmupDecay(warmup=10_000, total=1_000_000, decay="linear", power=1.0, min_ratio=0.0)
+    assert f(0) == pytest.approx(1e-4)  # first update: 1/10k of the peak, never 0
+    assert f(4_999) == pytest.approx(0.5)
+    assert f(9_999) == pytest.approx(1.0)
+    assert f(505_000 - 1) == pytest.approx(0.5)
+    assert f(999_999) == pytest.approx(0.0)
+
+
+def test_nvidia_lamb_poly_schedule():
+    cfg = ScheduleConfig(total_steps=7038, warmup_fraction=0.2843, decay="poly", poly_power=0.5)
+    assert cfg.resolved_warmup_steps == 2001
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=6e-3)
+    sched = build_scheduler(opt, cfg)
+    lrs = []
+    for _ in range(7038):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert max(lrs) == pytest.approx(6e-3) and lrs.index(max(lrs)) == 2000
+    mid = 2001 + (7038 - 2001) // 2
+    assert lrs[mid - 1] == pytest.approx(6e-3 * math.sqrt(1 - (mid - 2001) / (7038 - 2001)), rel=1e-6)
+    assert lrs[-1] == pytest.approx(0.0, abs=1e-12)
+    with pytest.raises(ConfigError, match="not both"):
+        ScheduleConfig(warmup_steps=10, warmup_fraction=0.1)
