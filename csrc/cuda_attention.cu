@@ -162,20 +162,21 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(AttnParams p, uint32
   }
 }
 
-// delta_i = rowsum(dO_i * O_i): one warp per row.
+// delta_i = rowsum(dO_i * O_i), one thread per row, summed in the same sequential fmaf order
+// as the dP' = dO . V dot products of the dQ and dK/dV kernels: a row whose probability sits
+// on one key (O_i = V_j exactly) then gets dP' - delta == 0 exactly, as the reference does.
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) attn_delta_kernel(AttnParams p) {
   const int b = blockIdx.z, h = blockIdx.y;
-  const int i = blockIdx.x * kWarps + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  const int i = blockIdx.x * kThreads + threadIdx.x;
   const SeqInfo s = seq_info(p, b, h);
   if (i >= s.len) return;
   const T* o = row_ptr<const T>(p.o, p, b, h, s, i);
   const T* dout = row_ptr<const T>(p.dout, p, b, h, s, i);
   float acc = 0.f;
-#pragma unroll
-  for (int c = 0; c < D / 32; ++c) acc += to_f(o[lane + 32 * c]) * to_f(dout[lane + 32 * c]);
-  acc = warp_sum(acc);
-  if (lane == 0) static_cast<float*>(p.delta)[s.stat0 + i] = acc;
+#pragma unroll 16
+  for (int d = 0; d < D; ++d) acc = fmaf(to_f(dout[d]), to_f(o[d]), acc);
+  static_cast<float*>(p.delta)[s.stat0 + i] = acc;
 }
 
 template <int D, int BQ, int BK>
@@ -408,7 +409,7 @@ void attn_bwd_cuda(const AttnParams& p, DType t, void* stream) {
     using T = decltype(tv);
     dispatch_head_dim(p.head_dim, "attn_bwd_cuda", [&](auto dc) {
       constexpr int D = decltype(dc)::value;
-      attn_delta_kernel<T, D><<<dim3((p.seq + kWarps - 1) / kWarps, p.heads, p.batch), kThreads, 0, s>>>(p);
+      attn_delta_kernel<T, D><<<dim3((p.seq + kThreads - 1) / kThreads, p.heads, p.batch), kThreads, 0, s>>>(p);
       check_launch("attn_delta_kernel");
       constexpr int BQ = D == 128 ? 32 : 64, BK = D == 128 ? 32 : 64;
       launch(attn_dq_kernel<T, D, BQ, BK>, dim3((p.seq + BQ - 1) / BQ, p.heads, p.batch), dq_smem_floats<D, BQ, BK>(),

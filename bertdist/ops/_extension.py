@@ -16,19 +16,23 @@ from types import ModuleType
 from bertdist.ops import _build_config as bc
 
 JIT_ENV = "BERTDIST_JIT"
+JIT_DIR_ENV = "BERTDIST_JIT_DIR"  # overrides where the JIT build goes
 _lock = threading.Lock()
 _loaded: tuple[ModuleType | None, str] | None = None
 
 
 def _jit_dir() -> Path:
-    for d in (bc.REPO / "build" / "jit", Path.home() / ".cache" / "bertdist" / "jit"):
+    choices = [bc.REPO / "build" / "jit", Path.home() / ".cache" / "bertdist" / "jit"]
+    if os.environ.get(JIT_DIR_ENV):
+        choices = [Path(os.environ[JIT_DIR_ENV])]
+    for d in choices:
         try:
             d.mkdir(parents=True, exist_ok=True)
             if os.access(d, os.W_OK):
                 return d
         except OSError:
             continue
-    raise OSError("no writable folder for the JIT build (tried build/jit and ~/.cache/bertdist/jit)")
+    raise OSError(f"no writable folder for the JIT build (tried {', '.join(map(str, choices))})")
 
 
 def _jit_build() -> tuple[ModuleType, str]:

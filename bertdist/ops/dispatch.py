@@ -7,8 +7,12 @@ functions. ``mode`` is the config's ``kernels`` value:
 - ``reference``: the pure-PyTorch ops in ``reference.py``;
 - ``fused``: the compiled extension (``bertdist.ops.fused``); an error if it
   is not usable, with the reason;
-- ``auto``: fused where the extension is built and supports the device,
-  reference otherwise.
+- ``auto``: fused where the extension is built and supports the device and
+  the device type is one where fused is the faster choice (``AUTO_FUSED_DEVICE_TYPES``:
+  CUDA), reference otherwise. The C++ CPU kernels exist so that the binding, dispatch
+  and autograd path is built and tested without a GPU; torch's own CPU ops (oneDNN/MKL
+  GEMMs) are faster on CPU (see benchmarks/kernels.py), so ``auto`` keeps them there and
+  ``fused`` selects the C++ kernels explicitly.
 
 ``kernel_status()`` reports, per op, whether the fused version is usable and
 why not, for ``bertdist info``.
@@ -23,6 +27,7 @@ from bertdist.ops import reference
 
 KernelMode = Literal["reference", "fused", "auto"]
 OP_NAMES = ("layer_norm", "bias_dropout_add_layer_norm", "attention")
+AUTO_FUSED_DEVICE_TYPES = ("cuda",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +80,8 @@ def resolve_kernels(mode: KernelMode, device_type: str = "cpu") -> KernelSet:
         return REFERENCE
     if mode not in ("fused", "auto"):
         raise ValueError(f"kernels must be one of reference|fused|auto, got {mode!r}")
+    if mode == "auto" and device_type not in AUTO_FUSED_DEVICE_TYPES:
+        return REFERENCE  # without loading (or JIT-building) the extension
     status = {s.op: s for s in kernel_status(device_type)}
     if mode == "fused":
         bad = [f"{s.op}: {s.reason}" for s in status.values() if not s.usable]
