@@ -338,6 +338,7 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None) -> TrainResult:
             t0 = time.time()
             micro_batches, next_state = next(steps)
             skipped_before = engine.skipped_steps
+            lr = engine.get_lr()[0]  # the lr this step uses (the scheduler moves on inside engine.step)
             acc = torch.zeros(14, dtype=torch.float64)
             for i, mb in enumerate(micro_batches):
                 mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
@@ -383,7 +384,6 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None) -> TrainResult:
             skipped = engine.skipped_steps - skipped_before
             nonfinite = acc[11].item() > 0 or skipped > 0
             consecutive_bad = consecutive_bad + 1 if nonfinite else 0
-            lr = engine.get_lr()[0]
             gn = engine.get_global_grad_norm()
             gn = float(gn) if gn is not None else own_gn
             scale = float(engine.optimizer.cur_scale) if fp16 and hasattr(engine.optimizer, "cur_scale") else 1.0

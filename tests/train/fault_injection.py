@@ -6,6 +6,7 @@
 --kill-after-step: rank 0 SIGKILLs itself right after optimizer step N (a crash between checkpoints).
 --kill-in-save: rank 0 SIGKILLs itself in the middle of writing checkpoint TAG, after half of the
 first file DeepSpeed writes has reached the disk (a crash mid-save).
+--nan-loss-on-rank R [--nan-loss-from-call K]: rank R's training loss is NaN from its K-th forward.
 Works as a plain process or as a torchrun script.
 """
 from __future__ import annotations
@@ -20,6 +21,8 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--kill-after-step", type=int)
     p.add_argument("--kill-in-save")
+    p.add_argument("--nan-loss-on-rank", type=int, help="this rank's training loss becomes NaN ...")
+    p.add_argument("--nan-loss-from-call", type=int, default=1, help="... from this training forward on")
     args, rest = p.parse_known_args()
     if rest and rest[0] == "--":
         rest = rest[1:]
@@ -55,6 +58,21 @@ def main() -> int:
             return orig_save(obj, f, *a, **kw)
 
         torch.save = save
+    if args.nan_loss_on_rank == rank:
+        from bertdist.model import bert
+
+        orig_forward = bert.BertForPreTraining.forward
+        calls = [0]
+
+        def forward(self, *a, **kw):
+            out = orig_forward(self, *a, **kw)
+            if self.training:
+                calls[0] += 1
+                if calls[0] >= args.nan_loss_from_call and out.loss is not None:
+                    out.loss = out.loss * float("nan")
+            return out
+
+        bert.BertForPreTraining.forward = forward
     from bertdist.cli.pretrain import main as pretrain_main
 
     return pretrain_main(rest)

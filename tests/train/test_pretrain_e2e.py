@@ -145,3 +145,37 @@ def test_zero2_checkpoint_from_two_ranks_resumes_on_one(tmp_path, train_records,
         assert r["lr"] == ref[r["step"]]["lr"]
     assert (two / "checkpoints" / "universal" / "step_00000010" / "COMPLETE").is_file()
     assert metrics(one, "run")[0]["world_size"] == 1
+
+
+def test_nonfinite_loss_on_one_rank_aborts_all_before_the_update(tmp_path, train_records, train_vocab):
+    args = tiny_args(tmp_path, train_records, train_vocab, "checkpoint.every_steps=2", "eval.at_start=false",
+                     "eval.every_steps=0")
+    res = run_pretrain(2, args, faults=["--nan-loss-on-rank", "1", "--nan-loss-from-call", "3"])
+    out = res.stdout + res.stderr
+    assert "training aborted: non-finite loss at step 3" in out, out[-4000:]
+    assert "the update was not applied" in out and "--resume auto" in out
+    assert [r["step"] for r in metrics(tmp_path)] == [1, 2]  # both ranks stopped at the same step
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+
+
+def test_phase2_starts_from_phase1_with_fresh_schedule(reference_run, tmp_path, train_records, train_vocab):
+    args = tiny_args(tmp_path, train_records, train_vocab, "phase=2", "optimizer.lr=4e-3",
+                     "schedule.total_steps=4", "schedule.warmup_steps=2", "checkpoint.every_steps=0",
+                     f"checkpoint.init_from={reference_run / 'checkpoints'}", "eval.at_start=false",
+                     "eval.every_steps=0")
+    _ok(run_pretrain(1, args))
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[0]["lr"] == pytest.approx(2e-3) and rows[1]["lr"] == pytest.approx(4e-3)  # fresh warmup
+    ref = metrics(reference_run)
+    assert rows[0]["loss"] < ref[0]["loss"] - 0.2  # starts from the trained weights
+    state = json.loads((tmp_path / "checkpoints" / "step_00000004" / "trainer_state.json").read_text())
+    assert state["phase"] == 2 and state["step"] == 4
+    assert [p["phase"] for p in state["phases"]] == [1, 2]
+    assert state["phases"][1]["init_step"] == 40 and "step_00000040" in state["phases"][1]["init_from"]
+    # --resume refuses a checkpoint of another phase or another architecture, saying why.
+    res = run_pretrain(1, [*tiny_args(tmp_path, train_records, train_vocab, "phase=1"), "--resume", "auto"])
+    assert res.returncode == 2 and "phase: checkpoint 2, config 1" in res.stderr, res.stderr[-2000:]
+    res = run_pretrain(1, [*tiny_args(tmp_path, train_records, train_vocab, "phase=2", "model.hidden_size=64"),
+                           "--resume", "auto"])
+    assert res.returncode == 2 and "model.hidden_size: checkpoint 128, config 64" in res.stderr, res.stderr[-2000:]
