@@ -11,6 +11,7 @@ SUBCOMMANDS = [
     "bertdist.cli.info",
     "bertdist.cli.model",
     "bertdist.cli.data",
+    "bertdist.cli.pretrain",
     "bertdist.cli.export",
     "bertdist.cli.import_hf",
     "bertdist.cli.finetune",
