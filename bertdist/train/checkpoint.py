@@ -111,6 +111,7 @@ class CheckpointManager:
         self.rank, self.world = rank, world_size
         if rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(self.dir / STAGING, ignore_errors=True)  # leftovers of a save that crashed
         _barrier()
 
     def latest_tag(self) -> str | None:

@@ -249,7 +249,7 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None) -> TrainResult:
         step = int(saved["step"])
         loader_state = LoaderState.from_dict(saved["loader"])
         phases = saved["phases"]
-        rng_file = Path(ckpt.dir if not universal else load_dir) / load_tag / f"rng_state_rank{rank}.pt"
+        rng_file = Path(load_dir) / load_tag / f"rng_state_rank{rank}.pt"  # (absent in a universal copy)
         if saved["world_size"] == world and rng_file.is_file():
             set_rng_state(torch.load(rng_file, weights_only=False))
         else:
