@@ -113,7 +113,7 @@ def find_resolved_config(ref: CheckpointRef) -> tuple[dict, Path] | None:
     import yaml
 
     dirs = [ref.path, ref.save_dir, ref.save_dir.parent]
-    names = ("config.yaml", "resolved_config.yaml", "run_config.yaml", "train_config.yaml", "config.yml", "config.json")
+    names = ("bertdist_config.yaml", "config.yaml", "resolved_config.yaml", "run_config.yaml", "train_config.yaml", "config.yml", "config.json")
     for d in dirs:
         for n in names:
             p = d / n

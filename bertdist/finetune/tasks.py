@@ -107,7 +107,8 @@ class GlueRunner(Runner):
         gold = [e.label if self.task.is_regression else self.task.labels.index(e.label) for e in es.context]
         metrics = self.task.metrics(preds, gold)
         rows = [{"guid": e.guid, "prediction": p if self.task.is_regression else self.task.labels[p],
-                 "label": e.label} for e, p in zip(es.context, preds)]
+                 "label": e.label, "logits": np.asarray(lg, dtype=float).reshape(-1).tolist()}
+                for e, p, lg in zip(es.context, preds, logits)]
         return metrics, rows
 
     def write_test(self, out_dir, es, logits):

@@ -192,7 +192,10 @@ def train_once(cfg: FinetuneConfig, runner: Runner, w: PretrainedWeights, train_
     epoch = 0
     while step < total:
         order = torch.randperm(len(train_feats), generator=g).tolist()
-        order = order[rank::world] if world > 1 else order  # each rank its share of every global batch
+        if world > 1:
+            # Rank r takes every world-th example: rank batches of `micro` together form exactly the
+            # single-process batch of `batch_size`. Equal counts per rank, or the all-reduce would hang.
+            order = order[:len(order) - len(order) % world][rank::world]
         model.train()
         for _, batch in batches(train_feats, micro, order):
             batch = {k: v.to(device) for k, v in batch.items()}
