@@ -58,13 +58,22 @@ def free_port() -> int:
 FAULTS = Path(__file__).with_name("fault_injection.py")
 
 
-def pretrain_cmd(nproc: int, *args: str, faults: list[str] | None = None) -> list[str]:
-    """``bertdist pretrain`` under torchrun (env rendezvous), or a plain process for one rank.
-
-    ``faults``: options of fault_injection.py (the run then goes through that wrapper)."""
+def pretrain_cmd(nproc: int, *args: str, faults: list[str] | None = None, launcher: str = "torchrun") -> list[str]:
+    """``bertdist pretrain`` under torchrun (env rendezvous) or the deepspeed launcher, or a plain
+    process for one rank. ``faults``: options of fault_injection.py (the run then goes through it)."""
     entry = ["-m", "bertdist.cli.pretrain"] if faults is None else [str(FAULTS), *faults, "--"]
     if nproc == 1:
         return [sys.executable, *entry, *args]
+    if launcher == "deepspeed":
+        # DeepSpeed's per-node launcher (what the `deepspeed` command runs on every node). The
+        # `deepspeed` runner itself is not used here: on SIGTERM it exits after ~1 s, too soon for a
+        # checkpoint (deepspeed/launcher/runner.py sigkill_handler).
+        import base64
+
+        assert faults is None
+        world_info = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(nproc))}).encode()).decode()
+        return [sys.executable, "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
+                "--master_addr=127.0.0.1", f"--master_port={free_port()}", "--module", "bertdist.cli.pretrain", *args]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
             "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *entry, *args]
 
@@ -86,9 +95,9 @@ def run_pretrain(nproc: int, args: list[str], timeout: float = 300, faults: list
                           text=True, timeout=timeout)
 
 
-def start_pretrain(nproc: int, args: list[str], log: Path) -> subprocess.Popen:
+def start_pretrain(nproc: int, args: list[str], log: Path, launcher: str = "torchrun") -> subprocess.Popen:
     f = open(log, "w")
-    return subprocess.Popen(pretrain_cmd(nproc, *args), env=proc_env(), cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+    return subprocess.Popen(pretrain_cmd(nproc, *args, launcher=launcher), env=proc_env(), cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
                             start_new_session=True)
 
 
