@@ -42,7 +42,7 @@ def availability(op: str, device_type: str) -> tuple[bool, str]:
     if ext is None:
         return False, why
     if device_type == "cpu":
-        return True, f"C++ CPU kernels, {why}"
+        return True, f"C++ CPU kernels (kernels=fused selects them; auto keeps torch's CPU ops), {why}"
     if device_type != "cuda":
         return False, f"no fused kernels for device type {device_type!r}"
     info = ext.build_info()
