@@ -1,8 +1,9 @@
 """`bertdist import-hf`: an existing Hugging Face BERT -> a bertdist init checkpoint.
 
-The output (bertdist torch format) is what ``bertdist finetune --checkpoint`` and
-the trainer's init path read (``bertdist.export.load_pretrained``) for continued
-pretraining or domain adaptation, BioBERT-style.
+The default output is a DeepSpeed checkpoint in the trainer's layout: ``bertdist
+pretrain ... checkpoint.init_from=OUT checkpoint.init_load_optimizer=false`` continues
+pretraining from it (domain adaptation, BioBERT-style), and ``bertdist finetune
+--checkpoint OUT`` / ``bertdist export OUT`` read it too.
 """
 from __future__ import annotations
 
@@ -30,13 +31,25 @@ def run(args) -> int:
             if max(d.values()) > 1e-4:
                 print("bertdist import-hf: our model does not reproduce the HF model's outputs")
                 return 1
-    out = write_torch_dir(args.out, w)
+    if args.format == "torch":
+        out = write_torch_dir(args.out, w)
+    else:
+        from bertdist.export.trainer_init import write_trainer_init
+
+        out = write_trainer_init(args.out, w, str(args.hf_dir))
     c = w.config
     print(f"wrote {out}: BERT L={c.num_hidden_layers} H={c.hidden_size} A={c.num_attention_heads} "
           f"vocab={c.vocab_size} ({'uncased' if w.do_lower_case else 'cased'})")
     if fresh:
         print(f"note: the HF checkpoint had no {sorted({k.rsplit('.', 1)[0] for k in fresh})}; newly initialised")
-    print(f"use it with: bertdist finetune <task> --checkpoint {out} ...  (or as the trainer's init checkpoint)")
+    print(f"fine-tune: bertdist finetune <task> --checkpoint {out} --data DIR")
+    if args.format == "deepspeed":
+        print("continue pretraining: bertdist pretrain CONFIG "
+              f"checkpoint.init_from={out} checkpoint.init_load_optimizer=false data.vocab_file={out}/vocab.txt "
+              f"model.preset=custom model.hidden_size={c.hidden_size} model.num_hidden_layers={c.num_hidden_layers} "
+              f"model.num_attention_heads={c.num_attention_heads} model.intermediate_size={c.intermediate_size} "
+              f"model.max_position_embeddings={c.max_position_embeddings} model.type_vocab_size={c.type_vocab_size}"
+              " (records must be built with the same vocab)")
     return 0
 
 
@@ -46,5 +59,8 @@ def register(sub) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--vocab", default=None, help="vocab.txt, when the HF dir has none")
     p.add_argument("--casing", choices=["cased", "uncased"], default=None)
+    p.add_argument("--format", choices=["deepspeed", "torch"], default="deepspeed",
+                   help="deepspeed (default): a checkpoint `bertdist pretrain` can start from (checkpoint.init_from) "
+                        "and finetune/export read; torch: a plain state dict + config (fine-tuning and export only)")
     p.add_argument("--no-verify", action="store_true", help="skip the logits comparison with transformers")
     p.set_defaults(func=run)
