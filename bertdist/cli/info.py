@@ -23,9 +23,9 @@ def collect() -> dict:
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
             devices.append(f"cuda:{i} {p.name} (sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB)")
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
     kernels = {}
-    for dt in sorted({"cpu", device_type}):
+    # Always report both: on a machine without a GPU the cuda rows say why CUDA kernels can't run.
+    for dt in ("cpu", "cuda"):
         active = resolve_kernels("auto", dt).sources
         kernels[dt] = [
             {"op": s.op, "fused_usable": s.usable, "reason": s.reason, "active_under_auto": active[s.op]}

@@ -52,6 +52,44 @@ class BertEmbeddings(nn.Module):
         return self.dropout(self.LayerNorm(h))
 
 
+@dataclasses.dataclass(frozen=True)
+class Unpadded:
+    """Where the real tokens of a padded [B, S] batch went when packed into [T] rows.
+
+    ``index`` holds each real token's flat position in [B * S]; ``cu_seqlens`` [B + 1] (int32)
+    the cumulative lengths; ``max_seqlen`` the longest sequence. Attention over packed rows
+    uses these instead of a padding mask, so no FLOPs are spent on padding.
+    """
+
+    index: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    batch: int
+    seq: int
+
+    @classmethod
+    def from_mask(cls, attention_mask: torch.Tensor) -> "Unpadded":
+        b, s = attention_mask.shape
+        lengths = attention_mask.sum(dim=1, dtype=torch.int32)
+        # Real tokens must be a prefix of each row (BERT batches are right-padded).
+        if not bool((attention_mask.cumsum(1) == torch.arange(1, s + 1, device=attention_mask.device)
+                     .clamp(max=lengths[:, None])).all()):
+            raise ValueError("unpadded attention needs right-padded batches: attention_mask rows must be 1...1 0...0")
+        cu = torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
+        index = attention_mask.reshape(-1).nonzero(as_tuple=False).squeeze(1)
+        return cls(index, cu, int(lengths.max()), b, s)
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, S, ...] -> [T, ...] real tokens only."""
+        return x.reshape(self.batch * self.seq, *x.shape[2:]).index_select(0, self.index)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, ...] -> [B, S, ...] with zeros at padding."""
+        out = x.new_zeros(self.batch * self.seq, *x.shape[1:])
+        out.index_copy_(0, self.index, x)
+        return out.view(self.batch, self.seq, *x.shape[1:])
+
+
 class BertSelfAttention(nn.Module):
     def __init__(self, cfg: BertConfig, kernels: KernelSet):
         super().__init__()
@@ -62,14 +100,22 @@ class BertSelfAttention(nn.Module):
         self.dropout_p = cfg.attention_probs_dropout_prob
         self.k = kernels
 
-    def forward(self, h: torch.Tensor, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
-        b, s, _ = h.shape
+    def forward(self, h: torch.Tensor, mask: "torch.Tensor | Unpadded | None") -> torch.Tensor:
         # One GEMM for Q, K and V (the concatenated weight is tiny next to the activations).
         w = torch.cat([self.query.weight, self.key.weight, self.value.weight])
         bias = torch.cat([self.query.bias, self.key.bias, self.value.bias])
-        qkv = F.linear(h, w, bias).view(b, s, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        qkv = F.linear(h, w, bias)
+        if isinstance(mask, Unpadded):  # h is [T, hidden]: packed real tokens
+            t = h.shape[0]
+            q, k, v = qkv.view(t, 3, self.heads, self.head_dim).unbind(1)  # [T, heads, head_dim]
+            ctx = self.k.varlen_attention(
+                q, k, v, mask.cu_seqlens, mask.max_seqlen, dropout_p=self.dropout_p, training=self.training
+            )
+            return ctx.reshape(t, self.heads * self.head_dim)
+        b, s, _ = h.shape
+        qkv = qkv.view(b, s, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
         ctx = self.k.attention(
-            qkv[0], qkv[1], qkv[2], key_padding_mask, dropout_p=self.dropout_p, training=self.training
+            qkv[0], qkv[1], qkv[2], mask, dropout_p=self.dropout_p, training=self.training
         )  # [b, heads, s, head_dim]
         return ctx.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
 
@@ -99,8 +145,8 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(cfg, kernels)
         self.output = BertSelfOutput(cfg, cfg.hidden_size, kernels)
 
-    def forward(self, h: torch.Tensor, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
-        return self.output(self.self(h, key_padding_mask), h)
+    def forward(self, h: torch.Tensor, mask: "torch.Tensor | Unpadded | None") -> torch.Tensor:
+        return self.output(self.self(h, mask), h)
 
 
 class BertIntermediate(nn.Module):
@@ -119,8 +165,8 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(cfg)
         self.output = BertSelfOutput(cfg, cfg.intermediate_size, kernels)
 
-    def forward(self, h: torch.Tensor, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
-        a = self.attention(h, key_padding_mask)
+    def forward(self, h: torch.Tensor, mask: "torch.Tensor | Unpadded | None") -> torch.Tensor:
+        a = self.attention(h, mask)
         return self.output(self.intermediate(a), a)
 
 
@@ -131,12 +177,13 @@ class BertEncoder(nn.Module):
         # Set from outside (the trainer) to recompute each layer's activations in backward.
         self.checkpoint_fn = None
 
-    def forward(self, h: torch.Tensor, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, mask: "torch.Tensor | Unpadded | None") -> torch.Tensor:
+        """``mask``: [B, S] bool key-padding mask for padded h, or ``Unpadded`` for packed h [T, hidden]."""
         for layer in self.layer:
             if self.checkpoint_fn is not None and self.training:
-                h = self.checkpoint_fn(layer, h, key_padding_mask)
+                h = self.checkpoint_fn(layer, h, mask)
             else:
-                h = layer(h, key_padding_mask)
+                h = layer(h, mask)
         return h
 
 
@@ -167,10 +214,19 @@ class BertModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns (sequence_output [B, S, hidden], pooled [B, hidden]).
+
+        With ``config.unpad`` and a padding mask, the encoder runs on the packed real tokens only
+        (varlen attention); embeddings, and so token types and positions, are computed before
+        packing, and the output is scattered back (zeros at padding) for the heads."""
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        key_padding_mask = None if attention_mask is None else attention_mask.bool()
-        h = self.encoder(self.embeddings(input_ids, token_type_ids), key_padding_mask)
+        h = self.embeddings(input_ids, token_type_ids)
+        if attention_mask is not None and self.config.unpad:
+            unpadded = Unpadded.from_mask(attention_mask)
+            h = unpadded.unpack(self.encoder(unpadded.pack(h), unpadded))
+        else:
+            h = self.encoder(h, None if attention_mask is None else attention_mask.bool())
         return h, (self.pooler(h) if self.pooler is not None else None)
 
 

@@ -42,6 +42,9 @@ class BertConfig:
     kernels: Literal["reference", "fused", "auto"] = "auto"
     # Project only masked positions to the vocabulary when MLM labels are given.
     sparse_mlm_head: bool = True
+    # Run the encoder on real tokens only (varlen attention over packed sequences) when a
+    # padding mask is given; NSP, token types and positions are unaffected.
+    unpad: bool = False
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS and self.preset != "custom":

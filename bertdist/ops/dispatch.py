@@ -26,7 +26,7 @@ from typing import Callable, Literal
 from bertdist.ops import reference
 
 KernelMode = Literal["reference", "fused", "auto"]
-OP_NAMES = ("layer_norm", "bias_dropout_add_layer_norm", "attention")
+OP_NAMES = ("layer_norm", "bias_dropout_add_layer_norm", "attention", "varlen_attention")
 AUTO_FUSED_DEVICE_TYPES = ("cuda",)
 
 
@@ -37,6 +37,7 @@ class KernelSet:
     layer_norm: Callable
     bias_dropout_add_layer_norm: Callable
     attention: Callable
+    varlen_attention: Callable  # unpadded: packed tokens + cumulative sequence lengths
     sources: dict  # op name -> "reference" | "fused"
 
 
@@ -44,6 +45,7 @@ REFERENCE = KernelSet(
     layer_norm=reference.reference_layer_norm,
     bias_dropout_add_layer_norm=reference.reference_bias_dropout_add_layer_norm,
     attention=reference.reference_attention,
+    varlen_attention=reference.reference_varlen_attention,
     sources={name: "reference" for name in OP_NAMES},
 )
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bertdist.cli.main import SUBCOMMANDS, build_parser
-from bertdist.ops import kernel_status
+from bertdist.ops import kernel_status, resolve_kernels
 
 
 def _bertdist(*args: str) -> subprocess.CompletedProcess:
@@ -23,13 +23,16 @@ def test_info_reports_versions_and_true_kernel_status():
     import torch
 
     assert info["versions"]["torch"] == torch.__version__
-    rows = {row["op"]: row for row in info["kernels"]["cpu"]}
     # What info prints must be what the dispatcher decides in this very environment.
-    for s in kernel_status("cpu"):
-        assert rows[s.op]["fused_usable"] == s.usable
-        assert rows[s.op]["active_under_auto"] == ("fused" if s.usable else "reference")
-        if not s.usable:
-            assert rows[s.op]["reason"], f"{s.op}: an unusable kernel must say why"
+    for device_type in ("cpu", "cuda"):
+        rows = {row["op"]: row for row in info["kernels"][device_type]}
+        active = resolve_kernels("auto", device_type).sources
+        for s in kernel_status(device_type):
+            assert rows[s.op]["fused_usable"] == s.usable
+            assert rows[s.op]["active_under_auto"] == active[s.op]
+            assert rows[s.op]["reason"], f"{device_type}/{s.op}: the status must say why"
+    if not torch.cuda.is_available():
+        assert all(not r["fused_usable"] for r in info["kernels"]["cuda"])
 
 
 def test_model_summary_base_prints_published_count():
