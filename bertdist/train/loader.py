@@ -267,7 +267,15 @@ def _prefetch(gen, depth: int):
                 raise item
             yield item
     finally:
+        # Stop and join the worker: a thread still collating while the interpreter shuts down can
+        # abort the process.
         stop.set()
+        while t.is_alive():
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                pass
+            t.join(timeout=0.05)
 
 
 def eval_batches(source: RecordSource, cfg: DataConfig, continuation: np.ndarray | None, *, rank: int, world_size: int,

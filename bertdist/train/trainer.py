@@ -98,17 +98,17 @@ def _seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _batch_stats(out, mb: dict[str, torch.Tensor]) -> list[float]:
+def _batch_stats(out, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[mlm_correct, mlm_count, nsp_correct, nsp_count] as a float64 tensor on the batch's device (no sync)."""
     labels = out.mlm_labels
-    logits = out.prediction_logits
     keep = labels != -100
-    mlm_correct = (logits.argmax(-1)[keep] == labels[keep]).sum().item() if keep.any() else 0
-    mlm_count = int(keep.sum().item())
-    nsp_correct = nsp_count = 0
+    mlm_correct = ((out.prediction_logits.argmax(-1) == labels) & keep).sum()
+    zero = torch.zeros((), dtype=torch.int64, device=labels.device)
+    nsp_correct = nsp_count = zero
     if "next_sentence_label" in mb:
-        nsp_correct = (out.seq_relationship_logits.argmax(-1) == mb["next_sentence_label"]).sum().item()
-        nsp_count = mb["next_sentence_label"].numel()
-    return [float(mlm_correct), float(mlm_count), float(nsp_correct), float(nsp_count)]
+        nsp_correct = (out.seq_relationship_logits.argmax(-1) == mb["next_sentence_label"]).sum()
+        nsp_count = zero + mb["next_sentence_label"].numel()
+    return torch.stack([mlm_correct, keep.sum(), nsp_correct, nsp_count]).double()
 
 
 @torch.no_grad()
@@ -118,38 +118,31 @@ def evaluate(engine, batches: list[dict[str, torch.Tensor]], device: torch.devic
     import torch.nn.functional as F
 
     engine.eval()
-    sums = torch.zeros(6, dtype=torch.float64)
+    sums = torch.zeros(6, dtype=torch.float64, device=device)  # on device: NCCL reduces only GPU tensors
     for mb in batches:
         mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
         out = engine(**mb)
         labels = out.mlm_labels
-        keep = labels != -100
-        logits = out.prediction_logits.float()
-        if keep.any():
-            sums[0] += F.cross_entropy(logits[keep], labels[keep], reduction="sum").item()
-        c = _batch_stats(out, mb)
-        sums[1] += c[0]
-        sums[2] += c[1]
-        sums[3] += c[2]
-        sums[4] += c[3]
+        sums[0] += F.cross_entropy(out.prediction_logits.float().reshape(-1, out.prediction_logits.shape[-1]),
+                                   labels.reshape(-1), ignore_index=-100, reduction="sum").double()
+        sums[1:5] += _batch_stats(out, mb)
         if "next_sentence_label" in mb:
             sums[5] += F.cross_entropy(out.seq_relationship_logits.float(), mb["next_sentence_label"],
-                                       reduction="sum").item()
+                                       reduction="sum").double()
     engine.train()
     dist.all_reduce(sums)
-    res = {"mlm_loss": sums[0].item() / max(1.0, sums[2].item()), "mlm_acc": sums[1].item() / max(1.0, sums[2].item()),
-           "masked_tokens": sums[2].item()}
+    sums = sums.tolist()
+    res = {"mlm_loss": sums[0] / max(1.0, sums[2]), "mlm_acc": sums[1] / max(1.0, sums[2]), "masked_tokens": sums[2]}
     if sums[4] > 0:
-        res.update(nsp_acc=sums[3].item() / sums[4].item(), nsp_loss=sums[5].item() / sums[4].item(),
-                   sequences=sums[4].item())
+        res.update(nsp_acc=sums[3] / sums[4], nsp_loss=sums[5] / sums[4], sequences=sums[4])
     return res
 
 
-def _balanced_eval(batches: list, world: int) -> list:
+def _balanced_eval(batches: list, device: torch.device) -> list:
     """Every rank must run the same number of forwards (ZeRO-3 gathers weights collectively)."""
     import torch.distributed as dist
 
-    n = torch.tensor([len(batches)], dtype=torch.int64)
+    n = torch.tensor([len(batches)], dtype=torch.int64, device=device)
     dist.all_reduce(n, op=dist.ReduceOp.MIN)
     return batches[: int(n.item())]
 
@@ -278,7 +271,7 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None) -> TrainResult:
         if held.num_rows:
             eval_set = _balanced_eval(eval_batches(held, cfg.data, continuation, rank=rank, world_size=world,
                                                    micro_batch_size=cfg.eval.micro_batch_size,
-                                                   max_sequences=cfg.eval.max_sequences, seed=cfg.eval.seed), world)
+                                                   max_sequences=cfg.eval.max_sequences, seed=cfg.eval.seed), device)
 
     total = cfg.steps_to_run
     log = RunLogger(str(run_dir), rank == 0, cfg.logging.tensorboard, cfg.logging.progress, total, step)
@@ -327,6 +320,8 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None) -> TrainResult:
     need_own_grad_norm = cfg.deepspeed.zero_stage == 0 and cfg.deepspeed.precision == "fp32"
     unique_params = list({id(p): p for p in engine.module.parameters()}.values())
     own_gn = float("nan")
+    d, v = cfg.model.hidden_size, cfg.model.vocab_size
+    head_flops = 3 * 2 * (d * d + d * v)  # training FLOPs of the MLM head per predicted position
     consecutive_bad = 0
     final_eval = None
     stopped_by = "end" if total == cfg.schedule.total_steps else "max_steps"
@@ -339,29 +334,33 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None) -> TrainResult:
             micro_batches, next_state = next(steps)
             skipped_before = engine.skipped_steps
             lr = engine.get_lr()[0]  # the lr this step uses (the scheduler moves on inside engine.step)
-            acc = torch.zeros(14, dtype=torch.float64)
+            # Everything logged is accumulated on the device and reduced once per step: no host sync per
+            # micro-batch, and NCCL needs device tensors.
+            acc = torch.zeros(14, dtype=torch.float64, device=device)
             for i, mb in enumerate(micro_batches):
                 mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
                 out = engine(**mb)
                 loss = out.loss
-                lv = loss.detach().float().item()
-                acc[0] += lv / grad_accum
-                acc[1] += out.mlm_loss.detach().float().item() / grad_accum
-                acc[2] += (out.nsp_loss.detach().float().item() / grad_accum) if out.nsp_loss is not None else 0.0
-                acc[3:7] += torch.tensor(_batch_stats(out, mb), dtype=torch.float64)
-                width = mb["input_ids"].shape[1]
-                n_seq = mb["input_ids"].shape[0]
-                acc[7] += mb["attention_mask"].sum().item()
-                acc[8] += n_seq * width
-                acc[9] += n_seq
-                predicted = float((mb["labels"] != -100).sum().item()) / n_seq if cfg.model.sparse_mlm_head else None
-                acc[10] += n_seq * train_flops_per_sequence(cfg.model, width,
-                                                            None if predicted is None else round(predicted))
-                if not math.isfinite(lv):
-                    acc[11] = 1.0
+                with torch.no_grad():
+                    lv = loss.detach().float().double()
+                    acc[0] += lv / grad_accum
+                    acc[1] += out.mlm_loss.detach().float().double() / grad_accum
+                    if out.nsp_loss is not None:
+                        acc[2] += out.nsp_loss.detach().float().double() / grad_accum
+                    stats = _batch_stats(out, mb)
+                    acc[3:7] += stats
+                    width, n_seq = mb["input_ids"].shape[1], mb["input_ids"].shape[0]
+                    acc[7] += mb["attention_mask"].sum()
+                    acc[8] += n_seq * width
+                    acc[9] += n_seq
+                    if cfg.model.sparse_mlm_head:  # FLOPs are linear in the number of predicted positions
+                        acc[10] += n_seq * train_flops_per_sequence(cfg.model, width, 0) + head_flops * stats[1]
+                    else:
+                        acc[10] += n_seq * train_flops_per_sequence(cfg.model, width)
+                    acc[11] += (~torch.isfinite(lv)).double()
                 if not fp16 and i == grad_accum - 1:
                     # Without a loss scaler nothing undoes a NaN update: decide before the step is applied.
-                    flag = torch.tensor([acc[11].item()], dtype=torch.float64)
+                    flag = acc[11:12].clone()
                     dist.all_reduce(flag)
                     if flag.item() > 0:
                         raise NonFiniteLossError(
@@ -373,32 +372,32 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None) -> TrainResult:
                 if i == grad_accum - 1 and need_own_grad_norm:
                     # DeepSpeed computes no global norm for fp32 without ZeRO; gradients are reduced by now.
                     own_gn = torch.sqrt(sum((p.grad.detach().float() ** 2).sum() for p in unique_params
-                                            if p.grad is not None)).item()
+                                            if p.grad is not None))
                 engine.step()
             step += 1
             loader_state = next_state
             acc[12] = 1.0 if stop.requested else 0.0
-            acc[13] = 0.0
             dist.all_reduce(acc)
+            acc = acc.tolist()
             dt = time.time() - t0
             skipped = engine.skipped_steps - skipped_before
-            nonfinite = acc[11].item() > 0 or skipped > 0
+            nonfinite = acc[11] > 0 or skipped > 0
             consecutive_bad = consecutive_bad + 1 if nonfinite else 0
             gn = engine.get_global_grad_norm()
-            gn = float(gn) if gn is not None else own_gn
+            gn = float(gn) if gn is not None else float(own_gn)
             scale = float(engine.optimizer.cur_scale) if fp16 and hasattr(engine.optimizer, "cur_scale") else 1.0
-            seqs, tokens, flops = acc[9].item(), acc[7].item(), acc[10].item()
+            seqs, tokens, flops = acc[9], acc[7], acc[10]
             m = {
-                "loss": acc[0].item() / world, "mlm_loss": acc[1].item() / world,
-                "mlm_acc": acc[3].item() / max(1.0, acc[4].item()), "lr": lr, "grad_norm": gn,
+                "loss": acc[0] / world, "mlm_loss": acc[1] / world,
+                "mlm_acc": acc[3] / max(1.0, acc[4]), "lr": lr, "grad_norm": gn,
                 "loss_scale": scale, "skipped_steps": int(engine.skipped_steps),
-                "seq_per_s": seqs / dt, "tokens_per_s": tokens / dt, "padded_tokens_per_s": acc[8].item() / dt,
+                "seq_per_s": seqs / dt, "tokens_per_s": tokens / dt, "padded_tokens_per_s": acc[8] / dt,
                 "tflops": flops / dt / 1e12, "mfu": flops / dt / world / peak if peak else float("nan"),
                 "epoch": loader_state.epoch, "step_time_s": dt,
             }
             if acc[6] > 0:
-                m["nsp_loss"] = acc[2].item() / world
-                m["nsp_acc"] = acc[5].item() / acc[6].item()
+                m["nsp_loss"] = acc[2] / world
+                m["nsp_acc"] = acc[5] / acc[6]
             log_now = step % cfg.logging.every_steps == 0 or step == total
             log.record("train", step, m, tensorboard=log_now)
             if log_now:
@@ -409,7 +408,7 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None) -> TrainResult:
                     f"scale now {scale}) at step {step}. Try bf16 instead of fp16, a lower optimizer.lr or a "
                     f"longer warmup, a lower deepspeed.min_loss_scale or initial_scale_power, and check the "
                     f"records; restart from the last good checkpoint with --resume auto")
-            if acc[12].item() > 0:
+            if acc[12] > 0:
                 stopped_by = "sigterm"
                 log.message(f"SIGTERM: stopping after step {step}")
                 break
@@ -425,6 +424,7 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None) -> TrainResult:
             if cfg.checkpoint.save_at_end and last_ckpt != f"step_{step:08d}":
                 last_ckpt = save()
     finally:
+        steps.close()  # stops the loader's prefetch thread
         stop.uninstall()
         log.close()
     return TrainResult(step, stopped_by, None if last_ckpt is None else str(ckpt.dir / last_ckpt), str(run_dir),
