@@ -125,7 +125,7 @@ def render_pretrain_script(
     workdir: Path | None = None,
     nccl_ifname: str | None = None,
 ) -> str:
-    """The sbatch script that runs ``bertdist pretrain <job.config_path> --resume auto <overrides>``."""
+    """The sbatch script that runs ``bertdist pretrain --resume auto <job.config_path> <overrides>``."""
     res.validate()
     job.check_world_size(res.world_size)
     return render_job_script(

@@ -50,8 +50,10 @@ def sbatch(script: Path, extra_args: list[str] | None = None) -> str:
 def scancel(job_id: str, signal: str | None = None) -> None:
     argv = [_tool("scancel")]
     if signal:
-        # --full: the batch shell gets it too, so its trap can checkpoint-and-requeue.
-        argv += [f"--signal={signal}", "--full"]
+        # --batch: only the batch shell, as with SLURM's --signal=B:TERM before the time limit; its
+        # trap signals the training tasks and requeues. (--full would also hit srun, and srun
+        # answers SIGTERM by killing its tasks before they can checkpoint.)
+        argv += [f"--signal={signal}", "--batch"]
     _run([*argv, job_id], f"scancel {job_id}")
 
 

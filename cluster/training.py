@@ -65,11 +65,13 @@ class TrainingJob:
     checkpoint_every: int | None = None
 
     def command(self, python: str = sys.executable, *, launcher_module: bool = False) -> list[str]:
-        """argv of one training process: ``bertdist pretrain <config> --resume auto <overrides>``.
+        """argv of one training process: ``bertdist pretrain --resume auto <config> <overrides>``.
 
+        ``--resume`` goes first: argparse binds the config and the ``nargs="*"`` overrides as one
+        run of positionals, so an option between them would leave the overrides unparsed.
         ``launcher_module`` gives the form after ``torchrun``/``deepspeed --module``:
         the module and its arguments without the interpreter."""
-        tail = ["bertdist.cli.main", "pretrain", str(self.config_path), "--resume", "auto", *self.overrides]
+        tail = ["bertdist.cli.main", "pretrain", "--resume", "auto", str(self.config_path), *self.overrides]
         return ["-m", *tail] if launcher_module else [python, "-m", *tail]
 
     def check_world_size(self, world_size: int) -> None:

@@ -75,7 +75,8 @@ def run_cancel(args) -> int:
 
     slurm_client.scancel(args.job_id, signal=args.signal)
     if args.signal:
-        print(f"sent SIG{args.signal.removeprefix('SIG')} to job {args.job_id} (batch script and steps)")
+        print(f"sent SIG{args.signal.removeprefix('SIG')} to the batch script of job {args.job_id} "
+              "(a bertdist job script passes it on to the training processes)")
     else:
         print(f"cancelled job {args.job_id}")
     return 0

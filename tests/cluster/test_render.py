@@ -52,6 +52,15 @@ def _directives(script: str) -> dict[str, str]:
     return out
 
 
+def _assert_pretrain_cli_parses(argv: list[str]) -> None:
+    """The rendered `pretrain ...` arguments mean what we intend to bertdist's own parser."""
+    from bertdist.cli.main import build_parser
+
+    args = build_parser().parse_args(argv)
+    assert args.command == "pretrain" and args.resume == "auto" and args.config == str(JOB.config_path)
+    assert args.overrides == list(JOB.overrides)
+
+
 # ---------------------------------------------------------------- SLURM
 def test_slurm_pretrain_script_golden_and_semantics():
     script = slurm.render_pretrain_script(JOB, GPU4x8, python=PY, workdir=WORKDIR, nccl_ifname="ib0")
@@ -69,12 +78,15 @@ def test_slurm_pretrain_script_golden_and_semantics():
     assert "WORLD_SIZE=$SLURM_NTASKS" in script
     assert "export NCCL_SOCKET_IFNAME=ib0" in script and "export NCCL_DEBUG=WARN" in script
     # the job re-reads the same config file (no copy), resumes automatically, passes overrides through
-    srun = script[script.index("srun "):script.index("&\nstep_pid")]
+    srun = script[script.index("\nsrun ") + 1:script.index("&\nstep_pid")]
     argv = shlex.split(srun.replace("\\\n", " "))
     tail = argv[argv.index(PY):]
-    assert tail == [PY, "-m", "bertdist.cli.main", "pretrain", str(JOB.config_path), "--resume", "auto",
+    assert tail == [PY, "-m", "bertdist.cli.main", "pretrain", "--resume", "auto", str(JOB.config_path),
                     "data.micro_batch_size=16"]
+    _assert_pretrain_cli_parses(tail[3:])
     assert "trap on_term TERM" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+    # SIGTERM reaches the training tasks through scancel, never through srun (which would kill them)
+    assert 'scancel --signal=TERM "$SLURM_JOB_ID"' in script and "kill -TERM" not in script
 
 
 def test_slurm_torchrun_launcher_one_agent_per_node():
@@ -126,7 +138,8 @@ def test_deepspeed_pdsh_hostfile_and_command(tmp_path):
     a = _ds_parse(argv[3:])  # DeepSpeed's own argument parser accepts the command
     assert a.launcher == "pdsh" and a.num_nodes == 2 and a.num_gpus == 8 and a.master_addr == "gpu-a"
     assert a.module and a.no_local_rank and a.user_script == "bertdist.cli.main"
-    assert a.user_args == ["pretrain", str(JOB.config_path), "--resume", "auto", "data.micro_batch_size=16"]
+    assert a.user_args == ["pretrain", "--resume", "auto", str(JOB.config_path), "data.micro_batch_size=16"]
+    _assert_pretrain_cli_parses(a.user_args)
     assert "NCCL_DEBUG=WARN" in launch.env_file.splitlines()
 
 
@@ -174,7 +187,7 @@ def test_k8s_pytorchjob_golden_schema_and_semantics(tmp_path):
         vols = {v["name"]: v for v in pod["volumes"]}
         assert vols["dshm"]["emptyDir"]["medium"] == "Memory"
         assert vols["runs"]["persistentVolumeClaim"]["claimName"] == "bertdist-runs"
-        assert c["command"][-5:] == ["bertdist.cli.main", "pretrain", str(job.config_path), "--resume", "auto"]
+        assert c["command"][-5:] == ["bertdist.cli.main", "pretrain", "--resume", "auto", str(job.config_path)]
 
 
 def test_k8s_schema_rejects_broken_manifests(tmp_path):
