@@ -25,6 +25,8 @@ NCPU=$(nproc)
 
 log() { echo "slurm_up: $*"; }
 die() { echo "slurm_up: ERROR: $*" >&2; exit 1; }
+# Any other failing command stops the script (set -e); say which, so `make slurm` fails loudly.
+trap 'echo "slurm_up: ERROR: line $LINENO: \`$BASH_COMMAND\` failed; the SLURM test-bed is NOT up" >&2' ERR
 
 [[ $(id -u) == 0 ]] || die "must run as root (it installs packages and starts daemons)"
 

@@ -20,7 +20,8 @@ def slurm_cluster() -> str:
         pytest.skip("SLURM test-bed needs root (it installs slurm/munge and starts the daemons); run `make slurm` as root")
     proc = subprocess.run(["bash", str(SLURM_UP)], capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
-        pytest.skip(f"could not start SLURM with {SLURM_UP}: {(proc.stderr or proc.stdout).strip()[-500:]}")
+        # As root the test-bed must come up: a broken one fails here instead of hiding behind a skip.
+        pytest.fail(f"could not start SLURM with {SLURM_UP}: {(proc.stderr or proc.stdout).strip()[-1500:]}")
     return subprocess.run(["hostname"], capture_output=True, text=True).stdout.strip()
 
 
