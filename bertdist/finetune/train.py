@@ -289,6 +289,8 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
         "checkpoint_origin": w.origin, "main_metric": runner.main_metric,
         "train_examples": len(train_feats), "eval_examples": {es.name: len(es.context if not isinstance(es.context, tuple)
                                                                            else es.context[0]) for es in eval_sets},
+        "world_size": _dist()[1], "deepspeed": {"zero_stage": cfg.zero_stage} if cfg.deepspeed else None,
+        "kernels": cfg.kernels,
         "best": {"lr": best["lr"], "seed": best["seed"], "epoch": best["epoch"], "metrics": best["metrics"],
                  "score": best["score"]},
         "runs": runs,
