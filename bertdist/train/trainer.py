@@ -85,10 +85,18 @@ def _check_compatible(saved: dict[str, Any], cfg: TrainConfig, what: str) -> Non
                           ("precision", cfg.deepspeed.precision), ("phase", cfg.phase)):
             if saved.get(key) != ours:
                 problems.append(f"{key}: checkpoint {saved.get(key)!r}, config {ours!r}")
+        # The LR schedule and peak lr are restored from the checkpoint, so a changed one would be ignored.
+        sched = {"lr": cfg.optimizer.lr, **to_dict(cfg.schedule)}
+        for key, ours in sched.items():
+            theirs = saved.get("schedule", {}).get(key, ours)
+            if theirs != ours:
+                problems.append(f"{'optimizer' if key == 'lr' else 'schedule'}.{key}: checkpoint {theirs!r}, "
+                                f"config {ours!r}")
     if problems:
         raise ConfigError(
             f"cannot {what} from this checkpoint, the config is incompatible:\n  " + "\n  ".join(problems)
-            + ("\n(a new phase starts from a checkpoint with checkpoint.init_from, not --resume)" if what == "resume" else "")
+            + ("\n(to change these, start a new phase from the checkpoint with checkpoint.init_from instead of "
+               "--resume)" if what == "resume" else "")
         )
 
 
@@ -294,7 +302,8 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None) -> TrainResult:
                 "global_batch_size": cfg.data.global_batch_size, "grad_accum": grad_accum,
                 "model": to_dict(cfg.model), "optimizer": cfg.optimizer.name,
                 "zero_stage": cfg.deepspeed.zero_stage, "precision": cfg.deepspeed.precision,
-                "skipped_steps": int(engine.skipped_steps), "seed": cfg.seed}
+                "skipped_steps": int(engine.skipped_steps), "seed": cfg.seed,
+                "schedule": {"lr": cfg.optimizer.lr, **to_dict(cfg.schedule)}}
 
     last_ckpt = None
 

@@ -185,3 +185,6 @@ def test_phase2_starts_from_phase1_with_fresh_schedule(reference_run, tmp_path, 
     res = run_pretrain(1, [*tiny_args(tmp_path, train_records, train_vocab, "phase=2", "model.hidden_size=64"),
                            "--resume", "auto"])
     assert res.returncode == 2 and "model.hidden_size: checkpoint 128, config 64" in res.stderr, res.stderr[-2000:]
+    res = run_pretrain(1, [*tiny_args(tmp_path, train_records, train_vocab, "phase=2", "schedule.total_steps=8",
+                                      "optimizer.lr=4e-3", "schedule.warmup_steps=2"), "--resume", "auto"])
+    assert res.returncode == 2 and "schedule.total_steps: checkpoint 4, config 8" in res.stderr, res.stderr[-2000:]
