@@ -252,6 +252,10 @@ def evaluate(model, runner: Runner, eval_sets: list[EvalSet], cfg, device) -> di
 # ---------------------------------------------------------------- the sweep and the outputs
 def run_finetune(cfg: FinetuneConfig) -> dict:
     """Fine-tune (with the configured sweep/restarts), write outputs, return the metrics JSON as a dict."""
+    if cfg.deepspeed and cfg.zero_stage not in (0, 1, 2):
+        # Evaluation and best-model snapshots read full parameters on every rank; ZeRO-3 shards them.
+        raise DataError(f"zero_stage={cfg.zero_stage}: fine-tuning supports ZeRO stages 0-2 "
+                        "(BERT-large fits on one device for fine-tuning; use stage 2 to shard optimizer state)")
     if cfg.deepspeed:
         import deepspeed
 
