@@ -1,7 +1,7 @@
 """Export from real DeepSpeed checkpoints written by a two-process CPU (gloo) run.
 
 Each case launches tests/export/ds_tiny_run.py under torch.distributed.run with 2
-processes (about 20 s each on 2 cores), then consolidates the checkpoint and
+processes (about 25 s each on 2 cores), then consolidates the checkpoint and
 checks it against the weights the engine held: with bf16 the fp32 masters must
 round to the bf16 module copy exactly and carry more precision than it.
 """
@@ -39,7 +39,8 @@ def _run(out: Path, stage: int, dtype: str, vocab: Path) -> None:
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 
-@pytest.mark.parametrize("stage,dtype", [(2, "bf16"), (3, "bf16"), (0, "fp32")])
+# Stage 0 (no optimizer shards) is covered by the real-trainer checkpoints in test_import_pretrain.py.
+@pytest.mark.parametrize("stage,dtype", [(2, "bf16"), (3, "bf16")])
 def test_export_two_process_checkpoint(tmp_path, shared_data, stage, dtype):
     vocab = shared_data / "vocab" / "bert-base-uncased-vocab.txt"
     run_dir = tmp_path / "run"

@@ -32,7 +32,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("zero_stage", [0, 2])
+@pytest.mark.parametrize("zero_stage", [2])
 def test_two_process_deepspeed_matches_single_process(tmp_path, shared_data, zero_stage):
     torch.manual_seed(0)
     cfg = BertConfig.from_preset("tiny", kernels="reference", attention_probs_dropout_prob=0.0)
