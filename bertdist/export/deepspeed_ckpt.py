@@ -97,7 +97,12 @@ def consolidate(path: str | os.PathLike, tag: str | None = None, quiet: bool = T
         sd = state["module"]
         stage, world, master = 0, int(state.get("dp_world_size", 1) or 1), True
         if any(v.is_floating_point() and v.dtype != torch.float32 for v in sd.values()):
-            master = False  # fp16/bf16 module copy; no fp32 masters were saved apart from it
+            # Mixed precision without ZeRO: the fp32 masters sit in the optimizer wrapper's state.
+            masters = _stage0_masters(state)
+            if masters is None:
+                master = False  # only the fp16/bf16 module copy was saved
+            else:
+                sd = masters
     sd = strip_wrapper_prefix({k: v for k, v in sd.items() if torch.is_tensor(v)})
     sd = {k: v.to(torch.float32) if v.is_floating_point() else v for k, v in sd.items()}
     sd = {k: v for k, v in sd.items() if not k.endswith("position_ids")}
@@ -106,6 +111,54 @@ def consolidate(path: str | os.PathLike, tag: str | None = None, quiet: bool = T
 
         warnings.warn(f"{ref.path}: no fp32 master weights saved; exporting the {next(iter(sd.values())).dtype} module copy")
     return ConsolidatedCheckpoint(sd, ref, stage, world, master)
+
+
+def _stage0_masters(state: dict) -> dict[str, torch.Tensor] | None:
+    """Module state with every trainable parameter replaced by its fp32 master, or None.
+
+    DeepSpeed's fp16/bf16 wrapper without ZeRO saves ``optimizer.fp32_groups``: per param
+    group, the fp32 masters in the group's order, without names. Each group lists parameters
+    in module order (a subsequence of it), and each master rounds exactly to its half-precision
+    module copy; we align on that, and give up (None) unless every master finds its parameter.
+    """
+    opt = state.get("optimizer")
+    groups = opt.get("fp32_groups") if isinstance(opt, dict) else None
+    if not groups:
+        return None
+    module = state["module"]
+    buffers = set(state.get("buffer_names") or [])
+    names, seen = [], {}
+    for k, v in module.items():  # unique parameters in module order; tied keys point at the first
+        if k in buffers or not v.is_floating_point():
+            continue
+        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
+        if key in seen:
+            continue
+        seen[key] = k
+        names.append(k)
+    assigned: dict[str, torch.Tensor] = {}
+    for group in groups:
+        i = 0
+        for t in group:
+            j = i
+            while j < len(names) and not (names[j] not in assigned and tuple(module[names[j]].shape) == tuple(t.shape)
+                                          and torch.equal(t.to(module[names[j]].dtype), module[names[j]])):
+                j += 1
+            if j == len(names):
+                return None
+            assigned[names[j]] = t.float()
+            i = j + 1
+    out = {}
+    for k, v in module.items():
+        if k in assigned:
+            out[k] = assigned[k]
+        elif v.is_floating_point() and k not in buffers:
+            key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
+            first = seen.get(key)
+            out[k] = assigned.get(first, v.float()) if first is not None else v.float()
+        else:
+            out[k] = v
+    return out
 
 
 def find_resolved_config(ref: CheckpointRef) -> tuple[dict, Path] | None:

@@ -48,7 +48,11 @@ def main() -> None:
         "bf16": {"enabled": dtype == "bf16"},
         "steps_per_print": 1000,
     }
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # Two groups (no weight decay on biases and layer norms), as the trainer builds them.
+    named = list(model.named_parameters())
+    groups = [{"params": [p for n, p in named if not (n.endswith("bias") or "LayerNorm" in n)], "weight_decay": 0.01},
+              {"params": [p for n, p in named if n.endswith("bias") or "LayerNorm" in n], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=1e-3)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_cfg)
     g = torch.Generator().manual_seed(100 + rank)
     for _ in range(3):
