@@ -14,12 +14,12 @@ def quick_finetune(
     task: str = "sst2",
     *,
     output_dir: str | None = None,
-    max_train_examples: int | None = 4000,
+    max_train_examples: int | None = 9600,
     max_eval_examples: int | None = None,
     epochs: float = 1.0,
     max_seq_length: int = 64,
     batch_size: int = 32,
-    learning_rate: float = 5e-5,
+    learning_rate: float | None = None,
     seed: int = 42,
     vocab_file: str | None = None,
     progress: bool = True,
@@ -27,8 +27,17 @@ def quick_finetune(
 ) -> dict:
     """Fine-tune ``checkpoint`` (our run/checkpoint, an import-hf or HF dir) on ``task`` from ``data_dir``
     (e.g. ``../shared/data/glue/SST-2``), print the dev metric and return the metrics dict
-    (the content of ``metrics.json``). Defaults are sized for a quick CPU demo, not for paper numbers."""
+    (the content of ``metrics.json``). Defaults are sized for a quick CPU demo, not for paper numbers.
+
+    ``learning_rate=None`` picks 1e-3 for small models (hidden <= 256) and the paper's 3e-5 otherwise:
+    the tiny model barely moves off the majority class at BERT-base rates (measured on SST-2 dev:
+    53.2% after 125 steps at 5e-5; 76.4% after 300 steps at 1e-3; majority class 50.9%).
+    """
     out = output_dir or tempfile.mkdtemp(prefix=f"bertdist-{task}-")
+    if learning_rate is None:
+        from bertdist.export.sources import load_pretrained
+
+        learning_rate = 1e-3 if load_pretrained(checkpoint).config.hidden_size <= 256 else 3e-5
     cfg = FinetuneConfig(task=task, checkpoint=str(checkpoint), data=str(data_dir), output_dir=out,
                          max_train_examples=max_train_examples, max_eval_examples=max_eval_examples, epochs=epochs,
                          max_seq_length=max_seq_length, batch_size=batch_size, learning_rate=learning_rate,
