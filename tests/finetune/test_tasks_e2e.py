@@ -40,6 +40,7 @@ def _run(tmp_path, ckpt, task, data, **kw):
     on_disk = json.loads((tmp_path / task / "metrics.json").read_text())
     assert on_disk["best"]["metrics"] == json.loads(json.dumps(summary["best"]["metrics"]))
     assert len(summary["runs"]) >= 1 and summary["runs"][0]["steps"] == kw.get("max_steps", FAST["max_steps"])
+    assert summary["runs"][0]["epoch"] == 1 and summary["world_size"] == 1
     first = summary["runs"][0]
     assert list((tmp_path / task / f"lr{first['lr']:g}_seed{first['seed']}" / "tensorboard").iterdir())
     return summary, tmp_path / task
@@ -133,13 +134,7 @@ def test_squad_v2_fixture(tmp_path, tiny_ckpt):
     s, _ = _run(tmp_path, tiny_ckpt, "squad2", data, max_seq_length=64, doc_stride=16)
     m = s["best"]["metrics"]["dev"]
     assert m["HasAns_total"] == 3 and m["NoAns_total"] == 3
-    # a threshold nobody beats: every question gets an answer, so NoAns scores 0
-    s, _ = _run(tmp_path / "t", tiny_ckpt, "squad2", data, max_seq_length=64, doc_stride=16, null_threshold=1e9)
-    assert s["best"]["metrics"]["dev"]["NoAns_exact"] == 0.0
-    # the opposite: always no answer -> NoAns all right, HasAns all wrong
-    s, _ = _run(tmp_path / "u", tiny_ckpt, "squad2", data, max_seq_length=64, doc_stride=16, null_threshold=-1e9)
-    d = s["best"]["metrics"]["dev"]
-    assert d["NoAns_exact"] == 100.0 and d["HasAns_exact"] == 0.0
+    # (the no-answer threshold itself is tested on hand-built logits in test_squad_decoding.py)
 
 
 @pytest.mark.parametrize("layout,scheme", [("original_iob1", "IOB1"), ("iob2_kamalkraj", "IOB2")])
@@ -161,8 +156,8 @@ def test_swag_fixture(tmp_path, tiny_ckpt):
 
 
 def test_sweep_and_restarts_pick_best_on_dev(tmp_path, tiny_ckpt, shared_data):
-    s, _ = _run(tmp_path, tiny_ckpt, "sst2", shared_data / "glue" / "SST-2", max_train_examples=32,
-                max_eval_examples=32, sweep_learning_rates=[5e-5, 2e-5], restarts=2, predict_test=False,
-                head_learning_rate=1e-3)
+    s, _ = _run(tmp_path, tiny_ckpt, "sst2", shared_data / "glue" / "SST-2", max_train_examples=16,
+                max_eval_examples=16, sweep_learning_rates=[5e-5, 2e-5], restarts=2, predict_test=False,
+                head_learning_rate=1e-3, max_steps=1)
     assert [(r["lr"], r["seed"]) for r in s["runs"]] == [(5e-5, 42), (5e-5, 43), (2e-5, 42), (2e-5, 43)]
     assert s["best"]["score"] == max(r["score"] for r in s["runs"])
