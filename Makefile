@@ -16,12 +16,13 @@ venv: $(STAMP)
 # torch 2.14.1 (CUDA 13.0 build) is pinned in requirements.lock: see README "Why this torch".
 # deepspeed is built from its sdist against the installed torch, so it goes in after, without
 # build isolation (an isolated build would pull a second torch into the build env).
-$(STAMP): requirements.lock pyproject.toml setup.py
+$(STAMP): requirements.lock pyproject.toml setup.py $(wildcard csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip==24.3.1
 	$(PIP) install -q -r requirements.lock
 	$(PIP) install -q --no-build-isolation deepspeed==0.19.8
-	$(PIP) install -q --no-build-isolation --no-deps -e .
+	# Builds the bertdist._C extension (csrc/): CUDA kernels too where nvcc and a CUDA torch exist.
+	MAX_JOBS=$(JOBS) $(PIP) install --no-build-isolation --no-deps -e .
 	touch $@
 
 test: venv slurm

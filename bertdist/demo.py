@@ -1,27 +1,40 @@
-"""`make demo`: the main job on bundled real text (data_pipeline/samples), stage by stage.
+"""`make demo`: the whole chain on bundled real text (data_pipeline/samples), through the CLI.
 
-Each stage prints what it did and how long it took; the summary at the end lists the
-artifacts. The chain grows as capabilities land: today it trains a small WordPiece vocab on
-the bundled books, runs the tiny model forward and backward on real sentences for a few
-optimizer steps (the MLM loss must fall), and prints the model summary for base and large.
+Stages, each run as the user would type it and timed:
+  1. vocab     `bertdist data vocab`   WordPiece vocab trained on the bundled books and wiki sample
+  2. data      `bertdist data build`   Beam (DirectRunner, multi-processing) -> Parquet shards + manifest
+  3. pretrain  `torchrun --nproc_per_node 2 -m bertdist.cli.main pretrain`  DeepSpeed on 2 local ranks
+  4. export    `bertdist export`       Hugging Face directory; fill-mask top-5 before vs after
+  5. finetune  `bertdist finetune sst2` on a small real classification task built from the
+               bundled books (which of two authors wrote a sentence), in SST-2's TSV layout
+  6. summary   wall time per stage, throughput, final metrics, artifacts, curves PNG
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import shutil
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import torch
-
-SAMPLES = Path(__file__).resolve().parents[1] / "data_pipeline" / "samples"
+REPO = Path(__file__).resolve().parents[1]
+SAMPLES = REPO / "data_pipeline" / "samples"
+INPUTS = [f"wiki:{SAMPLES / 'wiki'}", f"books:{SAMPLES / 'books'}"]
+FILL_MASK_PROBES = [
+    "the man who was [MASK] .",
+    "she could not [MASK] him .",
+    "it was a [MASK] day .",
+    "the king of [MASK] .",
+]
 
 
 class Stages:
-    """Times each stage and collects a one-line result for the summary."""
+    """Times each stage and keeps a one-line result for the summary."""
 
     def __init__(self) -> None:
         self.rows: list[tuple[str, float, str]] = []
@@ -35,87 +48,185 @@ class Stages:
         print(f"--- {name}: {line} ({dt:.1f} s)", flush=True)
         return result
 
-    def summary(self) -> None:
-        print("\n=== summary")
-        for name, dt, line in self.rows:
-            print(f"  {name:<28} {dt:7.1f} s  {line}")
+
+def sh(*cmd: str, env: dict | None = None) -> None:
+    """Run a command as the user would, echoing it; fail the demo if it fails."""
+    print("$ " + " ".join(str(c) for c in cmd), flush=True)
+    subprocess.run([str(c) for c in cmd], check=True, env={**os.environ, **(env or {})}, cwd=REPO)
 
 
-def train_vocab(out: Path):
-    from tokenizers import BertWordPieceTokenizer
-
-    books = sorted(str(p) for p in (SAMPLES / "books").glob("*.txt"))
-    tok = BertWordPieceTokenizer(lowercase=True)
-    tok.train(books, vocab_size=8000, min_frequency=2, show_progress=False,
-              special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
-    out.mkdir(parents=True, exist_ok=True)
-    tok.save_model(str(out))
-    return out / "vocab.txt", f"WordPiece vocab of {tok.get_vocab_size()} tokens from {len(books)} books -> {out / 'vocab.txt'}"
+def bertdist(*args: str) -> None:
+    sh(sys.executable, "-m", "bertdist.cli.main", *args)
 
 
-def sentences_from_books(limit: int) -> list[str]:
-    text = " ".join(p.read_text(encoding="utf-8") for p in sorted((SAMPLES / "books").glob("*.txt")))
-    words = text.split()
-    # Fixed-size word windows: real text, no sentence splitter needed for this smoke stage.
-    return [" ".join(words[i:i + 40]) for i in range(0, min(len(words), limit * 40), 40)]
+def stage_vocab(out: Path):
+    vocab = out / "vocab.txt"
+    bertdist("data", "vocab", *sum((["--input", i] for i in INPUTS), []), "--output", str(vocab), "--size", "4000")
+    n = sum(1 for _ in vocab.open(encoding="utf-8"))
+    return vocab, f"{n} WordPiece tokens -> {vocab}"
 
 
-def tiny_forward_backward(vocab_path: Path):
-    from transformers import BertTokenizerFast
+def stage_data(out: Path, vocab: Path):
+    records = out / "records"
+    bertdist("data", "build", *sum((["--input", i] for i in INPUTS), []), "--vocab", str(vocab),
+             "--output", str(records), "--config", str(REPO / "configs/data/tiny_demo.yaml"), "--set", "dupe_factor=3")
+    from bertdist.data import open_records
 
+    train = open_records(records / "manifest.json")  # verifies every shard's checksum
+    c = train.manifest["counts"]
+    return records / "manifest.json", (
+        f"{c['documents']} documents, {c['sentences']} sentences, {c['input_words']:,} words -> "
+        f"{c['instances']:,} instances ({train.num_rows:,} train rows in {len(train.shards)} shards), "
+        f"{c['masked_fraction']:.1%} masked, {c['random_next_fraction']:.1%} random-next")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stage_pretrain(out: Path, manifest: Path, vocab: Path, steps: int):
+    run_dir = out / "pretrain"
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    every = max(steps // 4, 1)
+    sh(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+       "--master_port", str(_free_port()), "-m", "bertdist.cli.main", "pretrain",
+       str(REPO / "configs/pretrain/tiny.yaml"), f"run_dir={run_dir}", f"data.train_manifest={manifest}",
+       f"data.vocab_file={vocab}", f"schedule.total_steps={steps}", f"schedule.warmup_steps={max(steps // 20, 1)}",
+       f"checkpoint.every_steps={every}", f"eval.every_steps={every}", "logging.progress=none",
+       env={"OMP_NUM_THREADS": "1"})
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train = [m for m in metrics if "loss" in m and m.get("kind", "train") == "train"]
+    evals = [m for m in metrics if m.get("kind") == "eval"]
+    last_eval = evals[-1] if evals else {}
+    tput = [m["seq_per_s"] for m in train if "seq_per_s" in m]
+    line = (f"{len(train)} logged steps, loss {train[0]['loss']:.2f} -> {train[-1]['loss']:.2f}"
+            + (f", held-out MLM acc {last_eval.get('mlm_acc', float('nan')):.3f}" if last_eval else "")
+            + (f", {sum(tput) / len(tput):.0f} seq/s" if tput else ""))
+    return (run_dir, metrics), line
+
+
+def _fill_mask(model_dir: Path, vocab: Path) -> list[list[str]]:
+    from transformers import pipeline
+
+    fill = pipeline("fill-mask", model=str(model_dir), tokenizer=str(model_dir), device=-1)
+    return [[p["token_str"] for p in fill(text, top_k=5)] for text in FILL_MASK_PROBES]
+
+
+def stage_export(out: Path, run_dir: Path, vocab: Path):
+    import torch
+    import yaml
+
+    from bertdist.export import write_hf_dir  # the same writer `bertdist export` uses
     from bertdist.model import BertConfig, BertForPreTraining
 
-    tok = BertTokenizerFast(vocab_file=str(vocab_path), do_lower_case=True)
-    texts = sentences_from_books(256)
-    enc = tok(texts, padding=True, truncation=True, max_length=64, return_tensors="pt")
-    ids, mask = enc["input_ids"], enc["attention_mask"]
-    torch.manual_seed(0)
-    rng = random.Random(0)
-    cfg = BertConfig.from_preset("tiny", vocab_size=tok.vocab_size)
-    model = BertForPreTraining(cfg).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    special = torch.tensor(tok.all_special_ids)
-    losses = []
-    for step in range(30):
-        rows = torch.tensor(rng.sample(range(len(texts)), 32))
-        x, m = ids[rows].clone(), mask[rows]
-        pick = (torch.rand(x.shape) < 0.15) & m.bool() & ~torch.isin(x, special)
-        labels = torch.where(pick, x, torch.full_like(x, -100))
-        x[pick] = tok.mask_token_id
-        out = model(x, m, torch.zeros_like(x), labels=labels)
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
-        losses.append(out.loss.item())
-        if step % 10 == 0 or step == 29:
-            print(f"  step {step:2d}  mlm loss {out.loss.item():.3f}  ({int(pick.sum())} masked tokens)")
-    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
-    if not last < first:
-        raise SystemExit(f"demo: MLM loss did not fall ({first:.3f} -> {last:.3f})")
-    return losses, (f"tiny model ({sum(p.numel() for p in model.parameters()):,} params, kernels "
-                    f"{model.bert.kernels.sources['attention']}), 30 steps on real text, "
-                    f"mean loss {first:.2f} -> {last:.2f}")
+    hf_dir = out / "hf"
+    bertdist("export", str(run_dir), "--out", str(hf_dir))
+    # "Before": the same architecture at its initialisation (the trainer's seed), exported alike.
+    resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    cfg = BertConfig.from_mapping({**resolved["model"], "vocab_size": sum(1 for _ in vocab.open())})
+    torch.manual_seed(resolved.get("seed", 0))
+    init_dir = out / "hf_init"
+    write_hf_dir(init_dir, cfg, BertForPreTraining(cfg).state_dict(), vocab)
+    before, after = _fill_mask(init_dir, vocab), _fill_mask(hf_dir, vocab)
+    for text, b, a in zip(FILL_MASK_PROBES, before, after):
+        print(f"  {text!r}\n    before: {b}\n    after:  {a}")
+    return hf_dir, f"HF directory {hf_dir} (fill-mask works; top-5 shown before/after pretraining)"
 
 
-def model_summaries():
-    for preset in ("base", "large"):
-        subprocess.run([sys.executable, "-m", "bertdist.cli.main", "model", "summary", "--preset", preset], check=True)
-    return None, "printed for base and large"
+def build_author_task(out: Path, per_class: int = 1200) -> Path:
+    """A real 2-class task from the bundled books: was this sentence written by Austen (0) or Chesterton (1)?
+
+    Written in GLUE SST-2's layout (sentence<TAB>label with a header) so the stock `sst2` task reads it.
+    """
+    import blingfire
+
+    task = out / "author_task"
+    task.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for label, name in ((0, "austen-persuasion.txt"), (1, "chesterton-thursday.txt")):
+        text = " ".join((SAMPLES / "books" / name).read_text(encoding="utf-8").split())
+        sents = [s for s in blingfire.text_to_sentences(text).split("\n") if 6 <= len(s.split()) <= 40]
+        rng = random.Random(label)
+        rng.shuffle(sents)
+        rows += [(s.replace("\t", " "), label) for s in sents[:per_class]]
+    random.Random(0).shuffle(rows)
+    n_dev = len(rows) // 6
+    for split, part in (("dev", rows[:n_dev]), ("train", rows[n_dev:])):
+        with (task / f"{split}.tsv").open("w", encoding="utf-8") as f:
+            f.write("sentence\tlabel\n")
+            f.writelines(f"{s}\t{y}\n" for s, y in part)
+    return task
+
+
+def stage_finetune(out: Path, hf_dir: Path, vocab: Path):
+    task = build_author_task(out)
+    ft_dir = out / "finetune"
+    bertdist("finetune", "sst2", "--checkpoint", str(hf_dir), "--data", str(task), "--out", str(ft_dir),
+             "--vocab", str(vocab), "--set", "epochs=3", "--set", "max_seq_length=64", "--set", "learning_rate=5e-4",
+             "--set", "progress=false")
+    metrics = json.loads((ft_dir / "metrics.json").read_text())
+    best = metrics["best"]["metrics"]["dev"]
+    base = (metrics.get("majority_baseline") or {}).get("dev", {})
+    line = f"author task dev accuracy {best['accuracy']:.3f}"
+    if base:
+        line += f" (majority class {base['accuracy']:.3f})"
+    return metrics, line
+
+
+def plot_curves(metrics: list[dict], png: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [m for m in metrics if "loss" in m and m.get("kind", "train") == "train"]
+    evals = [m for m in metrics if m.get("kind") == "eval"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    ax1.plot([m["step"] for m in train], [m["loss"] for m in train], label="train loss")
+    if evals and "mlm_loss" in evals[0]:
+        ax1.plot([m["step"] for m in evals], [m["mlm_loss"] for m in evals], "o-", label="held-out MLM loss")
+    ax1.set_xlabel("step")
+    ax1.set_title("pretraining loss (tiny, 2 ranks)")
+    ax1.legend()
+    for key, label in (("mlm_acc", "held-out MLM accuracy"), ("nsp_acc", "held-out NSP accuracy")):
+        if evals and key in evals[0]:
+            ax2.plot([m["step"] for m in evals], [m[key] for m in evals], "o-", label=label)
+    ax2.set_xlabel("step")
+    ax2.set_title("held-out evaluation")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    return png
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="demo_out", help="where artifacts go")
+    ap.add_argument("--steps", type=int, default=400, help="pretraining steps")
     args = ap.parse_args(argv)
-    out = Path(args.out)
+    out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
     stages = Stages()
-    vocab = stages.run("vocab", train_vocab, out / "vocab")
-    losses = stages.run("tiny forward+backward", tiny_forward_backward, vocab)
-    stages.run("model summary", model_summaries)
-    (out / "demo_metrics.json").write_text(json.dumps({"mlm_losses": losses}, indent=1))
-    stages.summary()
-    print(f"  artifacts: {out.resolve()}")
+    vocab = stages.run("1. vocab", stage_vocab, out)
+    manifest = stages.run("2. data (Beam)", stage_data, out, vocab)
+    run_dir, metrics = stages.run("3. pretrain (DeepSpeed, 2 ranks)", stage_pretrain, out, manifest, vocab, args.steps)
+    hf_dir = stages.run("4. export (Hugging Face)", stage_export, out, run_dir, vocab)
+    ft = stages.run("5. finetune", stage_finetune, out, hf_dir, vocab)
+    png = plot_curves(metrics, out / "pretrain_curves.png")
+    print("\n=== summary")
+    for name, dt, line in stages.rows:
+        print(f"  {name:<34} {dt:7.1f} s  {line}")
+    print(f"  {'total':<34} {time.perf_counter() - t0:7.1f} s")
+    print(f"  artifacts: vocab {vocab}\n             records {manifest.parent}\n             run {run_dir}"
+          f" (checkpoints, TensorBoard, metrics.jsonl)\n             HF model {hf_dir}\n"
+          f"             fine-tune {out / 'finetune'}\n             curves {png}")
+    (out / "summary.json").write_text(json.dumps(
+        {"stages": [{"name": n, "seconds": round(d, 1), "result": r} for n, d, r in stages.rows],
+         "finetune": ft.get("best")}, indent=1, default=str))
     return 0
 
 
