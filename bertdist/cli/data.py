@@ -1,7 +1,6 @@
 """`bertdist data build` (the Beam pipeline) and `bertdist data vocab` (WordPiece training)."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys

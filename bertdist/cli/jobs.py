@@ -5,6 +5,7 @@ import sys
 import time
 from pathlib import Path
 
+from bertdist.cli.errors import exit_2_on
 from cluster.errors import SubmitError
 
 
@@ -82,14 +83,7 @@ def run_cancel(args) -> int:
     return 0
 
 
-def _guard(fn):
-    def wrapped(args) -> int:
-        try:
-            return fn(args)
-        except SubmitError as e:
-            print(f"bertdist jobs: {e}", file=sys.stderr)
-            return 2
-    return wrapped
+_guard = exit_2_on("bertdist jobs", SubmitError)
 
 
 def register(sub) -> None:

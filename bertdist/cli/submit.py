@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from bertdist.cli.errors import exit_2_on
 from cluster.errors import SubmitError
 
 SCHEDULERS = ("slurm", "deepspeed", "k8s", "local")
@@ -176,14 +177,7 @@ def run_probe(args) -> int:
                    program_argv=[args.python, "-m", *tail], program_module=["-m", *tail])
 
 
-def _guard(fn):
-    def wrapped(args) -> int:
-        try:
-            return fn(args)
-        except SubmitError as e:
-            print(f"bertdist submit: {e}", file=sys.stderr)
-            return 2
-    return wrapped
+_guard = exit_2_on("bertdist submit", SubmitError)
 
 
 def register(sub) -> None:

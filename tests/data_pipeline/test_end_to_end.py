@@ -13,7 +13,7 @@ import pytest
 
 from bertdist.data import RecordsError, open_records, vocab_sha256
 
-from .conftest import IN_PROCESS, SAMPLES
+from tests.conftest import IN_PROCESS, SAMPLES
 
 
 @pytest.mark.shared
