@@ -1,0 +1,89 @@
+"""benchmarks/train_throughput.py on CPU: tiny preset, one timed step, the cheap variants."""
+import importlib.util
+import json
+import math
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from bertdist.data import open_records
+
+
+@pytest.fixture(scope="module")
+def harness(repo_root):
+    spec = importlib.util.spec_from_file_location("bench_train_throughput", repo_root / "benchmarks" / "train_throughput.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    yield mod
+    sys.modules.pop(spec.name, None)
+
+
+def test_lengths_come_from_the_shards(harness, sample_records):
+    lengths, msl = harness.lengths_from_manifest(sample_records)
+    recs = open_records(sample_records)
+    expect = [len(x) for i in range(len(recs.shards)) for x in recs.read_shard(i).column("input_ids").to_pylist()]
+    assert msl == 64 and sorted(lengths.tolist()) == sorted(expect)
+    rng = np.random.default_rng(0)
+    wide = harness.sample_lengths(lengths, msl, (4, 8), 128, rng)  # rescaled to a wider benchmark
+    assert wide.max() <= 128 and wide.min() >= 2 and wide.mean() > lengths.mean()
+
+
+def test_synthetic_lengths_and_batches(harness):
+    rng = np.random.default_rng(0)
+    lengths = harness.synthetic_lengths(4000, 128, rng)
+    assert lengths.min() >= 8 and lengths.max() == 128
+    assert 0.8 < (lengths == 128).mean() < 0.9 and 110 < lengths.mean() < 128
+    b = harness.make_batch(np.array([128, 40, 2]), 128, 30522, 20, rng)
+    t = b.tensors
+    assert t["attention_mask"].sum(1).tolist() == [128, 40, 2] and b.real_tokens == 170
+    predicted = (t["labels"] != -100).sum(1).tolist()
+    assert predicted == b.predicted.tolist() == [19, 6, 1]  # BERT's round(0.15 * len), at least 1, never [CLS]
+    assert not (t["labels"][:, 0] != -100).any() and not ((t["labels"] != -100) & (t["attention_mask"] == 0)).any()
+    assert (t["token_type_ids"] * (1 - t["attention_mask"])).sum() == 0
+
+
+def test_encoder_runs_on_real_tokens_only_when_unpadded(harness):
+    from bertdist.model import BertConfig
+
+    cfg = BertConfig.from_preset("tiny", vocab_size=500)
+    b = harness.make_batch(np.array([64, 30, 5]), 64, cfg.vocab_size, 10, np.random.default_rng(1))
+    rows = {}
+    for name in ("ours-optimized", "ours-reference", "hf-sdpa"):
+        _, raw, info = harness.build_variant(name, cfg, torch.device("cpu"), False)
+        rows[name] = harness.encoder_rows(raw, b.tensors, cfg.hidden_size)
+    assert rows == {"ours-optimized": 99, "ours-reference": 192, "hf-sdpa": 192}
+
+
+def test_harness_cpu_tiny(harness, sample_records, tmp_path):
+    out = tmp_path / "tt.json"
+    md = tmp_path / "tt.md"
+    res = harness.main(["--preset", "tiny", "--batch", "8", "--seq", "64", "--steps", "1", "--warmup", "1",
+                        "--num-batches", "2", "--lengths-from", str(sample_records), "--loss-curve", "2",
+                        "--json", str(out), "--markdown", str(md)])
+    data = json.loads(out.read_text())
+    assert data["variants"].keys() == {"ours-optimized", "ours-reference", "hf-sdpa"} and not data["skipped"]
+    for key in ("device", "device_type", "date", "command", "torch", "transformers", "peak_flops", "peak_note",
+                "precision", "lengths"):
+        assert data[key], key
+    assert data["device_type"] == "cpu" and data["isolated_processes"] and "--lengths-from" in data["command"]
+    assert "estimate" in data["peak_note"]
+    real = {r["real_tokens"] for r in data["variants"].values()}
+    assert len(real) == 1, "every variant (each in its own process) must time the same batches"
+    for name, r in data["variants"].items():
+        assert r["seq_per_s"] > 0 and r["real_tokens_per_s"] > 0 and r["peak_mem_bytes"] > 0, name
+        assert r["real_tokens"] <= r["padded_tokens"] == r["sequences"] * 64
+        assert 0 < r["mfu"] < 1 and math.isfinite(r["final_loss"])
+        check = r["encoder_rows_check"]
+        assert check["encoder_rows"] == (check["real_tokens"] if name == "ours-optimized" else check["padded_tokens"])
+    opt, ref, hf = (data["variants"][k] for k in ("ours-optimized", "ours-reference", "hf-sdpa"))
+    assert opt["unpad"] and not ref["unpad"] and set(ref["kernels"].values()) == {"reference"}
+    assert hf["vs_hf_sdpa"]["seq_per_s"] == 1.0
+    assert opt["vs_hf_sdpa"]["seq_per_s"] == pytest.approx(opt["seq_per_s"] / hf["seq_per_s"])
+    lc = data["loss_curve"]
+    assert [len(lc["curves"][k]["loss"]) for k in ("ours-optimized", "ours-reference")] == [2, 2]
+    assert all(math.isfinite(x) for k in lc["curves"] for x in lc["curves"][k]["loss"])
+    assert (tmp_path / "tt_loss_curve.png").stat().st_size > 1000
+    assert "| ours-optimized |" in md.read_text() and res["markdown"] == md.read_text()
