@@ -185,7 +185,7 @@ def plot_curves(metrics: list[dict], png: Path) -> Path:
     train = [m for m in metrics if "loss" in m and m.get("kind", "train") == "train"]
     evals = [m for m in metrics if m.get("kind") == "eval"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    ax1.plot([m["step"] for m in train], [m["loss"] for m in train], label="train loss")
+    ax1.plot([m["step"] for m in train], [m["loss"] for m in train], label="train loss (MLM + NSP)")
     if evals and "mlm_loss" in evals[0]:
         ax1.plot([m["step"] for m in evals], [m["mlm_loss"] for m in evals], "o-", label="held-out MLM loss")
     ax1.set_xlabel("step")
@@ -205,7 +205,7 @@ def plot_curves(metrics: list[dict], png: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="demo_out", help="where artifacts go")
-    ap.add_argument("--steps", type=int, default=400, help="pretraining steps")
+    ap.add_argument("--steps", type=int, default=1500, help="pretraining steps")
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
