@@ -70,12 +70,14 @@ def bench(preset: str, batch: int, seq: int, iters: int, warmup: int, kernels: s
         out = ours(ids, mask, types, labels=labels, next_sentence_label=nsp)
         out.loss.backward()
 
-    # Interleave rounds so that drift in machine load hits both sides alike.
+    # Alternate the two models step by step, so drift in machine load hits both sides alike.
+    for _ in range(warmup):
+        step_hf()
+        step_ours()
     t_hf, t_ours = [], []
-    rounds = 3
-    for _ in range(rounds):
-        t_hf += time_step(step_hf, max(1, iters // rounds), warmup)
-        t_ours += time_step(step_ours, max(1, iters // rounds), warmup)
+    for _ in range(iters):
+        t_hf += time_step(step_hf, 1, 0)
+        t_ours += time_step(step_ours, 1, 0)
     med_hf, med_ours = statistics.median(t_hf), statistics.median(t_ours)
     return {
         "preset": preset,
