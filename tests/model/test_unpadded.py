@@ -6,6 +6,14 @@ from bertdist.model import BertConfig, BertForPreTraining
 from bertdist.model.bert import Unpadded
 
 
+def _assert_same_grads(model_a, loss_a, model_b, loss_b):
+    loss_a.backward()
+    loss_b.backward()
+    grads_b = dict(model_b.named_parameters())
+    for name, p in model_a.named_parameters():
+        assert torch.allclose(p.grad, grads_b[name].grad, atol=5e-5, rtol=1e-4), name
+
+
 def _batch(vocab: int):
     g = torch.Generator().manual_seed(0)
     lengths = torch.tensor([29, 1, 17, 30, 2])
@@ -38,11 +46,7 @@ def test_unpadded_matches_padded_outputs_losses_and_grads(sparse):
     # NSP reads the pooled [CLS]; token types went in before packing, so it is unchanged.
     assert torch.allclose(a.seq_relationship_logits, b.seq_relationship_logits, atol=2e-5)
     assert torch.allclose(a.loss, b.loss, atol=1e-5)
-    a.loss.backward()
-    b.loss.backward()
-    gb = dict(unpadded.named_parameters())
-    for name, p in padded.named_parameters():
-        assert torch.allclose(p.grad, gb[name].grad, atol=5e-5, rtol=1e-4), name
+    _assert_same_grads(padded, a.loss, unpadded, b.loss)
 
 
 def test_token_types_still_matter_when_unpadded():
@@ -81,8 +85,4 @@ def test_unpadded_fused_kernels_match_reference():
     a = ref(ids, mask, types, labels=labels, next_sentence_label=nsp)
     b = fused(ids, mask, types, labels=labels, next_sentence_label=nsp)
     assert torch.allclose(a.loss, b.loss, atol=1e-5)
-    a.loss.backward()
-    b.loss.backward()
-    gf = dict(fused.named_parameters())
-    for name, p in ref.named_parameters():
-        assert torch.allclose(p.grad, gf[name].grad, atol=5e-5, rtol=1e-4), name
+    _assert_same_grads(ref, a.loss, fused, b.loss)
