@@ -6,7 +6,9 @@ conversion is about the edges: HF leaves the two tied keys
 ``cls.predictions.decoder.bias`` = ``cls.predictions.bias``) out of
 ``model.safetensors``; old checkpoints use ``gamma``/``beta`` for layer norms
 and carry a ``position_ids`` buffer; a bare ``BertModel`` has no ``bert.``
-prefix; a masked-LM-only checkpoint has no NSP head or pooler.
+prefix; a masked-LM-only checkpoint has no NSP head or pooler. Big models come
+sharded: an index (``model.safetensors.index.json`` / ``pytorch_model.bin.index.json``)
+whose ``weight_map`` names the shard file of every key.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ TIED = {  # key HF drops on save -> the key holding the same tensor
     "cls.predictions.decoder.bias": "cls.predictions.bias",
 }
 HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+HF_INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")  # sharded checkpoints
 
 
 class ExportError(ValueError):
@@ -142,7 +145,7 @@ def write_hf_dir(
 
 def is_hf_dir(path: str | Path) -> bool:
     p = Path(path)
-    return (p / "config.json").is_file() and any((p / f).is_file() for f in HF_WEIGHT_FILES)
+    return (p / "config.json").is_file() and any((p / f).is_file() for f in HF_WEIGHT_FILES + HF_INDEX_FILES)
 
 
 @dataclasses.dataclass
@@ -156,15 +159,55 @@ class HFCheckpoint:
     raw_state_dict: dict[str, torch.Tensor]  # as stored, incl. any task head
 
 
-def read_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
-    p = Path(hf_dir)
-    if (p / "model.safetensors").is_file():
-        from safetensors.torch import load_file
+def _read_weight_file(path: Path, keys: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of one ``.safetensors`` or ``torch.save`` file (only ``keys``, when given)."""
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
 
-        return load_file(str(p / "model.safetensors"))
-    if (p / "pytorch_model.bin").is_file():
-        return torch.load(p / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise ExportError(f"{p}: no model.safetensors or pytorch_model.bin (sharded checkpoints are not supported)")
+        with safe_open(str(path), "pt") as f:
+            present = set(f.keys())
+            wanted = present if keys is None else [k for k in keys if k in present]
+            return {k: f.get_tensor(k) for k in wanted}
+    sd = torch.load(path, map_location="cpu", weights_only=True)
+    return sd if keys is None else {k: sd[k] for k in keys if k in sd}
+
+
+def read_sharded_state_dict(index_path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor an HF shard index maps, read from its shard; a missing shard or key is an error."""
+    index_path = Path(index_path)
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ExportError(f"{index_path}: not a shard index with a weight_map ({type(e).__name__}: {e})") from e
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ExportError(f"{index_path}: the weight_map is empty or not a mapping")
+    by_shard: dict[str, list[str]] = {}
+    for key, shard in weight_map.items():
+        by_shard.setdefault(shard, []).append(key)
+    absent = sorted(s for s in by_shard if not (index_path.parent / s).is_file())
+    if absent:
+        raise ExportError(f"{index_path.name} maps weights to shard file(s) missing from {index_path.parent}: {absent}")
+    out: dict[str, torch.Tensor] = {}
+    for shard, keys in sorted(by_shard.items()):
+        tensors = _read_weight_file(index_path.parent / shard, keys)
+        lacking = [k for k in keys if k not in tensors]
+        if lacking:
+            raise ExportError(f"{index_path.parent / shard} lacks {len(lacking)} key(s) that {index_path.name} "
+                              f"maps to it: {lacking[:5]}")
+        out.update(tensors)
+    return out
+
+
+def read_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The stored tensors of an HF directory: one weights file or a sharded checkpoint's index."""
+    p = Path(hf_dir)
+    for name in HF_WEIGHT_FILES:
+        if (p / name).is_file():
+            return _read_weight_file(p / name)
+    for name in HF_INDEX_FILES:
+        if (p / name).is_file():
+            return read_sharded_state_dict(p / name)
+    raise ExportError(f"{p}: no weights (looked for {', '.join(HF_WEIGHT_FILES + HF_INDEX_FILES)})")
 
 
 def read_hf_dir(hf_dir: str | Path, kernels: str = "auto") -> HFCheckpoint:
