@@ -237,6 +237,7 @@ def train_once(cfg: FinetuneConfig, runner: Runner, w: PretrainedWeights, train_
     best["train_seconds"] = time.time() - t0
     best["history"] = history
     best["lr"], best["seed"], best["steps"] = lr, seed, total
+    best["kernel_sources"] = dict(model.bert.kernels.sources)  # what `kernels` resolved to, per op
     return best
 
 
@@ -294,7 +295,7 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
         "train_examples": len(train_feats), "eval_examples": {es.name: len(es.context if not isinstance(es.context, tuple)
                                                                            else es.context[0]) for es in eval_sets},
         "world_size": _dist()[1], "deepspeed": {"zero_stage": cfg.zero_stage} if cfg.deepspeed else None,
-        "kernels": cfg.kernels,
+        "kernels": cfg.kernels, "kernel_sources": best["kernel_sources"],
         "best": {"lr": best["lr"], "seed": best["seed"], "epoch": best["epoch"], "metrics": best["metrics"],
                  "score": best["score"]},
         "runs": runs,
