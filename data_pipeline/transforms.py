@@ -251,9 +251,10 @@ class _TokenizeDoFn(beam.DoFn):
     def setup(self):
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread per worker: honest per-core rates
         from data_pipeline.tokenization import load_tokenizer
+        from data_pipeline.wordpiece import WordPieceEncoder
 
-        self.tok, _ = load_tokenizer(self.vocab_path, self.lowercase)
-        self.dtype = np.uint16 if self.tok.get_vocab_size() < 65536 else np.uint32
+        tok, lowercase = load_tokenizer(self.vocab_path, self.lowercase)
+        self.encoder = WordPieceEncoder(tok, lowercase)
         self.progress = _Progress("documents tokenized")
 
     def process(self, kv):
@@ -270,24 +271,22 @@ class _TokenizeDoFn(beam.DoFn):
             count("skipped_empty_document")
             return
         count("input_words", sum(s.count(" ") + 1 for s in sents))
-        encs = self.tok.encode_batch_fast(sents, add_special_tokens=False)
-        arrays = [np.asarray(e.ids, dtype=self.dtype) for e in encs]
-        arrays = [a for a in arrays if a.shape[0]]
-        if len(arrays) < self.min_sentences:
-            count("skipped_empty_document" if not arrays else "skipped_too_few_sentences")
+        ids, bounds = self.encoder.encode_document(sents)
+        n = len(bounds) - 1
+        if n < self.min_sentences:
+            count("skipped_empty_document" if n == 0 else "skipped_too_few_sentences")
             return
-        parts = [arrays[i:i + self.max_sentences] for i in range(0, len(arrays), self.max_sentences)]
-        if len(parts) > 1:
+        cuts = list(range(0, n, self.max_sentences)) + [n]
+        if len(cuts) > 2:
             count("repaired_enormous_document_split")
-        for j, part in enumerate(parts):
-            if len(part) < self.min_sentences:
+        for j in range(len(cuts) - 1):
+            lo, hi = cuts[j], cuts[j + 1]
+            if hi - lo < self.min_sentences:
                 continue
-            lens = np.fromiter((a.shape[0] for a in part), np.int64, len(part))
-            bounds = np.zeros(len(part) + 1, np.int64)
-            np.cumsum(lens, out=bounds[1:])
+            part_bounds = bounds[lo:hi + 1] - bounds[lo]
             count("documents")
-            count("sentences", len(part))
-            yield ((doc_id if len(parts) == 1 else f"{doc_id}#part{j}"), np.concatenate(part), bounds)
+            count("sentences", hi - lo)
+            yield ((doc_id if len(cuts) == 2 else f"{doc_id}#part{j}"), ids[bounds[lo]:bounds[hi]], part_bounds)
 
 
 class Tokenize(beam.PTransform):

@@ -1,9 +1,12 @@
-"""Fast WordPiece (tokenizers) == BERT's reference Python tokenizer, id for id; vocab layout."""
+"""Fast WordPiece (tokenizers) and the pipeline's cached document encoder == BERT's reference
+Python tokenizer, id for id; vocab layout."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from data_pipeline.text import text_to_sentences
+from data_pipeline.wordpiece import WordPieceEncoder
 
 
 @pytest.mark.shared
@@ -33,6 +36,48 @@ def test_fast_equals_reference_tokenizer_on_real_text(shared_data, case):
     bad = [(s, g, w) for s, g, w in zip(sents, got, want) if g != w]
     assert not bad, bad[:3]
     assert len(sents) > 2000
+    # the pipeline's encoder, one "document" per 100 sentences (specials in their own document,
+    # which takes the HF path), must give the same ids; empty sentences are dropped from bounds
+    encoder = WordPieceEncoder(fast, lowercase)
+    plain, special = sents[:-2], sents[-2:]
+    for doc in [plain[i:i + 100] for i in range(0, len(plain), 100)] + [special]:
+        ids, bounds = encoder.encode_document(doc)
+        want_doc = [w for w in (slow.convert_tokens_to_ids(slow.tokenize(s)) for s in doc) if w]
+        assert [ids[bounds[i]:bounds[i + 1]].tolist() for i in range(len(bounds) - 1)] == want_doc
+
+
+TRICKY = [
+    "Café naïve résumé — “quoted” 東京 text x", "ﬁve\u200bzero\ttab\u00adsoft", "a\x0bb c\x1fd\x7fe",
+    "under_score $5.00 ½ ² ©2020 e\u0301 İstanbul ǅ ß ẞ", "x" * 150, "\u2028line\u2029sep\u00a0nb\u3000w",
+    "", "   ", "\x00\x01", "trailing\n newline inside", "emoji 🙂👍🏽 and ＦＵＬＬ－ｗｉｄｔｈ", "Ελληνικά Кириллица עברית",
+]
+
+
+@pytest.mark.parametrize("lowercase", [True, False])
+def test_document_encoder_matches_hf_on_tricky_text(small_vocab, lowercase):
+    """Controls, accents, CJK, symbols, over-long words, odd whitespace, empty sentences."""
+    from data_pipeline.tokenization import load_tokenizer
+
+    tok, _ = load_tokenizer(small_vocab, lowercase)
+    encoder = WordPieceEncoder(tok, lowercase)
+    for doc in (TRICKY, TRICKY[::-1], ["[MASK] is special", "so is [SEP]"], ["a"], [""]):
+        ids, bounds = encoder.encode_document(doc)
+        want = [e.ids for e in tok.encode_batch_fast([s.replace("\n", " ") for s in doc], add_special_tokens=False)]
+        got = [ids[bounds[i]:bounds[i + 1]].tolist() for i in range(len(bounds) - 1)]
+        assert got == [w for w in want if w], doc
+        assert bounds[0] == 0 and bounds[-1] == ids.shape[0] and (np.diff(bounds) > 0).all()
+
+
+def test_document_encoder_cache_is_bounded(small_vocab):
+    from data_pipeline.tokenization import load_tokenizer
+
+    tok, lowercase = load_tokenizer(small_vocab)
+    encoder = WordPieceEncoder(tok, lowercase, max_cached_words=50)
+    first = encoder.encode_document([f"word{i} and more" for i in range(200)])
+    assert len(encoder._index) > 50  # grew within the document ...
+    again = encoder.encode_document([f"word{i} and more" for i in range(200)])
+    assert len(encoder._index) <= 210  # ... and was reset before the next one, same ids
+    assert np.array_equal(first[0], again[0]) and np.array_equal(first[1], again[1])
 
 
 def test_trained_vocab_has_bert_special_ids(small_vocab):

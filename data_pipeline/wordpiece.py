@@ -1,0 +1,170 @@
+"""Document-at-a-time BERT WordPiece with a word cache: the tokenizer's hot path.
+
+Why: HF ``tokenizers`` tracks character offsets for every normalised character, which makes it
+~2 MB/s on one core here, the pipeline's single largest cost. Natural text repeats its words, so
+this encoder normalises a whole document at once, splits it on whitespace (one C call), looks each
+chunk up in a cache, and only for chunks it has not seen splits off punctuation and runs WordPiece
+(the HF model itself, so the pieces are the same); numpy gathers then build the ids.
+
+It reproduces ``BertNormalizer`` + ``BertPreTokenizer`` + ``WordPiece`` as set up by
+:func:`data_pipeline.tokenization.load_tokenizer`, and so BERT's reference tokenizer:
+  1. clean: drop NUL, U+FFFD and control characters (Cc/Cf except tab, newline, return);
+  2. lower-case, then NFD and drop non-spacing marks (Mn) — uncased vocabs only;
+  3. split on whitespace; every punctuation character (ASCII symbols or Unicode P*) and every
+     CJK ideograph is a word of its own;
+  4. greedy longest-match WordPiece, [UNK] for words over 100 characters or with no match.
+A document that contains a special-token string ("[MASK]", …) goes through the HF tokenizer,
+which matches those before normalisation. Tests compare both paths id for id on real text.
+"""
+from __future__ import annotations
+
+import re
+import sys
+import unicodedata
+from functools import lru_cache
+from itertools import repeat
+
+import numpy as np
+from tokenizers import Tokenizer
+
+# BERT's _is_chinese_char ranges: each such character becomes a word of its own
+_CJK_RANGES = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F), (0x2B740, 0x2B81F),
+               (0x2B820, 0x2CEAF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F))
+_ASCII_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+_SEPARATOR = "\n"  # between sentences before normalising; whitespace, so no sentence can hold one
+_MARK = " \x00 "  # between sentences after normalising: a chunk of its own (NUL never survives cleaning)
+
+
+def _is_punctuation(cp: int) -> bool:
+    if 33 <= cp <= 47 or 58 <= cp <= 64 or 91 <= cp <= 96 or 123 <= cp <= 126:
+        return True
+    return unicodedata.category(chr(cp)).startswith("P")
+
+
+def _char_class(cps: list[int]) -> str:
+    """A regex character class body for code points (merged into ranges)."""
+    out, i = [], 0
+    while i < len(cps):
+        j = i
+        while j + 1 < len(cps) and cps[j + 1] == cps[j] + 1:
+            j += 1
+        lo, hi = re.escape(chr(cps[i])), re.escape(chr(cps[j]))
+        out.append(lo if i == j else f"{lo}-{hi}")
+        i = j + 1
+    return "".join(out)
+
+
+@lru_cache(maxsize=1)
+def _patterns() -> tuple[re.Pattern, re.Pattern, re.Pattern]:
+    """(word split, non-ASCII control characters to drop, non-spacing marks to drop); built once
+    per process from Python's Unicode tables (~1 s)."""
+    singles, controls, marks = [], [], []
+    for cp in range(sys.maxunicode + 1):
+        if 0xD800 <= cp <= 0xDFFF:
+            continue
+        cat = unicodedata.category(chr(cp))
+        if _is_punctuation(cp) or any(lo <= cp <= hi for lo, hi in _CJK_RANGES):
+            singles.append(cp)
+        elif cp > 127 and (cat in ("Cc", "Cf") or cp == 0xFFFD):
+            controls.append(cp)
+        if cat == "Mn":
+            marks.append(cp)
+    single = _char_class(singles)
+    split = re.compile(rf"[{single}]|[^\s{single}]+")
+    return split, re.compile(f"[{_char_class(controls)}]"), re.compile(f"[{_char_class(marks)}]")
+
+
+class WordPieceEncoder:
+    """``encode_document(sentences) -> (ids, bounds)``: all ids of a document concatenated and
+    the sentence boundaries (sentence i is ``ids[bounds[i]:bounds[i+1]]``; sentences with no
+    tokens are dropped)."""
+
+    def __init__(self, tok: Tokenizer, lowercase: bool, *, max_cached_words: int = 2_000_000):
+        self.tok, self.lowercase, self.max_cached_words = tok, lowercase, max_cached_words
+        vocab_size = tok.get_vocab_size()
+        self.dtype = np.uint16 if vocab_size < 65536 else np.uint32
+        self.specials = [t.content for t in tok.get_added_tokens_decoder().values()]
+        self._split, self._controls, self._marks = _patterns()
+        self._reset_cache()
+
+    def _reset_cache(self) -> None:
+        # whitespace chunk -> index; index 0 is the sentence mark (no pieces)
+        self._index: dict[str, int] = {_MARK.strip(): 0}
+        self._word_pieces: dict[str, list[int]] = {}  # BERT word -> piece ids
+        self._start = np.zeros(1024, np.int64)  # first piece of chunk i in _pieces
+        self._len = np.zeros(1024, np.int64)
+        self._pieces = np.zeros(8192, self.dtype)
+        self._num_pieces = 0
+
+    def normalize(self, text: str) -> str:
+        if text.isascii():
+            if _ASCII_CONTROL.search(text):
+                text = _ASCII_CONTROL.sub("", text)
+            return text.lower() if self.lowercase else text
+        text = _ASCII_CONTROL.sub("", self._controls.sub("", text))
+        if self.lowercase:
+            text = self._marks.sub("", unicodedata.normalize("NFD", text.lower()))
+        return text
+
+    def words(self, chunk: str) -> list[str]:
+        """BERT's pre-tokens of normalised text: punctuation and CJK characters split off."""
+        return self._split.findall(chunk)
+
+    def encode_document(self, sentences: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        text = _SEPARATOR.join(sentences)
+        if text.count(_SEPARATOR) != len(sentences) - 1:  # a separator inside a sentence is whitespace
+            text = _SEPARATOR.join(s.replace(_SEPARATOR, " ") for s in sentences)
+        if "[" in text and any(s in text for s in self.specials):
+            return self._encode_with_hf(sentences)
+        chunks = self.normalize(text).replace(_SEPARATOR, _MARK).split()
+        if len(self._index) > self.max_cached_words:  # bounded memory on corpora with endless unique words
+            self._reset_cache()
+        index = self._index
+        widx = np.fromiter(map(index.get, chunks, repeat(-1)), np.int64, len(chunks))
+        missing = np.flatnonzero(widx < 0)
+        if missing.size:  # first sight of these chunks: index them, then look them up again
+            new = list(dict.fromkeys([chunks[i] for i in missing]))
+            self._add_chunks(new, len(index))
+            index.update(zip(new, range(len(index), len(index) + len(new))))
+            widx[missing] = np.fromiter(map(index.__getitem__, [chunks[i] for i in missing]), np.int64, missing.size)
+        lens = self._len[widx]
+        ends = np.cumsum(lens)
+        total = int(ends[-1]) if ends.size else 0
+        starts = ends - lens
+        ids = self._pieces[np.repeat(self._start[widx] - starts, lens) + np.arange(total)]
+        cuts = ends[widx == 0]  # token count before each separator
+        bounds = np.concatenate(([0], cuts, [total]))
+        keep = np.concatenate(([True], np.diff(bounds) > 0))  # drop sentences without tokens
+        return ids, bounds[keep]
+
+    def _pieces_of_word(self, word: str) -> list[int]:
+        ids = self._word_pieces.get(word)
+        if ids is None:
+            ids = self._word_pieces[word] = [t.id for t in self.tok.model.tokenize(word)]
+        return ids
+
+    def _add_chunks(self, new_chunks: list[str], first: int) -> None:
+        encs = [[i for w in self._split.findall(c) for i in self._pieces_of_word(w)] for c in new_chunks]
+        lens = np.fromiter((len(e) for e in encs), np.int64, len(encs))
+        n_new = int(lens.sum())
+        end = first + len(new_chunks)
+        if end > self._start.shape[0]:
+            cap = max(end, 2 * self._start.shape[0])
+            self._start = np.resize(self._start, cap)
+            self._len = np.resize(self._len, cap)
+        if self._num_pieces + n_new > self._pieces.shape[0]:
+            self._pieces = np.resize(self._pieces, max(self._num_pieces + n_new, 2 * self._pieces.shape[0]))
+        self._len[first:end] = lens
+        self._start[first:end] = self._num_pieces + np.cumsum(lens) - lens
+        flat = np.fromiter((i for e in encs for i in e), self.dtype, n_new)
+        self._pieces[self._num_pieces:self._num_pieces + n_new] = flat
+        self._num_pieces += n_new
+
+    def _encode_with_hf(self, sentences: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        encs = self.tok.encode_batch_fast(sentences, add_special_tokens=False)
+        arrays = [a for a in (np.asarray(e.ids, dtype=self.dtype) for e in encs) if a.shape[0]]
+        lens = np.fromiter((a.shape[0] for a in arrays), np.int64, len(arrays))
+        bounds = np.zeros(len(arrays) + 1, np.int64)
+        np.cumsum(lens, out=bounds[1:])
+        ids = np.concatenate(arrays) if arrays else np.zeros(0, self.dtype)
+        return ids, bounds
