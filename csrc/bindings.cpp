@@ -138,14 +138,13 @@ LnInputs check_ln_inputs(const at::Tensor& x, const at::Tensor& gamma, const at:
   return {x.numel() / hidden, hidden, as_acc(gamma, acc), as_acc(beta, acc)};
 }
 
-std::vector<at::Tensor> layer_norm_fwd(const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& beta,
-                                       double eps) {
-  const char* op = "bertdist.layer_norm_fwd";
-  auto in = check_ln_inputs(x, gamma, beta, op);
+// The forward both entry points share, once `p` holds the fused op's bias, residual, h and
+// dropout fields (all unset for plain LN): returns (y, mean, rstd).
+std::vector<at::Tensor> run_ln_fwd(LnFwdParams& p, const at::Tensor& x, const LnInputs& in, double eps,
+                                   const char* op) {
   auto y = at::empty_like(x);
   auto stat_opts = x.options().dtype(acc_type(x));
   auto mean = at::empty({in.rows}, stat_opts), rstd = at::empty({in.rows}, stat_opts);
-  LnFwdParams p;
   p.x = x.data_ptr();
   p.gamma = in.gamma.data_ptr();
   p.beta = in.beta.data_ptr();
@@ -165,17 +164,6 @@ std::vector<at::Tensor> layer_norm_fwd(const at::Tensor& x, const at::Tensor& ga
   return {y, mean, rstd};
 }
 
-// Column sums for the LN backward; on CUDA the kernel needs a partial-sum workspace.
-void run_ln_bwd(const at::Tensor& ref, LnBwdParams& p, DType t, const char* op) {
-  run_on_device(ref, op, [&] { ln_bwd_cpu(p, t); }, [&](void* s) {
-#ifdef BERTDIST_WITH_CUDA
-    const int parts = ln_bwd_cuda_parts(p.rows, ref.device().index());
-    auto ws = at::empty({3 * static_cast<int64_t>(parts) * p.hidden}, ref.options().dtype(at::kFloat));
-    ln_bwd_cuda(p, t, ws.data_ptr<float>(), parts, s);
-#endif
-  });
-}
-
 void check_ln_bwd_inputs(const at::Tensor& dy, const at::Tensor& h, const at::Tensor& mean,
                          const at::Tensor& rstd, const char* op, const char* h_name) {
   check_same_device(h, dy, op, h_name, "grad_out");
@@ -191,27 +179,52 @@ void check_ln_bwd_inputs(const at::Tensor& dy, const at::Tensor& h, const at::Te
   }
 }
 
+// The backward both entry points share, once `p` holds the fused op's dx, dbias and dropout
+// fields: returns (dh, dgamma, dbeta), the column sums in gamma's dtype. On CUDA the column
+// sums need a partial-sum workspace.
+std::vector<at::Tensor> run_ln_bwd(LnBwdParams& p, const at::Tensor& dy, const at::Tensor& h, const at::Tensor& mean,
+                                   const at::Tensor& rstd, const at::Tensor& gamma, const LnInputs& in,
+                                   const char* op) {
+  auto dh = at::empty_like(h);
+  auto acc_opts = h.options().dtype(acc_type(h));
+  auto dgamma = at::zeros({in.hidden}, acc_opts), dbeta = at::zeros({in.hidden}, acc_opts);
+  p.dy = dy.data_ptr();
+  p.h = h.data_ptr();
+  p.mean = mean.data_ptr();
+  p.rstd = rstd.data_ptr();
+  p.gamma = in.gamma.data_ptr();
+  p.dh = dh.data_ptr();
+  p.dgamma = dgamma.data_ptr();
+  p.dbeta = dbeta.data_ptr();
+  p.rows = in.rows;
+  p.hidden = in.hidden;
+  const DType t = dtype_of(h, op);
+  if (in.rows > 0)
+    run_on_device(h, op, [&] { ln_bwd_cpu(p, t); }, [&](void* s) {
+#ifdef BERTDIST_WITH_CUDA
+      const int parts = ln_bwd_cuda_parts(p.rows, h.device().index());
+      auto ws = at::empty({3 * static_cast<int64_t>(parts) * p.hidden}, h.options().dtype(at::kFloat));
+      ln_bwd_cuda(p, t, ws.data_ptr<float>(), parts, s);
+#endif
+    });
+  return {dh, dgamma.to(gamma.scalar_type()), dbeta.to(gamma.scalar_type())};
+}
+
+std::vector<at::Tensor> layer_norm_fwd(const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& beta,
+                                       double eps) {
+  const char* op = "bertdist.layer_norm_fwd";
+  auto in = check_ln_inputs(x, gamma, beta, op);
+  LnFwdParams p;
+  return run_ln_fwd(p, x, in, eps, op);
+}
+
 std::vector<at::Tensor> layer_norm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
                                        const at::Tensor& rstd, const at::Tensor& gamma) {
   const char* op = "bertdist.layer_norm_bwd";
   auto in = check_ln_inputs(x, gamma, gamma, op);
   check_ln_bwd_inputs(dy, x, mean, rstd, op, "x");
-  auto dx = at::empty_like(x);
-  auto acc_opts = x.options().dtype(acc_type(x));
-  auto dgamma = at::zeros({in.hidden}, acc_opts), dbeta = at::zeros({in.hidden}, acc_opts);
   LnBwdParams p;
-  p.dy = dy.data_ptr();
-  p.h = x.data_ptr();
-  p.mean = mean.data_ptr();
-  p.rstd = rstd.data_ptr();
-  p.gamma = in.gamma.data_ptr();
-  p.dh = dx.data_ptr();
-  p.dgamma = dgamma.data_ptr();
-  p.dbeta = dbeta.data_ptr();
-  p.rows = in.rows;
-  p.hidden = in.hidden;
-  if (in.rows > 0) run_ln_bwd(x, p, dtype_of(x, op), op);
-  return {dx, dgamma.to(gamma.scalar_type()), dbeta.to(gamma.scalar_type())};
+  return run_ln_bwd(p, dy, x, mean, rstd, gamma, in, op);
 }
 
 // y = LN(residual + dropout(x + bias)); returns (y, h = residual + dropout(x + bias), mean, rstd).
@@ -232,34 +245,17 @@ std::vector<at::Tensor> bdaln_fwd(const at::Tensor& x, const c10::optional<at::T
     check_vector(*bias, in.hidden, op, "dense bias");
     bias_acc = as_acc(*bias, acc_type(x));
   }
-  auto y = at::empty_like(x), h = at::empty_like(x);
-  auto stat_opts = x.options().dtype(acc_type(x));
-  auto mean = at::empty({in.rows}, stat_opts), rstd = at::empty({in.rows}, stat_opts);
+  auto h = at::empty_like(x);
   LnFwdParams p;
-  p.x = x.data_ptr();
   p.bias = bias_acc.defined() ? bias_acc.data_ptr() : nullptr;
   p.residual = residual.data_ptr();
-  p.gamma = in.gamma.data_ptr();
-  p.beta = in.beta.data_ptr();
-  p.y = y.data_ptr();
   p.h = h.data_ptr();
-  p.mean = mean.data_ptr();
-  p.rstd = rstd.data_ptr();
-  p.rows = in.rows;
-  p.hidden = in.hidden;
-  p.eps = static_cast<float>(eps);
   p.dropout = p_drop > 0.0;
   p.p = static_cast<float>(p_drop);
   p.seed = static_cast<uint64_t>(seed);
   p.offset = checked_offset(offset, op);
-  const DType t = dtype_of(x, op);
-  if (in.rows > 0)
-    run_on_device(x, op, [&] { ln_fwd_cpu(p, t); }, [&](void* s) {
-#ifdef BERTDIST_WITH_CUDA
-      ln_fwd_cuda(p, t, s);
-#endif
-    });
-  return {y, h, mean, rstd};
+  auto out = run_ln_fwd(p, x, in, eps, op);
+  return {out[0], h, out[1], out[2]};
 }
 
 // Returns (d_h, d_x, d_weight, d_bias_ln, d_dense_bias). d_h is the residual's gradient;
@@ -272,31 +268,18 @@ std::vector<at::Tensor> bdaln_bwd(const at::Tensor& dy, const at::Tensor& h, con
   auto in = check_ln_inputs(h, gamma, gamma, op);
   check_ln_bwd_inputs(dy, h, mean, rstd, op, "h");
   check_p(p_drop, op);
-  auto dh = at::empty_like(h);
   auto dx = p_drop > 0.0 ? at::empty_like(h) : at::empty({0}, h.options());
   auto acc_opts = h.options().dtype(acc_type(h));
-  auto dgamma = at::zeros({in.hidden}, acc_opts), dbeta = at::zeros({in.hidden}, acc_opts);
   auto dbias = has_bias ? at::zeros({in.hidden}, acc_opts) : at::empty({0}, acc_opts);
   LnBwdParams p;
-  p.dy = dy.data_ptr();
-  p.h = h.data_ptr();
-  p.mean = mean.data_ptr();
-  p.rstd = rstd.data_ptr();
-  p.gamma = in.gamma.data_ptr();
-  p.dh = dh.data_ptr();
   p.dx = p_drop > 0.0 ? dx.data_ptr() : nullptr;
-  p.dgamma = dgamma.data_ptr();
-  p.dbeta = dbeta.data_ptr();
   p.dbias = has_bias ? dbias.data_ptr() : nullptr;
-  p.rows = in.rows;
-  p.hidden = in.hidden;
   p.dropout = p_drop > 0.0;
   p.p = static_cast<float>(p_drop);
   p.seed = static_cast<uint64_t>(seed);
   p.offset = checked_offset(offset, op);
-  if (in.rows > 0) run_ln_bwd(h, p, dtype_of(h, op), op);
-  return {dh, dx, dgamma.to(gamma.scalar_type()), dbeta.to(gamma.scalar_type()),
-          dbias};
+  auto g = run_ln_bwd(p, dy, h, mean, rstd, gamma, in, op);
+  return {g[0], dx, g[1], g[2], dbias};
 }
 
 // ---------------------------------------------------------------- attention
@@ -332,12 +315,6 @@ void check_head_dim(const at::Tensor& q, const char* op) {
   }
 }
 
-// Output in [B, S, H, D] memory seen as [B, H, S, D]: the model's transpose(1, 2).reshape
-// back to [B, S, H * D] is then free.
-at::Tensor empty_bshd(const at::Tensor& q) {
-  return at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options()).permute({0, 2, 1, 3});
-}
-
 void fill_mask(AttnParams& p, const c10::optional<at::Tensor>& mask, const at::Tensor& q, const char* op) {
   if (!mask.has_value()) return;
   const auto& m = *mask;
@@ -363,8 +340,10 @@ void fill_common(AttnParams& p, const at::Tensor& q, double scale, double p_drop
   p.offset = checked_offset(offset, op);
 }
 
-void check_padded_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const char* op) {
-  TORCH_CHECK(q.dim() == 4, op, ": q must be [batch, heads, seq, head_dim], got shape ", shape_str(q));
+// q, k and v of one layout: `dims` dimensions named by `layout`, head_dim dense.
+void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t dims, const char* layout,
+               const char* op) {
+  TORCH_CHECK(q.dim() == dims, op, ": q must be ", layout, ", got shape ", shape_str(q));
   dtype_of(q, op);
   TORCH_CHECK(q.stride(-1) == 1, op, ": q must have unit stride on head_dim, got strides ", q.strides());
   check_head_tensor(q, k, op, "k");
@@ -372,80 +351,27 @@ void check_padded_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   check_head_dim(q, op);
 }
 
-void run_attn(const at::Tensor& ref, const AttnParams& p, DType t, bool backward, const char* op) {
-  run_on_device(ref, op, [&] { backward ? attn_bwd_cpu(p, t) : attn_fwd_cpu(p, t); }, [&](void* s) {
-#ifdef BERTDIST_WITH_CUDA
-    backward ? attn_bwd_cuda(p, t, s) : attn_fwd_cuda(p, t, s);
-#endif
-  });
+void check_padded_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const char* op) {
+  check_qkv(q, k, v, 4, "[batch, heads, seq, head_dim]", op);
 }
 
-// Returns (out [B, H, S, D], stats [2, B * H * S]).
-std::vector<at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                      const c10::optional<at::Tensor>& key_padding_mask, double scale,
-                                      double p_drop, int64_t seed, int64_t offset) {
-  const char* op = "bertdist.attention_fwd";
+// Checked parameters of the padded layout: q [B, H, S, D] with an optional key padding mask.
+AttnParams padded_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const c10::optional<at::Tensor>& mask, double scale, double p_drop, int64_t seed,
+                         int64_t offset, const char* op) {
   check_padded_qkv(q, k, v, op);
   AttnParams p;
   fill_common(p, q, scale, p_drop, seed, offset, op);
-  fill_mask(p, key_padding_mask, q, op);
+  fill_mask(p, mask, q, op);
   p.batch = static_cast<int>(q.size(0));
   p.heads = static_cast<int>(q.size(1));
   p.seq = static_cast<int>(q.size(2));
-  auto o = empty_bshd(q);
-  auto stats = at::empty({2, q.size(0) * q.size(1) * q.size(2)}, q.options().dtype(acc_type(q)));
-  p.q = head_view(q);
-  p.k = head_view(k);
-  p.v = head_view(v);
-  p.o = head_view(o);
-  p.stats = stats.data_ptr();
-  if (q.numel() > 0) run_attn(q, p, dtype_of(q, op), false, op);
-  return {o, stats};
-}
-
-std::vector<at::Tensor> attention_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
-                                      const at::Tensor& v, const at::Tensor& o, const at::Tensor& stats,
-                                      const c10::optional<at::Tensor>& key_padding_mask, double scale,
-                                      double p_drop, int64_t seed, int64_t offset) {
-  const char* op = "bertdist.attention_bwd";
-  check_padded_qkv(q, k, v, op);
-  check_head_tensor(q, o, op, "out");
-  check_head_tensor(q, dout, op, "grad_out");
-  const int64_t rows = q.size(0) * q.size(1) * q.size(2);
-  check_same_device(q, stats, op, "q", "stats");
-  check_dtype(stats, acc_type(q), op, "stats");
-  TORCH_CHECK(stats.dim() == 2 && stats.size(0) == 2 && stats.size(1) == rows && stats.is_contiguous(), op,
-              ": stats must be a contiguous [2, ", rows, "] tensor, got shape ", shape_str(stats));
-  AttnParams p;
-  fill_common(p, q, scale, p_drop, seed, offset, op);
-  fill_mask(p, key_padding_mask, q, op);
-  p.batch = static_cast<int>(q.size(0));
-  p.heads = static_cast<int>(q.size(1));
-  p.seq = static_cast<int>(q.size(2));
-  auto dq = empty_bshd(q), dk = empty_bshd(q), dv = empty_bshd(q);
-  auto delta = at::empty({rows}, stats.options());
-  p.q = head_view(q);
-  p.k = head_view(k);
-  p.v = head_view(v);
-  p.o = head_view(o);
-  p.dout = head_view(dout);
-  p.dq = head_view(dq);
-  p.dk = head_view(dk);
-  p.dv = head_view(dv);
-  p.stats = stats.data_ptr();
-  p.delta = delta.data_ptr();
-  if (q.numel() > 0) run_attn(q, p, dtype_of(q, op), true, op);
-  return {dq, dk, dv};
+  return p;
 }
 
 void check_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu,
                   int64_t max_seqlen, const char* op) {
-  TORCH_CHECK(q.dim() == 3, op, ": q must be [total_tokens, heads, head_dim], got shape ", shape_str(q));
-  dtype_of(q, op);
-  TORCH_CHECK(q.stride(-1) == 1, op, ": q must have unit stride on head_dim, got strides ", q.strides());
-  check_head_tensor(q, k, op, "k");
-  check_head_tensor(q, v, op, "v");
-  check_head_dim(q, op);
+  check_qkv(q, k, v, 3, "[total_tokens, heads, head_dim]", op);
   check_same_device(q, cu, op, "q", "cu_seqlens");
   check_dtype(cu, at::kInt, op, "cu_seqlens");
   TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 1, op, ": cu_seqlens must be [batch + 1], got shape ", shape_str(cu));
@@ -466,52 +392,66 @@ void check_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   }
 }
 
-void fill_varlen(AttnParams& p, const at::Tensor& q, const at::Tensor& cu, int64_t max_seqlen) {
+// Checked parameters of the varlen layout: q [T, H, D] packed, sequence b is tokens cu[b] .. cu[b + 1].
+AttnParams varlen_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu,
+                         int64_t max_seqlen, double scale, double p_drop, int64_t seed, int64_t offset,
+                         const char* op) {
+  check_varlen(q, k, v, cu, max_seqlen, op);
+  AttnParams p;
+  fill_common(p, q, scale, p_drop, seed, offset, op);
   p.cu_seqlens = cu.data_ptr<int32_t>();
   p.batch = static_cast<int>(cu.size(0) - 1);
   p.heads = static_cast<int>(q.size(1));
   p.seq = static_cast<int>(max_seqlen);
   p.total_tokens = q.size(0);
+  return p;
 }
 
-// Returns (out [T, H, D], stats [2, H * T]).
-std::vector<at::Tensor> varlen_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                             const at::Tensor& cu_seqlens, int64_t max_seqlen, double scale,
-                                             double p_drop, int64_t seed, int64_t offset) {
-  const char* op = "bertdist.varlen_attention_fwd";
-  check_varlen(q, k, v, cu_seqlens, max_seqlen, op);
-  AttnParams p;
-  fill_common(p, q, scale, p_drop, seed, offset, op);
-  fill_varlen(p, q, cu_seqlens, max_seqlen);
-  auto o = at::empty(q.sizes(), q.options());
-  auto stats = at::empty({2, q.size(0) * q.size(1)}, q.options().dtype(acc_type(q)));
+// An output shaped like q: padded ones in [B, S, H, D] memory seen as [B, H, S, D] (the
+// model's transpose(1, 2).reshape back to [B, S, H * D] is then free), varlen ones contiguous.
+at::Tensor empty_attn_out(const at::Tensor& q) {
+  if (q.dim() == 4) return at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options()).permute({0, 2, 1, 3});
+  return at::empty(q.sizes(), q.options());
+}
+
+// One softmax row per (query token, head) in either layout.
+int64_t stat_rows(const at::Tensor& q) { return q.numel() / q.size(-1); }
+
+void run_attn(const at::Tensor& ref, const AttnParams& p, DType t, bool backward, const char* op) {
+  if (ref.numel() == 0 || p.batch == 0) return;
+  run_on_device(ref, op, [&] { backward ? attn_bwd_cpu(p, t) : attn_fwd_cpu(p, t); }, [&](void* s) {
+#ifdef BERTDIST_WITH_CUDA
+    backward ? attn_bwd_cuda(p, t, s) : attn_fwd_cuda(p, t, s);
+#endif
+  });
+}
+
+// The forward both layouts share once `p` holds the checked layout: returns (out, stats [2, rows]).
+std::vector<at::Tensor> run_attention_fwd(AttnParams& p, const at::Tensor& q, const at::Tensor& k,
+                                          const at::Tensor& v, const char* op) {
+  auto o = empty_attn_out(q);
+  auto stats = at::empty({2, stat_rows(q)}, q.options().dtype(acc_type(q)));
   p.q = head_view(q);
   p.k = head_view(k);
   p.v = head_view(v);
   p.o = head_view(o);
   p.stats = stats.data_ptr();
-  if (q.numel() > 0 && p.batch > 0) run_attn(q, p, dtype_of(q, op), false, op);
+  run_attn(q, p, dtype_of(q, op), false, op);
   return {o, stats};
 }
 
-std::vector<at::Tensor> varlen_attention_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
-                                             const at::Tensor& v, const at::Tensor& o, const at::Tensor& stats,
-                                             const at::Tensor& cu_seqlens, int64_t max_seqlen, double scale,
-                                             double p_drop, int64_t seed, int64_t offset) {
-  const char* op = "bertdist.varlen_attention_bwd";
-  check_varlen(q, k, v, cu_seqlens, max_seqlen, op);
+// The backward both layouts share once `p` holds the checked layout: returns (dq, dk, dv).
+std::vector<at::Tensor> run_attention_bwd(AttnParams& p, const at::Tensor& dout, const at::Tensor& q,
+                                          const at::Tensor& k, const at::Tensor& v, const at::Tensor& o,
+                                          const at::Tensor& stats, const char* op) {
   check_head_tensor(q, o, op, "out");
   check_head_tensor(q, dout, op, "grad_out");
-  const int64_t rows = q.size(0) * q.size(1);
+  const int64_t rows = stat_rows(q);
   check_same_device(q, stats, op, "q", "stats");
   check_dtype(stats, acc_type(q), op, "stats");
   TORCH_CHECK(stats.dim() == 2 && stats.size(0) == 2 && stats.size(1) == rows && stats.is_contiguous(), op,
               ": stats must be a contiguous [2, ", rows, "] tensor, got shape ", shape_str(stats));
-  AttnParams p;
-  fill_common(p, q, scale, p_drop, seed, offset, op);
-  fill_varlen(p, q, cu_seqlens, max_seqlen);
-  auto dq = at::empty(q.sizes(), q.options()), dk = at::empty(q.sizes(), q.options()),
-       dv = at::empty(q.sizes(), q.options());
+  auto dq = empty_attn_out(q), dk = empty_attn_out(q), dv = empty_attn_out(q);
   auto delta = at::empty({rows}, stats.options());
   p.q = head_view(q);
   p.k = head_view(k);
@@ -523,8 +463,44 @@ std::vector<at::Tensor> varlen_attention_bwd(const at::Tensor& dout, const at::T
   p.dv = head_view(dv);
   p.stats = stats.data_ptr();
   p.delta = delta.data_ptr();
-  if (q.numel() > 0 && p.batch > 0) run_attn(q, p, dtype_of(q, op), true, op);
+  run_attn(q, p, dtype_of(q, op), true, op);
   return {dq, dk, dv};
+}
+
+// Returns (out [B, H, S, D], stats [2, B * H * S]).
+std::vector<at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const c10::optional<at::Tensor>& key_padding_mask, double scale,
+                                      double p_drop, int64_t seed, int64_t offset) {
+  const char* op = "bertdist.attention_fwd";
+  auto p = padded_params(q, k, v, key_padding_mask, scale, p_drop, seed, offset, op);
+  return run_attention_fwd(p, q, k, v, op);
+}
+
+std::vector<at::Tensor> attention_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                                      const at::Tensor& v, const at::Tensor& o, const at::Tensor& stats,
+                                      const c10::optional<at::Tensor>& key_padding_mask, double scale,
+                                      double p_drop, int64_t seed, int64_t offset) {
+  const char* op = "bertdist.attention_bwd";
+  auto p = padded_params(q, k, v, key_padding_mask, scale, p_drop, seed, offset, op);
+  return run_attention_bwd(p, dout, q, k, v, o, stats, op);
+}
+
+// Returns (out [T, H, D], stats [2, H * T]).
+std::vector<at::Tensor> varlen_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                             const at::Tensor& cu_seqlens, int64_t max_seqlen, double scale,
+                                             double p_drop, int64_t seed, int64_t offset) {
+  const char* op = "bertdist.varlen_attention_fwd";
+  auto p = varlen_params(q, k, v, cu_seqlens, max_seqlen, scale, p_drop, seed, offset, op);
+  return run_attention_fwd(p, q, k, v, op);
+}
+
+std::vector<at::Tensor> varlen_attention_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                                             const at::Tensor& v, const at::Tensor& o, const at::Tensor& stats,
+                                             const at::Tensor& cu_seqlens, int64_t max_seqlen, double scale,
+                                             double p_drop, int64_t seed, int64_t offset) {
+  const char* op = "bertdist.varlen_attention_bwd";
+  auto p = varlen_params(q, k, v, cu_seqlens, max_seqlen, scale, p_drop, seed, offset, op);
+  return run_attention_bwd(p, dout, q, k, v, o, stats, op);
 }
 
 // The dropout keep masks the kernels use, materialised on CPU: for tests (an explicit-mask
