@@ -48,6 +48,11 @@ def _teardown_dist(saved: dict | None) -> None:
     """Leave no process group and no rendezvous variables behind (child processes inherit the env)."""
     if saved is None:
         return
+    from deepspeed.utils import groups
+
+    # DeepSpeed caches a clone of the world group; once destroyed, a second import in this
+    # process would hand the stale clone to the next engine ("Group ... is not registered").
+    groups._WORLD_GROUP = None
     torch.distributed.destroy_process_group()
     for k, v in saved.items():
         if v is None:

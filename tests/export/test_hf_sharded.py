@@ -97,13 +97,14 @@ def test_key_absent_from_its_shard_is_an_error(hf_dirs, tmp_path):
 
 
 def test_import_hf_cli_reads_sharded_dir(hf_dirs, tmp_path, capsys):
-    """`bertdist import-hf` (with its logits check against transformers) in both output formats."""
+    """`bertdist import-hf` (with its logits check against transformers) in both output formats; the
+    DeepSpeed format twice, as a second import in one process once tripped on DeepSpeed's cached groups."""
     from bertdist.cli.main import main
 
     whole, sharded = hf_dirs
     ref = read_hf_dir(whole).state_dict
-    for fmt in ("torch", "deepspeed"):
-        out = tmp_path / fmt
+    for i, fmt in enumerate(("deepspeed", "torch", "deepspeed")):
+        out = tmp_path / f"{fmt}{i}"
         assert main(["import-hf", str(sharded), "--out", str(out), "--format", fmt]) == 0
         assert "verify: max |ours - transformers| logits" in capsys.readouterr().out
         w = load_pretrained(out)
