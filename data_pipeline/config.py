@@ -49,4 +49,6 @@ class DataConfig:
     num_shards: int = 8
     heldout_num_shards: int = 1
     row_group_size: int = 2048
+    # rows a worker sorts at once when cutting shards (its memory bound; see data_pipeline.sharding)
+    shuffle_bucket_rows: int = 16384
     compression: str = "zstd"

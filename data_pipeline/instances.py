@@ -115,8 +115,22 @@ def _truncation_counts(la: int, lb: int, max_tokens: int) -> tuple[int, int]:
 def _trim(seg: np.ndarray, remove: int, rng: random.Random) -> np.ndarray:
     if remove <= 0:
         return seg
-    front = bin(rng.getrandbits(remove)).count("1")  # Binomial(remove, 1/2) fronts
+    front = rng.getrandbits(remove).bit_count()  # Binomial(remove, 1/2) fronts
     return seg[front: seg.shape[0] - (remove - front)]
+
+
+def _below(rng: random.Random, n: int) -> int:
+    """Uniform in [0, n): one C call (randrange is several Python frames per draw)."""
+    return int(rng.random() * n)
+
+
+def row_keys(base: int, m: int) -> np.ndarray:
+    """``m`` well-mixed 64-bit keys from one seed (splitmix64 of base + j), vectorised."""
+    with np.errstate(over="ignore"):
+        z = np.uint64(base) + np.arange(1, m + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
 
 
 def create_instances(
@@ -144,7 +158,7 @@ def create_instances(
         max_tokens = p.max_seq_length - 2
         target = max_tokens
         if rng.random() < p.short_seq_prob:
-            target = rng.randint(2, max_tokens)
+            target = 2 + _below(rng, max_tokens - 1)
         i = 0
         while i < n:
             e = min(bisect_left(b, b[i] + target, lo=i + 1), n)
@@ -159,14 +173,14 @@ def create_instances(
         max_tokens = p.max_seq_length - 3
         target = max_tokens
         if rng.random() < p.short_seq_prob:
-            target = rng.randint(2, max_tokens)
+            target = 2 + _below(rng, max_tokens - 1)
         i = 0
         while i < n:
             e = min(bisect_left(b, b[i] + target, lo=i + 1), n)  # chunk = sentences [i, e)
             if e - i == 1 and e < n:
                 e += 1  # see module docstring: keep the coin toss fair for over-long sentences
             k = e - i
-            a_end = 1 if k < 2 else rng.randint(1, k - 1)
+            a_end = 1 if k < 2 else 1 + _below(rng, k - 1)
             seg_a = ids[b[i]:b[i + a_end]]
             label = 0
             next_i = e
@@ -194,16 +208,18 @@ def create_instances(
                         stats.skipped_short_sentence += 1
                         i = e
                         continue
-                    cut = rng.randint(1, seg_a.shape[0] - 1)
+                    cut = 1 + _below(rng, seg_a.shape[0] - 1)
                     seg_a, seg_b = seg_a[:cut], seg_a[cut:]
                 else:
                     seg_b = ids[b[i + a_end]:b[e]]
                 if rng.random() < 0.5:
                     seg_a, seg_b = seg_b, seg_a
                     label = 1
-            ra, rb = _truncation_counts(seg_a.shape[0], seg_b.shape[0], max_tokens)
-            segs_a.append(_trim(seg_a, ra, rng))
-            segs_b.append(_trim(seg_b, rb, rng))
+            if seg_a.shape[0] + seg_b.shape[0] > max_tokens:
+                ra, rb = _truncation_counts(seg_a.shape[0], seg_b.shape[0], max_tokens)
+                seg_a, seg_b = _trim(seg_a, ra, rng), _trim(seg_b, rb, rng)
+            segs_a.append(seg_a)
+            segs_b.append(seg_b)
             labels.append(label)
             i = next_i
     stats.instances += len(labels)
@@ -215,7 +231,7 @@ def _pick_negative(doc_id: str, pool: list | None, rng: random.Random):
     if not pool:
         return None
     for _ in range(10):  # the reference's retry count for "another document"
-        w = pool[rng.randrange(len(pool))]
+        w = pool[_below(rng, len(pool))]
         if w[1] != doc_id:
             return w
     return None
@@ -237,7 +253,7 @@ def _assemble(doc_id, dupe, segs_a, segs_b, labels, dtype, p: InstanceParams, se
         parts += (cls, a, sep) if bseg is None else (cls, a, sep, bseg, sep)
     flat = np.concatenate(parts)
     num_a = (la + 2).astype(np.uint16)
-    keys = np.fromiter((derive_seed(seed, "row", doc_id, dupe, j) for j in range(m)), np.uint64, m)
+    keys = row_keys(derive_seed(seed, "row", doc_id, dupe), m)
     nsp = np.asarray(labels, np.int8)
     if p.masking == "dynamic":
         z = np.zeros(m + 1, np.int64)

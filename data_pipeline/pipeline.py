@@ -82,8 +82,9 @@ def validate(cfg: DataConfig) -> None:
         raise ConfigError(f"vocab: {cfg.vocab!r} is not a file (train one with `bertdist data vocab`)")
     if not 8 <= cfg.max_seq_length <= 65535:
         raise ConfigError(f"max_seq_length {cfg.max_seq_length} must be in [8, 65535]")
-    if cfg.num_shards < 1 or cfg.heldout_num_shards < 1 or cfg.dupe_factor < 1:
-        raise ConfigError("num_shards, heldout_num_shards and dupe_factor must be >= 1")
+    if cfg.num_shards < 1 or cfg.heldout_num_shards < 1 or cfg.dupe_factor < 1 or cfg.shuffle_bucket_rows < 1:
+        raise ConfigError(f"num_shards ({cfg.num_shards}), heldout_num_shards ({cfg.heldout_num_shards}), dupe_factor "
+                          f"({cfg.dupe_factor}) and shuffle_bucket_rows ({cfg.shuffle_bucket_rows}) must be >= 1")
     if not 0.0 <= cfg.heldout_fraction < 1.0:
         raise ConfigError(f"heldout_fraction {cfg.heldout_fraction} must be in [0, 1)")
 
@@ -102,9 +103,10 @@ def build_pipeline(p: beam.Pipeline, cfg: DataConfig, staging: str, tokens: list
     for split, docs_split, n in (("train", train, cfg.num_shards), ("heldout", heldout, cfg.heldout_num_shards)):
         (docs_split
          | f"{split}_Instances" >> CreateInstances(
-             params, seed=cfg.seed, dupe_factor=cfg.dupe_factor, num_shards=n, split=split, vocab_path=cfg.vocab,
+             params, seed=cfg.seed, dupe_factor=cfg.dupe_factor, split=split, vocab_path=cfg.vocab,
              pool_size=cfg.nsp_pool_size, windows_per_doc=cfg.nsp_pool_windows_per_doc)
-         | f"{split}_Write" >> WriteShards(staging, split, n, len(tokens), cfg.row_group_size, cfg.compression))
+         | f"{split}_Write" >> WriteShards(staging, split, n, len(tokens), cfg.row_group_size, cfg.compression,
+                                           rows_per_bucket=cfg.shuffle_bucket_rows))
 
 
 def _query_counters(result) -> dict[str, int]:
@@ -183,6 +185,7 @@ def _commit(cfg, out: Path, staging: Path, run_id: str, tokens, lowercase, count
         rows = [e["rows"] for e in entries]
         splits[split] = {"rows": sum(rows), "num_shards": n, "max_row_difference": max(rows) - min(rows),
                          "shards": entries}
+    shutil.rmtree(staging / "parts", ignore_errors=True)  # emptied by the writers; only the directory is left
     staging.rename(final_dir)
     nsp_total = totals["instances"] if cfg.objective != "none" else 0
     manifest = {

@@ -17,7 +17,7 @@ import apache_beam as beam
 import numpy as np
 from apache_beam.metrics import Metrics
 
-from data_pipeline import sources, text as textlib
+from data_pipeline import sharding, sources, text as textlib
 from data_pipeline.instance_batch import InstanceBatch
 from data_pipeline.instances import InstanceParams, InstanceStats, create_instances, pool_windows, unit_hash
 
@@ -305,9 +305,9 @@ class Tokenize(beam.PTransform):
 
 
 class _CreateInstancesDoFn(beam.DoFn):
-    def __init__(self, params: InstanceParams, seed: int, dupe_factor: int, num_shards: int, split: str, vocab_path: str):
+    def __init__(self, params: InstanceParams, seed: int, dupe_factor: int, split: str, vocab_path: str):
         self.params, self.seed, self.dupe_factor = params, seed, dupe_factor
-        self.num_shards, self.split, self.vocab_path = num_shards, split, vocab_path
+        self.split, self.vocab_path = split, vocab_path
 
     def setup(self):
         from bertdist.data.vocab import continuation_mask
@@ -328,23 +328,17 @@ class _CreateInstancesDoFn(beam.DoFn):
             count("nsp_negative_unavailable", stats.negatives_unavailable)
         if stats.skipped_short_sentence:
             count("skipped_sop_one_token_chunk", stats.skipped_short_sentence)
-        if not len(batch):
-            return
-        shard = (batch.keys % np.uint64(self.num_shards)).astype(np.int64)
-        order = np.argsort(shard, kind="stable")
-        cuts = np.searchsorted(shard[order], np.arange(self.num_shards + 1))
-        for s in range(self.num_shards):
-            if cuts[s + 1] > cuts[s]:
-                yield (s, batch.take(order[cuts[s]:cuts[s + 1]]))
+        if len(batch):
+            yield batch
 
 
 class CreateInstances(beam.PTransform):
-    """Tokenized documents -> (preliminary shard, InstanceBatch), with a deterministic NSP pool."""
+    """Tokenized documents -> InstanceBatch (one per document), with a deterministic NSP pool."""
 
-    def __init__(self, params: InstanceParams, *, seed: int, dupe_factor: int, num_shards: int, split: str,
+    def __init__(self, params: InstanceParams, *, seed: int, dupe_factor: int, split: str,
                  vocab_path: str, pool_size: int, windows_per_doc: int):
         super().__init__()
-        self.params, self.seed, self.dupe_factor, self.num_shards = params, seed, dupe_factor, num_shards
+        self.params, self.seed, self.dupe_factor = params, seed, dupe_factor
         self.split, self.vocab_path, self.pool_size, self.windows_per_doc = split, vocab_path, pool_size, windows_per_doc
 
     def expand(self, docs):
@@ -359,67 +353,93 @@ class CreateInstances(beam.PTransform):
         else:
             pool_side = beam.pvalue.AsSingleton(docs.pipeline | "NoPool" >> beam.Create([[]]))
         return docs | "Create" >> beam.ParDo(
-            _CreateInstancesDoFn(self.params, self.seed, self.dupe_factor, self.num_shards, self.split, self.vocab_path),
+            _CreateInstancesDoFn(self.params, self.seed, self.dupe_factor, self.split, self.vocab_path),
             pool_side)
 
 
 # ---------------------------------------------------------------- balanced shards
 
 
-def shard_targets(total: int, num_shards: int) -> list[int]:
-    """Rows per shard: floor(total/N), the first total mod N shards one more (differ by <= 1)."""
-    base, extra = divmod(total, num_shards)
-    return [base + (1 if i < extra else 0) for i in range(num_shards)]
+class _HashingWriter:
+    """A write-only stream that forwards to ``raw`` and keeps the sha256 and size of what passed."""
+
+    def __init__(self, raw):
+        self.raw, self.sha, self.size, self.closed = raw, hashlib.sha256(), 0, False
+
+    def write(self, data) -> int:
+        data = bytes(data)
+        self.sha.update(data)
+        self.size += len(data)
+        self.raw.write(data)
+        return len(data)
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        pass
+
+    def writable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.raw.close()
 
 
-def rebalance(shard: int, batch: InstanceBatch, counts: dict[int, int], num_shards: int):
-    """Keep the first ``target`` rows (by key) of a preliminary shard; hand each overflow row to
-    the shard whose deficit it fills. Overflow ranks and deficits are laid out in shard order,
-    so every worker computes the same assignment from the same counts."""
-    full = [counts.get(i, 0) for i in range(num_shards)]
-    targets = shard_targets(sum(full), num_shards)
-    over = [max(0, c - t) for c, t in zip(full, targets)]
-    deficit = [max(0, t - c) for c, t in zip(full, targets)]
-    keep = min(full[shard], targets[shard])
-    yield (shard, batch.take(np.arange(keep)))
-    n_over = full[shard] - keep
-    if n_over <= 0:
-        return
-    first_rank = sum(over[:shard])
-    edges = np.cumsum([0] + deficit)  # shard d takes overflow ranks [edges[d], edges[d+1])
-    ranks = first_rank + np.arange(n_over)
-    dest = np.searchsorted(edges, ranks, side="right") - 1
-    for d in np.unique(dest):
-        rows = keep + np.flatnonzero(dest == d)
-        yield (int(d), batch.take(rows))
+class _WritePartDoFn(beam.DoFn):
+    """(shard, rows) of one bucket -> an Arrow IPC part file; yields (shard, part description)."""
+
+    def __init__(self, parts_dir: str, split: str, vocab_size: int):
+        self.parts_dir, self.split, self.vocab_size = parts_dir, split, vocab_size
+
+    def process(self, item):
+        import pyarrow as pa
+        from apache_beam.io.filesystems import FileSystems
+
+        shard, bucket, batch = item
+        path = f"{self.parts_dir}/{self.split}-{shard:05d}-{bucket:08d}.arrow"
+        table = batch.to_arrow(self.vocab_size)
+        with FileSystems.create(path) as f:
+            with pa.ipc.new_stream(f, table.schema) as w:
+                w.write_table(table)
+        yield (shard, {"bucket": bucket, "path": path, "rows": len(batch), "tokens": batch.num_tokens(),
+                       "masked_tokens": batch.num_masked(), "random_next": int((batch.nsp == 1).sum())})
 
 
-class _WriteShardDoFn(beam.DoFn):
-    def __init__(self, staging: str, split: str, num_shards: int, vocab_size: int, row_group_size: int, compression: str):
+class _AssembleShardDoFn(beam.DoFn):
+    """(shard, parts) -> the shard's Parquet file, parts streamed in bucket order, plus a sidecar."""
+
+    def __init__(self, staging: str, split: str, num_shards: int, row_group_size: int, compression: str):
         self.staging, self.split, self.num_shards = staging, split, num_shards
-        self.vocab_size, self.row_group_size, self.compression = vocab_size, row_group_size, compression
+        self.row_group_size, self.compression = row_group_size, compression
 
     def process(self, kv):
+        import pyarrow as pa
         import pyarrow.parquet as pq
         from apache_beam.io.filesystems import FileSystems
 
-        shard, batches = kv
-        batch = InstanceBatch.concat(list(batches)).sorted_by_key()
+        shard, parts = kv
+        parts = sorted(parts, key=lambda d: d["bucket"])
         name = shard_name(self.split, shard, self.num_shards)
-        buf = io.BytesIO()
-        pq.write_table(batch.to_arrow(self.vocab_size), buf, row_group_size=self.row_group_size,
-                       compression=self.compression, write_statistics=False)
-        data = buf.getvalue()
-        stats = {
-            "path": name, "rows": len(batch), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-            "tokens": batch.num_tokens(), "masked_tokens": batch.num_masked(),
-            "random_next": int((batch.nsp == 1).sum()),
-        }
-        with FileSystems.create(f"{self.staging}/{name}") as f:
-            f.write(data)
+        out = _HashingWriter(FileSystems.create(f"{self.staging}/{name}"))
+        writer = None
+        for part in parts:
+            with FileSystems.open(part["path"]) as f:
+                table = pa.ipc.open_stream(f).read_all()
+            if writer is None:
+                writer = pq.ParquetWriter(out, table.schema, compression=self.compression, write_statistics=False)
+            writer.write_table(table, row_group_size=self.row_group_size)
+        writer.close()
+        out.close()
+        FileSystems.delete([p["path"] for p in parts])
+        stats = {"path": name, "rows": sum(p["rows"] for p in parts), "bytes": out.size,
+                 "sha256": out.sha.hexdigest(),
+                 **{k: sum(p[k] for p in parts) for k in ("tokens", "masked_tokens", "random_next")}}
         with FileSystems.create(f"{self.staging}/{name}.json") as f:
             f.write(json.dumps(stats).encode())
-        count(f"{self.split}_rows_written", len(batch))
+        count(f"{self.split}_rows_written", stats["rows"])
         yield stats
 
 
@@ -428,24 +448,32 @@ def shard_name(split: str, i: int, n: int) -> str:
 
 
 class WriteShards(beam.PTransform):
-    """(preliminary shard, InstanceBatch) -> exactly balanced Parquet shards in ``staging``,
-    rows sorted by key; each shard also gets a ``.json`` sidecar with its size, sha256, counts."""
+    """InstanceBatches -> exactly balanced Parquet shards in ``staging``, rows sorted by key (see
+    :mod:`data_pipeline.sharding`); each shard also gets a ``.json`` sidecar with size, sha256 and
+    counts. Workers hold one bucket (about ``rows_per_bucket`` rows) at a time, never a shard."""
 
-    def __init__(self, staging: str, split: str, num_shards: int, vocab_size: int, row_group_size: int, compression: str):
+    def __init__(self, staging: str, split: str, num_shards: int, vocab_size: int, row_group_size: int,
+                 compression: str, rows_per_bucket: int = 16384):
         super().__init__()
         self.staging, self.split, self.num_shards = staging, split, num_shards
         self.vocab_size, self.row_group_size, self.compression = vocab_size, row_group_size, compression
+        self.rows_per_bucket = rows_per_bucket
 
-    def expand(self, keyed):
-        n = self.num_shards
-        counts = (keyed | "Sizes" >> beam.Map(lambda kv: (kv[0], len(kv[1])))
-                  | "CountPerShard" >> beam.CombinePerKey(sum))
+    def expand(self, batches):
+        n, per_bucket = self.num_shards, self.rows_per_bucket
+        total = batches | "Rows" >> beam.Map(len) | "Total" >> beam.CombineGlobally(sum)
+        bucketed = batches | "ByBucket" >> beam.FlatMap(
+            lambda b, t: sharding.split_by_bucket(b, sharding.bucket_bits(t, per_bucket)), beam.pvalue.AsSingleton(total))
+        counts = (bucketed | "BucketRows" >> beam.Map(lambda kv: (kv[0], len(kv[1])))
+                  | "CountPerBucket" >> beam.CombinePerKey(sum))
         return (
-            keyed
-            | "GroupPreliminary" >> beam.GroupByKey()
-            | "Merge" >> beam.Map(lambda kv: (kv[0], InstanceBatch.concat(list(kv[1])).sorted_by_key()))
-            | "Rebalance" >> beam.FlatMap(lambda kv, c: rebalance(kv[0], kv[1], c, n), beam.pvalue.AsDict(counts))
-            | "GroupFinal" >> beam.GroupByKey()
-            | "Write" >> beam.ParDo(_WriteShardDoFn(self.staging, self.split, n, self.vocab_size,
-                                                    self.row_group_size, self.compression))
+            bucketed
+            | "GroupBucket" >> beam.GroupByKey()
+            | "Place" >> beam.FlatMap(
+                lambda kv, c: ((s, kv[0], rows) for s, rows in sharding.place_bucket(
+                    kv[0], InstanceBatch.concat(list(kv[1])), c, n)), beam.pvalue.AsDict(counts))
+            | "WritePart" >> beam.ParDo(_WritePartDoFn(f"{self.staging}/parts", self.split, self.vocab_size))
+            | "GroupShard" >> beam.GroupByKey()
+            | "Assemble" >> beam.ParDo(_AssembleShardDoFn(self.staging, self.split, n, self.row_group_size,
+                                                          self.compression))
         )

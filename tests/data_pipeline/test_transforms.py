@@ -109,13 +109,21 @@ def test_tokenize_instances_and_write(tmp_path, small_vocab):
         tok = p | beam.Create(docs) | Tokenize(str(small_vocab))
         assert_that(tok | beam.Map(lambda d: (d[0], len(d[2]) - 1)), equal_to([(f"d{i}", 30) for i in range(12)]),
                     label="tok")
-        inst = tok | CreateInstances(instance_params(cfg, tokens), seed=1, dupe_factor=2, num_shards=3, split="train",
+        inst = tok | CreateInstances(instance_params(cfg, tokens), seed=1, dupe_factor=2, split="train",
                                      vocab_path=str(small_vocab), pool_size=100, windows_per_doc=4)
-        assert_that(inst | "n" >> beam.Map(lambda kv: kv[0]), lambda ks: _check(set(ks) <= {0, 1, 2} and ks), label="inst")
-        written = inst | WriteShards(str(tmp_path), "train", 3, len(tokens), 1024, "zstd")
+        assert_that(inst | "n" >> beam.Map(len), lambda ns: _check(len(ns) == 12 and min(ns) > 0), label="inst")
+        # 40 rows per bucket: several buckets, most straddling a shard boundary
+        written = inst | WriteShards(str(tmp_path), "train", 3, len(tokens), 16, "zstd", rows_per_bucket=40)
         assert_that(written | beam.Map(lambda s: s["rows"]) | beam.combiners.ToList(),
                     lambda r: _check(len(r[0]) == 3 and max(r[0]) - min(r[0]) <= 1), label="rows")
     names = {c.key.metric.name: c.committed for c in p.result.metrics().query()["counters"]}
     assert names["skipped_empty_document"] == 1 and names["skipped_too_few_sentences"] == 1
     t = pq.read_table(tmp_path / "train-00000-of-00003.parquet")
     assert t.num_rows > 0 and max(len(x) for x in t.column("input_ids").to_pylist()) <= 32
+    assert not list((tmp_path / "parts").iterdir())  # every part file was streamed into a shard and removed
+    # shards are consecutive key ranges, each sorted: the rows of all shards in order are sorted by key
+    import hashlib, json
+    for i in range(3):
+        side = json.loads((tmp_path / f"train-{i:05d}-of-00003.parquet.json").read_text())
+        assert side["sha256"] == hashlib.sha256((tmp_path / side["path"]).read_bytes()).hexdigest()
+        assert side["bytes"] == (tmp_path / side["path"]).stat().st_size
