@@ -89,6 +89,25 @@ def validate(cfg: DataConfig) -> None:
         raise ConfigError(f"heldout_fraction {cfg.heldout_fraction} must be in [0, 1)")
 
 
+TOKENS_PER_TEXT_BYTE = 0.24  # WordPiece tokens per byte of English prose (about 1.3 per 5.5-byte word)
+
+
+def expected_rows(cfg: DataConfig) -> int:
+    """Rough row count from the input sizes, made before the run: it only sizes the shuffle
+    buckets (memory), never the output, which depends on the actual rows."""
+    from apache_beam.io.filesystems import FileSystems
+
+    tokens = 0.0
+    for src in cfg.inputs:
+        pattern = os.path.join(src.path, "*") if os.path.isdir(src.path) else src.path
+        for r in FileSystems.match([pattern]):
+            for m in r.metadata_list:
+                expand = 4.0 if m.path.endswith((".bz2", ".gz")) else 1.0  # typical text compression
+                prose = 0.5 if src.kind == "wiki" else 1.0  # about half of a dump is markup
+                tokens += m.size_in_bytes * expand * prose * TOKENS_PER_TEXT_BYTE
+    return int(cfg.dupe_factor * tokens / (0.9 * (cfg.max_seq_length - 3))) + 1
+
+
 def build_pipeline(p: beam.Pipeline, cfg: DataConfig, staging: str, tokens: list[str], lowercase: bool) -> None:
     docs = [read_source(p, i, src, cfg) for i, src in enumerate(cfg.inputs)]
     sentences = docs[0] if len(docs) == 1 else tuple(docs) | "AllSources" >> beam.Flatten()
@@ -97,6 +116,7 @@ def build_pipeline(p: beam.Pipeline, cfg: DataConfig, staging: str, tokens: list
         cfg.vocab, lowercase, min_sentences=min_sents, max_document_sentences=cfg.max_document_sentences,
         max_sentence_chars=cfg.max_sentence_chars)
     frac = cfg.heldout_fraction
+    rows = expected_rows(cfg)
     train, heldout = tokenized | "SplitHeldOut" >> beam.Partition(
         lambda d, _n: 1 if unit_hash("heldout", d[0]) < frac else 0, 2)
     params = instance_params(cfg, tokens)
@@ -106,16 +126,23 @@ def build_pipeline(p: beam.Pipeline, cfg: DataConfig, staging: str, tokens: list
              params, seed=cfg.seed, dupe_factor=cfg.dupe_factor, split=split, vocab_path=cfg.vocab,
              pool_size=cfg.nsp_pool_size, windows_per_doc=cfg.nsp_pool_windows_per_doc)
          | f"{split}_Write" >> WriteShards(staging, split, n, len(tokens), cfg.row_group_size, cfg.compression,
+                                           expected_rows=round(rows * (frac if split == "heldout" else 1 - frac)),
                                            rows_per_bucket=cfg.shuffle_bucket_rows))
 
 
 def _query_counters(result) -> dict[str, int]:
     out: dict[str, int] = {}
     try:
-        for c in result.metrics().query()["counters"]:
+        metrics = result.metrics().query()
+        for c in metrics["counters"]:
             if c.key.metric.namespace == NS:
                 v = c.committed if c.committed is not None else c.attempted
                 out[c.key.metric.name] = out.get(c.key.metric.name, 0) + int(v or 0)
+        for d in metrics["distributions"]:  # e.g. rows per shuffle bucket: max and count
+            v = d.committed if d.committed is not None else d.attempted
+            if d.key.metric.namespace == NS and v is not None and v.count:
+                out[f"{d.key.metric.name}_max"] = max(out.get(f"{d.key.metric.name}_max", 0), int(v.max))
+                out[f"{d.key.metric.name}_count"] = out.get(f"{d.key.metric.name}_count", 0) + int(v.count)
     except Exception as e:  # some runners do not report metrics; the manifest says so
         log.warning("could not query Beam metrics: %s", e)
     return dict(sorted(out.items()))

@@ -49,10 +49,38 @@ def read_text_document(stream: BinaryIO, max_chars: int) -> tuple[str, list[str]
     return text, events
 
 
-def iter_bert_format(stream: BinaryIO) -> Iterator[tuple[int, list[str]] | tuple[str, str]]:
-    """One sentence per line, blank line between documents. Yields (doc_index, sentences)."""
+def _line_before_is_blank(stream: BinaryIO, pos: int, chunk: int = 1 << 16) -> bool:
+    """Is the line that ends at byte ``pos - 1`` blank (or is ``pos`` the start of the file)?
+    Reads backwards from ``pos`` to that line's start; ``stream`` must be seekable."""
+    if pos <= 0:
+        return True
+    tail = b""
+    end = pos
+    while True:
+        lo = max(0, end - chunk)
+        stream.seek(lo)
+        tail = stream.read(end - lo) + tail
+        cut = tail.rfind(b"\n", 0, len(tail) - 1)  # the newline that ends the line before
+        if cut >= 0 or lo == 0:
+            line = tail[cut + 1:]
+            return not clean_line(decode_bytes(line)[0])
+        end = lo
+
+
+def iter_bert_format(stream: BinaryIO, start: int = 0, end: int | None = None
+                     ) -> Iterator[tuple[int, list[str]] | tuple[str, str]]:
+    """One sentence per line, blank line between documents. Yields (byte offset, sentences) for
+    every document whose first line starts in ``[start, end)``: byte ranges of one file split
+    it between readers with each document read exactly once, and the offset is a document id
+    that does not depend on the split. ``start > 0`` needs a seekable stream."""
     sents: list[str] = []
-    index = 0
+    doc_at = pos = 0
+    prev_blank = True
+    if start > 0:
+        stream.seek(start - 1)
+        pos = start - 1 + len(stream.readline())  # the first line that starts at or after ``start``
+        prev_blank = _line_before_is_blank(stream, pos)  # a whole line: byte pos - 1 ends it
+        stream.seek(pos)
     try:
         for raw in stream:
             line, repaired = decode_bytes(raw)
@@ -60,14 +88,23 @@ def iter_bert_format(stream: BinaryIO) -> Iterator[tuple[int, list[str]] | tuple
                 yield ("!event", "repaired_non_utf8")
             line = clean_line(line)
             if line:
+                if not sents:
+                    if not prev_blank:  # the tail of a document that started before ``start``
+                        pos += len(raw)
+                        continue
+                    if end is not None and pos >= end:
+                        return
+                    doc_at = pos
                 sents.append(line)
             elif sents:
-                yield (index, sents)
-                index, sents = index + 1, []
+                yield (doc_at, sents)
+                sents = []
+            prev_blank = not line
+            pos += len(raw)
     except STREAM_ERRORS:
         yield ("!event", "truncated_input_file")
     if sents:
-        yield (index, sents)
+        yield (doc_at, sents)
 
 
 def iter_json_lines(stream: BinaryIO, text_field: str, id_field: str) -> Iterator[tuple[str, str] | tuple[str, str]]:

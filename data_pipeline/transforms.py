@@ -23,7 +23,7 @@ from data_pipeline.instances import InstanceParams, InstanceStats, create_instan
 
 NS = "data_pipeline"
 log = logging.getLogger("data_pipeline")
-_counters: dict[str, object] = {}
+_counters: dict[object, object] = {}
 
 
 def count(name: str, n: int = 1) -> None:
@@ -31,6 +31,13 @@ def count(name: str, n: int = 1) -> None:
     if c is None:
         c = _counters[name] = Metrics.counter(NS, name)
     c.inc(n)
+
+
+def distribution(name: str, value: int) -> None:
+    d = _counters.get(("dist", name))
+    if d is None:
+        d = _counters[("dist", name)] = Metrics.distribution(NS, name)
+    d.update(value)
 
 
 def event(name: str, where: str) -> None:
@@ -181,27 +188,46 @@ class ReadBooks(beam.PTransform):
 
 class _ReadBertText(beam.DoFn):
     def process(self, item):
-        path, rel = item
+        path, rel, start, end = item
         with sources.open_input(path) as stream:
-            for a, b in sources.iter_bert_format(stream):
+            for a, b in sources.iter_bert_format(stream, start, end):
                 if a == "!event":
                     event(b, path)
                 else:
                     yield (f"text:{rel}:{a}", b)
 
 
-class ReadBertFormatText(beam.PTransform):
-    """One sentence per line, blank line between documents -> (doc_id, [sentences])."""
+def byte_ranges(path: str, size: int, split_bytes: int) -> list[tuple[int, int | None]]:
+    """[start, end) ranges of about ``split_bytes`` for an uncompressed file; one open range
+    for a compressed one (it can only be read from the start)."""
+    if path.endswith((".bz2", ".gz")) or size <= split_bytes:
+        return [(0, None)]
+    cuts = list(range(0, size, split_bytes))
+    return [(a, b) for a, b in zip(cuts, cuts[1:] + [None])]
 
-    def __init__(self, pattern: str):
+
+class ReadBertFormatText(beam.PTransform):
+    """One sentence per line, blank line between documents -> (doc_id, [sentences]).
+
+    Uncompressed files are read as byte ranges in parallel (documents are cut at blank lines,
+    the id is the document's byte offset), so text never goes through a shuffle; compressed
+    files are read whole and then spread over the workers."""
+
+    def __init__(self, pattern: str, split_bytes: int = 8 << 20):
         super().__init__()
+        from apache_beam.io.filesystems import FileSystems
+
         self.files = match_files(pattern)
+        self.sizes = {m.path: m.size_in_bytes for r in FileSystems.match(self.files) for m in r.metadata_list}
+        self.split_bytes = split_bytes
 
     def expand(self, pbegin):
         ids = _relative_ids(self.files)
-        return (pbegin | "Files" >> beam.Create([(f, ids[f]) for f in self.files])
-                | "Read" >> beam.ParDo(_ReadBertText())
-                | "Spread" >> beam.Reshuffle())
+        ranges = [(f, ids[f], a, b) for f in self.files for a, b in byte_ranges(f, self.sizes[f], self.split_bytes)]
+        docs = pbegin | "Ranges" >> beam.Create(ranges) | "Read" >> beam.ParDo(_ReadBertText())
+        if any(f.endswith((".bz2", ".gz")) for f in self.files):
+            docs = docs | "Spread" >> beam.Reshuffle()
+        return docs
 
 
 class _ReadJsonl(beam.DoFn):
@@ -453,25 +479,29 @@ class WriteShards(beam.PTransform):
     counts. Workers hold one bucket (about ``rows_per_bucket`` rows) at a time, never a shard."""
 
     def __init__(self, staging: str, split: str, num_shards: int, vocab_size: int, row_group_size: int,
-                 compression: str, rows_per_bucket: int = 16384):
+                 compression: str, *, expected_rows: int, rows_per_bucket: int = 16384):
         super().__init__()
         self.staging, self.split, self.num_shards = staging, split, num_shards
         self.vocab_size, self.row_group_size, self.compression = vocab_size, row_group_size, compression
-        self.rows_per_bucket = rows_per_bucket
+        # the bucket count comes from an estimate made before the run, so bucketing fuses with
+        # instance creation (no extra pass over the rows); the manifest records the real sizes
+        self.bits = sharding.bucket_bits(expected_rows, rows_per_bucket)
 
     def expand(self, batches):
-        n, per_bucket = self.num_shards, self.rows_per_bucket
-        total = batches | "Rows" >> beam.Map(len) | "Total" >> beam.CombineGlobally(sum)
-        bucketed = batches | "ByBucket" >> beam.FlatMap(
-            lambda b, t: sharding.split_by_bucket(b, sharding.bucket_bits(t, per_bucket)), beam.pvalue.AsSingleton(total))
+        n, bits, split = self.num_shards, self.bits, self.split
+
+        def place(kv, counts):
+            batch = InstanceBatch.concat(list(kv[1]))
+            distribution(f"{split}_bucket_rows", len(batch))
+            return ((s, kv[0], rows) for s, rows in sharding.place_bucket(kv[0], batch, counts, n))
+
+        bucketed = batches | "ByBucket" >> beam.FlatMap(sharding.split_by_bucket, bits)
         counts = (bucketed | "BucketRows" >> beam.Map(lambda kv: (kv[0], len(kv[1])))
                   | "CountPerBucket" >> beam.CombinePerKey(sum))
         return (
             bucketed
             | "GroupBucket" >> beam.GroupByKey()
-            | "Place" >> beam.FlatMap(
-                lambda kv, c: ((s, kv[0], rows) for s, rows in sharding.place_bucket(
-                    kv[0], InstanceBatch.concat(list(kv[1])), c, n)), beam.pvalue.AsDict(counts))
+            | "Place" >> beam.FlatMap(place, beam.pvalue.AsDict(counts))
             | "WritePart" >> beam.ParDo(_WritePartDoFn(f"{self.staging}/parts", self.split, self.vocab_size))
             | "GroupShard" >> beam.GroupByKey()
             | "Assemble" >> beam.ParDo(_AssembleShardDoFn(self.staging, self.split, n, self.row_group_size,

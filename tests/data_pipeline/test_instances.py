@@ -181,3 +181,26 @@ def test_place_bucket_rejects_a_count_mismatch():
     b, _ = build(synthetic_docs(2, 20), params())
     with pytest.raises(RuntimeError, match="rows arrived"):
         list(place_bucket(0, b, {0: len(b) + 1}, 2))
+
+
+def test_bert_format_byte_ranges_read_every_document_once():
+    """Any cut of a file into byte ranges yields exactly the documents of one whole read."""
+    import io
+    import random
+
+    from data_pipeline.sources import iter_bert_format
+
+    r = random.Random(0)
+    for _ in range(300):
+        lines = []
+        for _doc in range(r.randint(0, 6)):
+            lines += [r.choice(["a b.", "  lead", "x" * r.randint(1, 30), "ü é"]) + ("\r" if r.random() < 0.1 else "")
+                      for _ in range(r.randint(1, 4))]
+            lines += [r.choice(["", "  ", "\t"]) for _ in range(r.randint(1, 3))]
+        data = ("\n".join(lines) + r.choice(["", "\n"])).encode()
+        whole = [x for x in iter_bert_format(io.BytesIO(data)) if x[0] != "!event"]
+        cuts = sorted(r.sample(range(1, len(data) + 1), min(len(data), r.randint(0, 5))))
+        bounds = [0, *cuts, None]
+        got = [x for a, b in zip(bounds[:-1], bounds[1:])
+               for x in iter_bert_format(io.BytesIO(data), a, b) if x[0] != "!event"]
+        assert got == whole, (data, bounds)

@@ -86,9 +86,13 @@ def test_read_bert_text_and_jsonl(tmp_path):
     (tmp_path / "d.jsonl").write_text(json.dumps({"body": "Hello there. General Kenobi.", "id": "k1"}) + "\n{broken\n"
                                       + json.dumps({"other": 1}) + "\n")
     with TestPipeline(options=beam.options.pipeline_options.PipelineOptions(OPTS)) as p:
-        t = p | ReadBertFormatText(str(tmp_path / "c.txt"))
-        assert_that(t, equal_to([("text:c.txt:0", ["Sent one.", "Sent two."]), ("text:c.txt:1", ["Doc two a.", "Doc two b."])]),
+        t = p | ReadBertFormatText(str(tmp_path / "c.txt"))  # ids are byte offsets
+        assert_that(t, equal_to([("text:c.txt:0", ["Sent one.", "Sent two."]), ("text:c.txt:22", ["Doc two a.", "Doc two b."])]),
                     label="text")
+        # a 7-byte split: four ranges, the same two documents, each read once
+        t7 = p | "split" >> ReadBertFormatText(str(tmp_path / "c.txt"), split_bytes=7)
+        assert_that(t7, equal_to([("text:c.txt:0", ["Sent one.", "Sent two."]),
+                                  ("text:c.txt:22", ["Doc two a.", "Doc two b."])]), label="text7")
         j = p | ReadJsonLines(str(tmp_path / "d.jsonl"), text_field="body", id_field="id") | SplitSentences()
         assert_that(j, equal_to([("jsonl:d.jsonl:k1", ["Hello there.", "General Kenobi."])]), label="jsonl")
     names = {c.key.metric.name: c.committed for c in p.result.metrics().query()["counters"]}
@@ -113,7 +117,8 @@ def test_tokenize_instances_and_write(tmp_path, small_vocab):
                                      vocab_path=str(small_vocab), pool_size=100, windows_per_doc=4)
         assert_that(inst | "n" >> beam.Map(len), lambda ns: _check(len(ns) == 12 and min(ns) > 0), label="inst")
         # 40 rows per bucket: several buckets, most straddling a shard boundary
-        written = inst | WriteShards(str(tmp_path), "train", 3, len(tokens), 16, "zstd", rows_per_bucket=40)
+        written = inst | WriteShards(str(tmp_path), "train", 3, len(tokens), 16, "zstd", expected_rows=300,
+                                     rows_per_bucket=40)
         assert_that(written | beam.Map(lambda s: s["rows"]) | beam.combiners.ToList(),
                     lambda r: _check(len(r[0]) == 3 and max(r[0]) - min(r[0]) <= 1), label="rows")
     names = {c.key.metric.name: c.committed for c in p.result.metrics().query()["counters"]}
