@@ -6,6 +6,7 @@
 // BERTDIST_WITH_CUDA). Autograd lives in Python (bertdist/ops/fused.py).
 #include <torch/extension.h>
 
+#include <mutex>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -14,6 +15,8 @@
 #include "philox.h"
 
 #ifdef BERTDIST_WITH_CUDA
+#include <ATen/core/Generator.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
@@ -83,6 +86,65 @@ uint32_t checked_offset(int64_t offset, const char* op) {
 
 void check_p(double p, const char* op) {
   TORCH_CHECK(p >= 0.0 && p < 1.0, op, ": dropout probability must be in [0, 1), got ", p);
+}
+
+// ---------------------------------------------------------------- dropout (seed, offset)
+
+// How far one op call advances the CUDA generator's Philox offset: the least it accepts (a
+// multiple of 4). Our streams index elements by counter words, so a call needs one offset.
+constexpr uint64_t kGeneratorIncrement = 4;
+
+// Sets a forward's dropout source and returns its record, the int64 [2] (seed, offset) the
+// backward reads (empty without dropout). A given seed is used as is (every CPU call; on CUDA
+// for tests and reproducibility); without one, a CUDA call takes the device's default CUDA
+// generator's Philox state, which stays valid under CUDA-graph capture: the kernel unpacks it
+// on the device and writes the record, so each replay draws, and records, a fresh pair. (On
+// CUDA the record stays unwritten when there is no element to drop; no backward reads it then.)
+at::Tensor forward_rng(DropoutRng& r, const at::Tensor& ref, double p_drop, const c10::optional<int64_t>& seed,
+                       int64_t offset, const char* op) {
+  const auto opts = ref.options().dtype(at::kLong);
+  if (p_drop <= 0.0) return at::empty({0}, opts);
+  auto record = at::empty({2}, opts);
+  if (seed.has_value()) {
+    r.seed = static_cast<uint64_t>(*seed);
+    r.offset = checked_offset(offset, op);
+    if (ref.device().is_cpu()) {
+      record.data_ptr<int64_t>()[0] = *seed;
+      record.data_ptr<int64_t>()[1] = offset;
+    } else {
+      r.save_to = record.data_ptr<int64_t>();
+    }
+    return record;
+  }
+  TORCH_CHECK(ref.device().is_cuda(), op, ": dropout on ", ref.device(),
+              " needs an explicit seed (only CUDA tensors draw one from the CUDA generator)");
+#ifdef BERTDIST_WITH_CUDA
+  auto* gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
+      std::nullopt, at::cuda::detail::getDefaultCUDAGenerator(ref.device().index()));
+  {
+    std::lock_guard<std::mutex> lock(gen->mutex_);  // the generator is shared by all threads
+    r.generator = gen->philox_cuda_state(kGeneratorIncrement);
+  }
+  r.from_generator = true;
+  r.save_to = record.data_ptr<int64_t>();
+#endif
+  return record;
+}
+
+// Sets a backward's dropout source to the record its forward returned.
+void backward_rng(DropoutRng& r, const at::Tensor& ref, double p_drop, const at::Tensor& record, const char* op) {
+  if (p_drop <= 0.0) return;
+  check_same_device(ref, record, op, "the inputs", "rng_state");
+  check_dtype(record, at::kLong, op, "rng_state");
+  TORCH_CHECK(record.dim() == 1 && record.size(0) == 2 && record.is_contiguous(), op,
+              ": rng_state must be the forward's contiguous [2] (seed, offset) record, got shape ",
+              shape_str(record));
+  if (ref.device().is_cpu()) {
+    r.seed = static_cast<uint64_t>(record.data_ptr<int64_t>()[0]);
+    r.offset = checked_offset(record.data_ptr<int64_t>()[1], op);
+  } else {
+    r.saved = record.data_ptr<int64_t>();
+  }
 }
 
 #ifdef BERTDIST_WITH_CUDA
@@ -227,10 +289,11 @@ std::vector<at::Tensor> layer_norm_bwd(const at::Tensor& dy, const at::Tensor& x
   return run_ln_bwd(p, dy, x, mean, rstd, gamma, in, op);
 }
 
-// y = LN(residual + dropout(x + bias)); returns (y, h = residual + dropout(x + bias), mean, rstd).
+// y = LN(residual + dropout(x + bias)); returns (y, h = residual + dropout(x + bias), mean, rstd,
+// rng_state: the dropout's (seed, offset) record, see forward_rng).
 std::vector<at::Tensor> bdaln_fwd(const at::Tensor& x, const c10::optional<at::Tensor>& bias,
                                   const at::Tensor& residual, const at::Tensor& gamma, const at::Tensor& beta,
-                                  double p_drop, double eps, int64_t seed, int64_t offset) {
+                                  double p_drop, double eps, const c10::optional<int64_t>& seed, int64_t offset) {
   const char* op = "bertdist.bias_dropout_add_layer_norm_fwd";
   auto in = check_ln_inputs(x, gamma, beta, op);
   check_p(p_drop, op);
@@ -252,10 +315,9 @@ std::vector<at::Tensor> bdaln_fwd(const at::Tensor& x, const c10::optional<at::T
   p.h = h.data_ptr();
   p.dropout = p_drop > 0.0;
   p.p = static_cast<float>(p_drop);
-  p.seed = static_cast<uint64_t>(seed);
-  p.offset = checked_offset(offset, op);
+  auto record = forward_rng(p.rng, x, p_drop, seed, offset, op);
   auto out = run_ln_fwd(p, x, in, eps, op);
-  return {out[0], h, out[1], out[2]};
+  return {out[0], h, out[1], out[2], record};
 }
 
 // Returns (d_h, d_x, d_weight, d_bias_ln, d_dense_bias). d_h is the residual's gradient;
@@ -263,7 +325,7 @@ std::vector<at::Tensor> bdaln_fwd(const at::Tensor& x, const c10::optional<at::T
 // (in the accumulation type; the caller casts it to the bias's dtype) is empty unless has_bias.
 std::vector<at::Tensor> bdaln_bwd(const at::Tensor& dy, const at::Tensor& h, const at::Tensor& mean,
                                   const at::Tensor& rstd, const at::Tensor& gamma, bool has_bias,
-                                  double p_drop, int64_t seed, int64_t offset) {
+                                  double p_drop, const at::Tensor& rng_state) {
   const char* op = "bertdist.bias_dropout_add_layer_norm_bwd";
   auto in = check_ln_inputs(h, gamma, gamma, op);
   check_ln_bwd_inputs(dy, h, mean, rstd, op, "h");
@@ -276,8 +338,7 @@ std::vector<at::Tensor> bdaln_bwd(const at::Tensor& dy, const at::Tensor& h, con
   p.dbias = has_bias ? dbias.data_ptr() : nullptr;
   p.dropout = p_drop > 0.0;
   p.p = static_cast<float>(p_drop);
-  p.seed = static_cast<uint64_t>(seed);
-  p.offset = checked_offset(offset, op);
+  backward_rng(p.rng, h, p_drop, rng_state, op);
   auto g = run_ln_bwd(p, dy, h, mean, rstd, gamma, in, op);
   return {g[0], dx, g[1], g[2], dbias};
 }
@@ -329,15 +390,12 @@ void fill_mask(AttnParams& p, const c10::optional<at::Tensor>& mask, const at::T
   p.mask_stride_b = m.stride(0);
 }
 
-void fill_common(AttnParams& p, const at::Tensor& q, double scale, double p_drop, int64_t seed, int64_t offset,
-                 const char* op) {
+void fill_common(AttnParams& p, const at::Tensor& q, double scale, double p_drop, const char* op) {
   check_p(p_drop, op);
   p.head_dim = static_cast<int>(q.size(-1));
   p.scale = static_cast<float>(scale);
   p.dropout = p_drop > 0.0;
   p.p = static_cast<float>(p_drop);
-  p.seed = static_cast<uint64_t>(seed);
-  p.offset = checked_offset(offset, op);
 }
 
 // q, k and v of one layout: `dims` dimensions named by `layout`, head_dim dense.
@@ -357,11 +415,10 @@ void check_padded_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 
 // Checked parameters of the padded layout: q [B, H, S, D] with an optional key padding mask.
 AttnParams padded_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                         const c10::optional<at::Tensor>& mask, double scale, double p_drop, int64_t seed,
-                         int64_t offset, const char* op) {
+                         const c10::optional<at::Tensor>& mask, double scale, double p_drop, const char* op) {
   check_padded_qkv(q, k, v, op);
   AttnParams p;
-  fill_common(p, q, scale, p_drop, seed, offset, op);
+  fill_common(p, q, scale, p_drop, op);
   fill_mask(p, mask, q, op);
   p.batch = static_cast<int>(q.size(0));
   p.heads = static_cast<int>(q.size(1));
@@ -394,11 +451,10 @@ void check_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
 // Checked parameters of the varlen layout: q [T, H, D] packed, sequence b is tokens cu[b] .. cu[b + 1].
 AttnParams varlen_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu,
-                         int64_t max_seqlen, double scale, double p_drop, int64_t seed, int64_t offset,
-                         const char* op) {
+                         int64_t max_seqlen, double scale, double p_drop, const char* op) {
   check_varlen(q, k, v, cu, max_seqlen, op);
   AttnParams p;
-  fill_common(p, q, scale, p_drop, seed, offset, op);
+  fill_common(p, q, scale, p_drop, op);
   p.cu_seqlens = cu.data_ptr<int32_t>();
   p.batch = static_cast<int>(cu.size(0) - 1);
   p.heads = static_cast<int>(q.size(1));
@@ -426,9 +482,12 @@ void run_attn(const at::Tensor& ref, const AttnParams& p, DType t, bool backward
   });
 }
 
-// The forward both layouts share once `p` holds the checked layout: returns (out, stats [2, rows]).
+// The forward both layouts share once `p` holds the checked layout: returns (out, stats [2, rows],
+// rng_state).
 std::vector<at::Tensor> run_attention_fwd(AttnParams& p, const at::Tensor& q, const at::Tensor& k,
-                                          const at::Tensor& v, const char* op) {
+                                          const at::Tensor& v, const c10::optional<int64_t>& seed, int64_t offset,
+                                          const char* op) {
+  auto record = forward_rng(p.rng, q, p.p, seed, offset, op);
   auto o = empty_attn_out(q);
   auto stats = at::empty({2, stat_rows(q)}, q.options().dtype(acc_type(q)));
   p.q = head_view(q);
@@ -437,13 +496,13 @@ std::vector<at::Tensor> run_attention_fwd(AttnParams& p, const at::Tensor& q, co
   p.o = head_view(o);
   p.stats = stats.data_ptr();
   run_attn(q, p, dtype_of(q, op), false, op);
-  return {o, stats};
+  return {o, stats, record};
 }
 
 // The backward both layouts share once `p` holds the checked layout: returns (dq, dk, dv).
 std::vector<at::Tensor> run_attention_bwd(AttnParams& p, const at::Tensor& dout, const at::Tensor& q,
                                           const at::Tensor& k, const at::Tensor& v, const at::Tensor& o,
-                                          const at::Tensor& stats, const char* op) {
+                                          const at::Tensor& stats, const at::Tensor& rng_state, const char* op) {
   check_head_tensor(q, o, op, "out");
   check_head_tensor(q, dout, op, "grad_out");
   const int64_t rows = stat_rows(q);
@@ -451,6 +510,7 @@ std::vector<at::Tensor> run_attention_bwd(AttnParams& p, const at::Tensor& dout,
   check_dtype(stats, acc_type(q), op, "stats");
   TORCH_CHECK(stats.dim() == 2 && stats.size(0) == 2 && stats.size(1) == rows && stats.is_contiguous(), op,
               ": stats must be a contiguous [2, ", rows, "] tensor, got shape ", shape_str(stats));
+  backward_rng(p.rng, q, p.p, rng_state, op);
   auto dq = empty_attn_out(q), dk = empty_attn_out(q), dv = empty_attn_out(q);
   auto delta = at::empty({rows}, stats.options());
   p.q = head_view(q);
@@ -467,40 +527,40 @@ std::vector<at::Tensor> run_attention_bwd(AttnParams& p, const at::Tensor& dout,
   return {dq, dk, dv};
 }
 
-// Returns (out [B, H, S, D], stats [2, B * H * S]).
+// Returns (out [B, H, S, D], stats [2, B * H * S], rng_state).
 std::vector<at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                       const c10::optional<at::Tensor>& key_padding_mask, double scale,
-                                      double p_drop, int64_t seed, int64_t offset) {
+                                      double p_drop, const c10::optional<int64_t>& seed, int64_t offset) {
   const char* op = "bertdist.attention_fwd";
-  auto p = padded_params(q, k, v, key_padding_mask, scale, p_drop, seed, offset, op);
-  return run_attention_fwd(p, q, k, v, op);
+  auto p = padded_params(q, k, v, key_padding_mask, scale, p_drop, op);
+  return run_attention_fwd(p, q, k, v, seed, offset, op);
 }
 
 std::vector<at::Tensor> attention_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                                       const at::Tensor& v, const at::Tensor& o, const at::Tensor& stats,
                                       const c10::optional<at::Tensor>& key_padding_mask, double scale,
-                                      double p_drop, int64_t seed, int64_t offset) {
+                                      double p_drop, const at::Tensor& rng_state) {
   const char* op = "bertdist.attention_bwd";
-  auto p = padded_params(q, k, v, key_padding_mask, scale, p_drop, seed, offset, op);
-  return run_attention_bwd(p, dout, q, k, v, o, stats, op);
+  auto p = padded_params(q, k, v, key_padding_mask, scale, p_drop, op);
+  return run_attention_bwd(p, dout, q, k, v, o, stats, rng_state, op);
 }
 
-// Returns (out [T, H, D], stats [2, H * T]).
+// Returns (out [T, H, D], stats [2, H * T], rng_state).
 std::vector<at::Tensor> varlen_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                              const at::Tensor& cu_seqlens, int64_t max_seqlen, double scale,
-                                             double p_drop, int64_t seed, int64_t offset) {
+                                             double p_drop, const c10::optional<int64_t>& seed, int64_t offset) {
   const char* op = "bertdist.varlen_attention_fwd";
-  auto p = varlen_params(q, k, v, cu_seqlens, max_seqlen, scale, p_drop, seed, offset, op);
-  return run_attention_fwd(p, q, k, v, op);
+  auto p = varlen_params(q, k, v, cu_seqlens, max_seqlen, scale, p_drop, op);
+  return run_attention_fwd(p, q, k, v, seed, offset, op);
 }
 
 std::vector<at::Tensor> varlen_attention_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                                              const at::Tensor& v, const at::Tensor& o, const at::Tensor& stats,
                                              const at::Tensor& cu_seqlens, int64_t max_seqlen, double scale,
-                                             double p_drop, int64_t seed, int64_t offset) {
+                                             double p_drop, const at::Tensor& rng_state) {
   const char* op = "bertdist.varlen_attention_bwd";
-  auto p = varlen_params(q, k, v, cu_seqlens, max_seqlen, scale, p_drop, seed, offset, op);
-  return run_attention_bwd(p, dout, q, k, v, o, stats, op);
+  auto p = varlen_params(q, k, v, cu_seqlens, max_seqlen, scale, p_drop, op);
+  return run_attention_bwd(p, dout, q, k, v, o, stats, rng_state, op);
 }
 
 // The dropout keep masks the kernels use, materialised on CPU: for tests (an explicit-mask
@@ -567,21 +627,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_norm_bwd", &layer_norm_bwd, py::arg("grad_out"), py::arg("x"), py::arg("mean"), py::arg("rstd"),
         py::arg("weight"));
   m.def("bias_dropout_add_layer_norm_fwd", &bdaln_fwd, py::arg("x"), py::arg("bias"), py::arg("residual"),
-        py::arg("weight"), py::arg("ln_bias"), py::arg("p"), py::arg("eps"), py::arg("seed"), py::arg("offset"));
+        py::arg("weight"), py::arg("ln_bias"), py::arg("p"), py::arg("eps"), py::arg("seed"), py::arg("offset"),
+        "seed None: draw from the CUDA generator (CUDA tensors only, CUDA-graph safe)");
   m.def("bias_dropout_add_layer_norm_bwd", &bdaln_bwd, py::arg("grad_out"), py::arg("h"), py::arg("mean"),
-        py::arg("rstd"), py::arg("weight"), py::arg("has_bias"), py::arg("p"),
-        py::arg("seed"), py::arg("offset"));
+        py::arg("rstd"), py::arg("weight"), py::arg("has_bias"), py::arg("p"), py::arg("rng_state"));
   m.def("attention_fwd", &attention_fwd, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("key_padding_mask"),
         py::arg("scale"), py::arg("p"), py::arg("seed"), py::arg("offset"));
   m.def("attention_bwd", &attention_bwd, py::arg("grad_out"), py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("out"), py::arg("stats"), py::arg("key_padding_mask"), py::arg("scale"), py::arg("p"),
-        py::arg("seed"), py::arg("offset"));
+        py::arg("rng_state"));
   m.def("varlen_attention_fwd", &varlen_attention_fwd, py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("cu_seqlens"), py::arg("max_seqlen"), py::arg("scale"), py::arg("p"), py::arg("seed"),
         py::arg("offset"));
   m.def("varlen_attention_bwd", &varlen_attention_bwd, py::arg("grad_out"), py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("out"), py::arg("stats"), py::arg("cu_seqlens"), py::arg("max_seqlen"),
-        py::arg("scale"), py::arg("p"), py::arg("seed"), py::arg("offset"));
+        py::arg("scale"), py::arg("p"), py::arg("rng_state"));
   m.def("hidden_keep_mask", &hidden_keep_mask, py::arg("rows"), py::arg("hidden"), py::arg("p"), py::arg("seed"),
         py::arg("offset"), "Keep mask [rows, hidden] of the fused layer-norm dropout (CPU)");
   m.def("attention_keep_mask", &attention_keep_mask, py::arg("batch_heads"), py::arg("rows"), py::arg("cols"),

@@ -109,7 +109,7 @@ void attn_fwd_impl(const AttnParams& p) {
         for (int64_t j = 0; j < sv.len; ++j) {
           A pj = s[j] * inv_l;
           if (p.dropout)
-            pj = attn_keep(p.seed, p.offset, static_cast<uint32_t>(bh), static_cast<uint32_t>(i),
+            pj = attn_keep(p.rng.seed, p.rng.offset, static_cast<uint32_t>(bh), static_cast<uint32_t>(i),
                            static_cast<uint32_t>(j), threshold) ? pj * inv_keep : A(0);
           const A* vj = V.data() + j * D;
 #pragma omp simd
@@ -164,7 +164,7 @@ void attn_bwd_impl(const AttnParams& p) {
         for (int64_t j = 0; j < sv.len; ++j) {
           const A pj = std::exp(s[j] - m) * inv_l;
           const bool keep = !p.dropout ||
-              attn_keep(p.seed, p.offset, static_cast<uint32_t>(bh), static_cast<uint32_t>(i),
+              attn_keep(p.rng.seed, p.rng.offset, static_cast<uint32_t>(bh), static_cast<uint32_t>(i),
                         static_cast<uint32_t>(j), threshold);
           const A zs = p.dropout ? (keep ? inv_keep : A(0)) : A(1);
           const A* vj = V.data() + j * D;

@@ -45,7 +45,7 @@ void ln_fwd_impl(const LnFwdParams& p) {
       if (bias)
         for (int64_t c = 0; c < H; ++c) v[c] += bias[c];
       if (p.dropout) {
-        hidden_keep_row(p.seed, p.offset, threshold, r, H, keep.data());
+        hidden_keep_row(p.rng.seed, p.rng.offset, threshold, r, H, keep.data());
         for (int64_t c = 0; c < H; ++c) v[c] = keep[c] ? v[c] * inv_keep : A(0);
       }
       if (p.residual) {
@@ -112,7 +112,7 @@ void ln_bwd_impl(const LnBwdParams& p) {
       for (int64_t c = 0; c < H; ++c) g[c] = rstd * (g[c] - s1 - xhat[c] * s2);  // g := dh
       for (int64_t c = 0; c < H; ++c) dh[c] = static_cast<T>(g[c]);
       if (p.dropout) {
-        hidden_keep_row(p.seed, p.offset, threshold, r, H, keep.data());
+        hidden_keep_row(p.rng.seed, p.rng.offset, threshold, r, H, keep.data());
         T* dx = static_cast<T*>(p.dx) + r * H;
         for (int64_t c = 0; c < H; ++c) g[c] = keep[c] ? g[c] * inv_keep : A(0);
         for (int64_t c = 0; c < H; ++c) dx[c] = static_cast<T>(g[c]);

@@ -6,7 +6,9 @@
 // distribution in the backward). Backward recomputes probabilities from Q, K and those stats:
 // a dK/dV kernel (one block per key tile, looping over query tiles) and a dQ kernel (one block
 // per query tile, looping over key tiles), no atomics. Dropout decisions come from Philox
-// counters (bh, row, col) regenerated in every kernel; they equal the CPU kernel's.
+// counters (bh, row, col) regenerated in every kernel; they equal the CPU kernel's. The forward
+// records its (seed, offset) (possibly drawn from the CUDA generator on the device, see
+// DropoutRng in ops.h) and the backward kernels read that record.
 //
 // These are fp32-accumulating SIMT kernels for head_dim 32/64/128, any sequence length, padded
 // [B, H, S, D] views with any strides (unit head_dim stride) or varlen packed tokens.
@@ -80,6 +82,7 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(AttnParams p, uint32
   float* Vs = Ks + BK * (D + 1);
   float* Ps = Vs + BK * D;
   float* Kind = Ps + kWarps * BK;
+  const DropoutKey key = p.dropout ? forward_dropout_key(p.rng) : DropoutKey{0, 0};
   const int b = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * BQ;
   const SeqInfo s = seq_info(p, b, h);
   if (q0 >= s.len) return;
@@ -126,7 +129,7 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(AttnParams p, uint32
         psum += e;
         float pd = e;
         if (p.dropout && e != 0.f)
-          pd = attn_keep(p.seed, p.offset, bh, static_cast<uint32_t>(i), static_cast<uint32_t>(k0 + j), threshold)
+          pd = attn_keep(key.seed, key.offset, bh, static_cast<uint32_t>(i), static_cast<uint32_t>(k0 + j), threshold)
                    ? e * inv_keep : 0.f;
         Ps[warp * BK + j] = pd;
       }
@@ -196,6 +199,7 @@ __global__ void __launch_bounds__(kThreads) attn_dq_kernel(AttnParams p, uint32_
   const int b = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * BQ;
   const SeqInfo s = seq_info(p, b, h);
   if (q0 >= s.len) return;
+  const DropoutKey key = p.dropout ? dropout_key(p.rng) : DropoutKey{0, 0};
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const uint32_t bh = static_cast<uint32_t>(b * p.heads + h);
   const int64_t nstat = p.cu_seqlens ? static_cast<int64_t>(p.heads) * p.total_tokens
@@ -236,7 +240,7 @@ __global__ void __launch_bounds__(kThreads) attn_dq_kernel(AttnParams p, uint32_
           const float pr = expf(sc - rm[rr]) * ril[rr];
           float dp = dot_smem<D>(dOs + r * D, Vs + j * (D + 1));
           if (p.dropout)
-            dp = attn_keep(p.seed, p.offset, bh, static_cast<uint32_t>(i), static_cast<uint32_t>(k0 + j), threshold)
+            dp = attn_keep(key.seed, key.offset, bh, static_cast<uint32_t>(i), static_cast<uint32_t>(k0 + j), threshold)
                      ? dp * inv_keep : 0.f;
           ds = pr * (dp - rd[rr]);
         }
@@ -284,6 +288,7 @@ __global__ void __launch_bounds__(kThreads) attn_dkdv_kernel(AttnParams p, uint3
   const int b = blockIdx.z, h = blockIdx.y, k0 = blockIdx.x * BK;
   const SeqInfo s = seq_info(p, b, h);
   if (k0 >= s.len) return;
+  const DropoutKey key = p.dropout ? dropout_key(p.rng) : DropoutKey{0, 0};
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const uint32_t bh = static_cast<uint32_t>(b * p.heads + h);
   const int64_t nstat = p.cu_seqlens ? static_cast<int64_t>(p.heads) * p.total_tokens
@@ -326,7 +331,7 @@ __global__ void __launch_bounds__(kThreads) attn_dkdv_kernel(AttnParams p, uint3
         float dp = dot_smem<D>(dOs + lane * QP, Vs + jl * D);
         float z = 1.f;
         if (p.dropout)
-          z = attn_keep(p.seed, p.offset, bh, static_cast<uint32_t>(i), static_cast<uint32_t>(k0 + jl), threshold)
+          z = attn_keep(key.seed, key.offset, bh, static_cast<uint32_t>(i), static_cast<uint32_t>(k0 + jl), threshold)
                   ? inv_keep : 0.f;
         pd = pr * z;
         ds = pr * (dp * z - Di[lane]);

@@ -1,14 +1,18 @@
 // Device helpers shared by the CUDA kernels: dtype conversion, warp/block reductions,
-// launch checks, and dtype dispatch. No torch headers (see ops.h).
+// launch checks, dtype dispatch and the dropout key. No torch headers (see ops.h) beyond
+// ATen's two small raw Philox-state headers.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <ATen/cuda/PhiloxUtils.cuh>
+
 #include <stdexcept>
 #include <string>
 
 #include "ops.h"
+#include "philox.h"
 
 namespace bertdist {
 
@@ -62,6 +66,33 @@ __device__ __forceinline__ float2 block_sum2(float a, float b, float* smem) {
   }
   __syncthreads();
   return make_float2(smem[32], smem[65]);
+}
+
+// The (seed, offset) of this launch's dropout, chosen as DropoutRng (ops.h) says. Every
+// thread calls it: the generator's captured state and a saved pair are single broadcast loads.
+struct DropoutKey {
+  uint64_t seed;
+  uint32_t offset;
+};
+
+__device__ __forceinline__ DropoutKey dropout_key(const DropoutRng& r) {
+  if (r.saved) return {static_cast<uint64_t>(r.saved[0]), static_cast<uint32_t>(r.saved[1])};
+  DropoutKey k{r.seed, r.offset};
+  if (r.from_generator) {
+    const auto gen = at::cuda::philox::unpack(r.generator);
+    dropout_key_from_generator(std::get<0>(gen), std::get<1>(gen), &k.seed, &k.offset);
+  }
+  return k;
+}
+
+// A forward's dropout key, recorded by one thread for the backward; called before any early exit.
+__device__ __forceinline__ DropoutKey forward_dropout_key(const DropoutRng& r) {
+  const DropoutKey k = dropout_key(r);
+  if (r.save_to && threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) {
+    r.save_to[0] = static_cast<int64_t>(k.seed);
+    r.save_to[1] = static_cast<int64_t>(k.offset);
+  }
+  return k;
 }
 
 inline void check_launch(const char* what) {

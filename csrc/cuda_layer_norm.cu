@@ -6,7 +6,8 @@
 // grid-stride set of rows per block, so each thread also accumulates its columns' gamma,
 // beta and dense-bias gradients in registers; a second kernel sums the per-block partials
 // (deterministic, no atomics). Dropout masks come from Philox counters (philox.h), so the
-// backward regenerates the forward's mask and matches the CPU kernel bit for bit.
+// backward regenerates the forward's mask (from the (seed, offset) the forward recorded) and
+// matches the CPU kernel bit for bit.
 #include <algorithm>
 
 #include "cuda_common.cuh"
@@ -39,6 +40,7 @@ struct DropDraws {
 template <typename T, int VEC, int NV>
 __global__ void ln_fwd_kernel(LnFwdParams p, uint32_t threshold, float inv_keep) {
   __shared__ float red[66];
+  const DropoutKey key = p.dropout ? forward_dropout_key(p.rng) : DropoutKey{0, 0};
   const int64_t row = blockIdx.x;
   const int nvec = static_cast<int>(p.hidden / VEC);
   const int64_t base = row * p.hidden;
@@ -57,7 +59,7 @@ __global__ void ln_fwd_kernel(LnFwdParams p, uint32_t threshold, float inv_keep)
     for (int k = 0; k < VEC; ++k) v[n][k] = to_f(xv.v[k]) + (bias ? bias[vi * VEC + k] : 0.f);
     if (p.dropout) {
       bool keep[VEC];
-      DropDraws<VEC>::fill(p.seed, p.offset, threshold, static_cast<uint64_t>(off), keep);
+      DropDraws<VEC>::fill(key.seed, key.offset, threshold, static_cast<uint64_t>(off), keep);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) v[n][k] = keep[k] ? v[n][k] * inv_keep : 0.f;
     }
@@ -115,6 +117,7 @@ __global__ void ln_fwd_kernel(LnFwdParams p, uint32_t threshold, float inv_keep)
 template <typename T, int VEC, int NV>
 __global__ void ln_bwd_kernel(LnBwdParams p, float* ws, int parts, uint32_t threshold, float inv_keep) {
   __shared__ float red[66];
+  const DropoutKey key = p.dropout ? dropout_key(p.rng) : DropoutKey{0, 0};
   const int nvec = static_cast<int>(p.hidden / VEC);
   const float* gamma = static_cast<const float*>(p.gamma);
   const float inv_h = 1.f / static_cast<float>(p.hidden);
@@ -164,7 +167,7 @@ __global__ void ln_bwd_kernel(LnBwdParams p, float* ws, int parts, uint32_t thre
       *reinterpret_cast<Vec<T, VEC>*>(static_cast<T*>(p.dh) + off) = dhv;
       if (p.dropout) {
         bool keep[VEC];
-        DropDraws<VEC>::fill(p.seed, p.offset, threshold, static_cast<uint64_t>(off), keep);
+        DropDraws<VEC>::fill(key.seed, key.offset, threshold, static_cast<uint64_t>(off), keep);
         Vec<T, VEC> dxv;
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {

@@ -4,6 +4,11 @@
 #pragma once
 #include <cstdint>
 
+#ifdef BERTDIST_WITH_CUDA
+// A plain struct (no other torch headers): the CUDA generator's graph-safe Philox state.
+#include <ATen/cuda/PhiloxCudaState.h>
+#endif
+
 namespace bertdist {
 
 enum class DType : int { F32 = 0, F16 = 1, BF16 = 2, F64 = 3 };
@@ -11,6 +16,23 @@ enum class DType : int { F32 = 0, F16 = 1, BF16 = 2, F64 = 3 };
 // "acc" below is the accumulation type: double for F64 tensors, float for every other dtype.
 // Weights, statistics and column sums are passed in it (the host casts the small weight
 // vectors), so statistics stay fp32 for fp16/bf16 and gradcheck in float64 is exact.
+
+// Dropout's Philox key and counter word (philox.h), and where a kernel takes them from.
+// CPU kernels use seed/offset. A CUDA kernel uses, first match: `saved` (a device int64 [2]
+// (seed, offset) that a forward recorded: the backward's source, so it regenerates the same
+// mask), the CUDA generator's state when `from_generator` (unpacked on the device, so a
+// captured CUDA graph draws a fresh pair at every replay), else seed/offset. A CUDA forward
+// records the pair it used at `save_to`.
+struct DropoutRng {
+  uint64_t seed = 0;
+  uint32_t offset = 0;
+  const int64_t* saved = nullptr;
+  int64_t* save_to = nullptr;
+#ifdef BERTDIST_WITH_CUDA
+  bool from_generator = false;
+  at::PhiloxCudaState generator;
+#endif
+};
 
 // LN(residual + dropout(x + bias)); bias, residual and h may be null (plain LayerNorm).
 // x, residual, y and h share x's dtype; bias, gamma, beta, mean, rstd are acc.
@@ -27,10 +49,9 @@ struct LnFwdParams {
   int64_t rows = 0;
   int64_t hidden = 0;
   float eps = 1e-12f;
-  bool dropout = false;    // false: p is ignored
+  bool dropout = false;    // false: p and rng are ignored
   float p = 0.f;
-  uint64_t seed = 0;
-  uint32_t offset = 0;
+  DropoutRng rng;
 };
 
 // Backward of the above. h is the saved pre-norm input (x itself for plain LN).
@@ -51,8 +72,7 @@ struct LnBwdParams {
   int64_t hidden = 0;
   bool dropout = false;
   float p = 0.f;
-  uint64_t seed = 0;
-  uint32_t offset = 0;
+  DropoutRng rng;
 };
 
 // A [batch, heads, seq, head_dim] view with unit stride on head_dim. For the varlen layout
@@ -78,8 +98,7 @@ struct AttnParams {
   float scale = 1.f;
   bool dropout = false;
   float p = 0.f;
-  uint64_t seed = 0;
-  uint32_t offset = 0;
+  DropoutRng rng;
 };
 
 // CPU kernels (always built).

@@ -71,4 +71,15 @@ BD_HD Philox4 hidden_draws(uint64_t seed, uint32_t offset, uint64_t group) {
                        0x5EED0D0Du, offset);
 }
 
+// The CUDA generator hands each call a 64-bit (seed, offset), the offset advancing by a
+// multiple of 4 per call; the streams above take a 64-bit key and a 32-bit counter word. The
+// low 32 offset bits become the word and the higher bits are mixed into the key (an odd
+// multiplier makes this one-to-one for a given seed), so distinct generator states never share
+// a stream. The (seed, offset) it yields is what the ops record: the CPU helpers reproduce a
+// CUDA mask from it.
+BD_HD void dropout_key_from_generator(uint64_t gen_seed, uint64_t gen_offset, uint64_t* seed, uint32_t* offset) {
+  *offset = static_cast<uint32_t>(gen_offset);
+  *seed = gen_seed ^ ((gen_offset >> 32) * 0x9E3779B97F4A7C15ull);
+}
+
 }  // namespace bertdist

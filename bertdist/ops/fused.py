@@ -5,10 +5,14 @@ implementation and a registered autograd formula, so autograd and ``torch.compil
 opaque, traceable op; the backward is itself a custom op. The public functions below have
 the same signatures as their twins in ``reference.py`` (the fallback and test oracle).
 
-Dropout is counter-based: every call draws a 63-bit Philox seed from torch's default CPU
-generator (so ``torch.manual_seed`` reproduces it), or takes an explicit ``seed``/``offset``;
-the backward regenerates the mask from them instead of storing it. CPU and CUDA kernels drop
-the same elements for the same seed and offset.
+Dropout is counter-based (Philox): the mask is a function of (seed, offset, element index),
+and CPU and CUDA kernels drop the same elements for the same seed and offset. An explicit
+``seed``/``offset`` is used as given. Without one, a CPU call draws a 62-bit seed from torch's
+default CPU generator, and a CUDA call leaves it to the kernel, which takes the default CUDA
+generator's Philox state the way torch's own dropout does: valid under CUDA-graph capture
+(each replay draws a fresh pair on the device), reproduced by ``torch.manual_seed``. Each
+dropout forward returns the pair it used as an int64 ``rng_state`` [2] tensor (empty when
+p == 0); autograd saves it and the backward regenerates the mask from it instead of storing it.
 
 ``availability(op, device_type)`` says whether an op can run fused on a device type, and why
 not; ``bertdist.ops.dispatch`` uses it to pick kernels.
@@ -59,6 +63,26 @@ def availability(op: str, device_type: str) -> tuple[bool, str]:
 @torch.compiler.disable
 def _draw_seed() -> int:
     return int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
+
+
+def _op_seed(t: Tensor, p: float, seed: int | None) -> int | None:
+    """The seed an op call passes: the caller's; else one drawn here for non-CUDA tensors; else
+    None, so that the CUDA kernel draws from the CUDA generator (graph-safe)."""
+    if seed is not None:
+        return int(seed)
+    if p == 0 or t.device.type == "cuda":
+        return None
+    return _draw_seed()
+
+
+def _rng_state_like(t: Tensor, p: float) -> Tensor:
+    # The forward's (seed, offset) record: int64 [2] with dropout, empty without.
+    return t.new_empty(2 if p > 0 else 0, dtype=torch.int64)
+
+
+# Ops whose dropout may draw from the CUDA generator: the compiler must neither merge nor
+# recompute them (a recomputation would draw another mask).
+_SEEDED = (torch.Tag.nondeterministic_seeded,)
 
 
 def _acc_dtype(t: Tensor) -> torch.dtype:
@@ -117,7 +141,7 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
 # ---------------------------------------------------------------- bias + dropout + residual + layer norm
 
 
-@torch.library.custom_op("bertdist::bias_dropout_add_layer_norm_fwd", mutates_args=())
+@torch.library.custom_op("bertdist::bias_dropout_add_layer_norm_fwd", mutates_args=(), tags=_SEEDED)
 def _bdaln_fwd(
     x: Tensor,
     bias: Optional[Tensor],
@@ -126,18 +150,21 @@ def _bdaln_fwd(
     ln_bias: Tensor,
     p: float,
     eps: float,
-    seed: int,
+    seed: Optional[int],
     offset: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    y, h, mean, rstd = _C().bias_dropout_add_layer_norm_fwd(x, bias, residual, weight, ln_bias, p, eps, seed, offset)
-    return y, h, mean, rstd
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    y, h, mean, rstd, rng_state = _C().bias_dropout_add_layer_norm_fwd(
+        x, bias, residual, weight, ln_bias, p, eps, seed, offset
+    )
+    return y, h, mean, rstd, rng_state
 
 
 @_bdaln_fwd.register_fake
 def _(x, bias, residual, weight, ln_bias, p, eps, seed, offset):
     rows = x.numel() // x.shape[-1]
     acc = _acc_dtype(x)
-    return torch.empty_like(x), torch.empty_like(x), x.new_empty(rows, dtype=acc), x.new_empty(rows, dtype=acc)
+    return (torch.empty_like(x), torch.empty_like(x), x.new_empty(rows, dtype=acc), x.new_empty(rows, dtype=acc),
+            _rng_state_like(x, p))
 
 
 @torch.library.custom_op("bertdist::bias_dropout_add_layer_norm_bwd", mutates_args=())
@@ -149,15 +176,14 @@ def _bdaln_bwd(
     weight: Tensor,
     has_bias: bool,
     p: float,
-    seed: int,
-    offset: int,
+    rng_state: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    dh, dx, dw, dlnb, dbias = _C().bias_dropout_add_layer_norm_bwd(grad_out, h, mean, rstd, weight, has_bias, p, seed, offset)
+    dh, dx, dw, dlnb, dbias = _C().bias_dropout_add_layer_norm_bwd(grad_out, h, mean, rstd, weight, has_bias, p, rng_state)
     return dh, dx, dw, dlnb, dbias
 
 
 @_bdaln_bwd.register_fake
-def _(grad_out, h, mean, rstd, weight, has_bias, p, seed, offset):
+def _(grad_out, h, mean, rstd, weight, has_bias, p, rng_state):
     acc = _acc_dtype(h)
     dx = torch.empty_like(h) if p > 0 else h.new_empty(0)
     dbias = h.new_empty(h.shape[-1], dtype=acc) if has_bias else h.new_empty(0, dtype=acc)
@@ -165,18 +191,18 @@ def _(grad_out, h, mean, rstd, weight, has_bias, p, seed, offset):
 
 
 def _bdaln_setup(ctx, inputs, output):
-    x, bias, _residual, weight, _ln_bias, p, _eps, seed, offset = inputs
-    _y, h, mean, rstd = output
-    ctx.save_for_backward(h, weight, mean, rstd)
+    x, bias, _residual, weight, _ln_bias, p, _eps, _seed, _offset = inputs
+    _y, h, mean, rstd, rng_state = output
+    ctx.save_for_backward(h, weight, mean, rstd, rng_state)
     ctx.bias_dtype = None if bias is None else bias.dtype
-    ctx.p, ctx.seed, ctx.offset = p, seed, offset
+    ctx.p = p
 
 
-def _bdaln_backward(ctx, grad_y, _grad_h, _grad_mean, _grad_rstd):
-    h, weight, mean, rstd = ctx.saved_tensors
+def _bdaln_backward(ctx, grad_y, _grad_h, _grad_mean, _grad_rstd, _grad_rng_state):
+    h, weight, mean, rstd, rng_state = ctx.saved_tensors
     has_bias = ctx.bias_dtype is not None
     dh, dx, dw, dlnb, dbias = torch.ops.bertdist.bias_dropout_add_layer_norm_bwd(
-        grad_y.contiguous(), h, mean, rstd, weight, has_bias, ctx.p, ctx.seed, ctx.offset
+        grad_y.contiguous(), h, mean, rstd, weight, has_bias, ctx.p, rng_state
     )
     if ctx.p == 0:
         dx = dh  # no dropout: x and the residual get the same gradient
@@ -199,12 +225,11 @@ def bias_dropout_add_layer_norm(
     seed: int | None = None,
     offset: int = 0,
 ) -> Tensor:
-    """``LN(residual + dropout(x + bias))`` in one kernel; statistics in fp32."""
+    """``LN(residual + dropout(x + bias))`` in one kernel; statistics in fp32. ``seed=None``
+    draws the dropout seed (see the module docstring)."""
     p = float(p) if training else 0.0
-    if p > 0 and seed is None:
-        seed = _draw_seed()
-    y, _, _, _ = torch.ops.bertdist.bias_dropout_add_layer_norm_fwd(
-        x.contiguous(), bias, residual.contiguous(), weight, ln_bias, p, float(eps), int(seed or 0), int(offset)
+    y, _, _, _, _ = torch.ops.bertdist.bias_dropout_add_layer_norm_fwd(
+        x.contiguous(), bias, residual.contiguous(), weight, ln_bias, p, float(eps), _op_seed(x, p, seed), int(offset)
     )
     return y
 
@@ -218,18 +243,25 @@ def _bhsd_like(q: Tensor) -> Tensor:
     return q.new_empty(b, s, h, d).permute(0, 2, 1, 3)
 
 
-@torch.library.custom_op("bertdist::attention_fwd", mutates_args=())
+@torch.library.custom_op("bertdist::attention_fwd", mutates_args=(), tags=_SEEDED)
 def _attention_fwd(
-    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], scale: float, p: float, seed: int, offset: int
-) -> tuple[Tensor, Tensor]:
-    out, stats = _C().attention_fwd(q, k, v, key_padding_mask, scale, p, seed, offset)
-    return out, stats
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    key_padding_mask: Optional[Tensor],
+    scale: float,
+    p: float,
+    seed: Optional[int],
+    offset: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    out, stats, rng_state = _C().attention_fwd(q, k, v, key_padding_mask, scale, p, seed, offset)
+    return out, stats, rng_state
 
 
 @_attention_fwd.register_fake
 def _(q, k, v, key_padding_mask, scale, p, seed, offset):
     b, h, s, _ = q.shape
-    return _bhsd_like(q), q.new_empty(2, b * h * s, dtype=_acc_dtype(q))
+    return _bhsd_like(q), q.new_empty(2, b * h * s, dtype=_acc_dtype(q)), _rng_state_like(q, p)
 
 
 @torch.library.custom_op("bertdist::attention_bwd", mutates_args=())
@@ -243,31 +275,30 @@ def _attention_bwd(
     key_padding_mask: Optional[Tensor],
     scale: float,
     p: float,
-    seed: int,
-    offset: int,
+    rng_state: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    dq, dk, dv = _C().attention_bwd(grad_out, q, k, v, out, stats, key_padding_mask, scale, p, seed, offset)
+    dq, dk, dv = _C().attention_bwd(grad_out, q, k, v, out, stats, key_padding_mask, scale, p, rng_state)
     return dq, dk, dv
 
 
 @_attention_bwd.register_fake
-def _(grad_out, q, k, v, out, stats, key_padding_mask, scale, p, seed, offset):
+def _(grad_out, q, k, v, out, stats, key_padding_mask, scale, p, rng_state):
     return _bhsd_like(q), _bhsd_like(q), _bhsd_like(q)
 
 
 def _attention_setup(ctx, inputs, output):
-    q, k, v, mask, scale, p, seed, offset = inputs
-    out, stats = output
-    ctx.save_for_backward(q, k, v, out, stats, mask)
-    ctx.scale, ctx.p, ctx.seed, ctx.offset = scale, p, seed, offset
+    q, k, v, mask, scale, p, _seed, _offset = inputs
+    out, stats, rng_state = output
+    ctx.save_for_backward(q, k, v, out, stats, mask, rng_state)
+    ctx.scale, ctx.p = scale, p
 
 
-def _attention_backward(ctx, grad_out, _grad_stats):
-    q, k, v, out, stats, mask = ctx.saved_tensors
+def _attention_backward(ctx, grad_out, _grad_stats, _grad_rng_state):
+    q, k, v, out, stats, mask, rng_state = ctx.saved_tensors
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
     dq, dk, dv = torch.ops.bertdist.attention_bwd(
-        grad_out, q, k, v, out, stats, mask, ctx.scale, ctx.p, ctx.seed, ctx.offset
+        grad_out, q, k, v, out, stats, mask, ctx.scale, ctx.p, rng_state
     )
     return dq, dk, dv, None, None, None, None, None
 
@@ -297,27 +328,34 @@ def attention(
     result is a ``[B, H, S, D]`` view of ``[B, S, H, D]`` memory."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     p = float(dropout_p) if training else 0.0
-    if p > 0 and seed is None:
-        seed = _draw_seed()
-    out, _ = torch.ops.bertdist.attention_fwd(
+    out, _, _ = torch.ops.bertdist.attention_fwd(
         _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v), key_padding_mask, scale, p,
-        int(seed or 0), int(offset),
+        _op_seed(q, p, seed), int(offset),
     )
     return out
 
 
-@torch.library.custom_op("bertdist::varlen_attention_fwd", mutates_args=())
+@torch.library.custom_op("bertdist::varlen_attention_fwd", mutates_args=(), tags=_SEEDED)
 def _varlen_fwd(
-    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float, p: float, seed: int, offset: int
-) -> tuple[Tensor, Tensor]:
-    out, stats = _C().varlen_attention_fwd(q, k, v, cu_seqlens, max_seqlen, scale, p, seed, offset)
-    return out, stats
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    scale: float,
+    p: float,
+    seed: Optional[int],
+    offset: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    out, stats, rng_state = _C().varlen_attention_fwd(q, k, v, cu_seqlens, max_seqlen, scale, p, seed, offset)
+    return out, stats, rng_state
 
 
 @_varlen_fwd.register_fake
 def _(q, k, v, cu_seqlens, max_seqlen, scale, p, seed, offset):
     t, h, _ = q.shape
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(2, t * h, dtype=_acc_dtype(q))
+    return (torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(2, t * h, dtype=_acc_dtype(q)),
+            _rng_state_like(q, p))
 
 
 @torch.library.custom_op("bertdist::varlen_attention_bwd", mutates_args=())
@@ -332,31 +370,30 @@ def _varlen_bwd(
     max_seqlen: int,
     scale: float,
     p: float,
-    seed: int,
-    offset: int,
+    rng_state: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    dq, dk, dv = _C().varlen_attention_bwd(grad_out, q, k, v, out, stats, cu_seqlens, max_seqlen, scale, p, seed, offset)
+    dq, dk, dv = _C().varlen_attention_bwd(grad_out, q, k, v, out, stats, cu_seqlens, max_seqlen, scale, p, rng_state)
     return dq, dk, dv
 
 
 @_varlen_bwd.register_fake
-def _(grad_out, q, k, v, out, stats, cu_seqlens, max_seqlen, scale, p, seed, offset):
+def _(grad_out, q, k, v, out, stats, cu_seqlens, max_seqlen, scale, p, rng_state):
     return tuple(torch.empty_like(q, memory_format=torch.contiguous_format) for _ in range(3))
 
 
 def _varlen_setup(ctx, inputs, output):
-    q, k, v, cu, max_seqlen, scale, p, seed, offset = inputs
-    out, stats = output
-    ctx.save_for_backward(q, k, v, out, stats, cu)
-    ctx.max_seqlen, ctx.scale, ctx.p, ctx.seed, ctx.offset = max_seqlen, scale, p, seed, offset
+    q, k, v, cu, max_seqlen, scale, p, _seed, _offset = inputs
+    out, stats, rng_state = output
+    ctx.save_for_backward(q, k, v, out, stats, cu, rng_state)
+    ctx.max_seqlen, ctx.scale, ctx.p = max_seqlen, scale, p
 
 
-def _varlen_backward(ctx, grad_out, _grad_stats):
-    q, k, v, out, stats, cu = ctx.saved_tensors
+def _varlen_backward(ctx, grad_out, _grad_stats, _grad_rng_state):
+    q, k, v, out, stats, cu, rng_state = ctx.saved_tensors
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
     dq, dk, dv = torch.ops.bertdist.varlen_attention_bwd(
-        grad_out, q, k, v, out, stats, cu, ctx.max_seqlen, ctx.scale, ctx.p, ctx.seed, ctx.offset
+        grad_out, q, k, v, out, stats, cu, ctx.max_seqlen, ctx.scale, ctx.p, rng_state
     )
     return dq, dk, dv, None, None, None, None, None, None
 
@@ -381,10 +418,8 @@ def varlen_attention(
     tokens ``cu_seqlens[b]:cu_seqlens[b+1]`` (int32) and attends only to itself."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     p = float(dropout_p) if training else 0.0
-    if p > 0 and seed is None:
-        seed = _draw_seed()
-    out, _ = torch.ops.bertdist.varlen_attention_fwd(
+    out, _, _ = torch.ops.bertdist.varlen_attention_fwd(
         _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v), cu_seqlens, int(max_seqlen), scale, p,
-        int(seed or 0), int(offset),
+        _op_seed(q, p, seed), int(offset),
     )
     return out

@@ -213,6 +213,11 @@ def test_custom_ops_pass_opcheck():
     mask = padding_mask([3], 5)
     torch.library.opcheck(torch.ops.bertdist.attention_fwd, (q, k, v, mask, 0.2, 0.0, 0, 0))
     torch.library.opcheck(torch.ops.bertdist.attention_fwd, (q, k, v, None, 0.2, 0.5, 3, 1))
+    _, _, rng = torch.ops.bertdist.attention_fwd(q, k, v, None, 0.2, 0.5, 3, 1)
+    assert rng.tolist() == [3, 1]  # the (seed, offset) record the backward regenerates the mask from
+    assert torch.ops.bertdist.attention_fwd(q, k, v, None, 0.2, 0.0, None, 0)[2].shape == (0,)
+    with pytest.raises(RuntimeError, match=r"dropout on cpu needs an explicit seed"):
+        torch.ops.bertdist.attention_fwd(q, k, v, None, 0.2, 0.5, None, 0)
     cu = torch.tensor([0, 2, 5], dtype=torch.int32)
     t = [torch.randn(5, 2, 32, requires_grad=True) for _ in range(3)]
     torch.library.opcheck(torch.ops.bertdist.varlen_attention_fwd, (*t, cu, 3, 0.2, 0.0, 0, 0))

@@ -79,7 +79,7 @@ def test_dropout_keep_rate_and_reproducibility():
     x = torch.ones(rows, hidden)
     zero = torch.zeros(rows, hidden)
     w, b = torch.ones(hidden), torch.zeros(hidden)
-    _, h, _, _ = torch.ops.bertdist.bias_dropout_add_layer_norm_fwd(x, None, zero, w, b, p, EPS, 1234, 0)
+    _, h, _, _, _ = torch.ops.bertdist.bias_dropout_add_layer_norm_fwd(x, None, zero, w, b, p, EPS, 1234, 0)
     kept = (h > 0).float()
     assert torch.allclose(h[h > 0], torch.full_like(h[h > 0], 1 / (1 - p)))
     rate, n = kept.mean().item(), kept.numel()
@@ -93,6 +93,33 @@ def test_dropout_keep_rate_and_reproducibility():
     c = fused.bias_dropout_add_layer_norm(*inputs, **kw)
     d = fused.bias_dropout_add_layer_norm(*inputs, **kw)
     assert torch.equal(a, c) and not torch.equal(a, d)
+
+
+def test_dropout_record_drives_the_backward():
+    # The forward returns the (seed, offset) it used; the backward regenerates the mask from
+    # that record alone (on CUDA it may hold a pair drawn on the device under graph capture).
+    C = ext()
+    rows, hidden, p = 16, 128, 0.3
+    x, bias, res, w, b = _inputs(rows, hidden, seed=12)
+    fwd, bwd = torch.ops.bertdist.bias_dropout_add_layer_norm_fwd, torch.ops.bertdist.bias_dropout_add_layer_norm_bwd
+    _, h, mean, rstd, rng = fwd(x, bias, res, w, b, p, EPS, 41, 5)
+    assert rng.dtype == torch.int64 and rng.tolist() == [41, 5]
+    gy = torch.randn(rows, hidden)
+    dh, dx, *_ = bwd(gy, h, mean, rstd, w, True, p, rng)
+    keep = C.hidden_keep_mask(rows, hidden, p, 41, 5)
+    assert torch.equal(dx != 0, keep & (dh != 0))
+    assert torch.allclose(dx[keep], dh[keep] / (1 - p), rtol=1e-6, atol=0)
+    _, dx_other, *_ = bwd(gy, h, mean, rstd, w, True, p, torch.tensor([41, 6]))
+    assert torch.equal(dx_other != 0, C.hidden_keep_mask(rows, hidden, p, 41, 6) & (dh != 0))
+    assert not torch.equal(dx, dx_other)
+    with pytest.raises(RuntimeError, match=r"rng_state must be the forward's contiguous \[2\] \(seed, offset\) "
+                                           r"record, got shape \[3\]"):
+        bwd(gy, h, mean, rstd, w, True, p, torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match=r"rng_state must have dtype Long, got Int"):
+        bwd(gy, h, mean, rstd, w, True, p, rng.int())
+    with pytest.raises(RuntimeError, match=r"dropout on cpu needs an explicit seed \(only CUDA tensors draw one"):
+        fwd(x, bias, res, w, b, p, EPS, None, 0)
+    assert fwd(x, bias, res, w, b, 0.0, EPS, None, 0)[4].shape == (0,)  # no dropout, no record
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -153,3 +180,4 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.bertdist.layer_norm_fwd, (x, w, b, 1e-5))
     torch.library.opcheck(torch.ops.bertdist.bias_dropout_add_layer_norm_fwd, (x, bias, res, w, b, 0.0, 1e-5, 0, 0))
     torch.library.opcheck(torch.ops.bertdist.bias_dropout_add_layer_norm_fwd, (x, None, res, w, b, 0.2, 1e-5, 5, 1))
+    torch.library.opcheck(torch.ops.bertdist.bias_dropout_add_layer_norm_fwd, (x, None, res, w, b, 0.0, 1e-5, None, 0))
