@@ -150,3 +150,84 @@ def test_model_fused_matches_reference_on_gpu():
     attn = padding_mask([128, 100, 64, 3], 128).long().to(DEV)
     out_r, out_f = ref(ids, attn), fus(ids, attn)
     assert_close_rel(out_f.prediction_logits, out_r.prediction_logits, 1e-4, "logits")
+
+
+def _capture(fn):
+    """fn() run twice on a side stream (autograd and allocator warm-up), then captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def test_dropout_in_cuda_graph_draws_fresh_masks_and_backward_matches_forward():
+    # seed=None: the kernels take the CUDA generator's Philox state, unpacked on the device, so
+    # each replay of one captured graph drops other elements; the backward reads the (seed,
+    # offset) its forward recorded, so within a replay both passes use the same mask.
+    p, rows, hidden, s = 0.5, 64, 256, 64
+    x = torch.ones(rows, hidden, device=DEV, requires_grad=True)
+    res = torch.zeros(rows, hidden, device=DEV, requires_grad=True)
+    w, b = torch.ones(hidden, device=DEV), torch.zeros(hidden, device=DEV)
+    gy = torch.randn(rows, hidden, device=DEV)
+    # Attention with q = k = 0 (uniform probabilities) and V = I: out row i is row i of the keep
+    # mask, scaled; with grad_out = I, dV is the transposed scaled mask.
+    q = torch.zeros(2, 2, s, 64, device=DEV, requires_grad=True)
+    v = torch.eye(s, device=DEV).expand(2, 2, s, s).contiguous().requires_grad_(True)
+    go = torch.eye(s, device=DEV).expand(2, 2, s, s).contiguous()
+
+    def step():
+        x.grad = res.grad = v.grad = None
+        y = fused.bias_dropout_add_layer_norm(x, None, res, w, b, p=p, training=True, eps=1e-5)
+        y.backward(gy)
+        out = fused.attention(q, q, v, None, dropout_p=p, training=True)
+        out.backward(go)
+        return y, out
+
+    graph, (y, out) = _capture(step)
+    masks = []
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        # LN: h = keep / (1 - p) with x = 1, residual = 0, so y > 0 exactly where kept; the
+        # backward's x gradient is nonzero exactly where its own mask keeps.
+        ln_fwd, ln_bwd = y > 0, x.grad != 0
+        assert torch.equal(ln_fwd, ln_bwd), "LN backward regenerated another mask than its forward"
+        at_fwd, at_bwd = out != 0, v.grad.transpose(-1, -2) != 0
+        assert torch.equal(at_fwd, at_bwd), "attention backward regenerated another mask than its forward"
+        for m in (ln_fwd, at_fwd):
+            rate = m.float().mean().item()
+            assert abs(rate - (1 - p)) < 0.05, f"keep rate {rate:.3f}"
+        masks.append((ln_fwd.clone(), at_fwd.clone()))
+    assert not torch.equal(masks[0][0], masks[1][0]), "two replays gave the same LN dropout mask"
+    assert not torch.equal(masks[0][1], masks[1][1]), "two replays gave the same attention dropout mask"
+
+
+def test_generator_dropout_is_seeded_and_recorded():
+    # Without a seed the CUDA generator decides: torch.manual_seed reproduces it, and the op's
+    # record reproduces the mask through the CPU keep-mask helper (same Philox function).
+    from bertdist.ops._extension import load
+
+    C, _ = load()
+    p, s = 0.2, 64
+    q = torch.zeros(2, 2, s, 64, device=DEV)
+    v = torch.eye(s, device=DEV).expand(2, 2, s, s).contiguous()
+    kw = dict(dropout_p=p, training=True)
+    torch.manual_seed(5)
+    a = fused.attention(q, q, v, None, **kw)
+    torch.manual_seed(5)
+    b = fused.attention(q, q, v, None, **kw)
+    assert torch.equal(a, b) and not torch.equal(a, fused.attention(q, q, v, None, **kw))
+    out, _, rng = torch.ops.bertdist.attention_fwd(q, q, v, None, 0.125, p, None, 0)
+    seed, offset = rng.tolist()
+    assert torch.equal((out != 0).cpu().reshape(4, s, s), C.attention_keep_mask(4, s, s, p, seed, offset))
+    x = torch.ones(8, 128, device=DEV)
+    zero, w, bias = torch.zeros(8, 128, device=DEV), torch.ones(128, device=DEV), torch.zeros(128, device=DEV)
+    _, h, _, _, rng = torch.ops.bertdist.bias_dropout_add_layer_norm_fwd(x, None, zero, w, bias, p, 1e-5, None, 0)
+    seed, offset = rng.tolist()
+    assert torch.equal((h != 0).cpu(), C.hidden_keep_mask(8, 128, p, seed, offset))
