@@ -14,6 +14,8 @@ import pyarrow as pa
 
 from bertdist.data.records import record_schema
 
+KEY_COLUMN = "_key"
+
 
 @dataclass
 class InstanceBatch:
@@ -89,17 +91,34 @@ class InstanceBatch:
     def num_masked(self) -> int:
         return int(self.m_offsets[-1])
 
-    def to_arrow(self, vocab_size: int) -> pa.Table:
+    def to_arrow(self, vocab_size: int, *, with_keys: bool = False) -> pa.Table:
+        """The record columns; ``with_keys`` adds the row keys (for spill files, not for shards)."""
         schema = record_schema(vocab_size)
         id_type = schema.field("input_ids").type.value_type
 
         def lst(values, offs, typ):
             return pa.ListArray.from_arrays(pa.array(offs.astype(np.int32)), pa.array(values, type=typ))
 
-        return pa.Table.from_arrays([
+        table = pa.Table.from_arrays([
             lst(self.ids, self.ids_offsets, id_type),
             pa.array(self.num_a, type=pa.uint16()),
             pa.array(self.nsp, type=pa.int8()),
             lst(self.mpos, self.m_offsets, pa.uint16()),
             lst(self.mids, self.m_offsets, id_type),
         ], schema=schema)
+        return table.append_column(KEY_COLUMN, pa.array(self.keys, type=pa.uint64())) if with_keys else table
+
+    @staticmethod
+    def from_arrow(table: pa.Table) -> "InstanceBatch":
+        """Inverse of ``to_arrow(..., with_keys=True)``."""
+        def lst(name):
+            col = table.column(name).combine_chunks()  # a ListArray, possibly sliced
+            offs = col.offsets.to_numpy().astype(np.int64)
+            values = col.values.to_numpy(zero_copy_only=False)[offs[0]:offs[-1]]
+            return values, offs - offs[0]
+
+        ids, io = lst("input_ids")
+        mp, mo = lst("masked_lm_positions")
+        mi, _ = lst("masked_lm_ids")
+        return InstanceBatch(table.column(KEY_COLUMN).to_numpy(), ids, io, table.column("num_a_tokens").to_numpy(),
+                             table.column("next_sentence_label").to_numpy(), mp, mi, mo)

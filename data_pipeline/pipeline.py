@@ -212,7 +212,8 @@ def _commit(cfg, out: Path, staging: Path, run_id: str, tokens, lowercase, count
         rows = [e["rows"] for e in entries]
         splits[split] = {"rows": sum(rows), "num_shards": n, "max_row_difference": max(rows) - min(rows),
                          "shards": entries}
-    shutil.rmtree(staging / "parts", ignore_errors=True)  # emptied by the writers; only the directory is left
+    for scratch in ("parts", "runs"):  # parts are emptied by the writers; runs are spilled rows, now in shards
+        shutil.rmtree(staging / scratch, ignore_errors=True)
     staging.rename(final_dir)
     nsp_total = totals["instances"] if cfg.objective != "none" else 0
     manifest = {

@@ -414,6 +414,69 @@ class _HashingWriter:
             self.raw.close()
 
 
+class _SpillRunsDoFn(beam.DoFn):
+    """Buffers instance batches up to ``spill_rows`` rows, then writes them as one Arrow IPC run
+    file, bucket by bucket (one record batch each), and emits only ``(bucket, where)``. The rows
+    themselves never go through the runner's shuffle, so neither the workers nor the runner
+    hold more than a buffer of them. File names are unique per attempt: a retried bundle's
+    files are simply never referenced."""
+
+    def __init__(self, runs_dir: str, split: str, vocab_size: int, bits: int, spill_rows: int):
+        self.runs_dir, self.split, self.vocab_size = runs_dir, split, vocab_size
+        self.bits, self.spill_rows = bits, spill_rows
+
+    def start_bundle(self):
+        self.buffer, self.rows = [], 0
+
+    def process(self, batch):
+        self.buffer.append(batch)
+        self.rows += len(batch)
+        if self.rows >= self.spill_rows:
+            yield from self._spill()
+
+    def finish_bundle(self):
+        from apache_beam.transforms.window import GlobalWindow
+        from apache_beam.utils.timestamp import MIN_TIMESTAMP
+        from apache_beam.utils.windowed_value import WindowedValue
+
+        for kv in self._spill():
+            yield WindowedValue(kv, MIN_TIMESTAMP, [GlobalWindow()])
+
+    def _spill(self):
+        import uuid
+
+        import pyarrow as pa
+        from apache_beam.io.filesystems import FileSystems
+
+        if not self.rows:
+            return
+        batch, self.buffer, self.rows = InstanceBatch.concat(self.buffer), [], 0
+        pieces = list(sharding.split_by_bucket(batch, self.bits))
+        path = f"{self.runs_dir}/{self.split}-{uuid.uuid4().hex}.arrow"
+        with FileSystems.create(path) as f:
+            with pa.ipc.new_file(f, pieces[0][1].to_arrow(self.vocab_size, with_keys=True).schema) as w:
+                for _, rows in pieces:
+                    w.write_table(rows.to_arrow(self.vocab_size, with_keys=True), max_chunksize=1 << 30)
+        count(f"{self.split}_spill_files")
+        for i, (bucket, rows) in enumerate(pieces):
+            yield (bucket, {"path": path, "batch": i, "rows": len(rows)})
+
+
+def read_run_pieces(metas: list[dict]) -> InstanceBatch:
+    """The rows of one bucket, gathered from the run files that hold a piece of it."""
+    import pyarrow as pa
+    from apache_beam.io.filesystems import FileSystems
+
+    parts = []
+    for m in sorted(metas, key=lambda m: (m["path"], m["batch"])):
+        with FileSystems.open(m["path"]) as f:  # random access: only this bucket's record batch is read
+            table = pa.Table.from_batches([pa.ipc.open_file(f).get_batch(m["batch"])])
+        if table.num_rows != m["rows"]:
+            raise RuntimeError(f"{m['path']} batch {m['batch']}: {table.num_rows} rows, {m['rows']} were written")
+        parts.append(InstanceBatch.from_arrow(table))
+    return InstanceBatch.concat(parts)
+
+
 class _WritePartDoFn(beam.DoFn):
     """(shard, rows) of one bucket -> an Arrow IPC part file; yields (shard, part description)."""
 
@@ -479,27 +542,29 @@ class WriteShards(beam.PTransform):
     counts. Workers hold one bucket (about ``rows_per_bucket`` rows) at a time, never a shard."""
 
     def __init__(self, staging: str, split: str, num_shards: int, vocab_size: int, row_group_size: int,
-                 compression: str, *, expected_rows: int, rows_per_bucket: int = 16384):
+                 compression: str, *, expected_rows: int, rows_per_bucket: int = 16384, spill_rows: int = 131072):
         super().__init__()
         self.staging, self.split, self.num_shards = staging, split, num_shards
         self.vocab_size, self.row_group_size, self.compression = vocab_size, row_group_size, compression
-        # the bucket count comes from an estimate made before the run, so bucketing fuses with
-        # instance creation (no extra pass over the rows); the manifest records the real sizes
+        # the bucket count comes from an estimate made before the run, so bucketing needs no
+        # extra pass over the rows; the manifest records the real bucket sizes
         self.bits = sharding.bucket_bits(expected_rows, rows_per_bucket)
+        self.spill_rows = spill_rows
 
     def expand(self, batches):
-        n, bits, split = self.num_shards, self.bits, self.split
+        n, split = self.num_shards, self.split
 
         def place(kv, counts):
-            batch = InstanceBatch.concat(list(kv[1]))
+            batch = read_run_pieces(list(kv[1]))
             distribution(f"{split}_bucket_rows", len(batch))
             return ((s, kv[0], rows) for s, rows in sharding.place_bucket(kv[0], batch, counts, n))
 
-        bucketed = batches | "ByBucket" >> beam.FlatMap(sharding.split_by_bucket, bits)
-        counts = (bucketed | "BucketRows" >> beam.Map(lambda kv: (kv[0], len(kv[1])))
+        runs = batches | "Spill" >> beam.ParDo(_SpillRunsDoFn(f"{self.staging}/runs", split, self.vocab_size,
+                                                              self.bits, self.spill_rows))
+        counts = (runs | "BucketRows" >> beam.Map(lambda kv: (kv[0], kv[1]["rows"]))
                   | "CountPerBucket" >> beam.CombinePerKey(sum))
         return (
-            bucketed
+            runs
             | "GroupBucket" >> beam.GroupByKey()
             | "Place" >> beam.FlatMap(place, beam.pvalue.AsDict(counts))
             | "WritePart" >> beam.ParDo(_WritePartDoFn(f"{self.staging}/parts", self.split, self.vocab_size))

@@ -116,13 +116,14 @@ def test_tokenize_instances_and_write(tmp_path, small_vocab):
         inst = tok | CreateInstances(instance_params(cfg, tokens), seed=1, dupe_factor=2, split="train",
                                      vocab_path=str(small_vocab), pool_size=100, windows_per_doc=4)
         assert_that(inst | "n" >> beam.Map(len), lambda ns: _check(len(ns) == 12 and min(ns) > 0), label="inst")
-        # 40 rows per bucket: several buckets, most straddling a shard boundary
+        # 40 rows per bucket: several buckets, most straddling a shard boundary; spills every 100 rows
         written = inst | WriteShards(str(tmp_path), "train", 3, len(tokens), 16, "zstd", expected_rows=300,
-                                     rows_per_bucket=40)
+                                     rows_per_bucket=40, spill_rows=100)
         assert_that(written | beam.Map(lambda s: s["rows"]) | beam.combiners.ToList(),
                     lambda r: _check(len(r[0]) == 3 and max(r[0]) - min(r[0]) <= 1), label="rows")
     names = {c.key.metric.name: c.committed for c in p.result.metrics().query()["counters"]}
     assert names["skipped_empty_document"] == 1 and names["skipped_too_few_sentences"] == 1
+    assert names["train_spill_files"] >= 3  # rows went through several run files
     t = pq.read_table(tmp_path / "train-00000-of-00003.parquet")
     assert t.num_rows > 0 and max(len(x) for x in t.column("input_ids").to_pylist()) <= 32
     assert not list((tmp_path / "parts").iterdir())  # every part file was streamed into a shard and removed
