@@ -49,6 +49,8 @@ class DataConfig:
     num_shards: int = 8
     heldout_num_shards: int = 1
     row_group_size: int = 2048
-    # rows a worker sorts at once when cutting shards (its memory bound; see data_pipeline.sharding)
+    # a worker's memory bounds (rows, not bytes; see data_pipeline.sharding): rows it buffers
+    # before spilling them to a run file, and rows it sorts at once when cutting shards
+    shuffle_spill_rows: int = 32768
     shuffle_bucket_rows: int = 16384
     compression: str = "zstd"

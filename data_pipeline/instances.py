@@ -88,8 +88,8 @@ def pool_windows(doc_id: str, ids: np.ndarray, bounds: np.ndarray, *, seed: int,
     for w in range(windows_per_doc):
         r = random.Random(derive_seed(seed, "pool", doc_id, w))
         start = r.randrange(n)
-        end = min(bisect_left(b, b[start] + max_tokens, lo=start + 1), n)
-        wb = bounds[start:end + 1] - bounds[start]
+        end = bisect_left(b, b[start] + max_tokens, start + 1, n)
+        wb = [x - b[start] for x in b[start:end + 1]]  # a list: bisect on it is C-speed
         out.append((derive_seed(seed, "pool-key", doc_id, w), doc_id, ids[b[start]:b[end]].copy(), wb))
     return out
 
@@ -161,7 +161,7 @@ def create_instances(
             target = 2 + _below(rng, max_tokens - 1)
         i = 0
         while i < n:
-            e = min(bisect_left(b, b[i] + target, lo=i + 1), n)
+            e = bisect_left(b, b[i] + target, i + 1, n)
             seg = ids[b[i]:b[e]]
             if seg.shape[0] > max_tokens:
                 seg = _trim(seg, seg.shape[0] - max_tokens, rng)
@@ -176,7 +176,7 @@ def create_instances(
             target = 2 + _below(rng, max_tokens - 1)
         i = 0
         while i < n:
-            e = min(bisect_left(b, b[i] + target, lo=i + 1), n)  # chunk = sentences [i, e)
+            e = bisect_left(b, b[i] + target, i + 1, n)  # chunk = sentences [i, e), e <= n
             if e - i == 1 and e < n:
                 e += 1  # see module docstring: keep the coin toss fair for over-long sentences
             k = e - i
@@ -196,7 +196,7 @@ def create_instances(
                     else:
                         _, _, wids, wb = window
                         target_b = target - seg_a.shape[0]
-                        eb = min(bisect_left(wb, target_b, lo=1), len(wb) - 1)
+                        eb = bisect_left(wb, target_b, 1, len(wb) - 1)
                         seg_b = wids[: wb[eb]]
                         label = 1
                         next_i = i + a_end  # the unused segments go back

@@ -82,9 +82,10 @@ def validate(cfg: DataConfig) -> None:
         raise ConfigError(f"vocab: {cfg.vocab!r} is not a file (train one with `bertdist data vocab`)")
     if not 8 <= cfg.max_seq_length <= 65535:
         raise ConfigError(f"max_seq_length {cfg.max_seq_length} must be in [8, 65535]")
-    if cfg.num_shards < 1 or cfg.heldout_num_shards < 1 or cfg.dupe_factor < 1 or cfg.shuffle_bucket_rows < 1:
-        raise ConfigError(f"num_shards ({cfg.num_shards}), heldout_num_shards ({cfg.heldout_num_shards}), dupe_factor "
-                          f"({cfg.dupe_factor}) and shuffle_bucket_rows ({cfg.shuffle_bucket_rows}) must be >= 1")
+    counts = {k: getattr(cfg, k) for k in ("num_shards", "heldout_num_shards", "dupe_factor", "shuffle_spill_rows",
+                                           "shuffle_bucket_rows")}
+    if min(counts.values()) < 1:
+        raise ConfigError("these must be >= 1: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
     if not 0.0 <= cfg.heldout_fraction < 1.0:
         raise ConfigError(f"heldout_fraction {cfg.heldout_fraction} must be in [0, 1)")
 
@@ -127,7 +128,7 @@ def build_pipeline(p: beam.Pipeline, cfg: DataConfig, staging: str, tokens: list
              pool_size=cfg.nsp_pool_size, windows_per_doc=cfg.nsp_pool_windows_per_doc)
          | f"{split}_Write" >> WriteShards(staging, split, n, len(tokens), cfg.row_group_size, cfg.compression,
                                            expected_rows=round(rows * (frac if split == "heldout" else 1 - frac)),
-                                           rows_per_bucket=cfg.shuffle_bucket_rows))
+                                           rows_per_bucket=cfg.shuffle_bucket_rows, spill_rows=cfg.shuffle_spill_rows))
 
 
 def _query_counters(result) -> dict[str, int]:

@@ -542,7 +542,7 @@ class WriteShards(beam.PTransform):
     counts. Workers hold one bucket (about ``rows_per_bucket`` rows) at a time, never a shard."""
 
     def __init__(self, staging: str, split: str, num_shards: int, vocab_size: int, row_group_size: int,
-                 compression: str, *, expected_rows: int, rows_per_bucket: int = 16384, spill_rows: int = 131072):
+                 compression: str, *, expected_rows: int, rows_per_bucket: int = 16384, spill_rows: int = 32768):
         super().__init__()
         self.staging, self.split, self.num_shards = staging, split, num_shards
         self.vocab_size, self.row_group_size, self.compression = vocab_size, row_group_size, compression
