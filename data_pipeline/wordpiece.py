@@ -18,8 +18,8 @@ which matches those before normalisation. Tests compare both paths id for id on 
 """
 from __future__ import annotations
 
+import itertools
 import re
-import sys
 import unicodedata
 from functools import lru_cache
 from itertools import repeat
@@ -57,11 +57,10 @@ def _char_class(cps: list[int]) -> str:
 @lru_cache(maxsize=1)
 def _patterns() -> tuple[re.Pattern, re.Pattern, re.Pattern]:
     """(word split, non-ASCII control characters to drop, non-spacing marks to drop); built once
-    per process from Python's Unicode tables (~1 s)."""
+    per process from Python's Unicode tables (~0.3 s)."""
     singles, controls, marks = [], [], []
-    for cp in range(sys.maxunicode + 1):
-        if 0xD800 <= cp <= 0xDFFF:
-            continue
+    # planes 3-13 are unassigned and 15-16 private use: no punctuation, controls or marks there
+    for cp in itertools.chain(range(0xD800), range(0xE000, 0x30000), range(0xE0000, 0xF0000)):
         cat = unicodedata.category(chr(cp))
         if _is_punctuation(cp) or any(lo <= cp <= hi for lo, hi in _CJK_RANGES):
             singles.append(cp)
