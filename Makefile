@@ -21,6 +21,9 @@ $(STAMP): requirements.lock pyproject.toml setup.py $(wildcard csrc/*)
 	$(PIP) install -q --upgrade pip==24.3.1
 	$(PIP) install -q -r requirements.lock
 	$(PIP) install -q --no-build-isolation deepspeed==0.19.8
+	# seqeval (NER F1 cross-check) ships only an sdist whose legacy setup.py fetches a setuptools_scm
+	# that no longer builds that way; a PEP 517 build gets a working one.
+	$(PIP) install -q --use-pep517 seqeval==1.2.2
 	# Builds the bertdist._C extension (csrc/): CUDA kernels too where nvcc and a CUDA torch exist.
 	MAX_JOBS=$(JOBS) $(PIP) install --no-build-isolation --no-deps -e .
 	touch $@

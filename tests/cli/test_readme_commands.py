@@ -464,15 +464,7 @@ def _leaf_commands() -> list[str]:
     return walk(build_parser(), [])
 
 
-# Subcommands the README mentions only in prose, with no example line yet (strict: an example fixes it).
-NO_EXAMPLE_YET = {"submit probe", "submit data"}
-
-
-@pytest.mark.parametrize("leaf", [
-    pytest.param(leaf, marks=pytest.mark.xfail(strict=True, reason="README has no example line yet"))
-    if leaf in NO_EXAMPLE_YET else leaf
-    for leaf in _leaf_commands()
-])
+@pytest.mark.parametrize("leaf", _leaf_commands())
 def test_every_cli_command_has_a_readme_example(leaf):
     words = tuple(leaf.split())
     assert any(bertdist_argv(c)[: len(words)] == list(words) for c in COMMANDS if c.argv[0] in ("bertdist", "torchrun")), \
