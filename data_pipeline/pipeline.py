@@ -125,7 +125,7 @@ def build_pipeline(p: beam.Pipeline, cfg: DataConfig, staging: str, tokens: list
         (docs_split
          | f"{split}_Instances" >> CreateInstances(
              params, seed=cfg.seed, dupe_factor=cfg.dupe_factor, split=split, vocab_path=cfg.vocab,
-             pool_size=cfg.nsp_pool_size, windows_per_doc=cfg.nsp_pool_windows_per_doc)
+             pool_size=cfg.nsp_pool_size, windows_per_doc=cfg.nsp_pool_windows_per_doc, scratch_dir=f"{staging}/docs")
          | f"{split}_Write" >> WriteShards(staging, split, n, len(tokens), cfg.row_group_size, cfg.compression,
                                            expected_rows=round(rows * (frac if split == "heldout" else 1 - frac)),
                                            rows_per_bucket=cfg.shuffle_bucket_rows, spill_rows=cfg.shuffle_spill_rows))
@@ -213,7 +213,7 @@ def _commit(cfg, out: Path, staging: Path, run_id: str, tokens, lowercase, count
         rows = [e["rows"] for e in entries]
         splits[split] = {"rows": sum(rows), "num_shards": n, "max_row_difference": max(rows) - min(rows),
                          "shards": entries}
-    for scratch in ("parts", "runs"):  # parts are emptied by the writers; runs are spilled rows, now in shards
+    for scratch in ("docs", "parts", "runs"):  # spilled documents and rows (now in shards); emptied part dir
         shutil.rmtree(staging / scratch, ignore_errors=True)
     staging.rename(final_dir)
     nsp_total = totals["instances"] if cfg.objective != "none" else 0

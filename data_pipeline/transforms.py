@@ -358,14 +358,85 @@ class _CreateInstancesDoFn(beam.DoFn):
             yield batch
 
 
+class _SpillDocsDoFn(beam.DoFn):
+    """Buffers tokenized documents up to ``spill_tokens`` tokens, writes them to one Arrow IPC
+    file and emits only its path. Instance creation waits for the NSP pool (a side input built
+    from every document), so the documents must be kept somewhere meanwhile: a file, not the
+    runner's memory."""
+
+    def __init__(self, scratch_dir: str, split: str, spill_tokens: int):
+        self.scratch_dir, self.split, self.spill_tokens = scratch_dir, split, spill_tokens
+
+    def start_bundle(self):
+        self.buffer, self.tokens = [], 0
+
+    def process(self, doc):
+        self.buffer.append(doc)
+        self.tokens += doc[1].shape[0]
+        if self.tokens >= self.spill_tokens:
+            yield from self._spill()
+
+    def finish_bundle(self):
+        from apache_beam.transforms.window import GlobalWindow
+        from apache_beam.utils.timestamp import MIN_TIMESTAMP
+        from apache_beam.utils.windowed_value import WindowedValue
+
+        for path in self._spill():
+            yield WindowedValue(path, MIN_TIMESTAMP, [GlobalWindow()])
+
+    def _spill(self):
+        import uuid
+
+        import pyarrow as pa
+        from apache_beam.io.filesystems import FileSystems
+
+        if not self.buffer:
+            return
+        docs, self.buffer, self.tokens = self.buffer, [], 0
+
+        def ragged(arrays, typ):
+            offs = np.zeros(len(arrays) + 1, np.int64)
+            np.cumsum([a.shape[0] for a in arrays], out=offs[1:])
+            return pa.LargeListArray.from_arrays(pa.array(offs), pa.array(np.concatenate(arrays), type=typ))
+
+        ids = [d[1] for d in docs]
+        table = pa.table({"doc_id": pa.array([d[0] for d in docs], pa.string()),
+                          "ids": ragged(ids, pa.from_numpy_dtype(ids[0].dtype)),
+                          "bounds": ragged([np.asarray(d[2], np.int64) for d in docs], pa.int64())})
+        path = f"{self.scratch_dir}/{self.split}-docs-{uuid.uuid4().hex}.arrow"
+        with FileSystems.create(path) as f:
+            with pa.ipc.new_stream(f, table.schema) as w:
+                w.write_table(table)
+        yield path
+
+
+def read_spilled_docs(path: str):
+    """The (doc_id, ids, bounds) documents of one spill file, in the order they were written."""
+    import pyarrow as pa
+    from apache_beam.io.filesystems import FileSystems
+
+    with FileSystems.open(path) as f:
+        table = pa.ipc.open_stream(f).read_all().combine_chunks()
+    ids_col, bounds_col = table.column("ids").chunk(0), table.column("bounds").chunk(0)
+    ids_all, ids_offs = ids_col.values.to_numpy(), ids_col.offsets.to_numpy()
+    b_all, b_offs = bounds_col.values.to_numpy(), bounds_col.offsets.to_numpy()
+    for i, doc_id in enumerate(table.column("doc_id").to_pylist()):
+        yield doc_id, ids_all[ids_offs[i]:ids_offs[i + 1]], b_all[b_offs[i]:b_offs[i + 1]]
+
+
 class CreateInstances(beam.PTransform):
-    """Tokenized documents -> InstanceBatch (one per document), with a deterministic NSP pool."""
+    """Tokenized documents -> InstanceBatch (one per document), with a deterministic NSP pool.
+
+    The documents wait for the pool in spill files under ``scratch_dir``; only their paths
+    go through the runner."""
 
     def __init__(self, params: InstanceParams, *, seed: int, dupe_factor: int, split: str,
-                 vocab_path: str, pool_size: int, windows_per_doc: int):
+                 vocab_path: str, pool_size: int, windows_per_doc: int, scratch_dir: str,
+                 spill_tokens: int = 4 << 20):
         super().__init__()
         self.params, self.seed, self.dupe_factor = params, seed, dupe_factor
         self.split, self.vocab_path, self.pool_size, self.windows_per_doc = split, vocab_path, pool_size, windows_per_doc
+        self.scratch_dir, self.spill_tokens = scratch_dir, spill_tokens
 
     def expand(self, docs):
         pool = None
@@ -378,9 +449,13 @@ class CreateInstances(beam.PTransform):
             pool_side = beam.pvalue.AsSingleton(pool)
         else:
             pool_side = beam.pvalue.AsSingleton(docs.pipeline | "NoPool" >> beam.Create([[]]))
-        return docs | "Create" >> beam.ParDo(
-            _CreateInstancesDoFn(self.params, self.seed, self.dupe_factor, self.split, self.vocab_path),
-            pool_side)
+        return (docs
+                | "SpillDocs" >> beam.ParDo(_SpillDocsDoFn(self.scratch_dir, self.split, self.spill_tokens))
+                | "Spread" >> beam.Reshuffle()  # spill files, not documents: cheap, and spreads them over workers
+                | "ReadDocs" >> beam.FlatMap(read_spilled_docs)
+                | "Create" >> beam.ParDo(
+                    _CreateInstancesDoFn(self.params, self.seed, self.dupe_factor, self.split, self.vocab_path),
+                    pool_side))
 
 
 # ---------------------------------------------------------------- balanced shards

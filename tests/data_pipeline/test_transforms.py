@@ -114,7 +114,8 @@ def test_tokenize_instances_and_write(tmp_path, small_vocab):
         assert_that(tok | beam.Map(lambda d: (d[0], len(d[2]) - 1)), equal_to([(f"d{i}", 30) for i in range(12)]),
                     label="tok")
         inst = tok | CreateInstances(instance_params(cfg, tokens), seed=1, dupe_factor=2, split="train",
-                                     vocab_path=str(small_vocab), pool_size=100, windows_per_doc=4)
+                                     vocab_path=str(small_vocab), pool_size=100, windows_per_doc=4,
+                                     scratch_dir=str(tmp_path / "docs"), spill_tokens=500)
         assert_that(inst | "n" >> beam.Map(len), lambda ns: _check(len(ns) == 12 and min(ns) > 0), label="inst")
         # 40 rows per bucket: several buckets, most straddling a shard boundary; spills every 100 rows
         written = inst | WriteShards(str(tmp_path), "train", 3, len(tokens), 16, "zstd", expected_rows=300,
