@@ -7,6 +7,7 @@ max_predictions_per_seq 20, uncased BERT vocab. Runs ``bertdist data build`` on 
 (driver/runner and each SDK worker), for the corpus at 1x and 5x.
 
     .venv/bin/python benchmarks/data_pipeline.py [--workers N] [--scales 1,5] [--json out.json]
+    .venv/bin/python benchmarks/data_pipeline.py --mode in_memory   # one process, one core
 """
 from __future__ import annotations
 
@@ -41,12 +42,12 @@ def make_bert_format(out: Path, scale: int) -> int:
     return len(body.split()) * scale
 
 
-def run_once(inp: Path, outdir: Path, workers: int) -> dict:
+def run_once(inp: Path, outdir: Path, workers: int, mode: str) -> dict:
     cmd = [sys.executable, "-m", "bertdist.cli.main", "data", "build", "--input", f"text:{inp}",
            "--vocab", str(SHARED / "vocab" / "bert-base-uncased-vocab.txt"), "--output", str(outdir),
            "--set", "max_seq_length=128", "--set", "dupe_factor=5", "--set", "masked_lm_prob=0.15",
            "--set", "max_predictions_per_seq=20", "--set", "num_shards=8",
-           "--runner=DirectRunner", "--direct_running_mode=multi_processing", f"--direct_num_workers={workers}"]
+           "--runner=DirectRunner", f"--direct_running_mode={mode}", f"--direct_num_workers={workers}"]
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     root = psutil.Process(proc.pid)
@@ -84,16 +85,20 @@ def run_once(inp: Path, outdir: Path, workers: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--mode", choices=("multi_processing", "in_memory"), default="multi_processing",
+                    help="in_memory: the whole pipeline in one process on one core (--workers is 1)")
     ap.add_argument("--scales", default="1,5")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
+    if args.mode == "in_memory":
+        args.workers = 1
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for scale in (int(s) for s in args.scales.split(",")):
             inp = Path(tmp) / f"books_x{scale}.txt"
             words = make_bert_format(inp, scale)
-            r = run_once(inp, Path(tmp) / f"out_x{scale}", args.workers)
-            r.update(scale=scale, workers=args.workers, input_words=words,
+            r = run_once(inp, Path(tmp) / f"out_x{scale}", args.workers, args.mode)
+            r.update(scale=scale, workers=args.workers, mode=args.mode, input_words=words,
                      words_per_s_per_core=round(words / r["wall_s"] / args.workers),
                      words_per_cpu_s=round(words / r["cpu_s"]) if r["cpu_s"] else None)
             r["x_reference_per_core"] = round(r["words_per_s_per_core"] / REFERENCE_WORDS_PER_S, 2)
