@@ -358,41 +358,59 @@ class _CreateInstancesDoFn(beam.DoFn):
             yield batch
 
 
-class _SpillDocsDoFn(beam.DoFn):
-    """Buffers tokenized documents up to ``spill_tokens`` tokens, writes them to one Arrow IPC
-    file and emits only its path. Instance creation waits for the NSP pool (a side input built
-    from every document), so the documents must be kept somewhere meanwhile: a file, not the
-    runner's memory."""
+class _BufferedSpillDoFn(beam.DoFn):
+    """Buffers elements until their ``size_of`` reaches ``limit``, then hands the buffer to
+    ``spill`` (which writes a file and yields small references); the rest is spilled when the
+    bundle ends."""
 
-    def __init__(self, scratch_dir: str, split: str, spill_tokens: int):
-        self.scratch_dir, self.split, self.spill_tokens = scratch_dir, split, spill_tokens
+    limit: int
+
+    def size_of(self, element) -> int:
+        raise NotImplementedError
+
+    def spill(self, buffer: list):
+        raise NotImplementedError
 
     def start_bundle(self):
-        self.buffer, self.tokens = [], 0
+        self.buffer, self.size = [], 0
 
-    def process(self, doc):
-        self.buffer.append(doc)
-        self.tokens += doc[1].shape[0]
-        if self.tokens >= self.spill_tokens:
-            yield from self._spill()
+    def process(self, element):
+        self.buffer.append(element)
+        self.size += self.size_of(element)
+        if self.size >= self.limit:
+            yield from self._flush()
 
     def finish_bundle(self):
         from apache_beam.transforms.window import GlobalWindow
         from apache_beam.utils.timestamp import MIN_TIMESTAMP
         from apache_beam.utils.windowed_value import WindowedValue
 
-        for path in self._spill():
-            yield WindowedValue(path, MIN_TIMESTAMP, [GlobalWindow()])
+        for out in self._flush():
+            yield WindowedValue(out, MIN_TIMESTAMP, [GlobalWindow()])
 
-    def _spill(self):
+    def _flush(self):
+        if self.buffer:
+            buffer, self.buffer, self.size = self.buffer, [], 0
+            yield from self.spill(buffer)
+
+
+class _SpillDocsDoFn(_BufferedSpillDoFn):
+    """Buffers tokenized documents up to ``spill_tokens`` tokens, writes them to one Arrow IPC
+    file and emits only its path. Instance creation waits for the NSP pool (a side input built
+    from every document), so the documents must be kept somewhere meanwhile: a file, not the
+    runner's memory."""
+
+    def __init__(self, scratch_dir: str, split: str, spill_tokens: int):
+        self.scratch_dir, self.split, self.limit = scratch_dir, split, spill_tokens
+
+    def size_of(self, doc) -> int:
+        return doc[1].shape[0]
+
+    def spill(self, docs: list):
         import uuid
 
         import pyarrow as pa
         from apache_beam.io.filesystems import FileSystems
-
-        if not self.buffer:
-            return
-        docs, self.buffer, self.tokens = self.buffer, [], 0
 
         def ragged(arrays, typ):
             offs = np.zeros(len(arrays) + 1, np.int64)
@@ -489,7 +507,7 @@ class _HashingWriter:
             self.raw.close()
 
 
-class _SpillRunsDoFn(beam.DoFn):
+class _SpillRunsDoFn(_BufferedSpillDoFn):
     """Buffers instance batches up to ``spill_rows`` rows, then writes them as one Arrow IPC run
     file, bucket by bucket (one record batch each), and emits only ``(bucket, where)``. The rows
     themselves never go through the runner's shuffle, so neither the workers nor the runner
@@ -498,35 +516,21 @@ class _SpillRunsDoFn(beam.DoFn):
 
     def __init__(self, runs_dir: str, split: str, vocab_size: int, bits: int, spill_rows: int):
         self.runs_dir, self.split, self.vocab_size = runs_dir, split, vocab_size
-        self.bits, self.spill_rows = bits, spill_rows
+        self.bits, self.limit = bits, spill_rows
 
-    def start_bundle(self):
-        self.buffer, self.rows = [], 0
+    def size_of(self, batch) -> int:
+        return len(batch)
 
-    def process(self, batch):
-        self.buffer.append(batch)
-        self.rows += len(batch)
-        if self.rows >= self.spill_rows:
-            yield from self._spill()
-
-    def finish_bundle(self):
-        from apache_beam.transforms.window import GlobalWindow
-        from apache_beam.utils.timestamp import MIN_TIMESTAMP
-        from apache_beam.utils.windowed_value import WindowedValue
-
-        for kv in self._spill():
-            yield WindowedValue(kv, MIN_TIMESTAMP, [GlobalWindow()])
-
-    def _spill(self):
+    def spill(self, batches: list):
         import uuid
 
         import pyarrow as pa
         from apache_beam.io.filesystems import FileSystems
 
-        if not self.rows:
-            return
-        batch, self.buffer, self.rows = InstanceBatch.concat(self.buffer), [], 0
+        batch = InstanceBatch.concat(batches)
         pieces = list(sharding.split_by_bucket(batch, self.bits))
+        if not pieces:
+            return
         path = f"{self.runs_dir}/{self.split}-{uuid.uuid4().hex}.arrow"
         with FileSystems.create(path) as f:
             with pa.ipc.new_file(f, pieces[0][1].to_arrow(self.vocab_size, with_keys=True).schema) as w:
