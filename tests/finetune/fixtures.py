@@ -139,3 +139,18 @@ def squad_slice(src: Path, dst: Path, articles: slice, max_paragraphs: int = 3) 
     dst.parent.mkdir(parents=True, exist_ok=True)
     dst.write_text(json.dumps({"version": data["version"], "data": arts}))
     return dst
+
+
+def tiny_hf_checkpoint(out: Path, vocab: Path, **config) -> Path:
+    """A randomly initialised (seed 0) tiny BERT written as a Hugging Face directory at ``out``;
+    ``config`` overrides preset fields (e.g. dropout)."""
+    import torch
+
+    from bertdist.export import write_hf_dir
+    from bertdist.model import BertConfig, BertForPreTraining
+
+    torch.manual_seed(0)
+    cfg = BertConfig.from_preset("tiny", kernels="reference", **config)
+    write_hf_dir(out, cfg, BertForPreTraining(cfg, device_type="cpu").state_dict(), vocab)
+    return out
+

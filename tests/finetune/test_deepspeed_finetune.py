@@ -13,11 +13,9 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-from bertdist.export import write_hf_dir
 from bertdist.finetune import FinetuneConfig, run_finetune
-from bertdist.model import BertConfig, BertForPreTraining
+from tests.finetune import fixtures
 
 pytestmark = pytest.mark.shared
 
@@ -34,11 +32,8 @@ def _port() -> int:
 
 @pytest.mark.parametrize("zero_stage", [2])
 def test_two_process_deepspeed_matches_single_process(tmp_path, shared_data, zero_stage):
-    torch.manual_seed(0)
-    cfg = BertConfig.from_preset("tiny", kernels="reference", attention_probs_dropout_prob=0.0)
-    ckpt = tmp_path / "ckpt"
-    write_hf_dir(ckpt, cfg, BertForPreTraining(cfg, device_type="cpu").state_dict(),
-                 shared_data / "vocab" / "bert-base-uncased-vocab.txt")
+    ckpt = fixtures.tiny_hf_checkpoint(tmp_path / "ckpt", shared_data / "vocab" / "bert-base-uncased-vocab.txt",
+                                         attention_probs_dropout_prob=0.0)
     data = shared_data / "glue" / "SST-2"
 
     single = FinetuneConfig(task="sst2", checkpoint=str(ckpt), data=str(data), output_dir=str(tmp_path / "single"),

@@ -4,26 +4,21 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-from bertdist.export import write_hf_dir
 from bertdist.finetune import DataError, FinetuneConfig, VocabMismatch, run_finetune
 from bertdist.finetune import glue as G
 from bertdist.finetune.ner import read_conll
 from bertdist.finetune.squad import read_squad
 from bertdist.finetune.swag import read_swag
-from bertdist.model import BertConfig, BertForPreTraining
+from tests.finetune import fixtures
 
 pytestmark = pytest.mark.shared
 
 
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory, shared_data):
-    cfg = BertConfig.from_preset("tiny", kernels="reference")
-    out = tmp_path_factory.mktemp("tiny")
-    write_hf_dir(out, cfg, BertForPreTraining(cfg, device_type="cpu").state_dict(),
-                 shared_data / "vocab" / "bert-base-uncased-vocab.txt")
-    return out
+    return fixtures.tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny"),
+                                       shared_data / "vocab" / "bert-base-uncased-vocab.txt")
 
 
 def test_wrong_column_layout(shared_data, tmp_path):

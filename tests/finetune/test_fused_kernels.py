@@ -9,10 +9,8 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
-from bertdist.export import write_hf_dir
-from bertdist.model import BertConfig, BertForPreTraining
+from tests.finetune import fixtures
 
 pytestmark = pytest.mark.shared
 
@@ -27,13 +25,9 @@ LOGIT_TOL = 1e-6
 @pytest.fixture(scope="module")
 def no_dropout_ckpt(tmp_path_factory, shared_data):
     """A tiny checkpoint whose config turns off hidden and attention dropout (so both paths are deterministic)."""
-    torch.manual_seed(0)
-    cfg = BertConfig.from_preset("tiny", kernels="reference", hidden_dropout_prob=0.0,
-                                 attention_probs_dropout_prob=0.0)
-    out = tmp_path_factory.mktemp("tiny_no_dropout")
-    write_hf_dir(out, cfg, BertForPreTraining(cfg, device_type="cpu").state_dict(),
-                 shared_data / "vocab" / "bert-base-uncased-vocab.txt")
-    return out
+    return fixtures.tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny_no_dropout"),
+                                       shared_data / "vocab" / "bert-base-uncased-vocab.txt",
+                                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
 
 def _finetune(out, ckpt, data, kernels):

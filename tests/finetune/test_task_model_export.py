@@ -7,9 +7,7 @@ import json
 import pytest
 import torch
 
-from bertdist.export import write_hf_dir
 from bertdist.finetune import FinetuneConfig, run_finetune
-from bertdist.model import BertConfig, BertForPreTraining
 from tests.finetune import fixtures
 
 pytestmark = pytest.mark.shared
@@ -17,12 +15,8 @@ pytestmark = pytest.mark.shared
 
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory, shared_data):
-    torch.manual_seed(0)
-    cfg = BertConfig.from_preset("tiny", kernels="reference")
-    out = tmp_path_factory.mktemp("tiny")
-    write_hf_dir(out, cfg, BertForPreTraining(cfg, device_type="cpu").state_dict(),
-                 shared_data / "vocab" / "bert-base-uncased-vocab.txt")
-    return out
+    return fixtures.tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny"),
+                                       shared_data / "vocab" / "bert-base-uncased-vocab.txt")
 
 
 def _finetune(tmp_path, ckpt, task, data, **kw):

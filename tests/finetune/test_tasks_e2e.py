@@ -10,11 +10,8 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
-from bertdist.export import write_hf_dir
 from bertdist.finetune import FinetuneConfig, run_finetune
-from bertdist.model import BertConfig, BertForPreTraining
 from tests.finetune import fixtures
 
 pytestmark = pytest.mark.shared
@@ -25,12 +22,8 @@ FAST = dict(max_seq_length=64, batch_size=8, eval_batch_size=32, max_steps=3, ep
 
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory, shared_data):
-    torch.manual_seed(0)
-    cfg = BertConfig.from_preset("tiny", kernels="reference")
-    out = tmp_path_factory.mktemp("tiny_hf")
-    write_hf_dir(out, cfg, BertForPreTraining(cfg, device_type="cpu").state_dict(),
-                 shared_data / "vocab" / "bert-base-uncased-vocab.txt")
-    return out
+    return fixtures.tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny_hf"),
+                                       shared_data / "vocab" / "bert-base-uncased-vocab.txt")
 
 
 def _run(tmp_path, ckpt, task, data, **kw):
