@@ -33,8 +33,8 @@ from data_pipeline.instance_batch import InstanceBatch
 from data_pipeline.instances import InstanceParams, unit_hash
 from data_pipeline.tokenization import vocab_is_cased
 from data_pipeline.transforms import (
-    NS, CreateInstances, ReadBertFormatText, ReadBooks, ReadJsonLines, ReadWikipediaDump, SplitSentences,
-    Tokenize, WriteShards, shard_name,
+    DIRECTORY_SUFFIX, NS, CreateInstances, ReadBertFormatText, ReadBooks, ReadJsonLines, ReadWikipediaDump,
+    SplitSentences, Tokenize, WriteShards, match_file_sizes, shard_name,
 )
 
 log = logging.getLogger("data_pipeline")
@@ -96,16 +96,12 @@ TOKENS_PER_TEXT_BYTE = 0.24  # WordPiece tokens per byte of English prose (about
 def expected_rows(cfg: DataConfig) -> int:
     """Rough row count from the input sizes, made before the run: it only sizes the shuffle
     buckets (memory), never the output, which depends on the actual rows."""
-    from apache_beam.io.filesystems import FileSystems
-
     tokens = 0.0
     for src in cfg.inputs:
-        pattern = os.path.join(src.path, "*") if os.path.isdir(src.path) else src.path
-        for r in FileSystems.match([pattern]):
-            for m in r.metadata_list:
-                expand = 4.0 if m.path.endswith((".bz2", ".gz")) else 1.0  # typical text compression
-                prose = 0.5 if src.kind == "wiki" else 1.0  # about half of a dump is markup
-                tokens += m.size_in_bytes * expand * prose * TOKENS_PER_TEXT_BYTE
+        for path, size in match_file_sizes(src.path, directory_suffix=DIRECTORY_SUFFIX[src.kind]).items():
+            expand = 4.0 if path.endswith((".bz2", ".gz")) else 1.0  # typical text compression
+            prose = 0.5 if src.kind == "wiki" else 1.0  # about half of a dump is markup
+            tokens += size * expand * prose * TOKENS_PER_TEXT_BYTE
     return int(cfg.dupe_factor * tokens / (0.9 * (cfg.max_seq_length - 3))) + 1
 
 

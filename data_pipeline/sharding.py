@@ -50,16 +50,26 @@ def split_by_bucket(batch: InstanceBatch, bits: int):
         yield b, batch.take(order[lo:hi])
 
 
-def place_bucket(bucket: int, batch: InstanceBatch, bucket_counts: dict[int, int], num_shards: int):
-    """Sort one bucket by key and cut it at the shard boundaries: yields (shard, rows)."""
+def bucket_ranks(bucket_counts: dict[int, int]) -> tuple[dict[int, tuple[int, int]], int]:
+    """({bucket: (global rank of its first row, its rows)}, total rows), computed once per split."""
+    ranks, first = {}, 0
+    for b in sorted(bucket_counts):
+        ranks[b] = (first, bucket_counts[b])
+        first += bucket_counts[b]
+    return ranks, first
+
+
+def place_bucket(bucket: int, batch: InstanceBatch, ranks: tuple[dict[int, tuple[int, int]], int], num_shards: int):
+    """Sort one bucket by key and cut it at the shard boundaries: yields (shard, rows).
+    ``ranks`` is :func:`bucket_ranks` of every bucket's row count."""
     batch = batch.sorted_by_key()
-    total = sum(bucket_counts.values())
-    first_rank = sum(c for b, c in bucket_counts.items() if b < bucket)
-    if bucket_counts.get(bucket) != len(batch):
-        raise RuntimeError(f"bucket {bucket}: {len(batch)} rows arrived, {bucket_counts.get(bucket)} were counted")
+    table, total = ranks
+    first_rank, counted = table.get(bucket, (0, None))
+    if counted != len(batch):
+        raise RuntimeError(f"bucket {bucket}: {len(batch)} rows arrived, {counted} were counted")
     starts = np.cumsum([0] + shard_targets(total, num_shards))  # shard s holds ranks [starts[s], starts[s+1])
-    ranks = first_rank + np.arange(len(batch))
-    shard = np.searchsorted(starts, ranks, side="right") - 1
+    ranks_of_rows = first_rank + np.arange(len(batch))
+    shard = np.searchsorted(starts, ranks_of_rows, side="right") - 1
     cuts = np.flatnonzero(np.diff(shard)) + 1
     for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(batch)]):
         yield int(shard[lo]), batch.take(np.arange(lo, hi))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import bz2
 import gzip
-import io
 import json
 import zlib
 from typing import BinaryIO, Iterator

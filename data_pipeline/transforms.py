@@ -6,12 +6,10 @@ Parse DoFns count every skipped or repaired input with a Beam Metrics counter in
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import os
 import time
-from typing import Iterable
 
 import apache_beam as beam
 import numpy as np
@@ -19,7 +17,7 @@ from apache_beam.metrics import Metrics
 
 from data_pipeline import sharding, sources, text as textlib
 from data_pipeline.instance_batch import InstanceBatch
-from data_pipeline.instances import InstanceParams, InstanceStats, create_instances, pool_windows, unit_hash
+from data_pipeline.instances import InstanceParams, InstanceStats, create_instances, pool_windows
 
 NS = "data_pipeline"
 log = logging.getLogger("data_pipeline")
@@ -72,17 +70,26 @@ def _relative_ids(paths: list[str]) -> dict[str, str]:
     return {p: os.path.relpath(p, common) if common else p for p in paths}
 
 
-def match_files(pattern: str, *, directory_suffix: str = "*") -> list[str]:
-    """Expand a path, directory or glob on any Beam filesystem (sorted, for stable ids)."""
+# which files a directory input means, per source kind
+DIRECTORY_SUFFIX = {"wiki": "*.xml*", "books": "*.txt", "jsonl": "*.jsonl*", "text": "*"}
+
+
+def match_file_sizes(pattern: str, *, directory_suffix: str = "*") -> dict[str, int]:
+    """Expand a path, directory or glob on any Beam filesystem: {path: size in bytes}, sorted by
+    path (for stable ids)."""
     from apache_beam.io.filesystems import FileSystems
 
     pat = pattern
     if not any(ch in pattern for ch in "*?[") and FileSystems.exists(pattern) and os.path.isdir(pattern):
         pat = os.path.join(pattern, directory_suffix)
-    files = sorted(m.path for r in FileSystems.match([pat]) for m in r.metadata_list)
-    if not files:
+    sizes = {m.path: m.size_in_bytes for r in FileSystems.match([pat]) for m in r.metadata_list}
+    if not sizes:
         raise FileNotFoundError(f"no input files match {pattern!r}")
-    return files
+    return dict(sorted(sizes.items()))
+
+
+def match_files(pattern: str, *, directory_suffix: str = "*") -> list[str]:
+    return list(match_file_sizes(pattern, directory_suffix=directory_suffix))
 
 
 class _ReadWikiPages(beam.DoFn):
@@ -143,7 +150,7 @@ class ReadWikipediaDump(beam.PTransform):
 
     def __init__(self, pattern: str, max_page_bytes: int = 64 << 20):
         super().__init__()
-        self.files = match_files(pattern, directory_suffix="*.xml*")
+        self.files = match_files(pattern, directory_suffix=DIRECTORY_SUFFIX["wiki"])
         self.max_page_bytes = max_page_bytes
 
     def expand(self, pbegin):
@@ -177,7 +184,7 @@ class ReadBooks(beam.PTransform):
 
     def __init__(self, pattern: str, max_document_chars: int = 50_000_000):
         super().__init__()
-        self.files = match_files(pattern, directory_suffix="*.txt")
+        self.files = match_files(pattern, directory_suffix=DIRECTORY_SUFFIX["books"])
         self.max_chars = max_document_chars
 
     def expand(self, pbegin):
@@ -215,10 +222,8 @@ class ReadBertFormatText(beam.PTransform):
 
     def __init__(self, pattern: str, split_bytes: int = 8 << 20):
         super().__init__()
-        from apache_beam.io.filesystems import FileSystems
-
-        self.files = match_files(pattern)
-        self.sizes = {m.path: m.size_in_bytes for r in FileSystems.match(self.files) for m in r.metadata_list}
+        self.sizes = match_file_sizes(pattern, directory_suffix=DIRECTORY_SUFFIX["text"])
+        self.files = list(self.sizes)
         self.split_bytes = split_bytes
 
     def expand(self, pbegin):
@@ -249,7 +254,7 @@ class ReadJsonLines(beam.PTransform):
 
     def __init__(self, pattern: str, text_field: str = "text", id_field: str = ""):
         super().__init__()
-        self.files = match_files(pattern, directory_suffix="*.jsonl*")
+        self.files = match_files(pattern, directory_suffix=DIRECTORY_SUFFIX["jsonl"])
         self.text_field, self.id_field = text_field, id_field
 
     def expand(self, pbegin):
@@ -633,19 +638,21 @@ class WriteShards(beam.PTransform):
     def expand(self, batches):
         n, split = self.num_shards, self.split
 
-        def place(kv, counts):
+        def place(kv, ranks):
             batch = read_run_pieces(list(kv[1]))
             distribution(f"{split}_bucket_rows", len(batch))
-            return ((s, kv[0], rows) for s, rows in sharding.place_bucket(kv[0], batch, counts, n))
+            return ((s, kv[0], rows) for s, rows in sharding.place_bucket(kv[0], batch, ranks, n))
 
         runs = batches | "Spill" >> beam.ParDo(_SpillRunsDoFn(f"{self.staging}/runs", split, self.vocab_size,
                                                               self.bits, self.spill_rows))
-        counts = (runs | "BucketRows" >> beam.Map(lambda kv: (kv[0], kv[1]["rows"]))
-                  | "CountPerBucket" >> beam.CombinePerKey(sum))
+        ranks = (runs | "BucketRows" >> beam.Map(lambda kv: (kv[0], kv[1]["rows"]))
+                 | "CountPerBucket" >> beam.CombinePerKey(sum)
+                 | "AllCounts" >> beam.combiners.ToDict()
+                 | "Ranks" >> beam.Map(sharding.bucket_ranks))
         return (
             runs
             | "GroupBucket" >> beam.GroupByKey()
-            | "Place" >> beam.FlatMap(place, beam.pvalue.AsDict(counts))
+            | "Place" >> beam.FlatMap(place, beam.pvalue.AsSingleton(ranks))
             | "WritePart" >> beam.ParDo(_WritePartDoFn(f"{self.staging}/parts", self.split, self.vocab_size))
             | "GroupShard" >> beam.GroupByKey()
             | "Assemble" >> beam.ParDo(_AssembleShardDoFn(self.staging, self.split, n, self.row_group_size,

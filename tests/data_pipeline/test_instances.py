@@ -7,7 +7,7 @@ import pytest
 from data_pipeline.instances import (
     InstanceParams, InstanceStats, _truncation_counts, create_instances, pool_windows,
 )
-from data_pipeline.sharding import bucket_bits, place_bucket, shard_targets, split_by_bucket
+from data_pipeline.sharding import bucket_bits, bucket_ranks, place_bucket, shard_targets, split_by_bucket
 
 
 def params(**kw):
@@ -168,7 +168,7 @@ def test_bucketed_shards_are_exact_sorted_and_deterministic():
         assert max(counts.values()) < 4 * per_bucket  # memory bound: a bucket is small
         final: dict[int, list] = {}
         for bucket in sorted(pieces, reverse=True):  # placement does not depend on bucket order either
-            for shard, rows in place_bucket(bucket, InstanceBatch.concat(pieces[bucket]), counts, n):
+            for shard, rows in place_bucket(bucket, InstanceBatch.concat(pieces[bucket]), bucket_ranks(counts), n):
                 final.setdefault(shard, []).append((bucket, rows))
         sizes = [sum(len(r) for _, r in final.get(s, [])) for s in range(n)]
         assert sizes == shard_targets(len(b), n) and max(sizes) - min(sizes) <= 1
@@ -180,7 +180,7 @@ def test_bucketed_shards_are_exact_sorted_and_deterministic():
 def test_place_bucket_rejects_a_count_mismatch():
     b, _ = build(synthetic_docs(2, 20), params())
     with pytest.raises(RuntimeError, match="rows arrived"):
-        list(place_bucket(0, b, {0: len(b) + 1}, 2))
+        list(place_bucket(0, b, bucket_ranks({0: len(b) + 1}), 2))
 
 
 def test_bert_format_byte_ranges_read_every_document_once():
