@@ -17,6 +17,14 @@ from bertdist.data.records import record_schema
 KEY_COLUMN = "_key"
 
 
+def list_column(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """A list column as (flat values, int64 offsets from 0), whatever its chunking or slicing."""
+    col = column.combine_chunks()
+    offs = col.offsets.to_numpy().astype(np.int64)
+    values = col.values.to_numpy(zero_copy_only=False)[offs[0]:offs[-1]]
+    return values, offs - offs[0]
+
+
 @dataclass
 class InstanceBatch:
     keys: np.ndarray  # uint64 [n]
@@ -112,10 +120,7 @@ class InstanceBatch:
     def from_arrow(table: pa.Table) -> "InstanceBatch":
         """Inverse of ``to_arrow(..., with_keys=True)``."""
         def lst(name):
-            col = table.column(name).combine_chunks()  # a ListArray, possibly sliced
-            offs = col.offsets.to_numpy().astype(np.int64)
-            values = col.values.to_numpy(zero_copy_only=False)[offs[0]:offs[-1]]
-            return values, offs - offs[0]
+            return list_column(table.column(name))
 
         ids, io = lst("input_ids")
         mp, mo = lst("masked_lm_positions")

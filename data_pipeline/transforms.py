@@ -16,7 +16,7 @@ import numpy as np
 from apache_beam.metrics import Metrics
 
 from data_pipeline import sharding, sources, text as textlib
-from data_pipeline.instance_batch import InstanceBatch
+from data_pipeline.instance_batch import InstanceBatch, list_column
 from data_pipeline.instances import InstanceParams, InstanceStats, create_instances, pool_windows
 
 NS = "data_pipeline"
@@ -439,10 +439,9 @@ def read_spilled_docs(path: str):
     from apache_beam.io.filesystems import FileSystems
 
     with FileSystems.open(path) as f:
-        table = pa.ipc.open_stream(f).read_all().combine_chunks()
-    ids_col, bounds_col = table.column("ids").chunk(0), table.column("bounds").chunk(0)
-    ids_all, ids_offs = ids_col.values.to_numpy(), ids_col.offsets.to_numpy()
-    b_all, b_offs = bounds_col.values.to_numpy(), bounds_col.offsets.to_numpy()
+        table = pa.ipc.open_stream(f).read_all()
+    ids_all, ids_offs = list_column(table.column("ids"))
+    b_all, b_offs = list_column(table.column("bounds"))
     for i, doc_id in enumerate(table.column("doc_id").to_pylist()):
         yield doc_id, ids_all[ids_offs[i]:ids_offs[i + 1]], b_all[b_offs[i]:b_offs[i + 1]]
 
