@@ -66,6 +66,13 @@ def _line_before_is_blank(stream: BinaryIO, pos: int, chunk: int = 1 << 16) -> b
         end = lo
 
 
+def _surely_not_blank(raw: bytes) -> bool:
+    """True when ``clean_line`` surely keeps something of this line: its first non-space byte is
+    printable ASCII (control characters, NBSP and other Unicode spaces need the full check)."""
+    s = raw.lstrip()
+    return bool(s) and 32 < s[0] < 127
+
+
 def iter_bert_format(stream: BinaryIO, start: int = 0, end: int | None = None
                      ) -> Iterator[tuple[int, list[str]] | tuple[str, str]]:
     """One sentence per line, blank line between documents. Yields (byte offset, sentences) for
@@ -82,13 +89,16 @@ def iter_bert_format(stream: BinaryIO, start: int = 0, end: int | None = None
         stream.seek(pos)
     try:
         for raw in stream:
+            if not sents and not prev_blank and _surely_not_blank(raw):
+                pos += len(raw)  # the tail of a document that started before ``start``: skip it cheaply
+                continue
             line, repaired = decode_bytes(raw)
             if repaired:
                 yield ("!event", "repaired_non_utf8")
             line = clean_line(line)
             if line:
                 if not sents:
-                    if not prev_blank:  # the tail of a document that started before ``start``
+                    if not prev_blank:
                         pos += len(raw)
                         continue
                     if end is not None and pos >= end:

@@ -13,7 +13,9 @@ import unicodedata
 import blingfire
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ufffe\uffff]")
-_SPACES = re.compile(r"[ \t\u00a0\u2000-\u200b\u3000]+")
+_SPACE_CHARS = r"[ \t\u00a0\u2000-\u200b\u3000]"
+# Only runs that need rewriting match (a lone plain space does not): sub() is then ~2x faster.
+_SPACES = re.compile(rf"[\t\u00a0\u2000-\u200b\u3000]{_SPACE_CHARS}*| {_SPACE_CHARS}+")
 _BLANK_LINES = re.compile(r"\n\s*\n")
 
 
@@ -27,7 +29,8 @@ def decode_bytes(data: bytes) -> tuple[str, bool]:
 
 def clean_line(text: str) -> str:
     """NFC-normalize, drop control characters, collapse runs of spaces."""
-    text = unicodedata.normalize("NFC", text)
+    if not text.isascii():  # ASCII is already NFC
+        text = unicodedata.normalize("NFC", text)
     text = _CONTROL.sub(" ", text)
     return _SPACES.sub(" ", text).strip()
 

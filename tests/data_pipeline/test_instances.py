@@ -194,9 +194,10 @@ def test_bert_format_byte_ranges_read_every_document_once():
     for _ in range(300):
         lines = []
         for _doc in range(r.randint(0, 6)):
-            lines += [r.choice(["a b.", "  lead", "x" * r.randint(1, 30), "ü é"]) + ("\r" if r.random() < 0.1 else "")
-                      for _ in range(r.randint(1, 4))]
-            lines += [r.choice(["", "  ", "\t"]) for _ in range(r.randint(1, 3))]
+            lines += [r.choice(["a b.", "  lead", "x" * r.randint(1, 30), "ü é", "\x01ctl", "\u00a0nb"])
+                      + ("\r" if r.random() < 0.1 else "") for _ in range(r.randint(1, 4))]
+            # blank after cleaning too: control characters and Unicode spaces only
+            lines += [r.choice(["", "  ", "\t", "\x01", "\u00a0", " \u3000\x7f"]) for _ in range(r.randint(1, 3))]
         data = ("\n".join(lines) + r.choice(["", "\n"])).encode()
         whole = [x for x in iter_bert_format(io.BytesIO(data)) if x[0] != "!event"]
         cuts = sorted(r.sample(range(1, len(data) + 1), min(len(data), r.randint(0, 5))))
@@ -204,3 +205,12 @@ def test_bert_format_byte_ranges_read_every_document_once():
         got = [x for a, b in zip(bounds[:-1], bounds[1:])
                for x in iter_bert_format(io.BytesIO(data), a, b) if x[0] != "!event"]
         assert got == whole, (data, bounds)
+
+
+def test_bert_format_range_size_balances_small_inputs_and_caps_large_ones():
+    from data_pipeline.transforms import ReadBertFormatText
+
+    auto = ReadBertFormatText.auto_split_bytes
+    assert auto(10 << 20) == 1 << 20  # the 10 MB reference workload: 10 ranges, not 8 MB + 2 MB
+    assert auto(64 << 20) == 2 << 20
+    assert auto(10 << 30) == 8 << 20 and auto(1000) == 1 << 20

@@ -99,3 +99,22 @@ def test_gutenberg_and_text_helpers():
     assert decode_bytes(b"ok \xff bad") == ("ok   bad", True)
     parts = cut_long_sentence("word " * 100, 50)
     assert all(len(p) <= 50 for p in parts) and " ".join(parts).split() == ["word"] * 100
+
+
+def test_clean_line_equals_its_plain_definition():
+    """clean_line's fast regexes == NFC, controls -> space, every whitespace run -> one space, strip."""
+    import random
+    import re
+    import unicodedata
+
+    from data_pipeline.text import clean_line
+
+    def plain(t: str) -> str:
+        t = re.sub(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ufffe\uffff]", " ", unicodedata.normalize("NFC", t))
+        return re.sub(r"[ \t\u00a0\u2000-\u200b\u3000]+", " ", t).strip()
+
+    r = random.Random(0)
+    alphabet = [" ", "  ", "\t", "\u00a0", "\u2003", "\u200b", "\u3000", "a", "Z", "\x01", "\x7f", "e\u0301", "\ufffe", "\u2028"]
+    for _ in range(5000):
+        s = "".join(r.choice(alphabet) for _ in range(r.randrange(14)))
+        assert clean_line(s) == plain(s), repr(s)
