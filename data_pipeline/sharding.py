@@ -72,4 +72,4 @@ def place_bucket(bucket: int, batch: InstanceBatch, ranks: tuple[dict[int, tuple
     shard = np.searchsorted(starts, ranks_of_rows, side="right") - 1
     cuts = np.flatnonzero(np.diff(shard)) + 1
     for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(batch)]):
-        yield int(shard[lo]), batch.take(np.arange(lo, hi))
+        yield int(shard[lo]), batch.slice(lo, hi)

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import time
+from itertools import repeat
 
 import apache_beam as beam
 import numpy as np
@@ -308,7 +309,7 @@ class _TokenizeDoFn(beam.DoFn):
         if not sents:
             count("skipped_empty_document")
             return
-        count("input_words", sum(s.count(" ") + 1 for s in sents))
+        count("input_words", sum(map(str.count, sents, repeat(" "))) + len(sents))  # words = spaces + 1
         ids, bounds = self.encoder.encode_document(sents)
         n = len(bounds) - 1
         if n < self.min_sentences:

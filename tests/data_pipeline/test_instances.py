@@ -214,3 +214,11 @@ def test_bert_format_range_size_balances_small_inputs_and_caps_large_ones():
     assert auto(10 << 20) == 1 << 20  # the 10 MB reference workload: 10 ranges, not 8 MB + 2 MB
     assert auto(64 << 20) == 2 << 20
     assert auto(10 << 30) == 8 << 20 and auto(1000) == 1 << 20
+
+
+def test_slice_equals_take_of_a_range():
+    b, _ = build(synthetic_docs(3, 30), params())
+    for lo, hi in ((0, len(b)), (3, 9), (5, 5), (len(b) - 1, len(b))):
+        s, t = b.slice(lo, hi), b.take(np.arange(lo, hi))
+        for f in ("keys", "ids", "ids_offsets", "num_a", "nsp", "mpos", "mids", "m_offsets"):
+            assert np.array_equal(getattr(s, f), getattr(t, f)), (f, lo, hi)
