@@ -1,10 +1,12 @@
 """``run()``: wire sources -> sentences -> tokens -> instances -> shards, then commit atomically.
 
 The commit protocol (so a killed run never leaves a manifest pointing at partial shards):
-  1. Beam writes every shard and a ``.json`` sidecar into ``<output>/.staging-<run>/``.
+  1. Beam writes every shard and a ``.json`` sidecar into ``<output>/.staging-<run>/``
+     (on an object store, straight into ``<output>/shards-<run>/``: see output_dir.py).
   2. After the pipeline finished, the driver checks that every shard is there with its
      recorded size, renames the staging dir to ``<output>/shards-<run>/`` and writes
-     ``manifest.json`` through a temporary file and a rename. That rename is the commit.
+     ``manifest.json`` through a temporary file and a rename (on an object store, in one
+     PUT). Writing the manifest is the commit.
   3. Older ``shards-*`` dirs and stale ``.staging-*`` dirs are removed afterwards.
 A run killed before step 2 leaves the previous manifest (if any) pointing at the previous,
 complete shards; a re-run replaces both cleanly.
@@ -12,10 +14,8 @@ complete shards; a re-run replaces both cleanly.
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import logging
 import os
-import shutil
 import time
 import uuid
 from pathlib import Path
@@ -25,12 +25,13 @@ import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from bertdist.config import from_dict, to_dict
-from bertdist.data.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, write_manifest_atomic
+from bertdist.data.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME
 from bertdist.data.records import record_schema
 from bertdist.data.vocab import load_vocab, special_token_ids, vocab_sha256
 from data_pipeline.config import DataConfig, InputConfig
 from data_pipeline.instance_batch import InstanceBatch
 from data_pipeline.instances import InstanceParams, unit_hash
+from data_pipeline.output_dir import OutputDir
 from data_pipeline.tokenization import vocab_is_cased
 from data_pipeline.transforms import (
     DIRECTORY_SUFFIX, NS, CreateInstances, ReadBertFormatText, ReadBooks, ReadJsonLines, ReadWikipediaDump,
@@ -154,24 +155,22 @@ def run(cfg: DataConfig, pipeline_args: Sequence[str] | None = None) -> dict[str
     t0 = time.time()
     tokens = load_vocab(cfg.vocab)
     lowercase = cfg.lowercase if cfg.lowercase is not None else not vocab_is_cased(tokens)
-    out = Path(cfg.output)
-    out.mkdir(parents=True, exist_ok=True)
+    out = OutputDir(cfg.output)
     run_id = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
-    staging = out / f".staging-{run_id}"
-    staging.mkdir()
+    staging, final = out.prepare(run_id)
     args = list(default_pipeline_args() if pipeline_args is None else pipeline_args)
     options = PipelineOptions(args)
-    log.info("data build: %d input(s) -> %s (run %s), Beam args %s", len(cfg.inputs), out, run_id, args)
+    log.info("data build: %d input(s) -> %s (run %s), Beam args %s", len(cfg.inputs), out.url, run_id, args)
     p = beam.Pipeline(options=options)
-    build_pipeline(p, cfg, str(staging), tokens, lowercase)
+    build_pipeline(p, cfg, staging, tokens, lowercase)
     result = p.run()
     result.wait_until_finish()
     counters = _query_counters(result)
-    manifest = _commit(cfg, out, staging, run_id, tokens, lowercase, counters, args, time.time() - t0)
+    manifest = _commit(cfg, out, staging, final, run_id, tokens, lowercase, counters, args, time.time() - t0)
     return manifest
 
 
-def _write_empty_shard(path: Path, vocab_size: int, cfg: DataConfig) -> dict[str, Any]:
+def _write_empty_shard(path: str, vocab_size: int, cfg: DataConfig) -> dict[str, Any]:
     import hashlib
     import io
 
@@ -181,37 +180,37 @@ def _write_empty_shard(path: Path, vocab_size: int, cfg: DataConfig) -> dict[str
     pq.write_table(InstanceBatch.empty("uint16" if vocab_size < 65536 else "uint32").to_arrow(vocab_size), buf,
                    row_group_size=cfg.row_group_size, compression=cfg.compression, write_statistics=False)
     data = buf.getvalue()
-    path.write_bytes(data)
-    return {"path": path.name, "rows": 0, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+    OutputDir.write_bytes(path, data)
+    return {"path": path.rsplit("/", 1)[-1], "rows": 0, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
             "tokens": 0, "masked_tokens": 0, "random_next": 0}
 
 
-def _commit(cfg, out: Path, staging: Path, run_id: str, tokens, lowercase, counters, args, wall) -> dict[str, Any]:
-    final_dir = out / f"shards-{run_id}"
+def _commit(cfg, out: OutputDir, staging: str, final: str, run_id: str, tokens, lowercase, counters, args,
+            wall) -> dict[str, Any]:
     splits: dict[str, Any] = {}
     totals = {"instances": 0, "tokens": 0, "masked_tokens": 0, "random_next": 0}
     for split, n in (("train", cfg.num_shards), ("heldout", cfg.heldout_num_shards)):
         entries = []
         for i in range(n):
             name = shard_name(split, i, n)
-            side = staging / f"{name}.json"
-            if side.is_file():
-                st = json.loads(side.read_text())
-                if (staging / name).stat().st_size != st["bytes"]:
-                    raise RuntimeError(f"{staging / name}: size differs from what the writer recorded")
-                side.unlink()
+            shard, side = f"{staging}/{name}", f"{staging}/{name}.json"
+            if out.exists(side):
+                st = out.read_json(side)
+                if out.size(shard) != st["bytes"]:
+                    raise RuntimeError(f"{shard}: size differs from what the writer recorded")
+                out.delete([side])
             else:  # no rows reached this shard (tiny corpus): an empty, valid shard keeps N fixed
-                st = _write_empty_shard(staging / name, len(tokens), cfg)
+                st = _write_empty_shard(shard, len(tokens), cfg)
             for k in totals:
                 totals[k] += st["rows" if k == "instances" else k]
-            entries.append({"path": f"{final_dir.name}/{name}", "rows": st["rows"], "bytes": st["bytes"],
+            entries.append({"path": f"{final}/{name}", "rows": st["rows"], "bytes": st["bytes"],
                             "sha256": st["sha256"]})
         rows = [e["rows"] for e in entries]
         splits[split] = {"rows": sum(rows), "num_shards": n, "max_row_difference": max(rows) - min(rows),
                          "shards": entries}
-    for scratch in ("docs", "parts", "runs"):  # spilled documents and rows (now in shards); emptied part dir
-        shutil.rmtree(staging / scratch, ignore_errors=True)
-    staging.rename(final_dir)
+    # spilled documents and rows (now in shards) and the emptied part dir
+    out.delete_dirs([f"{staging}/{d}" for d in ("docs", "parts", "runs") if out.exists(f"{staging}/{d}")])
+    out.finish(staging, final)
     nsp_total = totals["instances"] if cfg.objective != "none" else 0
     manifest = {
         "format": FORMAT_NAME,
@@ -245,10 +244,8 @@ def _commit(cfg, out: Path, staging: Path, run_id: str, tokens, lowercase, count
         "beam_args": list(args),
         "wall_seconds": round(wall, 3),
     }
-    write_manifest_atomic(manifest, out / MANIFEST_NAME)
-    for old in out.iterdir():  # the commit is done; older outputs are garbage now
-        if old.is_dir() and old != final_dir and (old.name.startswith("shards-") or old.name.startswith(".staging-")):
-            shutil.rmtree(old, ignore_errors=True)
+    out.write_manifest(manifest, MANIFEST_NAME)  # the commit
+    out.remove_other_runs(keep=final)  # older outputs and dead runs' staging dirs are garbage now
     return manifest
 
 
@@ -269,8 +266,9 @@ def parse_input(spec: str) -> InputConfig:
 
 
 def build_records(inputs: Sequence[str], output: str | os.PathLike, vocab: str | os.PathLike, *,
-                  in_process: bool = True, pipeline_args: Sequence[str] | None = None, **overrides) -> Path:
-    """Small-corpus helper for the demo and tests: build records, return the manifest path.
+                  in_process: bool = True, pipeline_args: Sequence[str] | None = None, **overrides) -> Path | str:
+    """Small-corpus helper for the demo and tests: build records, return the manifest path (a
+    ``Path`` for local output, a URL string otherwise).
 
     ``inputs``: ``KIND:PATH`` strings (see :func:`parse_input`); ``overrides``: DataConfig fields
     (e.g. ``max_seq_length=64, dupe_factor=1, num_shards=2``). ``in_process=True`` runs the
@@ -282,4 +280,5 @@ def build_records(inputs: Sequence[str], output: str | os.PathLike, vocab: str |
     if pipeline_args is None and in_process:
         pipeline_args = ["--runner=DirectRunner", "--direct_running_mode=in_memory", "--direct_num_workers=1"]
     run(cfg, pipeline_args)
-    return Path(output) / MANIFEST_NAME
+    out = OutputDir(os.fspath(output))
+    return Path(out.url) / MANIFEST_NAME if out.local else out.join(MANIFEST_NAME)

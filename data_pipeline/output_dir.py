@@ -1,0 +1,98 @@
+"""The build's output directory on any filesystem Beam knows (local, gs://, s3://, hdfs://).
+
+Local output keeps the POSIX commit: shards are staged in ``.staging-<run>/``, the directory is
+renamed to ``shards-<run>/`` and the manifest is written through a temporary file and a rename.
+Object stores have no directory rename (it would be a copy of every shard) but write an object
+atomically, so there Beam writes straight into ``shards-<run>/`` and the manifest, written last
+in one piece, is the commit: a directory no manifest names is garbage, removed by the next
+successful run in both cases.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from apache_beam.io.filesystem import BeamIOError
+from apache_beam.io.filesystems import FileSystems
+
+from bertdist.data.manifest import write_manifest_atomic
+
+STAGING_PREFIX, SHARDS_PREFIX = ".staging-", "shards-"
+
+
+class OutputDir:
+    def __init__(self, url: str):
+        self.url = url.rstrip("/") if url.rstrip("/") else url
+        self.local = FileSystems.get_scheme(self.url) in (None, "file")
+
+    def join(self, *parts: str) -> str:
+        return FileSystems.join(self.url, *parts)
+
+    def prepare(self, run_id: str) -> tuple[str, str]:
+        """(staging dir Beam writes into, final shard dir name) for a new run."""
+        final = f"{SHARDS_PREFIX}{run_id}"
+        if not self.local:
+            return self.join(final), final
+        staging = Path(self.url) / f"{STAGING_PREFIX}{run_id}"
+        staging.mkdir(parents=True)
+        return str(staging), final
+
+    # ---- files the driver reads and writes at commit time (small) ----
+    @staticmethod
+    def exists(path: str) -> bool:
+        return FileSystems.exists(path)
+
+    @staticmethod
+    def size(path: str) -> int:
+        return FileSystems.get_filesystem(path).size(path)
+
+    @staticmethod
+    def read_json(path: str) -> Any:
+        with FileSystems.open(path) as f:
+            return json.loads(f.read().decode("utf-8"))
+
+    @staticmethod
+    def write_bytes(path: str, data: bytes) -> None:
+        with FileSystems.create(path) as f:
+            f.write(data)
+
+    @staticmethod
+    def delete(paths: list[str]) -> None:
+        """Delete files or whole directories; missing ones are fine (a retried commit)."""
+        try:
+            FileSystems.delete(paths)
+        except BeamIOError as e:
+            if any(FileSystems.exists(p) for p in e.exception_details):
+                raise
+
+    def delete_dirs(self, dirs: list[str]) -> None:
+        """Whole directories: a local path names the directory, an object-store prefix needs
+        its trailing slash."""
+        self.delete([d.rstrip("/") + ("" if self.local else "/") for d in dirs])
+
+    # ---- the commit ----
+    def finish(self, staging: str, final: str) -> None:
+        """Local: rename the staging dir to its final name (atomic). Remote: it already is."""
+        if self.local:
+            os.rename(staging, os.path.join(self.url, final))
+
+    def write_manifest(self, manifest: dict[str, Any], name: str) -> None:
+        if self.local:
+            write_manifest_atomic(manifest, os.path.join(self.url, name))
+        else:  # one object PUT: readers see the old manifest or the new one, never a part
+            self.write_bytes(self.join(name), (json.dumps(manifest, indent=2) + "\n").encode())
+
+    def remove_other_runs(self, keep: str) -> None:
+        """Delete every ``shards-*`` / ``.staging-*`` dir except ``keep`` (the committed one)."""
+        if self.local:
+            for old in Path(self.url).iterdir():
+                if old.is_dir() and old.name != keep and old.name.startswith((SHARDS_PREFIX, STAGING_PREFIX)):
+                    shutil.rmtree(old, ignore_errors=True)
+            return
+        tops = {m.path[len(self.url) + 1:].split("/", 1)[0] for m in FileSystems.match([self.join("**")])[0].metadata_list}
+        dirs = sorted(self.join(t) for t in tops if t != keep and t.startswith((SHARDS_PREFIX, STAGING_PREFIX)))
+        if dirs:
+            self.delete_dirs(dirs)
