@@ -1,0 +1,855 @@
+// Native twin of data_pipeline/instances.py::create_instances (no torch: Beam workers load it).
+//
+// One call builds every dupe of one tokenized document and returns the columns of
+// InstanceBatch.concat([create_instances(..., d) for d in range(dupe_factor)]) plus the
+// InstanceStats counts. The Python code stays the readable reference and the test oracle; this
+// file must give BITWISE the same output, so it replays the reference's random draws one for
+// one: CPython's random.Random (MT19937) for the segment choices, numpy's PCG64 Generator for
+// the masking, splitmix64 for the row keys. Every helper below names the Python it mirrors.
+//
+// Supported: objectives nsp | sop | none, short_seq_prob, static masking without whole-word
+// masking, dynamic masking. Whole-word masking stays on the Python path (the caller falls back).
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+// ------------------------------------------------------------------ CPython random.Random
+
+// MT19937 exactly as CPython's Modules/_randommodule.c seeds and runs it.
+class PyRandom {
+ public:
+  // random.Random(seed) for an int seed: init_by_array over the 32-bit little-endian words
+  // of abs(seed), at least one word (seed 0 -> one zero word). Our seeds are 64-bit.
+  explicit PyRandom(uint64_t seed) {
+    uint32_t key[2] = {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)};
+    init_by_array(key, (seed >> 32) ? 2 : 1);
+  }
+
+  uint32_t genrand() {
+    static const uint32_t mag01[2] = {0x0U, 0x9908b0dfU};
+    uint32_t y;
+    if (index_ >= N) {  // generate N words at one time
+      int kk;
+      for (kk = 0; kk < N - M; kk++) {
+        y = (mt_[kk] & 0x80000000U) | (mt_[kk + 1] & 0x7fffffffU);
+        mt_[kk] = mt_[kk + M] ^ (y >> 1) ^ mag01[y & 0x1U];
+      }
+      for (; kk < N - 1; kk++) {
+        y = (mt_[kk] & 0x80000000U) | (mt_[kk + 1] & 0x7fffffffU);
+        mt_[kk] = mt_[kk + (M - N)] ^ (y >> 1) ^ mag01[y & 0x1U];
+      }
+      y = (mt_[N - 1] & 0x80000000U) | (mt_[0] & 0x7fffffffU);
+      mt_[N - 1] = mt_[M - 1] ^ (y >> 1) ^ mag01[y & 0x1U];
+      index_ = 0;
+    }
+    y = mt_[index_++];
+    y ^= (y >> 11);
+    y ^= (y << 7) & 0x9d2c5680U;
+    y ^= (y << 15) & 0xefc60000U;
+    y ^= (y >> 18);
+    return y;
+  }
+
+  // random.random(): 53 bits from two draws, a*2**26 + b over 2**53.
+  double random() {
+    uint32_t a = genrand() >> 5, b = genrand() >> 6;
+    return (a * 67108864.0 + b) * (1.0 / 9007199254740992.0);
+  }
+
+  // popcount(getrandbits(k)), k >= 1: the reference only counts the ones (Binomial(k, 1/2)).
+  // k <= 32 is one draw, top k bits; otherwise 32-bit words, the last one keeps its top k % 32.
+  int64_t getrandbits_popcount(int64_t k) {
+    if (k <= 32) return __builtin_popcount(genrand() >> (32 - k));
+    int64_t ones = 0;
+    for (; k > 0; k -= 32) {
+      uint32_t r = genrand();
+      if (k < 32) r >>= (32 - k);
+      ones += __builtin_popcount(r);
+    }
+    return ones;
+  }
+
+  // instances.py::_below: int(rng.random() * n) (truncation toward zero, as int() does).
+  int64_t below(int64_t n) { return static_cast<int64_t>(random() * static_cast<double>(n)); }
+
+ private:
+  static constexpr int N = 624, M = 397;
+  uint32_t mt_[N];
+  int index_ = N;
+
+  void init_genrand(uint32_t s) {
+    mt_[0] = s;
+    for (int i = 1; i < N; i++) mt_[i] = 1812433253U * (mt_[i - 1] ^ (mt_[i - 1] >> 30)) + static_cast<uint32_t>(i);
+    index_ = N;
+  }
+
+  void init_by_array(const uint32_t* key, size_t key_length) {
+    init_genrand(19650218U);
+    size_t i = 1, j = 0;
+    for (size_t k = std::max<size_t>(N, key_length); k; k--) {
+      mt_[i] = (mt_[i] ^ ((mt_[i - 1] ^ (mt_[i - 1] >> 30)) * 1664525U)) + key[j] + static_cast<uint32_t>(j);
+      i++, j++;
+      if (i >= N) mt_[0] = mt_[N - 1], i = 1;
+      if (j >= key_length) j = 0;
+    }
+    for (size_t k = N - 1; k; k--) {
+      mt_[i] = (mt_[i] ^ ((mt_[i - 1] ^ (mt_[i - 1] >> 30)) * 1566083941U)) - static_cast<uint32_t>(i);
+      i++;
+      if (i >= N) mt_[0] = mt_[N - 1], i = 1;
+    }
+    mt_[0] = 0x80000000U;  // MSB is 1: a non-zero initial array
+  }
+};
+
+// bisect.bisect_left(a, x, lo, hi).
+inline int64_t bisect_left(const int64_t* a, int64_t x, int64_t lo, int64_t hi) {
+  while (lo < hi) {
+    int64_t mid = lo + (hi - lo) / 2;
+    if (a[mid] < x) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
+// ------------------------------------------------------------------ numpy PCG64 Generator
+
+// numpy's PCG64 (pcg_setseq_128_xsl_rr_64) with the bit generator's uint32 buffer. The 128-bit
+// state is a GCC/Clang unsigned __int128, as in numpy's own build on x86-64.
+class Pcg64 {
+ public:
+  using u128 = unsigned __int128;
+
+  Pcg64(uint64_t state_hi, uint64_t state_lo, uint64_t inc_hi, uint64_t inc_lo)
+      : state_((static_cast<u128>(state_hi) << 64) | state_lo), inc_((static_cast<u128>(inc_hi) << 64) | inc_lo) {}
+
+  // Step the LCG, then XSL-RR output of the new state.
+  uint64_t next64() {
+    state_ = state_ * kMult + inc_;
+    return output(state_);
+  }
+
+  // Generator.random(): 53 high bits of a 64-bit draw.
+  double next_double() { return to_double(next64()); }
+
+  // Generator.random(n) into out: the same n values as n next_double() calls. The LCG is one
+  // long dependency chain of 128-bit multiplies; two interleaved chains (even and odd steps,
+  // each jumping two steps: s' = s * mult^2 + inc * (mult + 1)) run about twice as fast.
+  void fill_doubles(double* out, int64_t n) {
+    if (n <= 0) return;
+    const u128 mult2 = kMult * kMult, inc2 = inc_ * (kMult + 1);
+    u128 even = state_ * kMult + inc_;  // state after step 1
+    u128 odd = even * kMult + inc_;     // after step 2
+    int64_t j = 0;
+    for (; j + 1 < n; j += 2) {
+      out[j] = to_double(output(even));
+      out[j + 1] = to_double(output(odd));
+      state_ = odd;
+      even = even * mult2 + inc2;
+      odd = odd * mult2 + inc2;
+    }
+    if (j < n) {
+      out[j] = to_double(output(even));
+      state_ = even;
+    }
+  }
+
+  // PCG64's next_uint32: the low half of a 64-bit draw first, the high half buffered for the next call.
+  uint32_t next32() {
+    if (has_uint32_) {
+      has_uint32_ = false;
+      return buffered_;
+    }
+    uint64_t next = next64();
+    has_uint32_ = true;
+    buffered_ = static_cast<uint32_t>(next >> 32);
+    return static_cast<uint32_t>(next);
+  }
+
+  // One value of Generator.integers(0, high) (int64 default dtype), rng = high - 1 as numpy's
+  // random_bounded_uint64_fill names it: ranges up to 32 bits use 32-bit draws, with Lemire's
+  // multiply-and-reject (buffered_bounded_lemire_uint32); rng == 2**32 - 1 takes the draw as is.
+  uint64_t bounded(uint64_t rng) {
+    if (rng == 0) return 0;
+    if (rng == 0xFFFFFFFFULL) return next32();
+    const uint32_t rng_excl = static_cast<uint32_t>(rng) + 1;
+    uint64_t m = static_cast<uint64_t>(next32()) * rng_excl;
+    uint32_t leftover = static_cast<uint32_t>(m);
+    if (leftover < rng_excl) {
+      const uint32_t threshold = (UINT32_MAX - static_cast<uint32_t>(rng)) % rng_excl;
+      while (leftover < threshold) {
+        m = static_cast<uint64_t>(next32()) * rng_excl;
+        leftover = static_cast<uint32_t>(m);
+      }
+    }
+    return m >> 32;
+  }
+
+ private:
+  static constexpr u128 kMult = (static_cast<u128>(0x2360ED051FC65DA4ULL) << 64) | 0x4385DF649FCCF645ULL;
+
+  static uint64_t output(u128 state) {  // XSL-RR
+    uint64_t x = static_cast<uint64_t>(state >> 64) ^ static_cast<uint64_t>(state);
+    unsigned rot = static_cast<unsigned>(state >> 122);
+    return (x >> rot) | (x << ((64 - rot) & 63));
+  }
+  static double to_double(uint64_t x) { return static_cast<double>(x >> 11) * (1.0 / 9007199254740992.0); }
+
+  u128 state_, inc_;
+  bool has_uint32_ = false;  // a fresh np.random.PCG64 has an empty buffer
+  uint32_t buffered_ = 0;
+};
+
+// instances.py::row_keys: splitmix64 of base + j * golden, j = 1..m (uint64 wrap-around).
+inline uint64_t row_key(uint64_t base, uint64_t j) {
+  uint64_t z = base + j * 0x9E3779B97F4A7C15ULL;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+// _mask_rows' per-row budget: min(max_pred, max(1, rint(len * prob))) capped by the candidates.
+// np.rint rounds half to even, which nearbyint does in the default rounding mode.
+inline int64_t mask_budget(int64_t length, double prob, int64_t max_predictions, int64_t candidates) {
+  int64_t want = std::max<int64_t>(1, static_cast<int64_t>(std::nearbyint(static_cast<double>(length) * prob)));
+  return std::min(std::min(max_predictions, want), candidates);
+}
+
+// ------------------------------------------------------------------ inputs
+
+enum class Objective { nsp, sop, none };
+
+struct Params {
+  int64_t max_seq_length;
+  double short_seq_prob;
+  Objective objective;
+  double nsp_random_prob;
+  bool static_masking;
+  double masked_lm_prob;
+  int64_t max_predictions_per_seq;
+  uint32_t cls_id, sep_id, mask_id;
+  uint64_t vocab_size;
+};
+
+// Whether `a` holds V values in native byte order. Not dtype identity (dtype.is): an array that
+// went through pickling (Beam) has an equal but distinct dtype object.
+template <typename V>
+bool has_dtype(const py::array& a) {
+  return py::isinstance<py::array_t<V>>(a);
+}
+
+// The NSP negative pool, packed once per pool object and checked once (not once per document):
+// window w holds ids[id_offsets[w]:id_offsets[w+1]] and relative sentence bounds
+// bounds[bound_offsets[w]:bound_offsets[w+1]]; doc[w] numbers its document, so "the window
+// comes from another document" (w[1] != doc_id in Python) is doc[w] != the current doc's number.
+class NegativePool {
+ public:
+  NegativePool(py::array ids_in, py::array id_offsets_in, py::array bounds_in, py::array bound_offsets_in, py::array doc_in)
+      : ids_(std::move(ids_in)), id_offsets_(std::move(id_offsets_in)), bounds_(std::move(bounds_in)),
+        bound_offsets_(std::move(bound_offsets_in)), doc_(std::move(doc_in)) {
+    check_1d_contiguous(ids_, "pool ids");
+    for (auto* a : {&id_offsets_, &bounds_, &bound_offsets_, &doc_}) {
+      const char* what = a == &id_offsets_ ? "pool id_offsets" : a == &bounds_ ? "pool bounds"
+                         : a == &bound_offsets_ ? "pool bound_offsets" : "pool doc";
+      check_1d_contiguous(*a, what);
+      if (!has_dtype<int64_t>(*a))
+        throw py::value_error(std::string(what) + ": expected dtype int64, got " + dtype_name(*a));
+    }
+    if (!has_dtype<uint16_t>(ids_) && !has_dtype<uint32_t>(ids_))
+      throw py::value_error("pool ids: expected dtype uint16 or uint32, got " + dtype_name(ids_));
+    size_ = static_cast<int64_t>(id_offsets_.shape(0)) - 1;
+    if (size_ < 0) throw py::value_error("pool id_offsets: expected at least one entry (0), got an empty array");
+    if (bound_offsets_.shape(0) != id_offsets_.shape(0))
+      throw py::value_error("pool bound_offsets: expected " + std::to_string(size_ + 1) + " entries (windows + 1), got " +
+                            std::to_string(bound_offsets_.shape(0)));
+    if (doc_.shape(0) != size_)
+      throw py::value_error("pool doc: expected " + std::to_string(size_) + " entries (one per window), got " +
+                            std::to_string(doc_.shape(0)));
+    const int64_t* io = id_offsets();
+    const int64_t* bo = bound_offsets();
+    const int64_t* b = bounds_data();
+    if (io[0] != 0 || io[size_] != ids_.shape(0))
+      throw py::value_error("pool id_offsets: expected to run from 0 to len(ids) = " + std::to_string(ids_.shape(0)) +
+                            ", got " + std::to_string(io[0]) + " .. " + std::to_string(io[size_]));
+    if (bo[0] != 0 || bo[size_] != bounds_.shape(0))
+      throw py::value_error("pool bound_offsets: expected to run from 0 to len(bounds) = " +
+                            std::to_string(bounds_.shape(0)) + ", got " + std::to_string(bo[0]) + " .. " +
+                            std::to_string(bo[size_]));
+    for (int64_t w = 0; w < size_; w++) {
+      if (io[w + 1] < io[w] || bo[w + 1] < bo[w])
+        throw py::value_error("pool offsets: not non-decreasing at window " + std::to_string(w));
+      int64_t nb = bo[w + 1] - bo[w];
+      const int64_t* wb = b + bo[w];
+      // a window is whole sentences: bounds 0 < ... < len(window ids), at least one sentence
+      bool ok = nb >= 2 && wb[0] == 0 && wb[nb - 1] == io[w + 1] - io[w];
+      for (int64_t j = 1; ok && j < nb; j++) ok = wb[j] > wb[j - 1];
+      if (!ok)
+        throw py::value_error("pool window " + std::to_string(w) +
+                              ": expected sentence bounds 0 < ... < len(window ids) = " +
+                              std::to_string(io[w + 1] - io[w]) + " (strictly increasing, >= 2 entries)");
+    }
+  }
+
+  int64_t size() const { return size_; }
+  py::dtype dtype() const { return ids_.dtype(); }
+  bool wide() const { return has_dtype<uint32_t>(ids_); }  // uint32 ids, else uint16
+  template <typename T>
+  const T* ids() const { return static_cast<const T*>(ids_.data()); }
+  const int64_t* id_offsets() const { return static_cast<const int64_t*>(id_offsets_.data()); }
+  const int64_t* bounds_data() const { return static_cast<const int64_t*>(bounds_.data()); }
+  const int64_t* bound_offsets() const { return static_cast<const int64_t*>(bound_offsets_.data()); }
+  const int64_t* doc() const { return static_cast<const int64_t*>(doc_.data()); }
+
+  static std::string dtype_name(const py::array& a) { return py::str(a.dtype()).cast<std::string>(); }
+  static void check_1d_contiguous(const py::array& a, const char* what) {
+    if (a.ndim() != 1) throw py::value_error(std::string(what) + ": expected a 1-D array, got " + std::to_string(a.ndim()) + "-D");
+    if (!(a.flags() & py::array::c_style))
+      throw py::value_error(std::string(what) + ": expected a C-contiguous array (np.ascontiguousarray)");
+  }
+
+ private:
+  py::array ids_, id_offsets_, bounds_, bound_offsets_, doc_;  // kept alive for the raw pointers
+  int64_t size_ = 0;
+};
+
+// ------------------------------------------------------------------ the builder
+
+struct Stats {
+  int64_t instances = 0, random_next = 0, negatives_unavailable = 0, skipped_short_sentence = 0;
+};
+
+template <typename T>
+struct Span {  // a segment: a slice of the document's or of a pool window's ids
+  const T* data = nullptr;
+  int64_t size = 0;
+};
+
+template <typename T>
+struct Columns {  // InstanceBatch's columns, all dupes concatenated
+  std::vector<uint64_t> keys;
+  std::vector<T> ids;
+  std::vector<int64_t> ids_offsets{0};
+  std::vector<uint16_t> num_a;
+  std::vector<int8_t> nsp;
+  std::vector<uint16_t> mpos;
+  std::vector<T> mids;
+  std::vector<int64_t> m_offsets{0};
+  Stats stats;
+};
+
+// instances.py::_trim: drop `remove` tokens, a coin per token for front or back.
+template <typename T>
+Span<T> trim(Span<T> s, int64_t remove, PyRandom& rng) {
+  if (remove <= 0) return s;
+  int64_t front = rng.getrandbits_popcount(remove);
+  return {s.data + front, s.size - remove};
+}
+
+// instances.py::_truncation_counts.
+std::pair<int64_t, int64_t> truncation_counts(int64_t la, int64_t lb, int64_t max_tokens) {
+  int64_t ex = la + lb - max_tokens, ra = 0, rb = 0;
+  if (ex <= 0) return {0, 0};
+  if (la > lb) {
+    int64_t d = std::min(ex, la - lb);
+    ra = d, ex -= d;
+  } else if (lb > la) {
+    int64_t d = std::min(ex, lb - la);
+    rb = d, ex -= d;
+  }
+  rb += (ex + 1) / 2;
+  ra += ex / 2;
+  return {ra, rb};
+}
+
+// _mask_rows' selection for one row (see DocumentBuilder::mask_rows), with its scratch space.
+class SmallestKeys {
+ public:
+  // Appends to `chosen` start + the positions of a row's `budget` smallest keys among its
+  // candidates (positions 1..end-1 but sep_a), ascending. A plain nth_element over random
+  // doubles is bound by branch mispredictions, so this narrows down first, branch-free:
+  // (1) The keys are uniform, so the budget-th smallest lies near budget / ncand: the candidates
+  //     with keys below a cut a few standard deviations above that are kept, in position order
+  //     (about budget + 4 sqrt(budget) of them), or all candidates when fewer than `budget` pass
+  //     (rare). The cut only filters: the `budget` smallest are always among the kept.
+  // (2) A histogram of the kept keys over [0, cut) finds the bucket that holds the budget-th
+  //     smallest (a key's bucket is monotone in the key); nth_element on that bucket's few keys
+  //     gives the threshold, the budget-th smallest key.
+  // (3) The kept positions with keys <= threshold are the answer, unless keys equal to the
+  //     threshold make more than `budget` (ties; see mask_rows): then those below it and the
+  //     first equal ones.
+  void take(const double* key, int64_t sep_a, int64_t end, int64_t start, int64_t budget, int64_t ncand,
+            std::vector<int64_t>& chosen) {
+    double cut = (budget + 4.0 * std::sqrt(static_cast<double>(budget)) + 4.0) / static_cast<double>(ncand);
+    kept_key_.resize(end - 1);  // room for positions 1..end-1: [SEP] of A is written, then skipped
+    kept_pos_.resize(end - 1);
+    int64_t kept = 0;
+    for (int64_t c = 1; c < end; c++) {  // branch-free append: write always, advance on a pass
+      kept_key_[kept] = key[c];
+      kept_pos_[kept] = c;
+      kept += (c != sep_a) & (key[c] < cut);
+    }
+    if (kept < budget) {
+      kept = 0;
+      for (int64_t c = 1; c < end; c++) {
+        kept_key_[kept] = key[c];
+        kept_pos_[kept] = c;
+        kept += c != sep_a;
+      }
+      cut = 1.0;  // every key is below 1
+    }
+    constexpr int64_t buckets = 64;
+    const double scale = buckets / cut;
+    auto bucket = [scale](double v) { return std::min<int64_t>(buckets - 1, static_cast<int64_t>(v * scale)); };
+    int64_t hist[buckets] = {0};
+    for (int64_t j = 0; j < kept; j++) hist[bucket(kept_key_[j])]++;
+    int64_t hit = 0, below = 0;  // keys in the buckets before `hit`
+    while (below + hist[hit] < budget) below += hist[hit++];
+    bucket_key_.resize(kept);
+    int64_t n = 0;
+    for (int64_t j = 0; j < kept; j++) {
+      bucket_key_[n] = kept_key_[j];
+      n += bucket(kept_key_[j]) == hit;
+    }
+    const int64_t rank = budget - below - 1;
+    std::nth_element(bucket_key_.begin(), bucket_key_.begin() + rank, bucket_key_.begin() + n);
+    const double threshold = bucket_key_[rank];
+
+    const size_t first = chosen.size();
+    chosen.resize(first + kept);
+    int64_t* out = chosen.data() + first;
+    int64_t k = 0;
+    for (int64_t j = 0; j < kept; j++) {
+      out[k] = start + kept_pos_[j];
+      k += kept_key_[j] <= threshold;
+    }
+    if (k != budget) {
+      int64_t ties = budget;  // keys equal to the threshold to take: those below it come first
+      for (int64_t j = 0; j < kept; j++) ties -= kept_key_[j] < threshold;
+      k = 0;
+      for (int64_t j = 0; j < kept; j++) {
+        const double v = kept_key_[j];
+        if (v < threshold || (v == threshold && ties-- > 0)) out[k++] = start + kept_pos_[j];
+      }
+    }
+    chosen.resize(first + k);
+  }
+
+ private:
+  std::vector<double> kept_key_, bucket_key_;
+  std::vector<int64_t> kept_pos_;
+};
+
+template <typename T>
+class DocumentBuilder {
+ public:
+  DocumentBuilder(const T* ids, const int64_t* bounds, int64_t n_sentences, const Params& p, const NegativePool* pool,
+                  int64_t doc_index, Columns<T>& out)
+      : ids_(ids), b_(bounds), n_(n_sentences), p_(p), pool_(pool), doc_index_(doc_index), out_(out) {}
+
+  // create_instances(..., dupe) followed by _assemble, appended to `out`.
+  void dupe(uint64_t mt_seed, uint64_t row_base, const uint64_t* pcg_state) {
+    PyRandom rng(mt_seed);
+    segs_a_.clear(), segs_b_.clear(), labels_.clear();
+    if (p_.objective == Objective::none) single_segments(rng);
+    else pair_segments(rng);
+    Stats& st = out_.stats;
+    st.instances += static_cast<int64_t>(labels_.size());
+    for (int8_t l : labels_) st.random_next += l == 1;
+    assemble(row_base, pcg_state);
+  }
+
+ private:
+  const T* ids_;
+  const int64_t* b_;
+  int64_t n_;
+  const Params& p_;
+  const NegativePool* pool_;
+  int64_t doc_index_;
+  Columns<T>& out_;
+  std::vector<Span<T>> segs_a_, segs_b_;  // segs_b_[r].size == 0: no second segment
+  std::vector<int8_t> labels_;
+  std::vector<double> keys_;  // scratch for the masking
+  SmallestKeys smallest_;
+  std::vector<int64_t> chosen_;
+
+  Span<T> slice(int64_t s, int64_t e) const { return {ids_ + b_[s], b_[e] - b_[s]}; }
+
+  int64_t draw_target(PyRandom& rng, int64_t max_tokens) {
+    int64_t target = max_tokens;
+    if (rng.random() < p_.short_seq_prob) target = 2 + rng.below(max_tokens - 1);
+    return target;
+  }
+
+  void single_segments(PyRandom& rng) {  // objective "none"
+    const int64_t max_tokens = p_.max_seq_length - 2;
+    const int64_t target = draw_target(rng, max_tokens);
+    for (int64_t i = 0; i < n_;) {
+      int64_t e = bisect_left(b_, b_[i] + target, i + 1, n_);
+      Span<T> seg = slice(i, e);
+      if (seg.size > max_tokens) seg = trim(seg, seg.size - max_tokens, rng);
+      segs_a_.push_back(seg), segs_b_.push_back({}), labels_.push_back(-1);
+      i = e;
+    }
+  }
+
+  // instances.py::_pick_negative: up to 10 uniform picks for a window of another document.
+  // Returns the window index, or -1 (no pool, or only windows of this document were drawn).
+  int64_t pick_negative(PyRandom& rng) {
+    if (pool_ == nullptr || pool_->size() == 0) return -1;
+    const int64_t* doc = pool_->doc();
+    for (int t = 0; t < 10; t++) {
+      int64_t w = rng.below(pool_->size());
+      if (doc[w] != doc_index_) return w;
+    }
+    return -1;
+  }
+
+  void pair_segments(PyRandom& rng) {  // objectives "nsp" and "sop"
+    const int64_t max_tokens = p_.max_seq_length - 3;
+    const int64_t target = draw_target(rng, max_tokens);
+    for (int64_t i = 0; i < n_;) {
+      int64_t e = bisect_left(b_, b_[i] + target, i + 1, n_);  // chunk = sentences [i, e), e <= n
+      if (e - i == 1 && e < n_) e += 1;  // the reference's fairness fix for over-long sentences
+      const int64_t k = e - i;
+      const int64_t a_end = k < 2 ? 1 : 1 + rng.below(k - 1);
+      Span<T> seg_a = slice(i, i + a_end), seg_b;
+      int8_t label = 0;
+      int64_t next_i = e;
+      if (p_.objective == Objective::nsp) {
+        if (k == 1 || rng.random() < p_.nsp_random_prob) {  // k == 1 draws no coin (short-circuit)
+          int64_t w = pick_negative(rng);
+          if (w < 0) {
+            out_.stats.negatives_unavailable++;
+            if (k == 1) {
+              i = e;
+              continue;
+            }
+            seg_b = slice(i + a_end, e);
+          } else {
+            const int64_t* wb = pool_->bounds_data() + pool_->bound_offsets()[w];
+            const int64_t nb = pool_->bound_offsets()[w + 1] - pool_->bound_offsets()[w];
+            const int64_t eb = bisect_left(wb, target - seg_a.size, 1, nb - 1);
+            seg_b = {pool_->template ids<T>() + pool_->id_offsets()[w], wb[eb]};
+            label = 1;
+            next_i = i + a_end;  // the unused segments go back
+          }
+        } else {
+          seg_b = slice(i + a_end, e);
+        }
+      } else {  // sop
+        if (k == 1) {
+          if (seg_a.size < 2) {
+            out_.stats.skipped_short_sentence++;
+            i = e;
+            continue;
+          }
+          const int64_t cut = 1 + rng.below(seg_a.size - 1);
+          seg_b = {seg_a.data + cut, seg_a.size - cut};
+          seg_a.size = cut;
+        } else {
+          seg_b = slice(i + a_end, e);
+        }
+        if (rng.random() < 0.5) {
+          std::swap(seg_a, seg_b);
+          label = 1;
+        }
+      }
+      if (seg_a.size + seg_b.size > max_tokens) {
+        auto [ra, rb] = truncation_counts(seg_a.size, seg_b.size, max_tokens);
+        seg_a = trim(seg_a, ra, rng);  // A's coins first, as the reference's tuple evaluates
+        seg_b = trim(seg_b, rb, rng);
+      }
+      segs_a_.push_back(seg_a), segs_b_.push_back(seg_b), labels_.push_back(label);
+      i = next_i;
+    }
+  }
+
+  // instances.py::_assemble (+ _mask_rows for static masking) for this dupe's rows.
+  void assemble(uint64_t row_base, const uint64_t* pcg_state) {
+    const size_t m = labels_.size();
+    if (m == 0) return;  // the reference returns an empty batch without drawing anything
+    const int64_t flat0 = static_cast<int64_t>(out_.ids.size());  // this dupe's first token
+    const size_t row0 = out_.num_a.size();                          // and first row
+    for (size_t r = 0; r < m; r++) {
+      const Span<T>& a = segs_a_[r];
+      const Span<T>& b = segs_b_[r];
+      out_.ids.push_back(static_cast<T>(p_.cls_id));
+      out_.ids.insert(out_.ids.end(), a.data, a.data + a.size);
+      out_.ids.push_back(static_cast<T>(p_.sep_id));
+      if (b.size > 0) {  // has_b = lb > 0 (segments are never empty with strictly increasing bounds)
+        out_.ids.insert(out_.ids.end(), b.data, b.data + b.size);
+        out_.ids.push_back(static_cast<T>(p_.sep_id));
+      }
+      out_.ids_offsets.push_back(static_cast<int64_t>(out_.ids.size()));
+      out_.num_a.push_back(static_cast<uint16_t>(a.size + 2));
+      out_.nsp.push_back(labels_[r]);
+      out_.keys.push_back(row_key(row_base, r + 1));
+    }
+    if (!p_.static_masking) {  // dynamic: no masks, empty mask lists
+      const int64_t last = out_.m_offsets.back();  // a copy: insert may reallocate
+      out_.m_offsets.insert(out_.m_offsets.end(), m, last);
+      return;
+    }
+    mask_rows(flat0, row0, m, pcg_state);
+  }
+
+  // instances.py::_mask_rows. numpy argsorts a [rows, width] matrix of uniform keys (specials and
+  // padding 2.0) and keeps the first `budget` per row, i.e. the `budget` smallest keys among the
+  // non-special positions. Here: the budget-th smallest key of the row is the threshold, and
+  // the positions at or below it are taken in ascending order, the order np.nonzero emits them
+  // (SmallestKeys). The two agree unless two keys of a row are equal doubles at the threshold
+  // (numpy's unstable argsort may then pick either; about L^2 / 2^54 per row, so it does not
+  // occur in practice, and the parity tests would show it); even then exactly `budget`
+  // positions are taken. The draws keep the reference's order: a key for every flat position
+  // (specials included), then u for the chosen positions (row-major, ascending), then the
+  // random ids.
+  void mask_rows(int64_t flat0, size_t row0, size_t m, const uint64_t* pcg_state) {
+    Pcg64 rng(pcg_state[0], pcg_state[1], pcg_state[2], pcg_state[3]);
+    const int64_t total = static_cast<int64_t>(out_.ids.size()) - flat0;
+    keys_.resize(total);
+    rng.fill_doubles(keys_.data(), total);
+    chosen_.clear();
+    std::vector<int64_t> counts(m);
+    for (size_t r = 0; r < m; r++) {
+      const int64_t start = out_.ids_offsets[row0 + r] - flat0;
+      const int64_t length = out_.ids_offsets[row0 + r + 1] - flat0 - start;
+      const double* key = keys_.data() + start;
+      const int64_t sep_a = static_cast<int64_t>(out_.num_a[row0 + r]) - 1;  // [CLS] at 0, [SEP] at num_a - 1
+      const int64_t end = segs_b_[r].size > 0 ? length - 1 : length;       // and at length - 1 with B
+      const int64_t ncand = end - 2;
+      const int64_t budget = mask_budget(length, p_.masked_lm_prob, p_.max_predictions_per_seq, ncand);
+      if (budget <= 0) continue;  // numpy keeps no position when the budget is not positive
+      smallest_.take(key, sep_a, end, start, budget, ncand, chosen_);
+      counts[r] = budget;
+    }
+    const size_t nc = chosen_.size();
+    std::vector<double> u(nc);
+    rng.fill_doubles(u.data(), static_cast<int64_t>(nc));
+    T* flat = out_.ids.data() + flat0;
+    for (size_t j = 0; j < nc; j++) out_.mids.push_back(flat[chosen_[j]]);  // labels: the original ids
+    const uint64_t high = p_.vocab_size - 1;
+    for (size_t j = 0; j < nc; j++) {
+      // every random id is drawn, whatever u says, and cast to the id dtype as .astype() does
+      const T rand_id = static_cast<T>(rng.bounded(high));
+      if (u[j] < 0.8) flat[chosen_[j]] = static_cast<T>(p_.mask_id);
+      else if (u[j] >= 0.9) flat[chosen_[j]] = rand_id;
+    }
+    size_t j = 0;
+    for (size_t r = 0; r < m; r++) {
+      const int64_t start = out_.ids_offsets[row0 + r] - flat0;
+      for (int64_t c = 0; c < counts[r]; c++, j++) out_.mpos.push_back(static_cast<uint16_t>(chosen_[j] - start));
+      out_.m_offsets.push_back(out_.m_offsets.back() + counts[r]);
+    }
+  }
+};
+
+// ------------------------------------------------------------------ Python interface
+
+template <typename V>
+py::array to_numpy(std::vector<V>&& v) {
+  if (v.empty()) return py::array_t<V>(0);
+  auto* owned = new std::vector<V>(std::move(v));  // numpy owns the vector's buffer, no copy
+  py::capsule free_it(owned, [](void* q) { delete static_cast<std::vector<V>*>(q); });
+  return py::array_t<V>({static_cast<py::ssize_t>(owned->size())}, {sizeof(V)}, owned->data(), free_it);
+}
+
+std::string dtype_name(const py::array& a) { return NegativePool::dtype_name(a); }
+
+void check_array(const py::array& a, const char* what, py::ssize_t ndim) {
+  if (a.ndim() != ndim)
+    throw py::value_error(std::string(what) + ": expected a " + std::to_string(ndim) + "-D array, got " +
+                          std::to_string(a.ndim()) + "-D");
+  if (!(a.flags() & py::array::c_style))
+    throw py::value_error(std::string(what) + ": expected a C-contiguous array (np.ascontiguousarray)");
+}
+
+template <typename V>
+void check_dtype(const py::array& a, const char* what) {
+  if (!has_dtype<V>(a))
+    throw py::value_error(std::string(what) + ": expected dtype " + py::str(py::dtype::of<V>()).cast<std::string>() +
+                          ", got " + dtype_name(a));
+}
+
+template <typename T>
+py::tuple build_typed(const py::array& ids, const py::array& bounds, const uint64_t* mt_seeds, const uint64_t* row_bases,
+                      const uint64_t* pcg_states, int64_t dupes, const Params& p, const NegativePool* pool,
+                      int64_t doc_index) {
+  const int64_t max_id = std::numeric_limits<T>::max();
+  for (auto [name, v] : {std::pair{"cls_id", p.cls_id}, std::pair{"sep_id", p.sep_id}, std::pair{"mask_id", p.mask_id}})
+    if (v > max_id)
+      throw py::value_error(std::string(name) + " " + std::to_string(v) + " does not fit the ids' dtype " +
+                            dtype_name(ids));
+  Columns<T> out;
+  {
+    py::gil_scoped_release no_gil;  // the inputs stay alive (the caller holds them); no Python inside
+    const int64_t n = static_cast<int64_t>(bounds.shape(0)) - 1;
+    const int64_t tokens = static_cast<int64_t>(ids.shape(0));
+    const size_t expect = static_cast<size_t>(dupes) * static_cast<size_t>(tokens + tokens / 8 + 16);
+    out.ids.reserve(expect);  // every token about once per dupe, plus the specials
+    DocumentBuilder<T> builder(static_cast<const T*>(ids.data()), static_cast<const int64_t*>(bounds.data()), n, p, pool,
+                               doc_index, out);
+    for (int64_t d = 0; d < dupes; d++) builder.dupe(mt_seeds[d], row_bases[d], pcg_states + 4 * d);
+  }
+  const Stats st = out.stats;
+  return py::make_tuple(to_numpy(std::move(out.keys)), to_numpy(std::move(out.ids)), to_numpy(std::move(out.ids_offsets)),
+                        to_numpy(std::move(out.num_a)), to_numpy(std::move(out.nsp)), to_numpy(std::move(out.mpos)),
+                        to_numpy(std::move(out.mids)), to_numpy(std::move(out.m_offsets)),
+                        py::make_tuple(st.instances, st.random_next, st.negatives_unavailable, st.skipped_short_sentence));
+}
+
+py::tuple build_document(py::array ids, py::array bounds, py::array mt_seeds, py::array row_bases, py::array pcg_states,
+                         int64_t max_seq_length, double short_seq_prob, const std::string& objective,
+                         double nsp_random_prob, const std::string& masking, double masked_lm_prob,
+                         int64_t max_predictions_per_seq, bool whole_word_mask, int64_t cls_id, int64_t sep_id,
+                         int64_t mask_id, int64_t vocab_size, const NegativePool* pool, int64_t doc_index) {
+  check_array(ids, "ids", 1);
+  const bool u16 = has_dtype<uint16_t>(ids);
+  if (!u16 && !has_dtype<uint32_t>(ids))
+    throw py::value_error("ids: expected dtype uint16 or uint32, got " + dtype_name(ids));
+  check_array(bounds, "bounds", 1);
+  check_dtype<int64_t>(bounds, "bounds");
+  const int64_t nb = bounds.shape(0);
+  if (nb < 1) throw py::value_error("bounds: expected at least one entry (0), got an empty array");
+  const int64_t* b = static_cast<const int64_t*>(bounds.data());
+  if (b[0] != 0 || b[nb - 1] != ids.shape(0))
+    throw py::value_error("bounds: expected to run from 0 to len(ids) = " + std::to_string(ids.shape(0)) + ", got " +
+                          std::to_string(b[0]) + " .. " + std::to_string(b[nb - 1]));
+  for (int64_t i = 1; i < nb; i++)
+    if (b[i] <= b[i - 1])  // empty sentences would make empty segments, which the reference mis-assembles
+      throw py::value_error("bounds: expected strictly increasing (no empty sentence), got bounds[" +
+                            std::to_string(i - 1) + "] = " + std::to_string(b[i - 1]) + " >= bounds[" +
+                            std::to_string(i) + "] = " + std::to_string(b[i]));
+  check_array(mt_seeds, "mt_seeds", 1);
+  check_dtype<uint64_t>(mt_seeds, "mt_seeds");
+  const int64_t dupes = mt_seeds.shape(0);
+  check_array(row_bases, "row_bases", 1);
+  check_dtype<uint64_t>(row_bases, "row_bases");
+  check_array(pcg_states, "pcg_states", 2);
+  check_dtype<uint64_t>(pcg_states, "pcg_states");
+  if (row_bases.shape(0) != dupes || pcg_states.shape(0) != dupes || pcg_states.shape(1) != 4)
+    throw py::value_error("seeds: expected mt_seeds [d], row_bases [d], pcg_states [d, 4] for d = " +
+                          std::to_string(dupes) + " dupes, got row_bases [" + std::to_string(row_bases.shape(0)) +
+                          "], pcg_states [" + std::to_string(pcg_states.shape(0)) + ", " +
+                          std::to_string(pcg_states.shape(1)) + "]");
+  const auto* pcg = static_cast<const uint64_t*>(pcg_states.data());
+  if (masking == "static")
+    for (int64_t d = 0; d < dupes; d++)
+      if (!(pcg[4 * d + 3] & 1))  // numpy makes inc odd; an even one can cycle (and loop the rejection sampling)
+        throw py::value_error("pcg_states[" + std::to_string(d) + "]: expected an odd increment (inc low word), got " +
+                              std::to_string(pcg[4 * d + 3]) + " (take np.random.PCG64(seed).state['state'])");
+  Params p{};
+  if (max_seq_length < 8 || max_seq_length > 65535)
+    throw py::value_error("max_seq_length: expected 8 <= max_seq_length <= 65535, got " + std::to_string(max_seq_length));
+  p.max_seq_length = max_seq_length;
+  p.short_seq_prob = short_seq_prob;
+  if (objective == "nsp") p.objective = Objective::nsp;
+  else if (objective == "sop") p.objective = Objective::sop;
+  else if (objective == "none") p.objective = Objective::none;
+  else throw py::value_error("objective: expected one of nsp, sop, none, got '" + objective + "'");
+  p.nsp_random_prob = nsp_random_prob;
+  if (masking != "static" && masking != "dynamic")
+    throw py::value_error("masking: expected static or dynamic, got '" + masking + "'");
+  p.static_masking = masking == "static";
+  if (p.static_masking && whole_word_mask)
+    throw py::value_error("whole_word_mask: not supported by the native builder (use the Python reference)");
+  if (!(masked_lm_prob >= 0.0 && masked_lm_prob <= 1.0))
+    throw py::value_error("masked_lm_prob: expected a value in [0, 1], got " + std::to_string(masked_lm_prob));
+  p.masked_lm_prob = masked_lm_prob;
+  p.max_predictions_per_seq = max_predictions_per_seq;
+  // ids are checked against the dtype in build_typed; negative ids never fit
+  for (auto [name, v] : {std::pair{"cls_id", cls_id}, std::pair{"sep_id", sep_id}, std::pair{"mask_id", mask_id}})
+    if (v < 0 || v > 0xFFFFFFFFLL) throw py::value_error(std::string(name) + ": expected a uint32 id, got " + std::to_string(v));
+  p.cls_id = static_cast<uint32_t>(cls_id), p.sep_id = static_cast<uint32_t>(sep_id), p.mask_id = static_cast<uint32_t>(mask_id);
+  if (vocab_size < 1 || vocab_size > (1LL << 32))  // larger would take numpy's 64-bit integers path
+    throw py::value_error("vocab_size: expected 1 <= vocab_size <= 2**32, got " + std::to_string(vocab_size));
+  p.vocab_size = static_cast<uint64_t>(vocab_size);
+  if (pool != nullptr && pool->size() > 0 && pool->wide() == u16)
+    throw py::value_error("pool ids: expected the document's dtype " + dtype_name(ids) + ", got " +
+                          py::str(pool->dtype()).cast<std::string>() + " (one vocab, one dtype)");
+  const auto* seeds = static_cast<const uint64_t*>(mt_seeds.data());
+  const auto* rows = static_cast<const uint64_t*>(row_bases.data());
+  if (u16) return build_typed<uint16_t>(ids, bounds, seeds, rows, pcg, dupes, p, pool, doc_index);
+  return build_typed<uint32_t>(ids, bounds, seeds, rows, pcg, dupes, p, pool, doc_index);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native_instances, m) {
+  m.doc() = "Native twin of data_pipeline.instances.create_instances (see data_pipeline/native_instances.py).";
+
+  py::class_<NegativePool>(m, "NegativePool", "The NSP negative pool packed into flat arrays (checked once).")
+      .def(py::init<py::array, py::array, py::array, py::array, py::array>(), py::arg("ids"), py::arg("id_offsets"),
+           py::arg("bounds"), py::arg("bound_offsets"), py::arg("doc"))
+      .def("__len__", &NegativePool::size);
+
+  m.def("build_document", &build_document,
+        "All dupes of one document: (keys, ids, ids_offsets, num_a, nsp, mpos, mids, m_offsets, "
+        "(instances, random_next, negatives_unavailable, skipped_short_sentence)).",
+        py::arg("ids"), py::arg("bounds"), py::arg("mt_seeds"), py::arg("row_bases"), py::arg("pcg_states"), py::kw_only(),
+        py::arg("max_seq_length"), py::arg("short_seq_prob"), py::arg("objective"), py::arg("nsp_random_prob"),
+        py::arg("masking"), py::arg("masked_lm_prob"), py::arg("max_predictions_per_seq"), py::arg("whole_word_mask"),
+        py::arg("cls_id"), py::arg("sep_id"), py::arg("mask_id"), py::arg("vocab_size"), py::arg("pool").none(true),
+        py::arg("doc_index"));
+
+  // The random-number replicas on their own, for the tests that hold them to CPython and numpy.
+  py::module_ t = m.def_submodule("testing", "RNG replicas, exposed for tests only.");
+  t.def("mt_draws", [](uint64_t seed, const std::vector<int64_t>& ops) {
+    // op 0: random(); op k > 0: popcount(getrandbits(k)); op -n: _below(rng, n)
+    PyRandom rng(seed);
+    std::vector<double> out;
+    for (int64_t op : ops)
+      out.push_back(op == 0 ? rng.random() : op > 0 ? static_cast<double>(rng.getrandbits_popcount(op))
+                                                    : static_cast<double>(rng.below(-op)));
+    return out;
+  }, py::arg("seed"), py::arg("ops"));
+  t.def("bisect_left", [](const std::vector<int64_t>& a, int64_t x, int64_t lo, int64_t hi) {
+    if (lo < 0 || hi > static_cast<int64_t>(a.size()) || lo > hi) throw py::value_error("bisect_left: bad lo/hi");
+    return bisect_left(a.data(), x, lo, hi);
+  });
+  t.def("pcg_draws", [](uint64_t state_hi, uint64_t state_lo, uint64_t inc_hi, uint64_t inc_lo, int64_t n_doubles,
+                        uint64_t high, int64_t n_ints) {
+    // Generator.random(n_doubles), then Generator.integers(0, high, size=n_ints)
+    if (high < 1 || high > (1ULL << 32)) throw py::value_error("pcg_draws: high must be in [1, 2**32]");
+    Pcg64 rng(state_hi, state_lo, inc_hi, inc_lo);
+    std::vector<double> d;
+    std::vector<int64_t> ints;
+    // the first half one at a time, the rest in one fill: both paths against numpy
+    for (int64_t j = 0; j < n_doubles / 2; j++) d.push_back(rng.next_double());
+    d.resize(n_doubles);
+    rng.fill_doubles(d.data() + n_doubles / 2, n_doubles - n_doubles / 2);
+    for (int64_t j = 0; j < n_ints; j++) ints.push_back(static_cast<int64_t>(rng.bounded(high - 1)));
+    return py::make_tuple(d, ints);
+  });
+  t.def("take_smallest", [](const std::vector<double>& key, int64_t sep_a, int64_t end, int64_t budget) {
+    // one row's selection: positions 1..end-1 but sep_a are the candidates, keys in [0, 1)
+    if (end < 3 || end > static_cast<int64_t>(key.size()) || sep_a < 1 || sep_a >= end || budget < 1 ||
+        budget > end - 2)
+      throw py::value_error("take_smallest: need 1 <= sep_a < end <= len(key), 1 <= budget <= end - 2");
+    for (double v : key)
+      if (!(v >= 0.0 && v < 1.0)) throw py::value_error("take_smallest: keys must be in [0, 1) (uniform draws)");
+    SmallestKeys s;
+    std::vector<int64_t> chosen;
+    s.take(key.data(), sep_a, end, 0, budget, end - 2, chosen);
+    return chosen;
+  }, py::arg("key"), py::arg("sep_a"), py::arg("end"), py::arg("budget"));
+  t.def("row_keys", [](uint64_t base, int64_t m) {
+    std::vector<uint64_t> out;
+    for (int64_t j = 1; j <= m; j++) out.push_back(row_key(base, static_cast<uint64_t>(j)));
+    return to_numpy(std::move(out));
+  });
+  t.def("mask_budget", &mask_budget, py::arg("length"), py::arg("prob"), py::arg("max_predictions"),
+        py::arg("candidates"));
+}

@@ -1,0 +1,162 @@
+"""The native instance builder: all dupes of one document in one C++ call.
+
+``data_pipeline._native_instances`` (csrc/data_pipeline/instances.cpp, a plain pybind11
+module: no torch) is the fast twin of :func:`data_pipeline.instances.create_instances`; that
+Python code stays the readable reference and the test oracle, and the two give bitwise the same
+InstanceBatch and InstanceStats. This module loads the extension when it is built, packs the NSP
+pool into flat arrays once per pool object, derives the per-dupe seeds exactly as the reference
+does, and turns the extension's columns into an InstanceBatch.
+
+Whole-word masking is not in the native builder: ``choose_builder`` sends it to the reference.
+"""
+from __future__ import annotations
+
+import logging
+from itertools import chain
+
+import numpy as np
+
+from data_pipeline.instance_batch import InstanceBatch
+from data_pipeline.instances import InstanceParams, InstanceStats, derive_seed
+
+log = logging.getLogger("data_pipeline")
+
+BUILDERS = ("auto", "native", "reference")
+
+try:
+    from data_pipeline import _native_instances as _ext
+
+    _UNAVAILABLE = ""
+except ImportError as e:  # not built (no compiler at install time) or built for another Python
+    _ext = None
+    _UNAVAILABLE = (f"the extension data_pipeline._native_instances is not built ({e}); "
+                    "`pip install --no-build-isolation -e .` builds it (see setup.py)")
+
+_U64 = (1 << 64) - 1
+
+
+def available() -> bool:
+    return _ext is not None
+
+
+def unavailable_reason() -> str:
+    """Why the extension cannot be used ("" when it can)."""
+    return _UNAVAILABLE
+
+
+def unsupported_reason(params: InstanceParams) -> str:
+    """Why the native builder cannot build ``params`` ("" when it can)."""
+    if params.masking == "static" and params.whole_word_mask:
+        return "whole-word masking is only in the Python reference"
+    return ""
+
+
+def choose_builder(requested: str, params: InstanceParams) -> tuple[str, str]:
+    """("native" | "reference", why) for the config's ``instance_builder``; "native" when it
+    cannot be honoured is an error, "auto" falls back to the reference."""
+    if requested not in BUILDERS:
+        raise ValueError(f"instance_builder {requested!r} is not one of {list(BUILDERS)}")
+    if requested == "reference":
+        return "reference", "instance_builder=reference"
+    why_not = unavailable_reason() or unsupported_reason(params)
+    if requested == "native":
+        if why_not:
+            raise ValueError(f"instance_builder=native, but {why_not} (use auto or reference)")
+        return "native", "instance_builder=native"
+    if why_not:
+        return "reference", f"instance_builder=auto: {why_not}"
+    return "native", "instance_builder=auto: the extension is built and supports this config"
+
+
+_logged: set[tuple[str, str]] = set()
+
+
+def log_choice(builder: str, why: str) -> None:
+    """Log the builder once per worker process (setup() runs once per DoFn instance)."""
+    if (builder, why) not in _logged:
+        _logged.add((builder, why))
+        log.info("training instances: %s builder (%s)", builder, why)
+
+
+class _PackedPool:
+    """A pool as flat arrays + doc_id -> number; ``source`` keeps the pool object alive, so
+    the identity check of the cache cannot be fooled by a recycled id()."""
+
+    def __init__(self, pool: list | None):
+        self.source = pool
+        self.doc_number: dict = {}
+        self.dtype = None
+        if not pool:  # the reference's `not pool`: no negatives at all
+            self.native = None
+            return
+        wids = [np.asarray(w[2]) for w in pool]
+        dtypes = {a.dtype for a in wids}
+        if len(dtypes) != 1:
+            raise ValueError(f"NSP pool: window ids of several dtypes {sorted(map(str, dtypes))}; "
+                             "the native builder needs one (one vocab)")
+        self.dtype = wids[0].dtype
+        n = len(pool)
+        id_offsets = np.zeros(n + 1, np.int64)
+        np.cumsum(np.fromiter((a.shape[0] for a in wids), np.int64, n), out=id_offsets[1:])
+        bound_offsets = np.zeros(n + 1, np.int64)
+        np.cumsum(np.fromiter((len(w[3]) for w in pool), np.int64, n), out=bound_offsets[1:])
+        bounds = np.fromiter(chain.from_iterable(w[3] for w in pool), np.int64, int(bound_offsets[-1]))
+        number = self.doc_number
+        doc = np.fromiter((number.setdefault(w[1], len(number)) for w in pool), np.int64, n)
+        self.native = _ext.NegativePool(np.concatenate(wids), id_offsets, bounds, bound_offsets, doc)
+
+
+_pool_cache: _PackedPool | None = None
+
+
+def _packed(pool) -> _PackedPool:
+    """Packed once per pool object: Beam hands the same side-input list to every document of a
+    bundle (and usually of a worker), so the cost is paid per pool, not per document."""
+    global _pool_cache
+    if _pool_cache is None or _pool_cache.source is not pool:
+        _pool_cache = _PackedPool(pool)
+    return _pool_cache
+
+
+def dupe_seeds(doc_id: str, dupe_factor: int, seed: int, with_masking: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The reference's per-(document, dupe) seeds: the random.Random seed, the row-key base, and
+    the PCG64 state {state, inc} of the masking Generator as four uint64 (high, low, high, low)."""
+    d = dupe_factor
+    mt = np.fromiter((derive_seed(seed, doc_id, k) for k in range(d)), np.uint64, d)
+    rows = np.fromiter((derive_seed(seed, "row", doc_id, k) for k in range(d)), np.uint64, d)
+    pcg = np.zeros((d, 4), np.uint64)
+    if with_masking:  # dynamic masking draws nothing from the Generator
+        for k in range(d):
+            st = np.random.PCG64(derive_seed(seed, "mask", doc_id, k)).state["state"]
+            pcg[k] = (st["state"] >> 64, st["state"] & _U64, st["inc"] >> 64, st["inc"] & _U64)
+    return mt, rows, pcg
+
+
+def create_document_instances(doc_id: str, ids: np.ndarray, bounds: np.ndarray, dupe_factor: int, *,
+                              params: InstanceParams, seed: int, pool: list | None = None,
+                              stats: InstanceStats | None = None) -> InstanceBatch:
+    """``InstanceBatch.concat([create_instances(doc_id, ids, bounds, d, ...) for d in range(dupe_factor)])``
+    in one native call; ``stats`` gets the same counts as the reference's."""
+    if _ext is None:
+        raise RuntimeError(unavailable_reason())
+    why = unsupported_reason(params)
+    if why:
+        raise ValueError(f"the native instance builder cannot build this config: {why}")
+    packed = _packed(pool)
+    mt, rows, pcg = dupe_seeds(doc_id, dupe_factor, seed, params.masking == "static")
+    p = params
+    out = _ext.build_document(
+        np.ascontiguousarray(ids), np.ascontiguousarray(bounds, dtype=np.int64), mt, rows, pcg,
+        max_seq_length=int(p.max_seq_length), short_seq_prob=float(p.short_seq_prob), objective=p.objective,
+        nsp_random_prob=float(p.nsp_random_prob), masking=p.masking, masked_lm_prob=float(p.masked_lm_prob),
+        max_predictions_per_seq=int(p.max_predictions_per_seq), whole_word_mask=bool(p.whole_word_mask),
+        cls_id=int(p.cls_id), sep_id=int(p.sep_id), mask_id=int(p.mask_id), vocab_size=int(p.vocab_size),
+        pool=packed.native, doc_index=packed.doc_number.get(doc_id, -1),
+    )
+    keys, flat, offs, num_a, nsp, mpos, mids, moffs, counts = out
+    if stats is not None:
+        stats.instances += counts[0]
+        stats.random_next += counts[1]
+        stats.negatives_unavailable += counts[2]
+        stats.skipped_short_sentence += counts[3]
+    return InstanceBatch(keys, flat, offs, num_a, nsp, mpos, mids, moffs)
