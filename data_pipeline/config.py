@@ -39,6 +39,10 @@ class DataConfig:
     # ``nsp_pool_windows_per_doc`` candidate windows per document, at most ``nsp_pool_size``.
     nsp_pool_size: int = 32768
     nsp_pool_windows_per_doc: int = 4
+    # who builds the instances: "native" (C++, data_pipeline._native_instances; bitwise the same
+    # output) or the Python "reference"; "auto" takes native when it is built and supports the
+    # config (not whole-word masking), "native" is an error when it cannot be used
+    instance_builder: Literal["auto", "native", "reference"] = "auto"
     # --- documents ---
     min_sentences: int = 2  # for nsp/sop; shorter documents are skipped and counted
     max_document_chars: int = 50_000_000  # larger documents are truncated (counted)
@@ -54,3 +58,11 @@ class DataConfig:
     shuffle_spill_rows: int = 32768
     shuffle_bucket_rows: int = 16384
     compression: str = "zstd"
+
+    def __post_init__(self):
+        # from_dict checks the Literal fields; this also catches a DataConfig built in code
+        allowed = ("auto", "native", "reference")
+        if self.instance_builder not in allowed:
+            from bertdist.config import ConfigError
+
+            raise ConfigError(f"instance_builder: {self.instance_builder!r} is not one of {list(allowed)}")

@@ -344,22 +344,35 @@ class Tokenize(beam.PTransform):
 
 
 class _CreateInstancesDoFn(beam.DoFn):
-    def __init__(self, params: InstanceParams, seed: int, dupe_factor: int, split: str, vocab_path: str):
+    """All dupes of one document. ``builder`` is the config's ``instance_builder``: the native
+    builder (data_pipeline.native_instances, bitwise the same output) when it is built and
+    supports the config, else the Python reference (see ``choose_builder``)."""
+
+    def __init__(self, params: InstanceParams, seed: int, dupe_factor: int, split: str, vocab_path: str,
+                 builder: str = "auto"):
         self.params, self.seed, self.dupe_factor = params, seed, dupe_factor
-        self.split, self.vocab_path = split, vocab_path
+        self.split, self.vocab_path, self.builder = split, vocab_path, builder
 
     def setup(self):
         from bertdist.data.vocab import continuation_mask
+        from data_pipeline import native_instances
 
         self.continuation = continuation_mask(self.vocab_path) if self.params.whole_word_mask else None
+        chosen, why = native_instances.choose_builder(self.builder, self.params)
+        native_instances.log_choice(chosen, why)
+        self.native = native_instances.create_document_instances if chosen == "native" else None
         self.progress = _Progress(f"{self.split} documents turned into instances")
 
     def process(self, doc, pool):
         doc_id, ids, bounds = doc
         stats = InstanceStats()
-        batches = [create_instances(doc_id, ids, bounds, d, params=self.params, seed=self.seed, pool=pool,
-                                    continuation=self.continuation, stats=stats) for d in range(self.dupe_factor)]
-        batch = InstanceBatch.concat(batches)
+        if self.native is not None:
+            batch = self.native(doc_id, ids, bounds, self.dupe_factor, params=self.params, seed=self.seed, pool=pool,
+                                stats=stats)
+        else:
+            batch = InstanceBatch.concat([
+                create_instances(doc_id, ids, bounds, d, params=self.params, seed=self.seed, pool=pool,
+                                 continuation=self.continuation, stats=stats) for d in range(self.dupe_factor)])
         self.progress.tick()
         count(f"{self.split}_instances", stats.instances)
         count(f"{self.split}_random_next", stats.random_next)
