@@ -1,0 +1,390 @@
+"""The native instance builder (data_pipeline._native_instances) against the Python reference:
+bitwise the same InstanceBatch (every column, dtype included) and InstanceStats over objectives,
+lengths, short_seq_prob, masking, pools, id dtypes, seeds and dupe factors, on synthetic and
+real text; its RNG replicas against CPython's random and numpy's PCG64; argument errors; the
+builder choice; and byte-identical shards through the Beam transforms with either builder."""
+from __future__ import annotations
+
+import bisect
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data_pipeline import native_instances
+from data_pipeline.instance_batch import InstanceBatch
+from data_pipeline.instances import InstanceParams, InstanceStats, create_instances, pool_windows, row_keys
+
+needs_native = pytest.mark.skipif(not native_instances.available(),
+                                  reason=native_instances.unavailable_reason() or "native builder not built")
+
+FIELDS = ("keys", "ids", "ids_offsets", "num_a", "nsp", "mpos", "mids", "m_offsets")
+
+
+def params(**kw) -> InstanceParams:
+    base = dict(max_seq_length=128, short_seq_prob=0.1, objective="nsp", nsp_random_prob=0.5, masking="static",
+                masked_lm_prob=0.15, max_predictions_per_seq=20, whole_word_mask=False, cls_id=101, sep_id=102,
+                mask_id=103, vocab_size=30522)
+    base.update(kw)
+    return InstanceParams(**base)
+
+
+def doc(name: str, lens, rng: np.random.Generator, dtype=np.uint16, high: int = 30000):
+    lens = np.asarray(lens, np.int64)
+    ids = rng.integers(1000, high, size=int(lens.sum())).astype(dtype)
+    return name, ids, np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+
+
+def synthetic_docs(seed: int = 0, dtype=np.uint16, high: int = 30000):
+    """Ordinary documents plus the edge cases: one sentence, two, one-token sentences, and
+    sentences longer than any max_seq_length of the grid (truncation on every path)."""
+    rng = np.random.default_rng(seed)
+    docs = [doc(f"doc{d}", rng.integers(1, 30, size=int(rng.integers(3, 40))), rng, dtype, high) for d in range(8)]
+    docs += [doc("one_sentence", [17], rng, dtype, high), doc("one_token", [1], rng, dtype, high),
+             doc("two_sentences", [3, 9], rng, dtype, high), doc("short_tail", [40, 5, 1], rng, dtype, high),
+             doc("long_sentences", [300, 2, 250, 190], rng, dtype, high),
+             doc("long_single", [400], rng, dtype, high)]
+    return docs
+
+
+def make_pool(docs, p: InstanceParams, seed: int) -> list:
+    """As the pipeline delivers it: every document's windows, smallest hashes first."""
+    return sorted((w for d in docs for w in pool_windows(*d, seed=seed, windows_per_doc=4, max_tokens=p.max_seq_length - 3)),
+                  key=lambda w: (w[0], w[1]))
+
+
+def assert_same(docs, p: InstanceParams, *, seed: int, dupes: int, pool=None, pool_of=None) -> int:
+    """Reference vs native for every document; ``pool_of(doc)`` gives a per-document pool."""
+    rows = 0
+    for d in docs:
+        dp = pool_of(d) if pool_of else pool
+        s_ref, s_nat = InstanceStats(), InstanceStats()
+        want = InstanceBatch.concat([create_instances(*d, k, params=p, seed=seed, pool=dp, stats=s_ref)
+                                     for k in range(dupes)])
+        got = native_instances.create_document_instances(*d, dupes, params=p, seed=seed, pool=dp, stats=s_nat)
+        for f in FIELDS:
+            a, b = getattr(want, f), getattr(got, f)
+            assert a.dtype == b.dtype, (d[0], f, a.dtype, b.dtype, p)
+            assert np.array_equal(a, b), (d[0], f, p)
+        assert s_ref == s_nat, (d[0], s_ref, s_nat, p)
+        rows += len(want)
+    return rows
+
+
+# ---------------------------------------------------------------- parity grid (synthetic)
+
+
+@needs_native
+@pytest.mark.parametrize("masking", ["static", "dynamic"])
+@pytest.mark.parametrize("max_seq_length", [8, 16, 128])
+@pytest.mark.parametrize("objective", ["nsp", "sop", "none"])
+def test_parity_objectives_lengths_short_seq(objective, max_seq_length, masking):
+    docs = synthetic_docs()
+    for ssp in (0.0, 0.1, 1.0):
+        p = params(objective=objective, max_seq_length=max_seq_length, short_seq_prob=ssp, masking=masking)
+        assert assert_same(docs, p, seed=1, dupes=3, pool=make_pool(docs, p, 1)) > 0
+
+
+@needs_native
+@pytest.mark.parametrize("objective", ["nsp", "sop", "none"])
+@pytest.mark.parametrize("pool_kind", ["none", "empty", "same_doc", "normal"])
+def test_parity_pools(objective, pool_kind):
+    docs = synthetic_docs(seed=1)
+    p = params(objective=objective, max_seq_length=32)
+    stats = InstanceStats()
+    if pool_kind == "same_doc":  # every window comes from the document itself: no negative exists
+        assert_same(docs, p, seed=2, dupes=2, pool_of=lambda d: make_pool([d], p, 2))
+        for d in docs:
+            create_instances(*d, 0, params=p, seed=2, pool=make_pool([d], p, 2), stats=stats)
+    else:
+        pool = {"none": None, "empty": [], "normal": make_pool(docs, p, 2)}[pool_kind]
+        assert_same(docs, p, seed=2, dupes=2, pool=pool)
+        for d in docs:
+            create_instances(*d, 0, params=p, seed=2, pool=pool, stats=stats)
+    if objective == "nsp":  # the unavailable-negative path was exercised (or not) as intended
+        assert (stats.negatives_unavailable > 0) == (pool_kind != "normal")
+
+
+@needs_native
+@pytest.mark.parametrize("objective", ["nsp", "sop", "none"])
+def test_parity_uint32_ids_and_large_vocab(objective):
+    docs = synthetic_docs(seed=2, dtype=np.uint32, high=70000)
+    p = params(objective=objective, max_seq_length=16, vocab_size=70000, cls_id=66000, sep_id=66001, mask_id=66002)
+    assert_same(docs, p, seed=3, dupes=3, pool=make_pool(docs, p, 3))
+    assert native_instances.create_document_instances(*docs[0], 1, params=p, seed=3).ids.dtype == np.uint32
+    # uint16 ids with a vocab past 65535: random ids wrap when cast, in both builders alike
+    docs16 = synthetic_docs(seed=2)
+    assert_same(docs16, replace(p, cls_id=101, sep_id=102, mask_id=103), seed=3, dupes=2)
+
+
+@needs_native
+@pytest.mark.parametrize("seed", [0, 7, 2**40 + 3, 2**64 - 1])
+@pytest.mark.parametrize("dupes", [1, 2, 5])
+def test_parity_seeds_and_dupe_factors(seed, dupes):
+    docs = synthetic_docs(seed=3)[:6]
+    p = params(max_seq_length=24, short_seq_prob=0.3)
+    assert_same(docs, p, seed=seed, dupes=dupes, pool=make_pool(docs, p, seed))
+
+
+@needs_native
+def test_parity_masking_and_nsp_knobs():
+    """Budgets with half-way rints (prob 0.125 on lengths 12, 20, ...), caps, every nsp rate."""
+    docs = synthetic_docs(seed=4)
+    for kw in (dict(masked_lm_prob=0.125), dict(masked_lm_prob=0.0), dict(masked_lm_prob=1.0),
+               dict(masked_lm_prob=0.5, max_predictions_per_seq=2), dict(max_predictions_per_seq=0),
+               dict(max_predictions_per_seq=200), dict(nsp_random_prob=0.0), dict(nsp_random_prob=1.0),
+               dict(objective="sop", masked_lm_prob=0.3), dict(vocab_size=1)):
+        p = params(max_seq_length=40, **kw)
+        assert_same(docs, p, seed=5, dupes=2, pool=make_pool(docs, p, 5))
+
+
+@needs_native
+def test_empty_result_has_the_reference_dtypes():
+    """SOP on a one-token document makes no instance: an empty batch like InstanceBatch.empty."""
+    rng = np.random.default_rng(0)
+    for dtype in (np.uint16, np.uint32):
+        d = doc("x", [1], rng, dtype)
+        stats = InstanceStats()
+        got = native_instances.create_document_instances(*d, 3, params=params(objective="sop"), seed=1, stats=stats)
+        assert len(got) == 0 and stats.skipped_short_sentence == 3
+        want = InstanceBatch.empty(dtype)
+        for f in FIELDS:
+            assert getattr(got, f).dtype == getattr(want, f).dtype and np.array_equal(getattr(got, f), getattr(want, f))
+
+
+# ---------------------------------------------------------------- parity on real text
+
+
+@needs_native
+@pytest.mark.shared
+def test_parity_on_tokenized_books(shared_data):
+    from data_pipeline.text import text_to_sentences
+    from data_pipeline.tokenization import load_tokenizer
+    from data_pipeline.wordpiece import WordPieceEncoder
+
+    vocab = shared_data / "vocab" / "bert-base-uncased-vocab.txt"
+    tok, lowercase = load_tokenizer(vocab)
+    encoder = WordPieceEncoder(tok, lowercase)
+    docs = []
+    for book in ("shakespeare-macbeth.txt", "chesterton-thursday.txt"):
+        sents = text_to_sentences((shared_data / "books" / book).read_text(encoding="utf-8"))
+        for j in range(0, len(sents), 600):  # several documents per book: more pool variety
+            ids, bounds = encoder.encode_document(sents[j:j + 600])
+            if len(bounds) > 2:
+                docs.append((f"{book}#{j}", ids, bounds))
+    assert len(docs) >= 8 and docs[0][1].dtype == np.uint16
+    for kw in (dict(objective="nsp", max_seq_length=128), dict(objective="sop", max_seq_length=64, masking="dynamic"),
+               dict(objective="none", max_seq_length=512), dict(objective="nsp", max_seq_length=16, short_seq_prob=0.5)):
+        p = params(**kw)
+        assert assert_same(docs, p, seed=12345, dupes=2, pool=make_pool(docs, p, 12345)) > 100
+
+
+# ---------------------------------------------------------------- RNG replicas
+
+
+@needs_native
+@pytest.mark.parametrize("seed", [0, 1, 2**32 - 1, 2**32, 2**64 - 1, 123456789012345678])
+def test_mt19937_replica_matches_cpython(seed):
+    ops = [0, 1, 5, 31, 32, 33, 63, 64, 65, 100, 1000, -7, -125, -1, 0, -3] * 60  # crosses the 624-word refills
+    r = random.Random(seed)
+    want = []
+    for op in ops:
+        if op == 0:
+            want.append(r.random())
+        elif op > 0:
+            want.append(float(r.getrandbits(op).bit_count()))
+        else:
+            want.append(float(int(r.random() * -op)))
+    assert native_instances._ext.testing.mt_draws(seed, ops) == want
+
+
+@needs_native
+@pytest.mark.parametrize("seed", [0, 5, 2**63 + 17])
+@pytest.mark.parametrize("high", [1, 2, 30522, 65536, 70000, 3_000_000_000, 2**32 - 1, 2**32])
+def test_pcg64_replica_matches_numpy(seed, high):
+    """random() then integers(0, high): 3e9 rejects ~30% of draws, odd counts leave a buffered half."""
+    st = np.random.PCG64(seed).state["state"]
+    m = (1 << 64) - 1
+    for n_doubles, n_ints in ((0, 1), (1, 3), (7, 10), (100, 1001)):
+        g = np.random.Generator(np.random.PCG64(seed))
+        want_d, want_i = g.random(n_doubles), g.integers(0, high, size=n_ints)
+        got_d, got_i = native_instances._ext.testing.pcg_draws(st["state"] >> 64, st["state"] & m, st["inc"] >> 64,
+                                                              st["inc"] & m, n_doubles, high, n_ints)
+        assert np.array_equal(np.array(got_d), want_d) and np.array_equal(np.array(got_i, np.int64), want_i)
+
+
+@needs_native
+def test_row_keys_bisect_and_budget_replicas():
+    t = native_instances._ext.testing
+    for base in (0, 1, 98765, 2**64 - 1):
+        assert np.array_equal(t.row_keys(base, 300), row_keys(base, 300))
+    a = [0, 3, 3, 7, 10, 10, 15]
+    for x in range(-1, 17):
+        for lo in range(len(a)):
+            for hi in range(lo, len(a) + 1):
+                assert t.bisect_left(a, x, lo, hi) == bisect.bisect_left(a, x, lo, hi)
+    lengths = np.arange(1, 600)
+    for prob in (0.125, 0.15, 0.5, 1 / 3):
+        want = np.minimum(np.minimum(20, np.maximum(1, np.rint(lengths * prob).astype(np.int64))), lengths - 3)
+        assert [t.mask_budget(int(n), prob, 20, int(n) - 3) for n in lengths] == want.tolist()
+
+
+@needs_native
+def test_smallest_keys_selection_with_ties():
+    """The per-row selection equals "stable argsort, first `budget`, ascending" even with tied
+    keys (which random doubles never produce): keys from a few values force every path, the
+    prefilter's fallback, crowded histogram buckets and the tie handling."""
+    t = native_instances._ext.testing
+    rng = np.random.default_rng(0)
+    for trial in range(3000):
+        end = int(rng.integers(3, 200))
+        levels = [4, 50, 10**9][trial % 3]
+        key = rng.integers(0, levels, size=end) / levels
+        sep_a = int(rng.integers(1, end))
+        budget = int(rng.integers(1, end - 1))
+        cand = np.array([c for c in range(1, end) if c != sep_a])
+        order = np.argsort(key[cand], kind="stable")
+        want = sorted(cand[order[:budget]].tolist())
+        assert t.take_smallest(key.tolist(), sep_a, end, budget) == want, (end, sep_a, budget, levels)
+
+
+# ---------------------------------------------------------------- errors and the builder choice
+
+
+@needs_native
+def test_argument_errors_name_expected_and_actual():
+    ext = native_instances._ext
+    rng = np.random.default_rng(0)
+    _, ids, bounds = doc("d", [4, 5, 6], rng)
+    seeds, _, pcg = native_instances.dupe_seeds("d", 2, 1, True)
+    kw = dict(max_seq_length=32, short_seq_prob=0.1, objective="nsp", nsp_random_prob=0.5, masking="static",
+              masked_lm_prob=0.15, max_predictions_per_seq=5, whole_word_mask=False, cls_id=101, sep_id=102,
+              mask_id=103, vocab_size=30522, pool=None, doc_index=-1)
+
+    def call(ids=ids, bounds=bounds, seeds=seeds, rows=seeds, pcg=pcg, **over):
+        return ext.build_document(ids, bounds, seeds, rows, pcg, **{**kw, **over})
+
+    call()  # the baseline is valid
+    cases = [
+        (dict(ids=ids.astype(np.int64)), "ids: expected dtype uint16 or uint32, got int64"),
+        (dict(ids=ids.astype(">u2")), "ids: expected dtype uint16 or uint32, got >u2"),
+        (dict(ids=ids.reshape(3, 5)), "ids: expected a 1-D array, got 2-D"),
+        (dict(ids=ids[::2]), "ids: expected a C-contiguous array"),
+        (dict(bounds=bounds.astype(np.int32)), "bounds: expected dtype int64, got int32"),
+        (dict(bounds=bounds + 1), r"bounds: expected to run from 0 to len\(ids\) = 15, got 1 \.\. 16"),
+        (dict(bounds=np.array([0, 4, 4, 15])), r"strictly increasing .* bounds\[1\] = 4 >= bounds\[2\] = 4"),
+        (dict(bounds=np.array([0, 9, 4, 15])), "strictly increasing"),
+        (dict(bounds=np.array([], np.int64)), "at least one entry"),
+        (dict(rows=seeds[:1]), r"row_bases \[1\]"),
+        (dict(pcg=np.zeros((2, 3), np.uint64)), r"pcg_states \[2, 3\]"),
+        (dict(pcg=np.zeros((2, 4), np.uint64)), r"pcg_states\[0\]: expected an odd increment"),
+        (dict(seeds=seeds.astype(np.int64)), "mt_seeds: expected dtype uint64, got int64"),
+        (dict(objective="mlm"), "objective: expected one of nsp, sop, none, got 'mlm'"),
+        (dict(masking="random"), "masking: expected static or dynamic, got 'random'"),
+        (dict(whole_word_mask=True), "whole_word_mask: not supported by the native builder"),
+        (dict(max_seq_length=4), "max_seq_length: expected 8 <= max_seq_length <= 65535, got 4"),
+        (dict(masked_lm_prob=1.5), r"masked_lm_prob: expected a value in \[0, 1\]"),
+        (dict(cls_id=70000), "cls_id 70000 does not fit the ids' dtype uint16"),
+        (dict(mask_id=-1), "mask_id: expected a uint32 id, got -1"),
+        (dict(vocab_size=0), r"vocab_size: expected 1 <= vocab_size <= 2\*\*32, got 0"),
+    ]
+    for over, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call(**over)
+    w = (0, "other", ids[:9].astype(np.uint32), [0, 4, 9])
+    with pytest.raises(ValueError, match="pool ids: expected the document's dtype uint16, got uint32"):
+        call(pool=native_instances._PackedPool([w]).native)
+    with pytest.raises(ValueError, match=r"pool window 0: expected sentence bounds 0 < \.\.\. < len\(window ids\) = 9"):
+        native_instances._PackedPool([(0, "other", ids[:9], [0, 4, 8])])
+    with pytest.raises(ValueError, match="window ids of several dtypes"):
+        native_instances._PackedPool([w, (1, "x", ids[:9], [0, 9])])
+    with pytest.raises(ValueError, match="pool doc: expected 1 entries"):
+        ext.NegativePool(ids[:9], np.array([0, 9]), np.array([0, 9]), np.array([0, 2]), np.array([0, 0]))
+    with pytest.raises(ValueError, match="whole-word masking is only in the Python reference"):
+        native_instances.create_document_instances("d", ids, bounds, 1, params=params(whole_word_mask=True), seed=1)
+
+
+def test_builder_choice(monkeypatch):
+    p, wwm = params(), params(whole_word_mask=True)
+    assert native_instances.choose_builder("reference", p)[0] == "reference"
+    assert native_instances.choose_builder("auto", wwm)[0] == "reference"
+    with pytest.raises(ValueError, match="not one of"):
+        native_instances.choose_builder("fast", p)
+    if native_instances.available():
+        assert native_instances.choose_builder("auto", p)[0] == "native"
+        assert native_instances.choose_builder("native", replace(wwm, masking="dynamic"))[0] == "native"
+    with pytest.raises(ValueError, match="instance_builder=native, but whole-word masking"):
+        native_instances.choose_builder("native", wwm)
+    # the extension missing: auto falls back and says why, native is an error
+    monkeypatch.setattr(native_instances, "_ext", None)
+    monkeypatch.setattr(native_instances, "_UNAVAILABLE", "the extension data_pipeline._native_instances is not built (test)")
+    chosen, why = native_instances.choose_builder("auto", p)
+    assert chosen == "reference" and "not built" in why
+    with pytest.raises(ValueError, match="instance_builder=native, but the extension .* is not built"):
+        native_instances.choose_builder("native", p)
+    with pytest.raises(RuntimeError, match="not built"):
+        native_instances.create_document_instances("d", np.zeros(3, np.uint16), np.array([0, 3]), 1, params=p, seed=1)
+
+
+def test_config_field_is_validated():
+    from bertdist.config import ConfigError, from_dict
+    from data_pipeline.config import DataConfig
+
+    assert DataConfig().instance_builder == "auto"
+    assert from_dict(DataConfig, {"instance_builder": "reference"}).instance_builder == "reference"
+    for make in (lambda: from_dict(DataConfig, {"instance_builder": "fast"}), lambda: DataConfig(instance_builder="fast")):
+        with pytest.raises(ConfigError, match=r"instance_builder: 'fast' is not one of \['auto', 'native', 'reference'\]"):
+            make()
+
+
+# ---------------------------------------------------------------- the pipeline's transforms
+
+
+def _shards_with(builder: str, out: Path, docs, p: InstanceParams, vocab: Path) -> tuple[dict, dict]:
+    import apache_beam as beam
+    from apache_beam.options.pipeline_options import PipelineOptions
+    from apache_beam.testing.test_pipeline import TestPipeline
+
+    from data_pipeline.transforms import WriteShards, _CreateInstancesDoFn
+    from tests.conftest import IN_PROCESS
+
+    out.mkdir()
+    with TestPipeline(options=PipelineOptions(IN_PROCESS)) as pipe:
+        docs_pc = pipe | beam.Create(docs)
+        pool = (docs_pc  # as CreateInstances makes it
+                | beam.FlatMap(lambda d: pool_windows(*d, seed=7, windows_per_doc=4, max_tokens=p.max_seq_length - 3))
+                | beam.combiners.Top.Smallest(1000, key=lambda w: (w[0], w[1])))
+        (docs_pc
+         | beam.ParDo(_CreateInstancesDoFn(p, 7, 2, "train", str(vocab), builder=builder), beam.pvalue.AsSingleton(pool))
+         | WriteShards(str(out), "train", 2, p.vocab_size, 64, "zstd", expected_rows=400, rows_per_bucket=100,
+                       spill_rows=150))
+    counters = {c.key.metric.name: c.committed for c in pipe.result.metrics().query()["counters"]}
+    return {f.name: f.read_bytes() for f in sorted(out.glob("train-*.parquet"))}, counters
+
+
+@needs_native
+def test_transforms_write_identical_shards_with_either_builder(tmp_path, small_vocab):
+    """_CreateInstancesDoFn + WriteShards on the bundled books: the same shard bytes and counters."""
+    from bertdist.data.vocab import load_vocab
+    from data_pipeline.pipeline import instance_params
+    from data_pipeline.config import DataConfig
+    from data_pipeline.text import text_to_sentences
+    from data_pipeline.tokenization import load_tokenizer
+    from data_pipeline.wordpiece import WordPieceEncoder
+    from tests.conftest import SAMPLES
+
+    tokens = load_vocab(small_vocab)
+    tok, lowercase = load_tokenizer(small_vocab)
+    encoder = WordPieceEncoder(tok, lowercase)
+    sents = text_to_sentences((SAMPLES / "books" / "shakespeare-macbeth.txt").read_text(encoding="utf-8"))[:1200]
+    docs = [(f"macbeth#{j}", *encoder.encode_document(sents[j:j + 100])) for j in range(0, len(sents), 100)]
+    p = instance_params(DataConfig(max_seq_length=48), tokens)
+    ref, ref_counts = _shards_with("reference", tmp_path / "ref", docs, p, small_vocab)
+    nat, nat_counts = _shards_with("native", tmp_path / "nat", docs, p, small_vocab)
+    assert len(ref) == 2 and ref.keys() == nat.keys()
+    for name in ref:
+        assert ref[name] == nat[name], f"{name} differs between the reference and the native builder"
+    assert ref_counts["train_instances"] == nat_counts["train_instances"] > 100
+    assert ref_counts["train_random_next"] == nat_counts["train_random_next"]
