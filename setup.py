@@ -8,6 +8,11 @@
   extension just in time), and ``bertdist info`` says why. BERTDIST_CUDA=1 turns a CUDA build
   failure into an error instead; BERTDIST_CUDA=0 skips CUDA.
 - MAX_JOBS (torch's knob) caps parallel compiles; it defaults to the core count here.
+
+A second, independent extension, ``data_pipeline._native_instances`` (csrc/data_pipeline/), is a
+plain pybind11 module without torch (Beam workers must not import torch). It is built first, by
+setuptools' own build_extension, in its own try: a failure costs only that module (the data
+pipeline then uses its Python reference) and never stops ``bertdist._C``, nor the reverse.
 """
 import importlib.util
 import os
@@ -15,7 +20,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext as PlainBuildExt
 
 ROOT = Path(__file__).resolve().parent
 _spec = importlib.util.spec_from_file_location("_bertdist_build_config", ROOT / "bertdist" / "ops" / "_build_config.py")
@@ -66,15 +72,60 @@ def _extensions():
     return cuda, cpu_ext, ce
 
 
+DATA_EXT_NAME = "data_pipeline._native_instances"
+
+
+def _data_extension():
+    """The torch-free pybind11 instance builder, or None when pybind11 is missing."""
+    try:
+        import pybind11
+    except ImportError as e:
+        _log(f"pybind11 not importable ({e}); {DATA_EXT_NAME} not built (the data pipeline uses its Python reference)")
+        return None
+    # -O3 but no -march=native: the module must run on any x86-64 machine it is copied to.
+    return Extension(
+        DATA_EXT_NAME, ["csrc/data_pipeline/instances.cpp"], include_dirs=[pybind11.get_include()], language="c++",
+        extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden"],
+    )
+
+
+def _build_data_extension(cmd, ext) -> bool:
+    """Build ``ext`` with setuptools' plain build_extension (no torch flags); False on failure."""
+    try:
+        PlainBuildExt.build_extension(cmd, ext)
+        return True
+    except Exception as e:  # compiler/linker errors surface as various exception types
+        _log(f"{ext.name} build failed: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+        _log(f"{ext.name} NOT built: the data pipeline falls back to its Python reference (instance_builder=auto)")
+        return False
+
+
+DATA_EXT = _data_extension()
 EXT, CPU_FALLBACK, CE = _extensions()
 
-cmdclass = {}
+
+def _split_data_extension(cmd):
+    """Build the data extension on its own first; leave only the torch extension(s) in ``cmd``.
+    Returns the data extensions that built (to be put back, so an in-place build copies them)."""
+    data = [e for e in cmd.extensions if e.name == DATA_EXT_NAME]
+    cmd.extensions = [e for e in cmd.extensions if e.name != DATA_EXT_NAME]
+    return [e for e in data if _build_data_extension(cmd, e)]
+
+
 if EXT is not None:
 
     class BuildExt(CE.BuildExtension):
-        """torch's BuildExtension (ninja), degrading CUDA -> CPU-only -> no extension."""
+        """torch's BuildExtension (ninja), degrading CUDA -> CPU-only -> no extension; the data
+        extension is built before it (torch's build patches the compiler it would otherwise share)."""
 
         def build_extensions(self):
+            data_built = _split_data_extension(self)
+            self._build_torch_extension()
+            self.extensions = data_built + self.extensions
+
+        def _build_torch_extension(self):
+            if not self.extensions:
+                return
             try:
                 super().build_extensions()
                 return
@@ -94,6 +145,16 @@ if EXT is not None:
             _log("bertdist._C NOT built: the package falls back to JIT or the reference ops")
             self.extensions = []  # nothing to copy into the source tree; the install goes on
 
-    cmdclass["build_ext"] = BuildExt.with_options(use_ninja=True)
+    build_ext_cmd = BuildExt.with_options(use_ninja=True)
+else:
 
-setup(ext_modules=[EXT] if EXT is not None else [], cmdclass=cmdclass)
+    class BuildExt(PlainBuildExt):
+        """No torch: only the data extension, still never fatal."""
+
+        def build_extensions(self):
+            self.extensions = _split_data_extension(self)
+
+    build_ext_cmd = BuildExt
+
+ext_modules = [e for e in (DATA_EXT, EXT) if e is not None]
+setup(ext_modules=ext_modules, cmdclass={"build_ext": build_ext_cmd} if ext_modules else {})
