@@ -5,19 +5,20 @@ module: no torch) is the fast twin of :func:`data_pipeline.instances.create_inst
 Python code stays the readable reference and the test oracle, and the two give bitwise the same
 InstanceBatch and InstanceStats. This module loads the extension when it is built, packs the NSP
 pool into flat arrays once per pool object, derives the per-dupe seeds exactly as the reference
-does, and turns the extension's columns into an InstanceBatch.
+does (``derive_seed``), and turns the extension's columns into an InstanceBatch.
 
 Whole-word masking is not in the native builder: ``choose_builder`` sends it to the reference.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 from itertools import chain
 
 import numpy as np
 
 from data_pipeline.instance_batch import InstanceBatch
-from data_pipeline.instances import InstanceParams, InstanceStats, derive_seed
+from data_pipeline.instances import InstanceParams, InstanceStats
 
 log = logging.getLogger("data_pipeline")
 
@@ -31,9 +32,6 @@ except ImportError as e:  # not built (no compiler at install time) or built for
     _ext = None
     _UNAVAILABLE = (f"the extension data_pipeline._native_instances is not built ({e}); "
                     "`pip install --no-build-isolation -e .` builds it (see setup.py)")
-
-_U64 = (1 << 64) - 1
-
 
 def available() -> bool:
     return _ext is not None
@@ -118,18 +116,23 @@ def _packed(pool) -> _PackedPool:
     return _pool_cache
 
 
-def dupe_seeds(doc_id: str, dupe_factor: int, seed: int, with_masking: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The reference's per-(document, dupe) seeds: the random.Random seed, the row-key base, and
-    the PCG64 state {state, inc} of the masking Generator as four uint64 (high, low, high, low)."""
-    d = dupe_factor
-    mt = np.fromiter((derive_seed(seed, doc_id, k) for k in range(d)), np.uint64, d)
-    rows = np.fromiter((derive_seed(seed, "row", doc_id, k) for k in range(d)), np.uint64, d)
-    pcg = np.zeros((d, 4), np.uint64)
-    if with_masking:  # dynamic masking draws nothing from the Generator
-        for k in range(d):
-            st = np.random.PCG64(derive_seed(seed, "mask", doc_id, k)).state["state"]
-            pcg[k] = (st["state"] >> 64, st["state"] & _U64, st["inc"] >> 64, st["inc"] & _U64)
-    return mt, rows, pcg
+def _derived_seeds(prefix_parts: tuple, n: int) -> np.ndarray:
+    """``[derive_seed(*prefix_parts, k) for k in range(n)]`` as uint64: the blake2b state of the
+    common prefix is hashed once and copied (the same bytes as derive_seed joins)."""
+    head = hashlib.blake2b(("\x1f".join(map(str, prefix_parts)) + "\x1f").encode("utf-8"), digest_size=8)
+    out = np.empty(n, np.uint64)
+    for k in range(n):
+        h = head.copy()
+        h.update(str(k).encode("utf-8"))
+        out[k] = int.from_bytes(h.digest(), "little")
+    return out
+
+
+def dupe_seeds(doc_id: str, dupe_factor: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The reference's per-(document, dupe) seeds: the random.Random seed, the row-key base and
+    the seed of the masking Generator's PCG64 (the extension runs numpy's seeding of it)."""
+    return (_derived_seeds((seed, doc_id), dupe_factor), _derived_seeds((seed, "row", doc_id), dupe_factor),
+            _derived_seeds((seed, "mask", doc_id), dupe_factor))
 
 
 def create_document_instances(doc_id: str, ids: np.ndarray, bounds: np.ndarray, dupe_factor: int, *,
@@ -143,10 +146,10 @@ def create_document_instances(doc_id: str, ids: np.ndarray, bounds: np.ndarray, 
     if why:
         raise ValueError(f"the native instance builder cannot build this config: {why}")
     packed = _packed(pool)
-    mt, rows, pcg = dupe_seeds(doc_id, dupe_factor, seed, params.masking == "static")
+    mt, rows, masks = dupe_seeds(doc_id, dupe_factor, seed)
     p = params
     out = _ext.build_document(
-        np.ascontiguousarray(ids), np.ascontiguousarray(bounds, dtype=np.int64), mt, rows, pcg,
+        np.ascontiguousarray(ids), np.ascontiguousarray(bounds, dtype=np.int64), mt, rows, masks,
         max_seq_length=int(p.max_seq_length), short_seq_prob=float(p.short_seq_prob), objective=p.objective,
         nsp_random_prob=float(p.nsp_random_prob), masking=p.masking, masked_lm_prob=float(p.masked_lm_prob),
         max_predictions_per_seq=int(p.max_predictions_per_seq), whole_word_mask=bool(p.whole_word_mask),

@@ -4,8 +4,10 @@
 // InstanceBatch.concat([create_instances(..., d) for d in range(dupe_factor)]) plus the
 // InstanceStats counts. The Python code stays the readable reference and the test oracle; this
 // file must give BITWISE the same output, so it replays the reference's random draws one for
-// one: CPython's random.Random (MT19937) for the segment choices, numpy's PCG64 Generator for
-// the masking, splitmix64 for the row keys. Every helper below names the Python it mirrors.
+// one: CPython's random.Random (MT19937) for the segment choices, numpy's PCG64 Generator (seeded
+// through SeedSequence, as np.random.PCG64(seed) does) for the masking, splitmix64 for the row
+// keys. Every helper below names the Python it mirrors; the seeds themselves (blake2b of the
+// seed, document and dupe) come from Python.
 //
 // Supported: objectives nsp | sop | none, short_seq_prob, static masking without whole-word
 // masking, dynamic masking. Whole-word masking stays on the Python path (the caller falls back).
@@ -127,14 +129,63 @@ inline int64_t bisect_left(const int64_t* a, int64_t x, int64_t lo, int64_t hi) 
 
 // ------------------------------------------------------------------ numpy PCG64 Generator
 
+// numpy's SeedSequence(seed).generate_state(4, np.uint64) for a 64-bit int seed, the words
+// np.random.PCG64(seed) seeds itself from: the seed's 32-bit little-endian words (at least one)
+// hashed into a pool of four uint32, then four uint64 drawn from the pool.
+inline void seed_sequence_state(uint64_t seed, uint64_t out[4]) {
+  const uint32_t kInitA = 0x43b0d7e5, kMultA = 0x931e8875, kInitB = 0x8b51f9dd, kMultB = 0x58f38ded;
+  const uint32_t kMixL = 0xca01f9dd, kMixR = 0x4973f715;
+  const uint32_t entropy[2] = {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)};
+  const int n_entropy = (seed >> 32) ? 2 : 1;
+  uint32_t hash_const = kInitA;
+  auto hashmix = [&hash_const, kMultA](uint32_t value) {
+    value ^= hash_const;
+    hash_const *= kMultA;
+    value *= hash_const;
+    return value ^ (value >> 16);
+  };
+  auto mix = [kMixL, kMixR](uint32_t x, uint32_t y) {
+    uint32_t r = kMixL * x - kMixR * y;
+    return r ^ (r >> 16);
+  };
+  uint32_t pool[4];
+  for (int i = 0; i < 4; i++) pool[i] = hashmix(i < n_entropy ? entropy[i] : 0);
+  for (int src = 0; src < 4; src++)  // every word affects every other (at most 2 entropy words: no tail)
+    for (int dst = 0; dst < 4; dst++)
+      if (src != dst) pool[dst] = mix(pool[dst], hashmix(pool[src]));
+  hash_const = kInitB;
+  uint32_t words[8];
+  for (int i = 0; i < 8; i++) {
+    uint32_t v = pool[i % 4] ^ hash_const;
+    hash_const *= kMultB;
+    v *= hash_const;
+    words[i] = v ^ (v >> 16);
+  }
+  for (int i = 0; i < 4; i++) out[i] = words[2 * i] | (static_cast<uint64_t>(words[2 * i + 1]) << 32);
+}
+
 // numpy's PCG64 (pcg_setseq_128_xsl_rr_64) with the bit generator's uint32 buffer. The 128-bit
 // state is a GCC/Clang unsigned __int128, as in numpy's own build on x86-64.
 class Pcg64 {
  public:
   using u128 = unsigned __int128;
 
-  Pcg64(uint64_t state_hi, uint64_t state_lo, uint64_t inc_hi, uint64_t inc_lo)
-      : state_((static_cast<u128>(state_hi) << 64) | state_lo), inc_((static_cast<u128>(inc_hi) << 64) | inc_lo) {}
+  // np.random.PCG64(seed): pcg64_set_seed with the SeedSequence words (state, increment), i.e.
+  // inc = (initseq << 1) | 1, state = 0, step, state += initstate, step.
+  explicit Pcg64(uint64_t seed) {
+    uint64_t w[4];
+    seed_sequence_state(seed, w);
+    const u128 initstate = (static_cast<u128>(w[0]) << 64) | w[1];
+    const u128 initseq = (static_cast<u128>(w[2]) << 64) | w[3];
+    inc_ = (initseq << 1) | 1;
+    state_ = 0;
+    next64();
+    state_ += initstate;
+    next64();
+  }
+
+  u128 state() const { return state_; }
+  u128 inc() const { return inc_; }
 
   // Step the LCG, then XSL-RR output of the new state.
   uint64_t next64() {
@@ -460,7 +511,7 @@ class DocumentBuilder {
       : ids_(ids), b_(bounds), n_(n_sentences), p_(p), pool_(pool), doc_index_(doc_index), out_(out) {}
 
   // create_instances(..., dupe) followed by _assemble, appended to `out`.
-  void dupe(uint64_t mt_seed, uint64_t row_base, const uint64_t* pcg_state) {
+  void dupe(uint64_t mt_seed, uint64_t row_base, uint64_t mask_seed) {
     PyRandom rng(mt_seed);
     segs_a_.clear(), segs_b_.clear(), labels_.clear();
     if (p_.objective == Objective::none) single_segments(rng);
@@ -468,7 +519,7 @@ class DocumentBuilder {
     Stats& st = out_.stats;
     st.instances += static_cast<int64_t>(labels_.size());
     for (int8_t l : labels_) st.random_next += l == 1;
-    assemble(row_base, pcg_state);
+    assemble(row_base, mask_seed);
   }
 
  private:
@@ -578,7 +629,7 @@ class DocumentBuilder {
   }
 
   // instances.py::_assemble (+ _mask_rows for static masking) for this dupe's rows.
-  void assemble(uint64_t row_base, const uint64_t* pcg_state) {
+  void assemble(uint64_t row_base, uint64_t mask_seed) {
     const size_t m = labels_.size();
     if (m == 0) return;  // the reference returns an empty batch without drawing anything
     const int64_t flat0 = static_cast<int64_t>(out_.ids.size());  // this dupe's first token
@@ -603,7 +654,7 @@ class DocumentBuilder {
       out_.m_offsets.insert(out_.m_offsets.end(), m, last);
       return;
     }
-    mask_rows(flat0, row0, m, pcg_state);
+    mask_rows(flat0, row0, m, mask_seed);
   }
 
   // instances.py::_mask_rows. numpy argsorts a [rows, width] matrix of uniform keys (specials and
@@ -616,8 +667,8 @@ class DocumentBuilder {
   // positions are taken. The draws keep the reference's order: a key for every flat position
   // (specials included), then u for the chosen positions (row-major, ascending), then the
   // random ids.
-  void mask_rows(int64_t flat0, size_t row0, size_t m, const uint64_t* pcg_state) {
-    Pcg64 rng(pcg_state[0], pcg_state[1], pcg_state[2], pcg_state[3]);
+  void mask_rows(int64_t flat0, size_t row0, size_t m, uint64_t mask_seed) {
+    Pcg64 rng(mask_seed);  // np.random.Generator(np.random.PCG64(mask_seed))
     const int64_t total = static_cast<int64_t>(out_.ids.size()) - flat0;
     keys_.resize(total);
     rng.fill_doubles(keys_.data(), total);
@@ -685,7 +736,7 @@ void check_dtype(const py::array& a, const char* what) {
 
 template <typename T>
 py::tuple build_typed(const py::array& ids, const py::array& bounds, const uint64_t* mt_seeds, const uint64_t* row_bases,
-                      const uint64_t* pcg_states, int64_t dupes, const Params& p, const NegativePool* pool,
+                      const uint64_t* mask_seeds, int64_t dupes, const Params& p, const NegativePool* pool,
                       int64_t doc_index) {
   const int64_t max_id = std::numeric_limits<T>::max();
   for (auto [name, v] : {std::pair{"cls_id", p.cls_id}, std::pair{"sep_id", p.sep_id}, std::pair{"mask_id", p.mask_id}})
@@ -701,7 +752,7 @@ py::tuple build_typed(const py::array& ids, const py::array& bounds, const uint6
     out.ids.reserve(expect);  // every token about once per dupe, plus the specials
     DocumentBuilder<T> builder(static_cast<const T*>(ids.data()), static_cast<const int64_t*>(bounds.data()), n, p, pool,
                                doc_index, out);
-    for (int64_t d = 0; d < dupes; d++) builder.dupe(mt_seeds[d], row_bases[d], pcg_states + 4 * d);
+    for (int64_t d = 0; d < dupes; d++) builder.dupe(mt_seeds[d], row_bases[d], mask_seeds[d]);
   }
   const Stats st = out.stats;
   return py::make_tuple(to_numpy(std::move(out.keys)), to_numpy(std::move(out.ids)), to_numpy(std::move(out.ids_offsets)),
@@ -710,7 +761,7 @@ py::tuple build_typed(const py::array& ids, const py::array& bounds, const uint6
                         py::make_tuple(st.instances, st.random_next, st.negatives_unavailable, st.skipped_short_sentence));
 }
 
-py::tuple build_document(py::array ids, py::array bounds, py::array mt_seeds, py::array row_bases, py::array pcg_states,
+py::tuple build_document(py::array ids, py::array bounds, py::array mt_seeds, py::array row_bases, py::array mask_seeds,
                          int64_t max_seq_length, double short_seq_prob, const std::string& objective,
                          double nsp_random_prob, const std::string& masking, double masked_lm_prob,
                          int64_t max_predictions_per_seq, bool whole_word_mask, int64_t cls_id, int64_t sep_id,
@@ -737,19 +788,12 @@ py::tuple build_document(py::array ids, py::array bounds, py::array mt_seeds, py
   const int64_t dupes = mt_seeds.shape(0);
   check_array(row_bases, "row_bases", 1);
   check_dtype<uint64_t>(row_bases, "row_bases");
-  check_array(pcg_states, "pcg_states", 2);
-  check_dtype<uint64_t>(pcg_states, "pcg_states");
-  if (row_bases.shape(0) != dupes || pcg_states.shape(0) != dupes || pcg_states.shape(1) != 4)
-    throw py::value_error("seeds: expected mt_seeds [d], row_bases [d], pcg_states [d, 4] for d = " +
-                          std::to_string(dupes) + " dupes, got row_bases [" + std::to_string(row_bases.shape(0)) +
-                          "], pcg_states [" + std::to_string(pcg_states.shape(0)) + ", " +
-                          std::to_string(pcg_states.shape(1)) + "]");
-  const auto* pcg = static_cast<const uint64_t*>(pcg_states.data());
-  if (masking == "static")
-    for (int64_t d = 0; d < dupes; d++)
-      if (!(pcg[4 * d + 3] & 1))  // numpy makes inc odd; an even one can cycle (and loop the rejection sampling)
-        throw py::value_error("pcg_states[" + std::to_string(d) + "]: expected an odd increment (inc low word), got " +
-                              std::to_string(pcg[4 * d + 3]) + " (take np.random.PCG64(seed).state['state'])");
+  check_array(mask_seeds, "mask_seeds", 1);
+  check_dtype<uint64_t>(mask_seeds, "mask_seeds");
+  if (row_bases.shape(0) != dupes || mask_seeds.shape(0) != dupes)
+    throw py::value_error("seeds: expected mt_seeds, row_bases, mask_seeds of one length (the dupe factor), got " +
+                          std::to_string(dupes) + ", " + std::to_string(row_bases.shape(0)) + ", " +
+                          std::to_string(mask_seeds.shape(0)));
   Params p{};
   if (max_seq_length < 8 || max_seq_length > 65535)
     throw py::value_error("max_seq_length: expected 8 <= max_seq_length <= 65535, got " + std::to_string(max_seq_length));
@@ -781,8 +825,9 @@ py::tuple build_document(py::array ids, py::array bounds, py::array mt_seeds, py
                           py::str(pool->dtype()).cast<std::string>() + " (one vocab, one dtype)");
   const auto* seeds = static_cast<const uint64_t*>(mt_seeds.data());
   const auto* rows = static_cast<const uint64_t*>(row_bases.data());
-  if (u16) return build_typed<uint16_t>(ids, bounds, seeds, rows, pcg, dupes, p, pool, doc_index);
-  return build_typed<uint32_t>(ids, bounds, seeds, rows, pcg, dupes, p, pool, doc_index);
+  const auto* masks = static_cast<const uint64_t*>(mask_seeds.data());
+  if (u16) return build_typed<uint16_t>(ids, bounds, seeds, rows, masks, dupes, p, pool, doc_index);
+  return build_typed<uint32_t>(ids, bounds, seeds, rows, masks, dupes, p, pool, doc_index);
 }
 
 }  // namespace
@@ -798,7 +843,7 @@ PYBIND11_MODULE(_native_instances, m) {
   m.def("build_document", &build_document,
         "All dupes of one document: (keys, ids, ids_offsets, num_a, nsp, mpos, mids, m_offsets, "
         "(instances, random_next, negatives_unavailable, skipped_short_sentence)).",
-        py::arg("ids"), py::arg("bounds"), py::arg("mt_seeds"), py::arg("row_bases"), py::arg("pcg_states"), py::kw_only(),
+        py::arg("ids"), py::arg("bounds"), py::arg("mt_seeds"), py::arg("row_bases"), py::arg("mask_seeds"), py::kw_only(),
         py::arg("max_seq_length"), py::arg("short_seq_prob"), py::arg("objective"), py::arg("nsp_random_prob"),
         py::arg("masking"), py::arg("masked_lm_prob"), py::arg("max_predictions_per_seq"), py::arg("whole_word_mask"),
         py::arg("cls_id"), py::arg("sep_id"), py::arg("mask_id"), py::arg("vocab_size"), py::arg("pool").none(true),
@@ -819,11 +864,19 @@ PYBIND11_MODULE(_native_instances, m) {
     if (lo < 0 || hi > static_cast<int64_t>(a.size()) || lo > hi) throw py::value_error("bisect_left: bad lo/hi");
     return bisect_left(a.data(), x, lo, hi);
   });
-  t.def("pcg_draws", [](uint64_t state_hi, uint64_t state_lo, uint64_t inc_hi, uint64_t inc_lo, int64_t n_doubles,
-                        uint64_t high, int64_t n_ints) {
-    // Generator.random(n_doubles), then Generator.integers(0, high, size=n_ints)
+  t.def("pcg64_state", [](uint64_t seed) {
+    // np.random.PCG64(seed).state["state"] as (state, inc), 128-bit Python ints
+    Pcg64 rng(seed);
+    auto to_int = [](Pcg64::u128 v) {
+      return py::int_(static_cast<uint64_t>(v >> 64)).attr("__lshift__")(64).attr("__or__")(
+          py::int_(static_cast<uint64_t>(v)));
+    };
+    return py::make_tuple(to_int(rng.state()), to_int(rng.inc()));
+  });
+  t.def("pcg_draws", [](uint64_t seed, int64_t n_doubles, uint64_t high, int64_t n_ints) {
+    // Generator(PCG64(seed)).random(n_doubles), then .integers(0, high, size=n_ints)
     if (high < 1 || high > (1ULL << 32)) throw py::value_error("pcg_draws: high must be in [1, 2**32]");
-    Pcg64 rng(state_hi, state_lo, inc_hi, inc_lo);
+    Pcg64 rng(seed);
     std::vector<double> d;
     std::vector<int64_t> ints;
     // the first half one at a time, the rest in one fill: both paths against numpy

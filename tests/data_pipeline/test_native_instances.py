@@ -201,18 +201,34 @@ def test_mt19937_replica_matches_cpython(seed):
 
 
 @needs_native
+@pytest.mark.parametrize("seed", [0, 1, 5, 2**32 - 1, 2**32, 2**63 + 17, 2**64 - 1])
+def test_pcg64_seeding_matches_numpy(seed):
+    """np.random.PCG64(seed): SeedSequence's hashing, then pcg64_set_seed."""
+    st = np.random.PCG64(seed).state["state"]
+    assert native_instances._ext.testing.pcg64_state(seed) == (st["state"], st["inc"])
+
+
+@needs_native
 @pytest.mark.parametrize("seed", [0, 5, 2**63 + 17])
 @pytest.mark.parametrize("high", [1, 2, 30522, 65536, 70000, 3_000_000_000, 2**32 - 1, 2**32])
 def test_pcg64_replica_matches_numpy(seed, high):
     """random() then integers(0, high): 3e9 rejects ~30% of draws, odd counts leave a buffered half."""
-    st = np.random.PCG64(seed).state["state"]
-    m = (1 << 64) - 1
     for n_doubles, n_ints in ((0, 1), (1, 3), (7, 10), (100, 1001)):
         g = np.random.Generator(np.random.PCG64(seed))
         want_d, want_i = g.random(n_doubles), g.integers(0, high, size=n_ints)
-        got_d, got_i = native_instances._ext.testing.pcg_draws(st["state"] >> 64, st["state"] & m, st["inc"] >> 64,
-                                                              st["inc"] & m, n_doubles, high, n_ints)
+        got_d, got_i = native_instances._ext.testing.pcg_draws(seed, n_doubles, high, n_ints)
         assert np.array_equal(np.array(got_d), want_d) and np.array_equal(np.array(got_i, np.int64), want_i)
+
+
+def test_dupe_seeds_equal_derive_seed():
+    from data_pipeline.instances import derive_seed
+
+    for seed, doc_id in ((12345, "books:a.txt"), (0, "wiki:1#part2"), (2**64 - 1, "é\x1f")):
+        mt, rows, masks = native_instances.dupe_seeds(doc_id, 4, seed)
+        assert mt.dtype == rows.dtype == masks.dtype == np.uint64
+        assert mt.tolist() == [derive_seed(seed, doc_id, k) for k in range(4)]
+        assert rows.tolist() == [derive_seed(seed, "row", doc_id, k) for k in range(4)]
+        assert masks.tolist() == [derive_seed(seed, "mask", doc_id, k) for k in range(4)]
 
 
 @needs_native
@@ -258,13 +274,13 @@ def test_argument_errors_name_expected_and_actual():
     ext = native_instances._ext
     rng = np.random.default_rng(0)
     _, ids, bounds = doc("d", [4, 5, 6], rng)
-    seeds, _, pcg = native_instances.dupe_seeds("d", 2, 1, True)
+    seeds, _, masks = native_instances.dupe_seeds("d", 2, 1)
     kw = dict(max_seq_length=32, short_seq_prob=0.1, objective="nsp", nsp_random_prob=0.5, masking="static",
               masked_lm_prob=0.15, max_predictions_per_seq=5, whole_word_mask=False, cls_id=101, sep_id=102,
               mask_id=103, vocab_size=30522, pool=None, doc_index=-1)
 
-    def call(ids=ids, bounds=bounds, seeds=seeds, rows=seeds, pcg=pcg, **over):
-        return ext.build_document(ids, bounds, seeds, rows, pcg, **{**kw, **over})
+    def call(ids=ids, bounds=bounds, seeds=seeds, rows=seeds, masks=masks, **over):
+        return ext.build_document(ids, bounds, seeds, rows, masks, **{**kw, **over})
 
     call()  # the baseline is valid
     cases = [
@@ -277,9 +293,8 @@ def test_argument_errors_name_expected_and_actual():
         (dict(bounds=np.array([0, 4, 4, 15])), r"strictly increasing .* bounds\[1\] = 4 >= bounds\[2\] = 4"),
         (dict(bounds=np.array([0, 9, 4, 15])), "strictly increasing"),
         (dict(bounds=np.array([], np.int64)), "at least one entry"),
-        (dict(rows=seeds[:1]), r"row_bases \[1\]"),
-        (dict(pcg=np.zeros((2, 3), np.uint64)), r"pcg_states \[2, 3\]"),
-        (dict(pcg=np.zeros((2, 4), np.uint64)), r"pcg_states\[0\]: expected an odd increment"),
+        (dict(rows=seeds[:1]), "expected mt_seeds, row_bases, mask_seeds of one length .*, got 2, 1, 2"),
+        (dict(masks=np.zeros((2, 4), np.uint64)), "mask_seeds: expected a 1-D array, got 2-D"),
         (dict(seeds=seeds.astype(np.int64)), "mt_seeds: expected dtype uint64, got int64"),
         (dict(objective="mlm"), "objective: expected one of nsp, sop, none, got 'mlm'"),
         (dict(masking="random"), "masking: expected static or dynamic, got 'random'"),
