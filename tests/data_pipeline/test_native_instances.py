@@ -403,3 +403,35 @@ def test_transforms_write_identical_shards_with_either_builder(tmp_path, small_v
         assert ref[name] == nat[name], f"{name} differs between the reference and the native builder"
     assert ref_counts["train_instances"] == nat_counts["train_instances"] > 100
     assert ref_counts["train_random_next"] == nat_counts["train_random_next"]
+
+
+@needs_native
+def test_build_records_identical_with_and_without_the_extension(tmp_path, small_vocab, monkeypatch, caplog):
+    """The whole pipeline (bundled wiki + books, in-process): auto takes the native builder;
+    with the extension hidden it falls back to the reference, and every shard is byte-identical."""
+    import json
+    import logging
+
+    from data_pipeline import build_records
+    from tests.conftest import SAMPLES
+
+    def shard_bytes(manifest: Path) -> dict[str, bytes]:
+        man = json.loads(manifest.read_text())
+        return {Path(s["path"]).name: (manifest.parent / s["path"]).read_bytes()
+                for sp in man["splits"].values() for s in sp["shards"]}
+
+    def build(out: Path) -> dict[str, bytes]:
+        return shard_bytes(build_records([f"wiki:{SAMPLES / 'wiki'}", f"books:{SAMPLES / 'books'}"], out, small_vocab,
+                                         max_seq_length=64, dupe_factor=2, num_shards=2))
+
+    caplog.set_level(logging.INFO, logger="data_pipeline")
+    monkeypatch.setattr(native_instances, "_logged", set())
+    native = build(tmp_path / "native")
+    monkeypatch.setattr(native_instances, "_ext", None)
+    monkeypatch.setattr(native_instances, "_UNAVAILABLE", "hidden by the test")
+    reference = build(tmp_path / "reference")
+    said = [r.getMessage() for r in caplog.records if "training instances:" in r.getMessage()]
+    assert any("native builder" in m for m in said) and any("reference builder" in m and "hidden" in m for m in said)
+    assert len(native) == 3 and native.keys() == reference.keys()  # 2 train shards + 1 held-out
+    for name in native:
+        assert native[name] == reference[name], f"{name} differs between the native and the reference builder"
