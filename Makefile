@@ -18,7 +18,7 @@ venv: $(STAMP)
 # build isolation (an isolated build would pull a second torch into the build env). Its CPU
 # shared-memory all-reduce op is compiled here, ahead of time: left to JIT, every CPU rank
 # start compiled it again (~40 s) whenever two environments with different flags alternated.
-$(STAMP): requirements.lock pyproject.toml setup.py $(wildcard csrc/*)
+$(STAMP): requirements.lock pyproject.toml setup.py $(wildcard csrc/* csrc/*/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip==24.3.1
 	$(PIP) install -q -r requirements.lock

@@ -31,6 +31,7 @@ from bertdist.data.vocab import load_vocab, special_token_ids, vocab_sha256
 from data_pipeline.config import DataConfig, InputConfig
 from data_pipeline.instance_batch import InstanceBatch
 from data_pipeline.instances import InstanceParams, unit_hash
+from data_pipeline.native_instances import choose_builder
 from data_pipeline.output_dir import OutputDir
 from data_pipeline.tokenization import vocab_is_cased
 from data_pipeline.transforms import (
@@ -122,7 +123,8 @@ def build_pipeline(p: beam.Pipeline, cfg: DataConfig, staging: str, tokens: list
         (docs_split
          | f"{split}_Instances" >> CreateInstances(
              params, seed=cfg.seed, dupe_factor=cfg.dupe_factor, split=split, vocab_path=cfg.vocab,
-             pool_size=cfg.nsp_pool_size, windows_per_doc=cfg.nsp_pool_windows_per_doc, scratch_dir=f"{staging}/docs")
+             pool_size=cfg.nsp_pool_size, windows_per_doc=cfg.nsp_pool_windows_per_doc, scratch_dir=f"{staging}/docs",
+             builder=cfg.instance_builder)
          | f"{split}_Write" >> WriteShards(staging, split, n, len(tokens), cfg.row_group_size, cfg.compression,
                                            expected_rows=round(rows * (frac if split == "heldout" else 1 - frac)),
                                            rows_per_bucket=cfg.shuffle_bucket_rows, spill_rows=cfg.shuffle_spill_rows))
@@ -157,6 +159,9 @@ def run(cfg: DataConfig, pipeline_args: Sequence[str] | None = None) -> dict[str
     lowercase = cfg.lowercase if cfg.lowercase is not None else not vocab_is_cased(tokens)
     out = OutputDir(cfg.output)
     run_id = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
+    # an impossible instance_builder=native fails here, before any work, not on every worker
+    builder, why = choose_builder(cfg.instance_builder, instance_params(cfg, tokens))
+    log.info("training instances: %s builder (%s)", builder, why)
     staging, final = out.prepare(run_id)
     args = list(default_pipeline_args() if pipeline_args is None else pipeline_args)
     options = PipelineOptions(args)

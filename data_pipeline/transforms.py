@@ -477,8 +477,9 @@ class CreateInstances(beam.PTransform):
 
     def __init__(self, params: InstanceParams, *, seed: int, dupe_factor: int, split: str,
                  vocab_path: str, pool_size: int, windows_per_doc: int, scratch_dir: str,
-                 spill_tokens: int = 1 << 20):
+                 spill_tokens: int = 1 << 20, builder: str = "auto"):
         super().__init__()
+        self.builder = builder
         self.params, self.seed, self.dupe_factor = params, seed, dupe_factor
         self.split, self.vocab_path, self.pool_size, self.windows_per_doc = split, vocab_path, pool_size, windows_per_doc
         self.scratch_dir, self.spill_tokens = scratch_dir, spill_tokens
@@ -499,7 +500,8 @@ class CreateInstances(beam.PTransform):
                 | "Spread" >> beam.Reshuffle()  # spill files, not documents: cheap, and spreads them over workers
                 | "ReadDocs" >> beam.FlatMap(read_spilled_docs)
                 | "Create" >> beam.ParDo(
-                    _CreateInstancesDoFn(self.params, self.seed, self.dupe_factor, self.split, self.vocab_path),
+                    _CreateInstancesDoFn(self.params, self.seed, self.dupe_factor, self.split, self.vocab_path,
+                                         builder=self.builder),
                     pool_side))
 
 

@@ -435,3 +435,22 @@ def test_build_records_identical_with_and_without_the_extension(tmp_path, small_
     assert len(native) == 3 and native.keys() == reference.keys()  # 2 train shards + 1 held-out
     for name in native:
         assert native[name] == reference[name], f"{name} differs between the native and the reference builder"
+
+
+def test_config_instance_builder_reaches_the_pipeline(tmp_path, small_vocab, caplog):
+    """``instance_builder`` from the config is what the driver and the workers use; an impossible
+    ``native`` fails in the driver before any output is written."""
+    import logging
+
+    from data_pipeline import build_records
+    from tests.conftest import SAMPLES
+
+    caplog.set_level(logging.INFO, logger="data_pipeline")
+    build_records([f"books:{SAMPLES / 'books'}"], tmp_path / "ref", small_vocab, max_seq_length=64, dupe_factor=1,
+                  num_shards=1, instance_builder="reference")
+    said = [r.getMessage() for r in caplog.records if "training instances:" in r.getMessage()]
+    assert said and all("reference builder (instance_builder=reference)" in m for m in said)
+    with pytest.raises(ValueError, match="instance_builder=native, but"):
+        build_records([f"books:{SAMPLES / 'books'}"], tmp_path / "wwm", small_vocab, max_seq_length=64,
+                      num_shards=1, instance_builder="native", whole_word_mask=True)
+    assert not (tmp_path / "wwm").exists() or not any((tmp_path / "wwm").iterdir())
