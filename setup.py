@@ -9,10 +9,11 @@
   failure into an error instead; BERTDIST_CUDA=0 skips CUDA.
 - MAX_JOBS (torch's knob) caps parallel compiles; it defaults to the core count here.
 
-A second, independent extension, ``data_pipeline._native_instances`` (csrc/data_pipeline/), is a
-plain pybind11 module without torch (Beam workers must not import torch). It is built first, by
-setuptools' own build_extension, in its own try: a failure costs only that module (the data
-pipeline then uses its Python reference) and never stops ``bertdist._C``, nor the reverse.
+Two more, independent extensions, ``data_pipeline._native_instances`` and
+``data_pipeline._native_wordpiece`` (csrc/data_pipeline/), are plain pybind11 modules without
+torch (Beam workers must not import torch). They are built first, by setuptools' own
+build_extension, each in its own try: a failure costs only that module (the data pipeline then
+uses its Python reference) and never stops the other nor ``bertdist._C``, nor the reverse.
 """
 import importlib.util
 import os
@@ -72,21 +73,27 @@ def _extensions():
     return cuda, cpu_ext, ce
 
 
-DATA_EXT_NAME = "data_pipeline._native_instances"
+# torch-free pybind11 modules: the instance builder and the WordPiece document encoder
+DATA_EXT_SOURCES = {
+    "data_pipeline._native_instances": "csrc/data_pipeline/instances.cpp",
+    "data_pipeline._native_wordpiece": "csrc/data_pipeline/wordpiece.cpp",
+}
 
 
-def _data_extension():
-    """The torch-free pybind11 instance builder, or None when pybind11 is missing."""
+def _data_extensions():
+    """The torch-free pybind11 extensions, or [] when pybind11 is missing."""
     try:
         import pybind11
     except ImportError as e:
-        _log(f"pybind11 not importable ({e}); {DATA_EXT_NAME} not built (the data pipeline uses its Python reference)")
-        return None
-    # -O3 but no -march=native: the module must run on any x86-64 machine it is copied to.
-    return Extension(
-        DATA_EXT_NAME, ["csrc/data_pipeline/instances.cpp"], include_dirs=[pybind11.get_include()], language="c++",
-        extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden"],
-    )
+        _log(f"pybind11 not importable ({e}); {', '.join(DATA_EXT_SOURCES)} not built "
+             "(the data pipeline uses its Python reference)")
+        return []
+    # -O3 but no -march=native: the modules must run on any x86-64 machine they are copied to.
+    return [
+        Extension(name, [source], include_dirs=[pybind11.get_include()], language="c++",
+                  extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden"])
+        for name, source in DATA_EXT_SOURCES.items()
+    ]
 
 
 def _build_data_extension(cmd, ext) -> bool:
@@ -96,19 +103,19 @@ def _build_data_extension(cmd, ext) -> bool:
         return True
     except Exception as e:  # compiler/linker errors surface as various exception types
         _log(f"{ext.name} build failed: {type(e).__name__}: {e}\n{traceback.format_exc()}")
-        _log(f"{ext.name} NOT built: the data pipeline falls back to its Python reference (instance_builder=auto)")
+        _log(f"{ext.name} NOT built: the data pipeline falls back to its Python reference for it (auto mode)")
         return False
 
 
-DATA_EXT = _data_extension()
+DATA_EXTS = _data_extensions()
 EXT, CPU_FALLBACK, CE = _extensions()
 
 
 def _split_data_extension(cmd):
-    """Build the data extension on its own first; leave only the torch extension(s) in ``cmd``.
-    Returns the data extensions that built (to be put back, so an in-place build copies them)."""
-    data = [e for e in cmd.extensions if e.name == DATA_EXT_NAME]
-    cmd.extensions = [e for e in cmd.extensions if e.name != DATA_EXT_NAME]
+    """Build the data extensions first, each on its own; leave only the torch extension(s) in
+    ``cmd``. Returns the data extensions that built (to be put back, so an in-place build copies them)."""
+    data = [e for e in cmd.extensions if e.name in DATA_EXT_SOURCES]
+    cmd.extensions = [e for e in cmd.extensions if e.name not in DATA_EXT_SOURCES]
     return [e for e in data if _build_data_extension(cmd, e)]
 
 
@@ -156,5 +163,5 @@ else:
 
     build_ext_cmd = BuildExt
 
-ext_modules = [e for e in (DATA_EXT, EXT) if e is not None]
+ext_modules = DATA_EXTS + ([EXT] if EXT is not None else [])
 setup(ext_modules=ext_modules, cmdclass={"build_ext": build_ext_cmd} if ext_modules else {})

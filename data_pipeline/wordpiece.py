@@ -25,7 +25,16 @@ from functools import lru_cache
 from itertools import repeat
 
 import numpy as np
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, models
+
+try:  # the native twin of the post-normalisation path (csrc/data_pipeline/wordpiece.cpp)
+    from data_pipeline import _native_wordpiece
+
+    _NATIVE_UNAVAILABLE = ""
+except ImportError as e:  # not built (no compiler at install time) or built for another Python
+    _native_wordpiece = None
+    _NATIVE_UNAVAILABLE = (f"the extension data_pipeline._native_wordpiece is not built ({e}); "
+                           "`pip install --no-build-isolation -e .` builds it (see setup.py)")
 
 # BERT's _is_chinese_char ranges: each such character becomes a word of its own
 _CJK_RANGES = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F), (0x2B740, 0x2B81F),
@@ -55,9 +64,10 @@ def _char_class(cps: list[int]) -> str:
 
 
 @lru_cache(maxsize=1)
-def _tables() -> tuple[re.Pattern, frozenset[str], frozenset[str]]:
-    """(word split regex, non-ASCII control characters to drop, non-spacing marks to drop); built
-    once per process from Python's Unicode tables (~0.05 s)."""
+def _unicode_classes() -> tuple[tuple[int, ...], frozenset[str], frozenset[str]]:
+    """(sorted "single" code points: punctuation and CJK, each a word of its own; non-ASCII control
+    characters to drop; non-spacing marks to drop); built once per process from Python's Unicode
+    tables (~0.05 s)."""
     singles = [cp for lo, hi in _CJK_RANGES for cp in range(lo, hi + 1)]
     singles += [cp for cp in range(128) if _is_punctuation(cp)]
     controls, marks = [], []
@@ -71,9 +81,33 @@ def _tables() -> tuple[re.Pattern, frozenset[str], frozenset[str]]:
             controls.append(cp)
         elif cat == "Mn":
             marks.append(cp)
-    single = _char_class(sorted(set(singles)))
+    return tuple(sorted(set(singles))), frozenset(map(chr, controls)), frozenset(map(chr, marks))
+
+
+@lru_cache(maxsize=1)
+def _tables() -> tuple[re.Pattern, frozenset[str], frozenset[str]]:
+    """(word split regex, non-ASCII control characters to drop, non-spacing marks to drop)."""
+    singles, controls, marks = _unicode_classes()
+    single = _char_class(list(singles))
     split = re.compile(rf"[{single}]|[^\s{single}]+")
-    return split, frozenset(map(chr, controls)), frozenset(map(chr, marks))
+    return split, controls, marks
+
+
+def _ranges(cps: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Sorted code points merged into inclusive (first, last) ranges."""
+    out: list[tuple[int, int]] = []
+    for cp in cps:
+        if out and out[-1][1] == cp - 1:
+            out[-1] = (out[-1][0], cp)
+        else:
+            out.append((cp, cp))
+    return out
+
+
+@lru_cache(maxsize=1)
+def _whitespace() -> tuple[int, ...]:
+    """The code points str.split() splits on (Py_UNICODE_ISSPACE, the same test as str.isspace)."""
+    return tuple(cp for cp in range(0x110000) if chr(cp).isspace())
 
 
 @lru_cache(maxsize=256)
@@ -92,18 +126,61 @@ def _non_ascii_chars(text: str) -> set[str]:
     return set(text.encode("utf-8", "surrogatepass").translate(None, _ASCII_BYTES).decode("utf-8", "surrogatepass"))
 
 
+def native_available() -> bool:
+    return _native_wordpiece is not None
+
+
+def native_unavailable_reason() -> str:
+    """Why the native encoder cannot be used ("" when it can)."""
+    return _NATIVE_UNAVAILABLE
+
+
+def _native_unsupported_reason(tok: Tokenizer) -> str:
+    """Why the native encoder cannot replay ``tok``'s model ("" when it can)."""
+    model = tok.model
+    if not isinstance(model, models.WordPiece):
+        return f"the tokenizer's model is {type(model).__name__}, not WordPiece"
+    if model.unk_token not in tok.get_vocab(with_added_tokens=False):
+        return f"the unk token {model.unk_token!r} is not in the vocab"
+    return ""
+
+
 class WordPieceEncoder:
     """``encode_document(sentences) -> (ids, bounds)``: all ids of a document concatenated and
     the sentence boundaries (sentence i is ``ids[bounds[i]:bounds[i+1]]``; sentences with no
-    tokens are dropped)."""
+    tokens are dropped).
 
-    def __init__(self, tok: Tokenizer, lowercase: bool, *, max_cached_words: int = 2_000_000):
+    ``native``: None uses the C++ twin of the post-normalisation path when it is built (the
+    Python path otherwise), True requires it, False uses the Python path (the reference)."""
+
+    def __init__(self, tok: Tokenizer, lowercase: bool, *, max_cached_words: int = 2_000_000,
+                 native: bool | None = None):
         self.tok, self.lowercase, self.max_cached_words = tok, lowercase, max_cached_words
         vocab_size = tok.get_vocab_size()
         self.dtype = np.uint16 if vocab_size < 65536 else np.uint32
         self.specials = [t.content for t in tok.get_added_tokens_decoder().values()]
         self._split, self._controls, self._marks = _tables()
-        self._reset_cache()
+        if native not in (None, True, False):
+            raise ValueError(f"native must be None, True or False, got {native!r}")
+        why_not = native_unavailable_reason() or (_native_unsupported_reason(tok) if native is not False else "")
+        if native and why_not:
+            raise ValueError(f"native=True, but {why_not} (use native=None or False)")
+        self.native = native is not False and not why_not
+        self.native_reason = "native encoder" if self.native else (why_not or "native=False")
+        if self.native:
+            self._native = self._make_native()
+            self._index = self._native  # the native chunk cache: len() = chunks cached, as for the dict
+        else:
+            self._reset_cache()
+
+    def _make_native(self):
+        model = self.tok.model
+        vocab = self.tok.get_vocab(with_added_tokens=False)  # exactly the vocab the HF model matches against
+        return _native_wordpiece.Encoder(
+            vocab, unk_id=vocab[model.unk_token], max_input_chars_per_word=model.max_input_chars_per_word,
+            continuing_prefix=model.continuing_subword_prefix, single_ranges=_ranges(_unicode_classes()[0]),
+            whitespace=list(_whitespace()), id_bits=8 * np.dtype(self.dtype).itemsize,
+            max_cached_words=self.max_cached_words)
 
     def _reset_cache(self) -> None:
         # whitespace chunk -> index; index 0 is the sentence mark (no pieces)
@@ -142,7 +219,13 @@ class WordPieceEncoder:
             text = _SEPARATOR.join(s.replace(_SEPARATOR, " ") for s in sentences)
         if "[" in text and any(s in text for s in self.specials):
             return self._encode_with_hf(sentences)
-        chunks = self.normalize(text).replace(_SEPARATOR, _MARK).split()
+        if self.native:
+            return self._native.encode(self.normalize(text), _SEPARATOR)
+        return self._encode_normalized(self.normalize(text))
+
+    def _encode_normalized(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """The Python reference of what the native encoder does: split, cache, WordPiece."""
+        chunks = text.replace(_SEPARATOR, _MARK).split()
         if len(self._index) > self.max_cached_words:  # bounded memory on corpora with endless unique words
             self._reset_cache()
         index = self._index
