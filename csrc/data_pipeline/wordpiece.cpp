@@ -99,6 +99,73 @@ struct Span {
   uint32_t size;
 };
 
+inline uint64_t hash_bytes(const char* p, size_t n) {
+  uint64_t h = 0x9E3779B97F4A7C15ULL ^ n;
+  for (; n >= 8; p += 8, n -= 8) {
+    uint64_t w;
+    std::memcpy(&w, p, 8);
+    h = (h ^ w) * 0xBF58476D1CE4E5B9ULL;
+    h ^= h >> 31;
+  }
+  if (n) {
+    uint64_t w = 0;
+    std::memcpy(&w, p, n);
+    h = (h ^ w) * 0x94D049BB133111EBULL;
+  }
+  h ^= h >> 29;
+  h *= 0xBF58476D1CE4E5B9ULL;
+  return h ^ (h >> 32);
+}
+
+// The chunk cache: open addressing (linear probing, at most half full) with the hash and the
+// key's location inline, so a hit costs about one cache miss plus the key compare; the keys'
+// bytes live in an Arena.
+class ChunkCache {
+ public:
+  ChunkCache() { clear(); }
+  size_t size() const { return size_; }
+  void clear() {
+    slots_.assign(1024, Slot{});
+    size_ = 0;
+  }
+  // The pieces of ``key`` if cached, else nullptr; ``h`` = hash_bytes(key).
+  const Span* find(std::string_view key, uint64_t h) const {
+    for (size_t i = h & (slots_.size() - 1);; i = (i + 1) & (slots_.size() - 1)) {
+      const Slot& s = slots_[i];
+      if (s.key == nullptr) return nullptr;
+      if (s.hash == h && s.key_size == key.size() && std::memcmp(s.key, key.data(), key.size()) == 0) return &s.span;
+    }
+  }
+  // Insert a key known to be absent; ``stored`` holds its bytes for the cache's lifetime.
+  const Span* insert(std::string_view stored, uint64_t h, Span span) {
+    if (2 * (size_ + 1) > slots_.size()) grow();
+    ++size_;
+    return &place(Slot{h, stored.data(), stored.size(), span})->span;
+  }
+
+ private:
+  struct Slot {
+    uint64_t hash = 0;
+    const char* key = nullptr;
+    size_t key_size = 0;
+    Span span{0, 0};
+  };
+  Slot* place(const Slot& slot) {
+    size_t i = slot.hash & (slots_.size() - 1);
+    while (slots_[i].key != nullptr) i = (i + 1) & (slots_.size() - 1);
+    slots_[i] = slot;
+    return &slots_[i];
+  }
+  void grow() {
+    std::vector<Slot> old(2 * slots_.size());
+    old.swap(slots_);
+    for (const Slot& s : old)
+      if (s.key != nullptr) place(s);
+  }
+  std::vector<Slot> slots_;
+  size_t size_ = 0;
+};
+
 class Encoder {
  public:
   Encoder(const py::dict& vocab, int64_t unk_id, int64_t max_input_chars_per_word, const std::string& continuing_prefix,
@@ -230,12 +297,25 @@ class Encoder {
         continue;
       }
       size_t j = i + len;
-      while (j < n && !is_space(s + j, len)) j += len;
+      while (j < n) {
+        if (s[j] < 0x80) {  // ASCII fast path
+          if (space_.ascii(s[j])) break;
+          ++j;
+        } else if (is_space(s + j, len)) {
+          break;
+        } else {
+          j += len;
+        }
+      }
       const std::string_view chunk(reinterpret_cast<const char*>(s + i), j - i);
-      auto it = cache_.find(chunk);
-      if (it == cache_.end()) it = cache_.emplace(arena_.store(chunk), encode_chunk(chunk)).first;
-      const uint32_t* p = pieces_.data() + it->second.start;
-      ids.insert(ids.end(), p, p + it->second.size);
+      const uint64_t h = hash_bytes(chunk.data(), chunk.size());
+      const Span* span = cache_.find(chunk, h);
+      if (span == nullptr) {
+        const Span fresh = encode_chunk(chunk);
+        span = cache_.insert(arena_.store(chunk), h, fresh);
+      }
+      const uint32_t* p = pieces_.data() + span->start;
+      ids.insert(ids.end(), p, p + span->size);
       i = j;
     }
     close_sentence();
@@ -308,7 +388,7 @@ class Encoder {
   bool bits16_ = true;
   CodePointSet singles_, space_;
   std::mutex mutex_;
-  std::unordered_map<std::string_view, Span> cache_;  // chunk (bytes in arena_) -> pieces
+  ChunkCache cache_;  // chunk (bytes in arena_) -> pieces
   Arena arena_;
   std::vector<uint32_t> pieces_;
 };
