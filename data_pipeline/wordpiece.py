@@ -15,6 +15,13 @@ It reproduces ``BertNormalizer`` + ``BertPreTokenizer`` + ``WordPiece`` as set u
   4. greedy longest-match WordPiece, [UNK] for words over 100 characters or with no match.
 A document that contains a special-token string ("[MASK]", …) goes through the HF tokenizer,
 which matches those before normalisation. Tests compare both paths id for id on real text.
+
+Steps 3-4 with the cache also exist in C++ (``data_pipeline._native_wordpiece``,
+csrc/data_pipeline/wordpiece.cpp), used when it is built (``native=None``): ~3x faster warm and
+~5x cold on the 14 books. Normalisation and the special-token path stay here, and the Python
+path below stays the reference: tests/data_pipeline/test_native_wordpiece.py holds the two to
+identical ids. The Unicode classes the C++ side uses (punctuation/CJK, whitespace) come from
+this module, so from Python's unicodedata.
 """
 from __future__ import annotations
 
