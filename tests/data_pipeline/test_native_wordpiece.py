@@ -212,3 +212,20 @@ def test_native_argument_errors(small_vocab):
         WordPieceEncoder(tok, lowercase, native="yes")
     auto = WordPieceEncoder(tok, lowercase)
     assert auto.native and auto.native_reason == "native encoder"
+
+
+def test_native_encoder_shared_by_threads(small_vocab):
+    """encode releases the GIL; one encoder (one cache) used by several threads gives each the
+    ids a single-threaded Python encoder gives."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from data_pipeline.tokenization import load_tokenizer
+
+    tok, lowercase = load_tokenizer(small_vocab)
+    native, python = encoders(tok, lowercase, max_cached_words=50)
+    docs = list(random_docs(4, 200))
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(native.encode_document, docs))
+    for doc, (ids, bounds) in zip(docs, got):
+        want = python.encode_document(doc)
+        assert np.array_equal(ids, want[0]) and np.array_equal(bounds, want[1])
