@@ -294,6 +294,7 @@ class _TokenizeDoFn(beam.DoFn):
 
         tok, lowercase = load_tokenizer(self.vocab_path, self.lowercase)
         self.encoder = WordPieceEncoder(tok, lowercase)
+        log.info("tokenizer: %s", self.encoder.native_reason)
         self.progress = _Progress("documents tokenized")
 
     def process(self, kv):

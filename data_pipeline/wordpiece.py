@@ -176,9 +176,14 @@ class WordPieceEncoder:
         self.native_reason = "native encoder" if self.native else (why_not or "native=False")
         if self.native:
             self._native = self._make_native()
-            self._index = self._native  # the native chunk cache: len() = chunks cached, as for the dict
         else:
             self._reset_cache()
+
+    @property
+    def cached_chunks(self) -> int:
+        """Whitespace chunks in the cache (native or Python): bounded by ``max_cached_words``
+        between documents."""
+        return len(self._native) if self.native else len(self._index)
 
     def _make_native(self):
         model = self.tok.model

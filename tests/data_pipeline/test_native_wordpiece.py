@@ -130,10 +130,10 @@ def test_native_cache_resets_and_keeps_ids(small_vocab):
     docs = [[f"word{i} and more, {i * 7}"] * 3 for i in range(40)] + list(random_docs(3, 50))
     for doc in docs + docs:
         assert_same(native, python, doc)
-        assert len(native._index) <= 5 + 200  # reset before each document once over 5 chunks
-    assert len(native._index) > 5  # grows within a document
+        assert native.cached_chunks <= 5 + 200  # reset before each document once over 5 chunks
+    assert native.cached_chunks > 5  # grows within a document
     native._native.clear_cache()
-    assert len(native._index) == 0
+    assert native.cached_chunks == 0
     assert_same(native, python, docs[0])
 
 

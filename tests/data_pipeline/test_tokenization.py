@@ -68,15 +68,16 @@ def test_document_encoder_matches_hf_on_tricky_text(small_vocab, lowercase):
         assert bounds[0] == 0 and bounds[-1] == ids.shape[0] and (np.diff(bounds) > 0).all()
 
 
-def test_document_encoder_cache_is_bounded(small_vocab):
+@pytest.mark.parametrize("native", [False, None], ids=["python", "native-when-built"])
+def test_document_encoder_cache_is_bounded(small_vocab, native):
     from data_pipeline.tokenization import load_tokenizer
 
     tok, lowercase = load_tokenizer(small_vocab)
-    encoder = WordPieceEncoder(tok, lowercase, max_cached_words=50)
+    encoder = WordPieceEncoder(tok, lowercase, max_cached_words=50, native=native)
     first = encoder.encode_document([f"word{i} and more" for i in range(200)])
-    assert len(encoder._index) > 50  # grew within the document ...
+    assert encoder.cached_chunks > 50  # grew within the document ...
     again = encoder.encode_document([f"word{i} and more" for i in range(200)])
-    assert len(encoder._index) <= 210  # ... and was reset before the next one, same ids
+    assert encoder.cached_chunks <= 210  # ... and was reset before the next one, same ids
     assert np.array_equal(first[0], again[0]) and np.array_equal(first[1], again[1])
 
 
