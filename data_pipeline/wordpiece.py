@@ -113,8 +113,10 @@ def _ranges(cps: tuple[int, ...]) -> list[tuple[int, int]]:
 
 @lru_cache(maxsize=1)
 def _whitespace() -> tuple[int, ...]:
-    """The code points str.split() splits on (Py_UNICODE_ISSPACE, the same test as str.isspace)."""
-    return tuple(cp for cp in range(0x110000) if chr(cp).isspace())
+    """The code points str.split() splits on (Py_UNICODE_ISSPACE, the same test as str.isspace).
+    All of them are at or below U+3000 (IDEOGRAPHIC SPACE); a test checks every code point, so a
+    future Unicode version that adds one above would be caught."""
+    return tuple(cp for cp in range(0x3001) if chr(cp).isspace())
 
 
 @lru_cache(maxsize=256)
