@@ -31,7 +31,14 @@ def collect() -> dict:
             {"op": s.op, "fused_usable": s.usable, "reason": s.reason, "active_under_auto": active[s.op]}
             for s in kernel_status(dt)
         ]
+    from data_pipeline import native_instances, wordpiece
+
+    data_native = {  # the data pipeline's C++ twins (plain pybind11 modules, no torch)
+        "instance_builder": native_instances.unavailable_reason() or "native (data_pipeline._native_instances)",
+        "wordpiece_encoder": wordpiece.native_unavailable_reason() or "native (data_pipeline._native_wordpiece)",
+    }
     return {
+        "data_pipeline": data_native,
         "versions": {
             "python": platform.python_version(),
             "bertdist": _version("bertdist"),
@@ -60,6 +67,9 @@ def run(args) -> int:
     print("devices:")
     for d in info["devices"]:
         print(f"  {d}")
+    print("data pipeline (the Python reference runs where a native module is missing):")
+    for k, v in info["data_pipeline"].items():
+        print(f"  {k:<18} {v}")
     for dt, rows in info["kernels"].items():
         print(f"kernels on {dt} (kernels: auto picks the 'active' column):")
         for r in rows:
