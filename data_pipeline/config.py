@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, get_args
 
 SourceKind = Literal["wiki", "books", "text", "jsonl"]
+InstanceBuilder = Literal["auto", "native", "reference"]
+INSTANCE_BUILDERS = get_args(InstanceBuilder)
 
 
 @dataclass
@@ -42,7 +44,7 @@ class DataConfig:
     # who builds the instances: "native" (C++, data_pipeline._native_instances; bitwise the same
     # output) or the Python "reference"; "auto" takes native when it is built and supports the
     # config (not whole-word masking), "native" is an error when it cannot be used
-    instance_builder: Literal["auto", "native", "reference"] = "auto"
+    instance_builder: InstanceBuilder = "auto"
     # --- documents ---
     min_sentences: int = 2  # for nsp/sop; shorter documents are skipped and counted
     max_document_chars: int = 50_000_000  # larger documents are truncated (counted)
@@ -61,8 +63,7 @@ class DataConfig:
 
     def __post_init__(self):
         # from_dict checks the Literal fields; this also catches a DataConfig built in code
-        allowed = ("auto", "native", "reference")
-        if self.instance_builder not in allowed:
+        if self.instance_builder not in INSTANCE_BUILDERS:
             from bertdist.config import ConfigError
 
-            raise ConfigError(f"instance_builder: {self.instance_builder!r} is not one of {list(allowed)}")
+            raise ConfigError(f"instance_builder: {self.instance_builder!r} is not one of {list(INSTANCE_BUILDERS)}")

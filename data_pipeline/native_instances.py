@@ -17,12 +17,12 @@ from itertools import chain
 
 import numpy as np
 
+from data_pipeline.config import INSTANCE_BUILDERS
 from data_pipeline.instance_batch import InstanceBatch
 from data_pipeline.instances import InstanceParams, InstanceStats
 
 log = logging.getLogger("data_pipeline")
 
-BUILDERS = ("auto", "native", "reference")
 
 try:
     from data_pipeline import _native_instances as _ext
@@ -52,8 +52,8 @@ def unsupported_reason(params: InstanceParams) -> str:
 def choose_builder(requested: str, params: InstanceParams) -> tuple[str, str]:
     """("native" | "reference", why) for the config's ``instance_builder``; "native" when it
     cannot be honoured is an error, "auto" falls back to the reference."""
-    if requested not in BUILDERS:
-        raise ValueError(f"instance_builder {requested!r} is not one of {list(BUILDERS)}")
+    if requested not in INSTANCE_BUILDERS:
+        raise ValueError(f"instance_builder {requested!r} is not one of {list(INSTANCE_BUILDERS)}")
     if requested == "reference":
         return "reference", "instance_builder=reference"
     why_not = unavailable_reason() or unsupported_reason(params)

@@ -25,7 +25,7 @@ STAGING_PREFIX, SHARDS_PREFIX = ".staging-", "shards-"
 
 class OutputDir:
     def __init__(self, url: str):
-        self.url = url.rstrip("/") if url.rstrip("/") else url
+        self.url = url.rstrip("/") or url  # "/" stays "/"
         self.local = FileSystems.get_scheme(self.url) in (None, "file")
 
     def join(self, *parts: str) -> str:

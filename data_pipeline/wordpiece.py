@@ -57,17 +57,10 @@ def _is_punctuation(cp: int) -> bool:
     return unicodedata.category(chr(cp)).startswith("P")
 
 
-def _char_class(cps: list[int]) -> str:
-    """A regex character class body for code points (merged into ranges)."""
-    out, i = [], 0
-    while i < len(cps):
-        j = i
-        while j + 1 < len(cps) and cps[j + 1] == cps[j] + 1:
-            j += 1
-        lo, hi = re.escape(chr(cps[i])), re.escape(chr(cps[j]))
-        out.append(lo if i == j else f"{lo}-{hi}")
-        i = j + 1
-    return "".join(out)
+def _char_class(cps) -> str:
+    """A regex character class body for sorted code points (merged into ranges)."""
+    return "".join(re.escape(chr(lo)) if lo == hi else f"{re.escape(chr(lo))}-{re.escape(chr(hi))}"
+                   for lo, hi in _ranges(cps))
 
 
 @lru_cache(maxsize=1)
@@ -95,12 +88,12 @@ def _unicode_classes() -> tuple[tuple[int, ...], frozenset[str], frozenset[str]]
 def _tables() -> tuple[re.Pattern, frozenset[str], frozenset[str]]:
     """(word split regex, non-ASCII control characters to drop, non-spacing marks to drop)."""
     singles, controls, marks = _unicode_classes()
-    single = _char_class(list(singles))
+    single = _char_class(singles)
     split = re.compile(rf"[{single}]|[^\s{single}]+")
     return split, controls, marks
 
 
-def _ranges(cps: tuple[int, ...]) -> list[tuple[int, int]]:
+def _ranges(cps) -> list[tuple[int, int]]:
     """Sorted code points merged into inclusive (first, last) ranges."""
     out: list[tuple[int, int]] = []
     for cp in cps:
