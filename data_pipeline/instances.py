@@ -52,6 +52,17 @@ def unit_hash(*parts) -> float:
 
 
 @dataclass(frozen=True)
+class HeldOutSplit:
+    """doc_id -> "heldout" for about ``fraction`` of the documents, chosen by a hash of the id
+    (so by document, never by runner, bundle or worker), else "train"."""
+
+    fraction: float = 0.0
+
+    def __call__(self, doc_id: str) -> str:
+        return "heldout" if self.fraction > 0 and unit_hash("heldout", doc_id) < self.fraction else "train"
+
+
+@dataclass(frozen=True)
 class InstanceParams:
     max_seq_length: int
     short_seq_prob: float

@@ -30,13 +30,13 @@ from bertdist.data.records import record_schema
 from bertdist.data.vocab import load_vocab, special_token_ids, vocab_sha256
 from data_pipeline.config import DataConfig, InputConfig
 from data_pipeline.instance_batch import InstanceBatch
-from data_pipeline.instances import InstanceParams, unit_hash
+from data_pipeline.instances import HeldOutSplit, InstanceParams
 from data_pipeline.native_instances import choose_builder
 from data_pipeline.output_dir import OutputDir
 from data_pipeline.tokenization import vocab_is_cased
 from data_pipeline.transforms import (
     DIRECTORY_SUFFIX, NS, CreateInstances, ReadBertFormatText, ReadBooks, ReadJsonLines, ReadWikipediaDump,
-    SplitSentences, Tokenize, WriteShards, match_file_sizes, shard_name,
+    SplitShards, SplitSentences, Tokenize, WriteShards, match_file_sizes, shard_name,
 )
 
 log = logging.getLogger("data_pipeline")
@@ -116,18 +116,17 @@ def build_pipeline(p: beam.Pipeline, cfg: DataConfig, staging: str, tokens: list
         max_sentence_chars=cfg.max_sentence_chars)
     frac = cfg.heldout_fraction
     rows = expected_rows(cfg)
-    train, heldout = tokenized | "SplitHeldOut" >> beam.Partition(
-        lambda d, _n: 1 if unit_hash("heldout", d[0]) < frac else 0, 2)
-    params = instance_params(cfg, tokens)
-    for split, docs_split, n in (("train", train, cfg.num_shards), ("heldout", heldout, cfg.heldout_num_shards)):
-        (docs_split
-         | f"{split}_Instances" >> CreateInstances(
-             params, seed=cfg.seed, dupe_factor=cfg.dupe_factor, split=split, vocab_path=cfg.vocab,
-             pool_size=cfg.nsp_pool_size, windows_per_doc=cfg.nsp_pool_windows_per_doc, scratch_dir=f"{staging}/docs",
-             builder=cfg.instance_builder)
-         | f"{split}_Write" >> WriteShards(staging, split, n, len(tokens), cfg.row_group_size, cfg.compression,
-                                           expected_rows=round(rows * (frac if split == "heldout" else 1 - frac)),
-                                           rows_per_bucket=cfg.shuffle_bucket_rows, spill_rows=cfg.shuffle_spill_rows))
+    # one branch for both splits, keyed by split: a document's split is a hash of its id
+    (tokenized
+     | "Instances" >> CreateInstances(
+         instance_params(cfg, tokens), seed=cfg.seed, dupe_factor=cfg.dupe_factor, vocab_path=cfg.vocab,
+         pool_size=cfg.nsp_pool_size, windows_per_doc=cfg.nsp_pool_windows_per_doc, scratch_dir=f"{staging}/docs",
+         split_of=HeldOutSplit(frac), builder=cfg.instance_builder)
+     | "Write" >> WriteShards(
+         staging, {"train": SplitShards(cfg.num_shards, round(rows * (1 - frac))),
+                   "heldout": SplitShards(cfg.heldout_num_shards, round(rows * frac))},
+         len(tokens), cfg.row_group_size, cfg.compression,
+         rows_per_bucket=cfg.shuffle_bucket_rows, spill_rows=cfg.shuffle_spill_rows))
 
 
 def _query_counters(result) -> dict[str, int]:

@@ -10,17 +10,19 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass
 from itertools import repeat
 
 import apache_beam as beam
 import numpy as np
 from apache_beam.metrics import Metrics
 
-from data_pipeline import sharding, sources, text as textlib
+from data_pipeline import beam_tuning, sharding, sources, text as textlib
 from data_pipeline.instance_batch import InstanceBatch, list_column
-from data_pipeline.instances import InstanceParams, InstanceStats, create_instances, pool_windows
+from data_pipeline.instances import HeldOutSplit, InstanceParams, InstanceStats, create_instances, pool_windows
 
 NS = "data_pipeline"
+beam_tuning.shorten_state_sampler_period()  # see beam_tuning: up to 200 ms idle per bundle otherwise
 log = logging.getLogger("data_pipeline")
 _counters: dict[object, object] = {}
 
@@ -345,14 +347,16 @@ class Tokenize(beam.PTransform):
 
 
 class _CreateInstancesDoFn(beam.DoFn):
-    """All dupes of one document. ``builder`` is the config's ``instance_builder``: the native
-    builder (data_pipeline.native_instances, bitwise the same output) when it is built and
-    supports the config, else the Python reference (see ``choose_builder``)."""
+    """All dupes of one document -> (split, InstanceBatch). ``builder`` is the config's
+    ``instance_builder``: the native builder (data_pipeline.native_instances, bitwise the same
+    output) when it is built and supports the config, else the Python reference (see
+    ``choose_builder``). ``pools`` is {split: NSP pool}; a document draws negatives from its
+    own split only."""
 
-    def __init__(self, params: InstanceParams, seed: int, dupe_factor: int, split: str, vocab_path: str,
-                 builder: str = "auto"):
+    def __init__(self, params: InstanceParams, seed: int, dupe_factor: int, vocab_path: str,
+                 builder: str = "auto", split_of=HeldOutSplit()):
         self.params, self.seed, self.dupe_factor = params, seed, dupe_factor
-        self.split, self.vocab_path, self.builder = split, vocab_path, builder
+        self.vocab_path, self.builder, self.split_of = vocab_path, builder, split_of
 
     def setup(self):
         from bertdist.data.vocab import continuation_mask
@@ -362,10 +366,12 @@ class _CreateInstancesDoFn(beam.DoFn):
         chosen, why = native_instances.choose_builder(self.builder, self.params)
         native_instances.log_choice(chosen, why)
         self.native = native_instances.create_document_instances if chosen == "native" else None
-        self.progress = _Progress(f"{self.split} documents turned into instances")
+        self.progress = _Progress("documents turned into instances")
 
-    def process(self, doc, pool):
+    def process(self, doc, pools=None):
         doc_id, ids, bounds = doc
+        split = self.split_of(doc_id)
+        pool = pools.get(split, []) if pools else []  # no NSP, or no document in this split
         stats = InstanceStats()
         if self.native is not None:
             batch = self.native(doc_id, ids, bounds, self.dupe_factor, params=self.params, seed=self.seed, pool=pool,
@@ -375,14 +381,14 @@ class _CreateInstancesDoFn(beam.DoFn):
                 create_instances(doc_id, ids, bounds, d, params=self.params, seed=self.seed, pool=pool,
                                  continuation=self.continuation, stats=stats) for d in range(self.dupe_factor)])
         self.progress.tick()
-        count(f"{self.split}_instances", stats.instances)
-        count(f"{self.split}_random_next", stats.random_next)
+        count(f"{split}_instances", stats.instances)
+        count(f"{split}_random_next", stats.random_next)
         if stats.negatives_unavailable:
             count("nsp_negative_unavailable", stats.negatives_unavailable)
         if stats.skipped_short_sentence:
             count("skipped_sop_one_token_chunk", stats.skipped_short_sentence)
         if len(batch):
-            yield batch
+            yield split, batch
 
 
 class _BufferedSpillDoFn(beam.DoFn):
@@ -427,8 +433,8 @@ class _SpillDocsDoFn(_BufferedSpillDoFn):
     from every document), so the documents must be kept somewhere meanwhile: a file, not the
     runner's memory."""
 
-    def __init__(self, scratch_dir: str, split: str, spill_tokens: int):
-        self.scratch_dir, self.split, self.limit = scratch_dir, split, spill_tokens
+    def __init__(self, scratch_dir: str, spill_tokens: int):
+        self.scratch_dir, self.limit = scratch_dir, spill_tokens
 
     def size_of(self, doc) -> int:
         return doc[1].shape[0]
@@ -448,7 +454,7 @@ class _SpillDocsDoFn(_BufferedSpillDoFn):
         table = pa.table({"doc_id": pa.array([d[0] for d in docs], pa.string()),
                           "ids": ragged(ids, pa.from_numpy_dtype(ids[0].dtype)),
                           "bounds": ragged([np.asarray(d[2], np.int64) for d in docs], pa.int64())})
-        path = f"{self.scratch_dir}/{self.split}-docs-{uuid.uuid4().hex}.arrow"
+        path = f"{self.scratch_dir}/docs-{uuid.uuid4().hex}.arrow"
         with FileSystems.create(path) as f:
             with pa.ipc.new_stream(f, table.schema) as w:
                 w.write_table(table)
@@ -469,41 +475,50 @@ def read_spilled_docs(path: str):
 
 
 class CreateInstances(beam.PTransform):
-    """Tokenized documents -> InstanceBatch (one per document), with a deterministic NSP pool.
+    """Tokenized documents -> (split, InstanceBatch), one batch per document, with a
+    deterministic NSP pool per split.
 
-    The documents wait for the pool in spill files under ``scratch_dir``; only their paths
+    ``split_of`` names each document's split (default: all "train"). Every split goes through
+    the same transforms, keyed by split: one branch per split would double the pipeline's
+    stages, and Beam's fixed cost per stage dominates a small run.
+
+    The documents wait for the pools in spill files under ``scratch_dir``; only their paths
     go through the runner. A spill file is the unit of work handed to a worker, so files are
     small (``spill_tokens``, 1 M tokens): with 4 M a 2-worker run idled one worker for 15%
     of its wall time on uneven files."""
 
-    def __init__(self, params: InstanceParams, *, seed: int, dupe_factor: int, split: str,
-                 vocab_path: str, pool_size: int, windows_per_doc: int, scratch_dir: str,
-                 spill_tokens: int = 1 << 20, builder: str = "auto"):
+    def __init__(self, params: InstanceParams, *, seed: int, dupe_factor: int, vocab_path: str, pool_size: int,
+                 windows_per_doc: int, scratch_dir: str, split_of=HeldOutSplit(), spill_tokens: int = 1 << 20,
+                 builder: str = "auto"):
         super().__init__()
-        self.builder = builder
+        self.builder, self.split_of = builder, split_of
         self.params, self.seed, self.dupe_factor = params, seed, dupe_factor
-        self.split, self.vocab_path, self.pool_size, self.windows_per_doc = split, vocab_path, pool_size, windows_per_doc
+        self.vocab_path, self.pool_size, self.windows_per_doc = vocab_path, pool_size, windows_per_doc
         self.scratch_dir, self.spill_tokens = scratch_dir, spill_tokens
 
     def expand(self, docs):
-        pool = None
+        pools = []
         if self.params.objective == "nsp":
             max_tokens = self.params.max_seq_length - 3
-            seed, wpd = self.seed, self.windows_per_doc
-            pool = (docs
-                    | "PoolWindows" >> beam.FlatMap(lambda d: pool_windows(d[0], d[1], d[2], seed=seed, windows_per_doc=wpd, max_tokens=max_tokens))
-                    | "Pool" >> beam.combiners.Top.Smallest(self.pool_size, key=lambda w: (w[0], w[1])))
-            pool_side = beam.pvalue.AsSingleton(pool)
-        else:
-            pool_side = beam.pvalue.AsSingleton(docs.pipeline | "NoPool" >> beam.Create([[]]))
+            seed, wpd, split_of = self.seed, self.windows_per_doc, self.split_of
+
+            def windows(d):
+                split = split_of(d[0])
+                return ((split, w) for w in pool_windows(d[0], d[1], d[2], seed=seed, windows_per_doc=wpd,
+                                                         max_tokens=max_tokens))
+
+            pools = [beam.pvalue.AsDict(
+                docs
+                | "PoolWindows" >> beam.FlatMap(windows)
+                | "Pool" >> beam.combiners.Top.SmallestPerKey(self.pool_size, key=lambda w: (w[0], w[1])))]
         return (docs
-                | "SpillDocs" >> beam.ParDo(_SpillDocsDoFn(self.scratch_dir, self.split, self.spill_tokens))
+                | "SpillDocs" >> beam.ParDo(_SpillDocsDoFn(self.scratch_dir, self.spill_tokens))
                 | "Spread" >> beam.Reshuffle()  # spill files, not documents: cheap, and spreads them over workers
                 | "ReadDocs" >> beam.FlatMap(read_spilled_docs)
                 | "Create" >> beam.ParDo(
-                    _CreateInstancesDoFn(self.params, self.seed, self.dupe_factor, self.split, self.vocab_path,
-                                         builder=self.builder),
-                    pool_side))
+                    _CreateInstancesDoFn(self.params, self.seed, self.dupe_factor, self.vocab_path,
+                                         builder=self.builder, split_of=self.split_of),
+                    *pools))
 
 
 # ---------------------------------------------------------------- balanced shards
@@ -538,37 +553,42 @@ class _HashingWriter:
 
 
 class _SpillRunsDoFn(_BufferedSpillDoFn):
-    """Buffers instance batches up to ``spill_rows`` rows, then writes them as one Arrow IPC run
-    file, bucket by bucket (one record batch each), and emits only ``(bucket, where)``. The rows
-    themselves never go through the runner's shuffle, so neither the workers nor the runner
-    hold more than a buffer of them. File names are unique per attempt: a retried bundle's
-    files are simply never referenced."""
+    """Buffers (split, InstanceBatch) pairs up to ``spill_rows`` rows, then writes them as one
+    Arrow IPC run file, (split, bucket) by (split, bucket) (one record batch each), and emits
+    only ``((split, bucket), where)``. The rows themselves never go through the runner's
+    shuffle, so neither the workers nor the runner hold more than a buffer of them. File names
+    are unique per attempt: a retried bundle's files are simply never referenced."""
 
-    def __init__(self, runs_dir: str, split: str, vocab_size: int, bits: int, spill_rows: int):
-        self.runs_dir, self.split, self.vocab_size = runs_dir, split, vocab_size
-        self.bits, self.limit = bits, spill_rows
+    def __init__(self, runs_dir: str, vocab_size: int, bits: dict[str, int], spill_rows: int):
+        self.runs_dir, self.vocab_size, self.bits, self.limit = runs_dir, vocab_size, bits, spill_rows
 
-    def size_of(self, batch) -> int:
-        return len(batch)
+    def size_of(self, item) -> int:
+        return len(item[1])
 
-    def spill(self, batches: list):
+    def spill(self, items: list):
         import uuid
 
         import pyarrow as pa
         from apache_beam.io.filesystems import FileSystems
 
-        batch = InstanceBatch.concat(batches)
-        pieces = list(sharding.split_by_bucket(batch, self.bits))
+        by_split: dict[str, list[InstanceBatch]] = {}
+        for split, batch in items:
+            if split not in self.bits:
+                raise ValueError(f"instances of split {split!r} reached WriteShards, which writes {sorted(self.bits)}")
+            by_split.setdefault(split, []).append(batch)
+        pieces = [((split, bucket), rows) for split in sorted(by_split)
+                  for bucket, rows in sharding.split_by_bucket(InstanceBatch.concat(by_split[split]), self.bits[split])]
         if not pieces:
             return
-        path = f"{self.runs_dir}/{self.split}-{uuid.uuid4().hex}.arrow"
+        path = f"{self.runs_dir}/{uuid.uuid4().hex}.arrow"
         with FileSystems.create(path) as f:
             with pa.ipc.new_file(f, pieces[0][1].to_arrow(self.vocab_size, with_keys=True).schema) as w:
                 for _, rows in pieces:
                     w.write_table(rows.to_arrow(self.vocab_size, with_keys=True), max_chunksize=1 << 30)
-        count(f"{self.split}_spill_files")
-        for i, (bucket, rows) in enumerate(pieces):
-            yield (bucket, {"path": path, "batch": i, "rows": len(rows)})
+        for split in by_split:
+            count(f"{split}_spill_files")
+        for i, (key, rows) in enumerate(pieces):
+            yield (key, {"path": path, "batch": i, "rows": len(rows)})
 
 
 def read_run_pieces(metas: list[dict]) -> InstanceBatch:
@@ -587,30 +607,30 @@ def read_run_pieces(metas: list[dict]) -> InstanceBatch:
 
 
 class _WritePartDoFn(beam.DoFn):
-    """(shard, rows) of one bucket -> an Arrow IPC part file; yields (shard, part description)."""
+    """((split, shard), bucket, rows) -> an Arrow IPC part file; yields ((split, shard), part description)."""
 
-    def __init__(self, parts_dir: str, split: str, vocab_size: int):
-        self.parts_dir, self.split, self.vocab_size = parts_dir, split, vocab_size
+    def __init__(self, parts_dir: str, vocab_size: int):
+        self.parts_dir, self.vocab_size = parts_dir, vocab_size
 
     def process(self, item):
         import pyarrow as pa
         from apache_beam.io.filesystems import FileSystems
 
-        shard, bucket, batch = item
-        path = f"{self.parts_dir}/{self.split}-{shard:05d}-{bucket:08d}.arrow"
+        (split, shard), bucket, batch = item
+        path = f"{self.parts_dir}/{split}-{shard:05d}-{bucket:08d}.arrow"
         table = batch.to_arrow(self.vocab_size)
         with FileSystems.create(path) as f:
             with pa.ipc.new_stream(f, table.schema) as w:
                 w.write_table(table)
-        yield (shard, {"bucket": bucket, "path": path, "rows": len(batch), "tokens": batch.num_tokens(),
+        yield ((split, shard), {"bucket": bucket, "path": path, "rows": len(batch), "tokens": batch.num_tokens(),
                        "masked_tokens": batch.num_masked(), "random_next": int((batch.nsp == 1).sum())})
 
 
 class _AssembleShardDoFn(beam.DoFn):
-    """(shard, parts) -> the shard's Parquet file, parts streamed in bucket order, plus a sidecar."""
+    """((split, shard), parts) -> the shard's Parquet file, parts streamed in bucket order, plus a sidecar."""
 
-    def __init__(self, staging: str, split: str, num_shards: int, row_group_size: int, compression: str):
-        self.staging, self.split, self.num_shards = staging, split, num_shards
+    def __init__(self, staging: str, num_shards: dict[str, int], row_group_size: int, compression: str):
+        self.staging, self.num_shards = staging, num_shards
         self.row_group_size, self.compression = row_group_size, compression
 
     def process(self, kv):
@@ -618,9 +638,9 @@ class _AssembleShardDoFn(beam.DoFn):
         import pyarrow.parquet as pq
         from apache_beam.io.filesystems import FileSystems
 
-        shard, parts = kv
+        (split, shard), parts = kv
         parts = sorted(parts, key=lambda d: d["bucket"])
-        name = shard_name(self.split, shard, self.num_shards)
+        name = shard_name(split, shard, self.num_shards[split])
         out = _HashingWriter(FileSystems.create(f"{self.staging}/{name}"))
         writer = None
         for part in parts:
@@ -637,7 +657,7 @@ class _AssembleShardDoFn(beam.DoFn):
                  **{k: sum(p[k] for p in parts) for k in ("tokens", "masked_tokens", "random_next")}}
         with FileSystems.create(f"{self.staging}/{name}.json") as f:
             f.write(json.dumps(stats).encode())
-        count(f"{self.split}_rows_written", stats["rows"])
+        count(f"{split}_rows_written", stats["rows"])
         yield stats
 
 
@@ -645,41 +665,54 @@ def shard_name(split: str, i: int, n: int) -> str:
     return f"{split}-{i:05d}-of-{n:05d}.parquet"
 
 
-class WriteShards(beam.PTransform):
-    """InstanceBatches -> exactly balanced Parquet shards in ``staging``, rows sorted by key (see
-    :mod:`data_pipeline.sharding`); each shard also gets a ``.json`` sidecar with size, sha256 and
-    counts. Workers hold one bucket (about ``rows_per_bucket`` rows) at a time, never a shard."""
+@dataclass(frozen=True)
+class SplitShards:
+    """What WriteShards makes of one split: ``num_shards`` shards. ``expected_rows`` is an
+    estimate made before the run; it only sizes the buckets (memory), never the output."""
 
-    def __init__(self, staging: str, split: str, num_shards: int, vocab_size: int, row_group_size: int,
-                 compression: str, *, expected_rows: int, rows_per_bucket: int = 16384, spill_rows: int = 32768):
+    num_shards: int
+    expected_rows: int
+
+
+class WriteShards(beam.PTransform):
+    """(split, InstanceBatch) pairs -> exactly balanced Parquet shards per split in ``staging``,
+    rows sorted by key (see :mod:`data_pipeline.sharding`); each shard also gets a ``.json``
+    sidecar with size, sha256 and counts. Workers hold one bucket (about ``rows_per_bucket``
+    rows) at a time, never a shard. All splits share the transforms, keyed by split."""
+
+    def __init__(self, staging: str, splits: dict[str, SplitShards], vocab_size: int, row_group_size: int,
+                 compression: str, *, rows_per_bucket: int = 16384, spill_rows: int = 32768):
         super().__init__()
-        self.staging, self.split, self.num_shards = staging, split, num_shards
+        self.staging, self.splits = staging, dict(splits)
         self.vocab_size, self.row_group_size, self.compression = vocab_size, row_group_size, compression
         # the bucket count comes from an estimate made before the run, so bucketing needs no
         # extra pass over the rows; the manifest records the real bucket sizes
-        self.bits = sharding.bucket_bits(expected_rows, rows_per_bucket)
+        self.bits = {s: sharding.bucket_bits(v.expected_rows, rows_per_bucket) for s, v in self.splits.items()}
         self.spill_rows = spill_rows
 
     def expand(self, batches):
-        n, split = self.num_shards, self.split
+        num_shards = {s: v.num_shards for s, v in self.splits.items()}
 
         def place(kv, ranks):
-            batch = read_run_pieces(list(kv[1]))
+            (split, bucket), metas = kv
+            batch = read_run_pieces(list(metas))
             distribution(f"{split}_bucket_rows", len(batch))
-            return ((s, kv[0], rows) for s, rows in sharding.place_bucket(kv[0], batch, ranks, n))
+            return (((split, s), bucket, rows)
+                    for s, rows in sharding.place_bucket(bucket, batch, ranks[split], num_shards[split]))
 
-        runs = batches | "Spill" >> beam.ParDo(_SpillRunsDoFn(f"{self.staging}/runs", split, self.vocab_size,
-                                                              self.bits, self.spill_rows))
+        runs = batches | "Spill" >> beam.ParDo(_SpillRunsDoFn(f"{self.staging}/runs", self.vocab_size, self.bits,
+                                                              self.spill_rows))
         ranks = (runs | "BucketRows" >> beam.Map(lambda kv: (kv[0], kv[1]["rows"]))
                  | "CountPerBucket" >> beam.CombinePerKey(sum)
-                 | "AllCounts" >> beam.combiners.ToDict()
-                 | "Ranks" >> beam.Map(sharding.bucket_ranks))
+                 | "BySplit" >> beam.MapTuple(lambda key, n: (key[0], (key[1], n)))
+                 | "GroupSplit" >> beam.GroupByKey()
+                 | "Ranks" >> beam.MapTuple(lambda split, counts: (split, sharding.bucket_ranks(dict(counts)))))
         return (
             runs
             | "GroupBucket" >> beam.GroupByKey()
-            | "Place" >> beam.FlatMap(place, beam.pvalue.AsSingleton(ranks))
-            | "WritePart" >> beam.ParDo(_WritePartDoFn(f"{self.staging}/parts", self.split, self.vocab_size))
+            | "Place" >> beam.FlatMap(place, beam.pvalue.AsDict(ranks))
+            | "WritePart" >> beam.ParDo(_WritePartDoFn(f"{self.staging}/parts", self.vocab_size))
             | "GroupShard" >> beam.GroupByKey()
-            | "Assemble" >> beam.ParDo(_AssembleShardDoFn(self.staging, self.split, n, self.row_group_size,
+            | "Assemble" >> beam.ParDo(_AssembleShardDoFn(self.staging, num_shards, self.row_group_size,
                                                           self.compression))
         )

@@ -10,8 +10,8 @@ from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to, is_not_empty
 
 from data_pipeline.transforms import (
-    CreateInstances, ReadBertFormatText, ReadBooks, ReadJsonLines, ReadWikipediaDump, SplitSentences, Tokenize,
-    WriteShards,
+    CreateInstances, ReadBertFormatText, ReadBooks, ReadJsonLines, ReadWikipediaDump, SplitSentences, SplitShards,
+    Tokenize, WriteShards,
 )
 
 OPTS = ["--runner=DirectRunner", "--direct_running_mode=in_memory", "--direct_num_workers=1"]
@@ -113,13 +113,14 @@ def test_tokenize_instances_and_write(tmp_path, small_vocab):
         tok = p | beam.Create(docs) | Tokenize(str(small_vocab))
         assert_that(tok | beam.Map(lambda d: (d[0], len(d[2]) - 1)), equal_to([(f"d{i}", 30) for i in range(12)]),
                     label="tok")
-        inst = tok | CreateInstances(instance_params(cfg, tokens), seed=1, dupe_factor=2, split="train",
+        inst = tok | CreateInstances(instance_params(cfg, tokens), seed=1, dupe_factor=2,
                                      vocab_path=str(small_vocab), pool_size=100, windows_per_doc=4,
                                      scratch_dir=str(tmp_path / "docs"), spill_tokens=500)
-        assert_that(inst | "n" >> beam.Map(len), lambda ns: _check(len(ns) == 12 and min(ns) > 0), label="inst")
+        assert_that(inst | "n" >> beam.MapTuple(lambda split, b: (split, len(b) > 0)),
+                    equal_to([("train", True)] * 12), label="inst")
         # 40 rows per bucket: several buckets, most straddling a shard boundary; spills every 100 rows
-        written = inst | WriteShards(str(tmp_path), "train", 3, len(tokens), 16, "zstd", expected_rows=300,
-                                     rows_per_bucket=40, spill_rows=100)
+        written = inst | WriteShards(str(tmp_path), {"train": SplitShards(3, expected_rows=300)}, len(tokens), 16,
+                                     "zstd", rows_per_bucket=40, spill_rows=100)
         assert_that(written | beam.Map(lambda s: s["rows"]) | beam.combiners.ToList(),
                     lambda r: _check(len(r[0]) == 3 and max(r[0]) - min(r[0]) <= 1), label="rows")
     names = {c.key.metric.name: c.committed for c in p.result.metrics().query()["counters"]}
@@ -134,3 +135,61 @@ def test_tokenize_instances_and_write(tmp_path, small_vocab):
         side = json.loads((tmp_path / f"train-{i:05d}-of-00003.parquet.json").read_text())
         assert side["sha256"] == hashlib.sha256((tmp_path / side["path"]).read_bytes()).hexdigest()
         assert side["bytes"] == (tmp_path / side["path"]).stat().st_size
+
+
+def test_splits_share_the_transforms_and_never_mix(tmp_path, small_vocab):
+    """Train and held-out documents go through one CreateInstances + WriteShards, keyed by split:
+    each split gets its own balanced shards, and an NSP negative comes from its own split only."""
+    import pyarrow.parquet as pq
+
+    from bertdist.data.vocab import load_vocab
+    from data_pipeline.config import DataConfig
+    from data_pipeline.instances import HeldOutSplit
+    from data_pipeline.pipeline import instance_params
+
+    tokens = load_vocab(small_vocab)
+    # document i holds only ids 1000 + 10 i ... 1000 + 10 i + 9 (unmasked records keep them; the
+    # special tokens are below 1000), so every token of a row names the document it came from
+    docs = []
+    for i in range(40):
+        ids = np.array([1000 + 10 * i + (j % 10) for j in range(20 * 12)], np.uint16)
+        docs.append((f"doc{i}", ids, np.arange(0, 241, 12, dtype=np.int64)))
+    split_of = HeldOutSplit(0.3)
+    want = {d[0]: split_of(d[0]) for d in docs}
+    assert set(want.values()) == {"train", "heldout"}
+    cfg = DataConfig(max_seq_length=48, dupe_factor=2, masking="dynamic")
+    with TestPipeline(options=beam.options.pipeline_options.PipelineOptions(OPTS)) as p:
+        (p | beam.Create(docs)
+         | CreateInstances(instance_params(cfg, tokens), seed=3, dupe_factor=2, vocab_path=str(small_vocab),
+                           pool_size=1000, windows_per_doc=4, scratch_dir=str(tmp_path / "docs"),
+                           split_of=split_of, spill_tokens=700)
+         | WriteShards(str(tmp_path), {"train": SplitShards(3, 200), "heldout": SplitShards(2, 80)}, len(tokens), 16,
+                       "zstd", rows_per_bucket=30, spill_rows=50))
+    counters = {c.key.metric.name: c.committed for c in p.result.metrics().query()["counters"]}
+    doc_split = {i: want[f"doc{i}"] for i in range(40)}
+    for split, n in (("train", 3), ("heldout", 2)):
+        rows = [pq.read_table(tmp_path / f"{split}-{s:05d}-of-{n:05d}.parquet").num_rows for s in range(n)]
+        assert max(rows) - min(rows) <= 1 and sum(rows) == counters[f"{split}_instances"] > 0
+        negatives = 0
+        for s in range(n):
+            t = pq.read_table(tmp_path / f"{split}-{s:05d}-of-{n:05d}.parquet")
+            for ids, nsp in zip(t.column("input_ids").to_pylist(), t.column("next_sentence_label").to_pylist()):
+                from_docs = {(i - 1000) // 10 for i in ids if i >= 1000}
+                assert {doc_split[d] for d in from_docs} == {split}, (split, from_docs)
+                negatives += nsp == 1 and len(from_docs) == 2
+        assert negatives > 0  # random-next rows did draw from another document of the same split
+    assert counters["heldout_random_next"] > 0 and counters["train_random_next"] > 0
+
+
+def test_write_shards_rejects_a_split_it_was_not_given(tmp_path):
+    import pytest
+
+    from data_pipeline.instance_batch import InstanceBatch
+
+    batch = InstanceBatch(keys=np.array([1], np.uint64), ids=np.array([2, 3], np.uint16), ids_offsets=np.array([0, 2]),
+                          num_a=np.array([1], np.uint16), nsp=np.array([0], np.int8), mpos=np.empty(0, np.uint16),
+                          mids=np.empty(0, np.uint16), m_offsets=np.zeros(2, np.int64))
+    with pytest.raises(Exception, match="split 'dev' reached WriteShards, which writes \\['train'\\]"):
+        with TestPipeline(options=beam.options.pipeline_options.PipelineOptions(OPTS)) as p:
+            (p | beam.Create([("dev", batch)])
+             | WriteShards(str(tmp_path), {"train": SplitShards(1, 10)}, 100, 16, "zstd"))
