@@ -830,6 +830,59 @@ py::tuple build_document(py::array ids, py::array bounds, py::array mt_seeds, py
   return build_typed<uint32_t>(ids, bounds, seeds, rows, masks, dupes, p, pool, doc_index);
 }
 
+// ------------------------------------------------------------------ ragged gather
+
+// InstanceBatch.take's hot loop: rows `rows` of the ragged column (values, offsets), in that
+// order. One memcpy per row instead of numpy's per-element index arrays (arange + repeat +
+// fancy index over every token); the shard writer gathers every row twice (bucket split, then
+// sort by key). Twin of data_pipeline.instance_batch.reference_gather_ragged.
+template <typename V>
+py::tuple gather_typed(const py::array& values, const int64_t* offs, int64_t n_rows_in, const int64_t* rows,
+                       int64_t n_rows) {
+  const int64_t n_values = values.shape(0);
+  std::vector<int64_t> out_offs(static_cast<size_t>(n_rows) + 1, 0);
+  for (int64_t i = 0; i < n_rows; i++) {
+    const int64_t r = rows[i];
+    if (r < 0 || r >= n_rows_in)
+      throw py::index_error("gather_ragged: rows[" + std::to_string(i) + "] = " + std::to_string(r) +
+                            " is out of range for " + std::to_string(n_rows_in) + " rows");
+    const int64_t a = offs[r], b = offs[r + 1];
+    if (a < 0 || b < a || b > n_values)
+      throw py::value_error("gather_ragged: offsets[" + std::to_string(r) + ":" + std::to_string(r + 2) + "] = (" +
+                            std::to_string(a) + ", " + std::to_string(b) + ") do not lie in the " +
+                            std::to_string(n_values) + " values");
+    out_offs[i + 1] = out_offs[i] + (b - a);
+  }
+  py::array_t<V> out(static_cast<py::ssize_t>(out_offs.back()));
+  const V* src = static_cast<const V*>(values.data());
+  V* dst = out.mutable_data();
+  {
+    py::gil_scoped_release release;
+    for (int64_t i = 0; i < n_rows; i++) {
+      const int64_t r = rows[i];
+      std::copy(src + offs[r], src + offs[r + 1], dst + out_offs[i]);
+    }
+  }
+  return py::make_tuple(std::move(out), to_numpy(std::move(out_offs)));
+}
+
+py::tuple gather_ragged(const py::array& values, const py::array& offsets, const py::array& rows) {
+  NegativePool::check_1d_contiguous(values, "gather_ragged values");
+  NegativePool::check_1d_contiguous(offsets, "gather_ragged offsets");
+  NegativePool::check_1d_contiguous(rows, "gather_ragged rows");
+  if (!has_dtype<int64_t>(offsets))
+    throw py::value_error("gather_ragged offsets: expected dtype int64, got " + dtype_name(offsets));
+  if (!has_dtype<int64_t>(rows)) throw py::value_error("gather_ragged rows: expected dtype int64, got " + dtype_name(rows));
+  if (offsets.shape(0) < 1) throw py::value_error("gather_ragged offsets: expected at least one entry (0 rows: [0])");
+  const auto* offs = static_cast<const int64_t*>(offsets.data());
+  const auto* r = static_cast<const int64_t*>(rows.data());
+  const int64_t n_in = offsets.shape(0) - 1, n = rows.shape(0);
+  if (has_dtype<uint16_t>(values)) return gather_typed<uint16_t>(values, offs, n_in, r, n);
+  if (has_dtype<uint32_t>(values)) return gather_typed<uint32_t>(values, offs, n_in, r, n);
+  if (has_dtype<int64_t>(values)) return gather_typed<int64_t>(values, offs, n_in, r, n);
+  throw py::value_error("gather_ragged values: expected dtype uint16, uint32 or int64, got " + dtype_name(values));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native_instances, m) {
@@ -848,6 +901,11 @@ PYBIND11_MODULE(_native_instances, m) {
         py::arg("masking"), py::arg("masked_lm_prob"), py::arg("max_predictions_per_seq"), py::arg("whole_word_mask"),
         py::arg("cls_id"), py::arg("sep_id"), py::arg("mask_id"), py::arg("vocab_size"), py::arg("pool").none(true),
         py::arg("doc_index"));
+
+  m.def("gather_ragged", &gather_ragged,
+        "Rows `rows` (int64) of the ragged column (values: uint16/uint32/int64, offsets: int64, n_rows + 1): "
+        "(values, offsets) of the result, offsets from 0.",
+        py::arg("values"), py::arg("offsets"), py::arg("rows"));
 
   // The random-number replicas on their own, for the tests that hold them to CPython and numpy.
   py::module_ t = m.def_submodule("testing", "RNG replicas, exposed for tests only.");

@@ -362,19 +362,20 @@ def _shards_with(builder: str, out: Path, docs, p: InstanceParams, vocab: Path) 
     from apache_beam.options.pipeline_options import PipelineOptions
     from apache_beam.testing.test_pipeline import TestPipeline
 
-    from data_pipeline.transforms import WriteShards, _CreateInstancesDoFn
+    from data_pipeline.transforms import SplitShards, WriteShards, _CreateInstancesDoFn
     from tests.conftest import IN_PROCESS
 
     out.mkdir()
     with TestPipeline(options=PipelineOptions(IN_PROCESS)) as pipe:
         docs_pc = pipe | beam.Create(docs)
-        pool = (docs_pc  # as CreateInstances makes it
-                | beam.FlatMap(lambda d: pool_windows(*d, seed=7, windows_per_doc=4, max_tokens=p.max_seq_length - 3))
-                | beam.combiners.Top.Smallest(1000, key=lambda w: (w[0], w[1])))
+        pools = (docs_pc  # as CreateInstances makes them: one pool per split (all "train" here)
+                 | beam.FlatMap(lambda d: (("train", w) for w in pool_windows(
+                     *d, seed=7, windows_per_doc=4, max_tokens=p.max_seq_length - 3)))
+                 | beam.combiners.Top.SmallestPerKey(1000, key=lambda w: (w[0], w[1])))
         (docs_pc
-         | beam.ParDo(_CreateInstancesDoFn(p, 7, 2, "train", str(vocab), builder=builder), beam.pvalue.AsSingleton(pool))
-         | WriteShards(str(out), "train", 2, p.vocab_size, 64, "zstd", expected_rows=400, rows_per_bucket=100,
-                       spill_rows=150))
+         | beam.ParDo(_CreateInstancesDoFn(p, 7, 2, str(vocab), builder=builder), beam.pvalue.AsDict(pools))
+         | WriteShards(str(out), {"train": SplitShards(2, expected_rows=400)}, p.vocab_size, 64, "zstd",
+                       rows_per_bucket=100, spill_rows=150))
     counters = {c.key.metric.name: c.committed for c in pipe.result.metrics().query()["counters"]}
     return {f.name: f.read_bytes() for f in sorted(out.glob("train-*.parquet"))}, counters
 
@@ -454,3 +455,68 @@ def test_config_instance_builder_reaches_the_pipeline(tmp_path, small_vocab, cap
         build_records([f"books:{SAMPLES / 'books'}"], tmp_path / "wwm", small_vocab, max_seq_length=64,
                       num_shards=1, instance_builder="native", whole_word_mask=True)
     assert not (tmp_path / "wwm").exists() or not any((tmp_path / "wwm").iterdir())
+
+
+# ---------------------------------------------------------------- the ragged gather
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [np.uint16, np.uint32, np.int64])
+def test_gather_ragged_equals_the_numpy_reference(dtype):
+    """The native gather (InstanceBatch.take's hot loop) against reference_gather_ragged: any row
+    order, repeated rows, empty rows, no rows, and offsets that do not start at 0 (slices)."""
+    from data_pipeline import _native_instances
+    from data_pipeline.instance_batch import reference_gather_ragged
+
+    rng = np.random.default_rng(5)
+    for _ in range(50):
+        lens = rng.integers(0, 9, size=rng.integers(0, 40))
+        offs = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64) + int(rng.integers(0, 3))
+        vals = rng.integers(0, np.iinfo(np.uint16).max, size=int(offs[-1]) + 2).astype(dtype)
+        rows = rng.integers(0, max(len(lens), 1), size=rng.integers(0, 60)).astype(np.int64) if len(lens) else \
+            np.empty(0, np.int64)
+        got_v, got_o = _native_instances.gather_ragged(vals, offs, rows)
+        want_v, want_o = reference_gather_ragged(vals, offs, rows)
+        assert got_v.dtype == want_v.dtype and np.array_equal(got_v, want_v)
+        assert got_o.dtype == np.int64 and np.array_equal(got_o, want_o)
+
+
+@needs_native
+def test_gather_ragged_argument_errors():
+    from data_pipeline import _native_instances
+
+    g = _native_instances.gather_ragged
+    u16, i64 = np.zeros(3, np.uint16), np.array([0, 1, 3], np.int64)
+    cases = [
+        ((u16, i64, np.array([2], np.int64)), IndexError, r"rows\[0\] = 2 is out of range for 2 rows"),
+        ((u16, i64, np.array([-1], np.int64)), IndexError, r"rows\[0\] = -1 is out of range"),
+        ((u16, np.array([0, 1, 5], np.int64), np.array([1], np.int64)), ValueError,
+         r"offsets\[1:3\] = \(1, 5\) do not lie in the 3 values"),
+        ((u16, np.array([0, 2, 1], np.int64), np.array([1], np.int64)), ValueError, r"\(2, 1\) do not lie"),
+        ((np.zeros(3, np.float32), i64, np.array([0], np.int64)), ValueError,
+         "expected dtype uint16, uint32 or int64, got float32"),
+        ((u16, i64.astype(np.int32), np.array([0], np.int64)), ValueError, "offsets: expected dtype int64, got int32"),
+        ((u16, i64, np.array([0], np.int32)), ValueError, "rows: expected dtype int64, got int32"),
+        ((u16, np.empty(0, np.int64), np.empty(0, np.int64)), ValueError, "at least one entry"),
+        ((np.zeros((2, 2), np.uint16), i64, np.array([0], np.int64)), ValueError, "expected a 1-D array, got 2-D"),
+    ]
+    for args, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            g(*args)
+
+
+def test_take_is_the_same_with_and_without_the_extension(monkeypatch):
+    """InstanceBatch.take (sort by key, bucket split) through the native gather or the numpy one."""
+    from data_pipeline import instance_batch
+
+    p = params(max_seq_length=32, max_predictions_per_seq=5, vocab_size=500)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(10, 500, size=400).astype(np.uint16)
+    batch = create_instances("d", ids, np.arange(0, 401, 20, dtype=np.int64), 0, params=p, seed=1, pool=[])
+    fast = batch.sorted_by_key()
+    monkeypatch.setattr(instance_batch, "_native_gather", None)
+    slow = batch.sorted_by_key()
+    for f in FIELDS:
+        a, b = getattr(fast, f), getattr(slow, f)
+        assert a.dtype == b.dtype and np.array_equal(a, b), f
+    assert not np.array_equal(batch.keys, fast.keys) and np.all(fast.keys[1:] >= fast.keys[:-1])
