@@ -9,10 +9,11 @@ from __future__ import annotations
 import bz2
 import gzip
 import json
+import unicodedata
 import zlib
 from typing import BinaryIO, Iterator
 
-from data_pipeline.text import clean_line, decode_bytes
+from data_pipeline.text import RUNS, clean_line, decode_bytes
 
 
 def open_input(path: str) -> BinaryIO:
@@ -73,12 +74,50 @@ def _surely_not_blank(raw: bytes) -> bool:
     return bool(s) and 32 < s[0] < 127
 
 
-def iter_bert_format(stream: BinaryIO, start: int = 0, end: int | None = None
+def _read_lines(stream: BinaryIO, size: int) -> tuple[list[bytes], bool]:
+    """Whole lines, about ``size`` bytes of them, and whether the stream broke (a truncated
+    compressed file): the lines read before the damage are kept."""
+    raws: list[bytes] = []
+    total = 0
+    try:
+        for raw in stream:
+            raws.append(raw)
+            total += len(raw)
+            if total >= size:
+                break
+    except STREAM_ERRORS:
+        return raws, True
+    return raws, False
+
+
+def _clean_lines(lines: list[bytes]) -> tuple[list[str], int]:
+    """``clean_line(decode_bytes(line))`` of every line (each ends with "\n" but maybe the
+    last), and how many lines needed a UTF-8 repair. A block of valid UTF-8 is decoded,
+    normalized and cleaned in one call each: the cleaning regex never crosses "\n", and NFC
+    never composes or reorders across it (a starter that composes with nothing), so this equals
+    the line-by-line result at a fraction of the per-line calls."""
+    block = b"".join(lines)
+    try:
+        text = block.decode("utf-8")
+    except UnicodeDecodeError:  # rare: repair line by line, so every repaired line is counted
+        out, repaired = [], 0
+        for raw in lines:
+            line, bad = decode_bytes(raw)
+            repaired += bad
+            out.append(clean_line(line))
+        return out, repaired
+    if not text.isascii():
+        text = unicodedata.normalize("NFC", text)
+    return [line.strip() for line in RUNS.sub(" ", text).split("\n")[:len(lines)]], 0
+
+
+def iter_bert_format(stream: BinaryIO, start: int = 0, end: int | None = None, *, block_bytes: int = 1 << 20
                      ) -> Iterator[tuple[int, list[str]] | tuple[str, str]]:
     """One sentence per line, blank line between documents. Yields (byte offset, sentences) for
     every document whose first line starts in ``[start, end)``: byte ranges of one file split
     it between readers with each document read exactly once, and the offset is a document id
-    that does not depend on the split. ``start > 0`` needs a seekable stream."""
+    that does not depend on the split. ``start > 0`` needs a seekable stream. Lines are read and
+    cleaned in blocks of about ``block_bytes`` (whole lines)."""
     sents: list[str] = []
     doc_at = pos = 0
     prev_blank = True
@@ -87,30 +126,44 @@ def iter_bert_format(stream: BinaryIO, start: int = 0, end: int | None = None
         pos = start - 1 + len(stream.readline())  # the first line that starts at or after ``start``
         prev_blank = _line_before_is_blank(stream, pos)  # a whole line: byte pos - 1 ends it
         stream.seek(pos)
-    try:
-        for raw in stream:
-            if not sents and not prev_blank and _surely_not_blank(raw):
-                pos += len(raw)  # the tail of a document that started before ``start``: skip it cheaply
-                continue
-            line, repaired = decode_bytes(raw)
-            if repaired:
+        if not prev_blank:  # the tail of a document that started before ``start``: skip it without cleaning
+            for raw in stream:
+                if not _surely_not_blank(raw):
+                    stream.seek(pos)  # this line needs the full check: the block loop reads it
+                    break
+                pos += len(raw)
+    damaged = False
+    past_end = 1 << 14
+    while not damaged:
+        # up to ``end`` in one block; past it only the last document's tail is left, read in
+        # growing blocks so that little of the next document is read for nothing
+        if end is None or pos < end:
+            size = block_bytes if end is None else min(block_bytes, max(end - pos, 1 << 14))
+        else:
+            size, past_end = past_end, min(2 * past_end, block_bytes)
+        raws, damaged = _read_lines(stream, size)
+        if raws:
+            lines, repaired = _clean_lines(raws)
+            for _ in range(repaired):
                 yield ("!event", "repaired_non_utf8")
-            line = clean_line(line)
-            if line:
-                if not sents:
-                    if not prev_blank:
-                        pos += len(raw)
-                        continue
-                    if end is not None and pos >= end:
-                        return
-                    doc_at = pos
-                sents.append(line)
-            elif sents:
-                yield (doc_at, sents)
-                sents = []
-            prev_blank = not line
-            pos += len(raw)
-    except STREAM_ERRORS:
+            for raw, line in zip(raws, lines):
+                if line:
+                    if not sents:
+                        if not prev_blank:  # the tail of a document that started before ``start``
+                            pos += len(raw)
+                            continue
+                        if end is not None and pos >= end:
+                            return
+                        doc_at = pos
+                    sents.append(line)
+                elif sents:
+                    yield (doc_at, sents)
+                    sents = []
+                prev_blank = not line
+                pos += len(raw)
+        elif not damaged:
+            break
+    if damaged:
         yield ("!event", "truncated_input_file")
     if sents:
         yield (doc_at, sents)

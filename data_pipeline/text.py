@@ -12,10 +12,13 @@ import unicodedata
 
 import blingfire
 
-_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ufffe\uffff]")
-_SPACE_CHARS = r"[ \t\u00a0\u2000-\u200b\u3000]"
-# Only runs that need rewriting match (a lone plain space does not): sub() is then ~2x faster.
-_SPACES = re.compile(rf"[\t\u00a0\u2000-\u200b\u3000]{_SPACE_CHARS}*| {_SPACE_CHARS}+")
+# Control characters become spaces and every run of spaces one space: one pass over a run of
+# both kinds does it. Only runs that need rewriting match (a lone plain space does not), so
+# sub() is ~2x faster than with every run matching, and one regex ~2x faster than two.
+_CONTROL_CHARS = r"\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ufffe\uffff"
+_SPACE_CHARS = r" \t\u00a0\u2000-\u200b\u3000"
+RUNS = re.compile(rf"[{_CONTROL_CHARS}\t\u00a0\u2000-\u200b\u3000][{_CONTROL_CHARS}{_SPACE_CHARS}]*"
+                   rf"| [{_CONTROL_CHARS}{_SPACE_CHARS}]+")
 _BLANK_LINES = re.compile(r"\n\s*\n")
 
 
@@ -31,8 +34,7 @@ def clean_line(text: str) -> str:
     """NFC-normalize, drop control characters, collapse runs of spaces."""
     if not text.isascii():  # ASCII is already NFC
         text = unicodedata.normalize("NFC", text)
-    text = _CONTROL.sub(" ", text)
-    return _SPACES.sub(" ", text).strip()
+    return RUNS.sub(" ", text).strip()
 
 
 def paragraphs(text: str) -> list[str]:

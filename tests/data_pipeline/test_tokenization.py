@@ -115,7 +115,8 @@ def test_clean_line_equals_its_plain_definition():
         return re.sub(r"[ \t\u00a0\u2000-\u200b\u3000]+", " ", t).strip()
 
     r = random.Random(0)
-    alphabet = [" ", "  ", "\t", "\u00a0", "\u2003", "\u200b", "\u3000", "a", "Z", "\x01", "\x7f", "e\u0301", "\ufffe", "\u2028"]
-    for _ in range(5000):
+    alphabet = [" ", "  ", "\t", "\u00a0", "\u2003", "\u200b", "\u3000", "a", "Z", "\x01", "\x0c", "\x1f", "\x7f",
+                "e\u0301", "\ufffe", "\u2028", "\n"]
+    for _ in range(20000):
         s = "".join(r.choice(alphabet) for _ in range(r.randrange(14)))
         assert clean_line(s) == plain(s), repr(s)
