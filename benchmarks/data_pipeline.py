@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -48,35 +49,45 @@ def run_once(inp: Path, outdir: Path, workers: int, mode: str) -> dict:
            "--set", "max_seq_length=128", "--set", "dupe_factor=5", "--set", "masked_lm_prob=0.15",
            "--set", "max_predictions_per_seq=20", "--set", "num_shards=8",
            "--runner=DirectRunner", f"--direct_running_mode={mode}", f"--direct_num_workers={workers}"]
-    t0 = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    root = psutil.Process(proc.pid)
+    log = outdir.parent / f"{outdir.name}.log"
     peak: dict[int, tuple[str, int]] = {}
-    cpu: dict[int, float] = {}
-    while proc.poll() is None:
-        try:
-            procs = [root] + root.children(recursive=True)
-        except psutil.NoSuchProcess:
-            break
-        for p in procs:
+    done = threading.Event()
+
+    def sample(root: psutil.Process) -> None:  # peak RSS per process, every 100 ms
+        while not done.is_set():
             try:
-                rss = p.memory_info().rss
-                kind = "worker" if "sdk_worker_main" in " ".join(p.cmdline()) else "driver"
-                t = p.cpu_times()
-                cpu[p.pid] = t.user + t.system
-                if rss > peak.get(p.pid, ("", 0))[1]:
-                    peak[p.pid] = (kind, rss)
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                pass
-        time.sleep(0.2)
-    out, _ = proc.communicate()
-    wall = time.time() - t0
+                procs = [root] + root.children(recursive=True)
+            except psutil.NoSuchProcess:
+                return
+            for p in procs:
+                try:
+                    rss = p.memory_info().rss
+                    kind = "worker" if "sdk_worker_main" in " ".join(p.cmdline()) else "driver"
+                    if rss > peak.get(p.pid, ("", 0))[1]:
+                        peak[p.pid] = (kind, rss)
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    pass
+            done.wait(0.1)
+
+    with log.open("w") as out:
+        t0 = time.time()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        sampler = threading.Thread(target=sample, args=(psutil.Process(proc.pid),), daemon=True)
+        sampler.start()
+        # wait4: the exact end (a polling loop would add up to its period to the wall time) and
+        # the CPU time of the build and of every process it started and reaped
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.time() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        done.set()
+        sampler.join()
+    cpu = usage.ru_utime + usage.ru_stime
     if proc.returncode != 0:
-        raise SystemExit(f"build failed ({proc.returncode}):\n{out}")
+        raise SystemExit(f"build failed ({proc.returncode}):\n{log.read_text()}")
     man = json.loads((outdir / "manifest.json").read_text())
     workers_rss = sorted((r for k, r in peak.values() if k == "worker"), reverse=True)
     driver_rss = max((r for k, r in peak.values() if k == "driver"), default=0)
-    return {"wall_s": round(wall, 2), "pipeline_wall_s": man["wall_seconds"], "cpu_s": round(sum(cpu.values()), 1),
+    return {"wall_s": round(wall, 2), "pipeline_wall_s": man["wall_seconds"], "cpu_s": round(cpu, 1),
             "instances": man["counts"]["instances"], "input_words_counted": man["counts"]["input_words"],
             "peak_rss_worker_mb": [round(r / 2**20) for r in workers_rss],
             "peak_rss_driver_mb": round(driver_rss / 2**20)}
