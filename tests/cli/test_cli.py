@@ -59,3 +59,26 @@ def test_every_listed_subcommand_has_help(name):
     with pytest.raises(SystemExit) as e:
         parser.parse_args([cmd, "--help"])
     assert e.value.code == 0
+
+
+def test_data_build_exits_fast_as_a_program_and_returns_in_process(tmp_path, small_vocab):
+    """`data build` skips the interpreter's teardown when run as a program (its output still
+    arrives whole and the manifest is committed), and returns normally when main() is called."""
+    from bertdist.cli import main as cli
+
+    text = tmp_path / "in.txt"
+    text.write_text("".join(f"Sentence {i} of document {d} is here.\n" + ("\n" if i == 9 else "")
+                            for d in range(6) for i in range(10)))
+    args = ["data", "build", "--input", f"text:{text}", "--vocab", str(small_vocab), "--output", str(tmp_path / "a"),
+            "--set", "max_seq_length=32", "--set", "num_shards=2", "--runner=DirectRunner",
+            "--direct_running_mode=in_memory", "--direct_num_workers=1"]
+    r = subprocess.run([sys.executable, "-m", "bertdist.cli.main", *args], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert manifest["splits"]["train"]["num_shards"] == 2
+    # the whole report arrived: its last line is the last Beam metric
+    assert "data build:" in r.stdout and r.stdout.rstrip().splitlines()[-1].split()[0] == max(manifest["metrics"])
+    assert not cli._PROGRAM
+    args[args.index(str(tmp_path / "a"))] = str(tmp_path / "b")
+    assert cli.main(args) == 0  # in-process: returns, and the interpreter goes on
+    assert (tmp_path / "b" / "manifest.json").exists()
