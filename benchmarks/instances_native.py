@@ -9,6 +9,7 @@ and checks that both builders gave the same batches.
 
     .venv/bin/python benchmarks/instances_native.py [--repeats 3] [--json out.json]
     .venv/bin/python benchmarks/instances_native.py --doc-sentences 60   # Wikipedia-sized documents
+    .venv/bin/python benchmarks/instances_native.py --whole-word          # whole-word masking
 """
 from __future__ import annotations
 
@@ -52,9 +53,10 @@ def main() -> None:
     ap.add_argument("--doc-sentences", type=int, default=20_000,
                     help="cut the books into documents of this many sentences (20,000: the pipeline's default cut; "
                          "~60 makes Wikipedia-sized documents, where the per-document Python overhead shows)")
+    ap.add_argument("--whole-word", action="store_true", help="static whole-word masking (the vocab's '##' table)")
     args = ap.parse_args()
 
-    from bertdist.data.vocab import load_vocab
+    from bertdist.data.vocab import continuation_mask, load_vocab
     from data_pipeline import native_instances
     from data_pipeline.config import DataConfig
     from data_pipeline.instance_batch import InstanceBatch
@@ -64,8 +66,9 @@ def main() -> None:
     if not native_instances.available():
         sys.exit(f"native builder unavailable: {native_instances.unavailable_reason()}")
     vocab = SHARED / "vocab" / "bert-base-uncased-vocab.txt"
-    cfg = DataConfig(max_seq_length=128, dupe_factor=5, objective="nsp", masking="static")
+    cfg = DataConfig(max_seq_length=128, dupe_factor=5, objective="nsp", masking="static", whole_word_mask=args.whole_word)
     params = instance_params(cfg, load_vocab(vocab))
+    continuation = continuation_mask(vocab) if args.whole_word else None
     t0 = time.perf_counter()
     docs, words = tokenized_books(vocab, args.doc_sentences)
     tokens = sum(d[1].shape[0] for d in docs)
@@ -76,14 +79,15 @@ def main() -> None:
 
     def reference():
         stats = InstanceStats()
-        out = [InstanceBatch.concat([create_instances(*d, k, params=params, seed=cfg.seed, pool=pool, stats=stats)
+        out = [InstanceBatch.concat([create_instances(*d, k, params=params, seed=cfg.seed, pool=pool,
+                                                      continuation=continuation, stats=stats)
                                      for k in range(cfg.dupe_factor)]) for d in docs]
         return out, stats
 
     def native():
         stats = InstanceStats()
         out = [native_instances.create_document_instances(*d, cfg.dupe_factor, params=params, seed=cfg.seed, pool=pool,
-                                                          stats=stats) for d in docs]
+                                                          continuation=continuation, stats=stats) for d in docs]
         return out, stats
 
     results = {}

@@ -42,8 +42,8 @@ class DataConfig:
     nsp_pool_size: int = 32768
     nsp_pool_windows_per_doc: int = 4
     # who builds the instances: "native" (C++, data_pipeline._native_instances; bitwise the same
-    # output) or the Python "reference"; "auto" takes native when it is built and supports the
-    # config (not whole-word masking), "native" is an error when it cannot be used
+    # output) or the Python "reference"; "auto" takes native when it is built, "native" is an
+    # error when it is not
     instance_builder: InstanceBuilder = "auto"
     # --- documents ---
     min_sentences: int = 2  # for nsp/sop; shorter documents are skipped and counted

@@ -6,8 +6,6 @@ Python code stays the readable reference and the test oracle, and the two give b
 InstanceBatch and InstanceStats. This module loads the extension when it is built, packs the NSP
 pool into flat arrays once per pool object, derives the per-dupe seeds exactly as the reference
 does (``derive_seed``), and turns the extension's columns into an InstanceBatch.
-
-Whole-word masking is not in the native builder: ``choose_builder`` sends it to the reference.
 """
 from __future__ import annotations
 
@@ -42,28 +40,22 @@ def unavailable_reason() -> str:
     return _UNAVAILABLE
 
 
-def unsupported_reason(params: InstanceParams) -> str:
-    """Why the native builder cannot build ``params`` ("" when it can)."""
-    if params.masking == "static" and params.whole_word_mask:
-        return "whole-word masking is only in the Python reference"
-    return ""
-
-
-def choose_builder(requested: str, params: InstanceParams) -> tuple[str, str]:
-    """("native" | "reference", why) for the config's ``instance_builder``; "native" when it
-    cannot be honoured is an error, "auto" falls back to the reference."""
+def choose_builder(requested: str) -> tuple[str, str]:
+    """("native" | "reference", why) for the config's ``instance_builder``. The native builder
+    supports every config of the reference; "native" when the extension is not built is an
+    error, "auto" then falls back to the reference."""
     if requested not in INSTANCE_BUILDERS:
         raise ValueError(f"instance_builder {requested!r} is not one of {list(INSTANCE_BUILDERS)}")
     if requested == "reference":
         return "reference", "instance_builder=reference"
-    why_not = unavailable_reason() or unsupported_reason(params)
+    why_not = unavailable_reason()
     if requested == "native":
         if why_not:
             raise ValueError(f"instance_builder=native, but {why_not} (use auto or reference)")
         return "native", "instance_builder=native"
     if why_not:
         return "reference", f"instance_builder=auto: {why_not}"
-    return "native", "instance_builder=auto: the extension is built and supports this config"
+    return "native", "instance_builder=auto: the extension is built"
 
 
 _logged: set[tuple[str, str]] = set()
@@ -137,14 +129,14 @@ def dupe_seeds(doc_id: str, dupe_factor: int, seed: int) -> tuple[np.ndarray, np
 
 def create_document_instances(doc_id: str, ids: np.ndarray, bounds: np.ndarray, dupe_factor: int, *,
                               params: InstanceParams, seed: int, pool: list | None = None,
+                              continuation: np.ndarray | None = None,
                               stats: InstanceStats | None = None) -> InstanceBatch:
     """``InstanceBatch.concat([create_instances(doc_id, ids, bounds, d, ...) for d in range(dupe_factor)])``
-    in one native call; ``stats`` gets the same counts as the reference's."""
+    in one native call; ``stats`` gets the same counts as the reference's. ``continuation`` (the
+    vocab's '##' mask, :func:`bertdist.data.vocab.continuation_mask`) is needed for static
+    whole-word masking, as in the reference."""
     if _ext is None:
         raise RuntimeError(unavailable_reason())
-    why = unsupported_reason(params)
-    if why:
-        raise ValueError(f"the native instance builder cannot build this config: {why}")
     packed = _packed(pool)
     mt, rows, masks = dupe_seeds(doc_id, dupe_factor, seed)
     p = params
@@ -155,6 +147,7 @@ def create_document_instances(doc_id: str, ids: np.ndarray, bounds: np.ndarray, 
         max_predictions_per_seq=int(p.max_predictions_per_seq), whole_word_mask=bool(p.whole_word_mask),
         cls_id=int(p.cls_id), sep_id=int(p.sep_id), mask_id=int(p.mask_id), vocab_size=int(p.vocab_size),
         pool=packed.native, doc_index=packed.doc_number.get(doc_id, -1),
+        continuation=None if continuation is None else np.ascontiguousarray(continuation, dtype=np.bool_),
     )
     keys, flat, offs, num_a, nsp, mpos, mids, moffs, counts = out
     if stats is not None:

@@ -159,7 +159,7 @@ def run(cfg: DataConfig, pipeline_args: Sequence[str] | None = None) -> dict[str
     out = OutputDir(cfg.output)
     run_id = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
     # an impossible instance_builder=native fails here, before any work, not on every worker
-    builder, why = choose_builder(cfg.instance_builder, instance_params(cfg, tokens))
+    builder, why = choose_builder(cfg.instance_builder)
     log.info("training instances: %s builder (%s)", builder, why)  # every run; workers log once per process
     staging, final = out.prepare(run_id)
     args = list(default_pipeline_args() if pipeline_args is None else pipeline_args)

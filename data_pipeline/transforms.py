@@ -363,7 +363,7 @@ class _CreateInstancesDoFn(beam.DoFn):
         from data_pipeline import native_instances
 
         self.continuation = continuation_mask(self.vocab_path) if self.params.whole_word_mask else None
-        chosen, why = native_instances.choose_builder(self.builder, self.params)
+        chosen, why = native_instances.choose_builder(self.builder)
         native_instances.log_choice(chosen, why)
         self.native = native_instances.create_document_instances if chosen == "native" else None
         self.progress = _Progress("documents turned into instances")
@@ -375,7 +375,7 @@ class _CreateInstancesDoFn(beam.DoFn):
         stats = InstanceStats()
         if self.native is not None:
             batch = self.native(doc_id, ids, bounds, self.dupe_factor, params=self.params, seed=self.seed, pool=pool,
-                                stats=stats)
+                                continuation=self.continuation, stats=stats)
         else:
             batch = InstanceBatch.concat([
                 create_instances(doc_id, ids, bounds, d, params=self.params, seed=self.seed, pool=pool,

@@ -9,8 +9,8 @@
 // keys. Every helper below names the Python it mirrors; the seeds themselves (blake2b of the
 // seed, document and dupe) come from Python.
 //
-// Supported: objectives nsp | sop | none, short_seq_prob, static masking without whole-word
-// masking, dynamic masking. Whole-word masking stays on the Python path (the caller falls back).
+// Supported: objectives nsp | sop | none, short_seq_prob, static masking (token-level or whole
+// words, given the vocab's continuation mask), dynamic masking.
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -264,6 +264,24 @@ class Pcg64 {
   uint32_t buffered_ = 0;
 };
 
+// numpy's random_interval(bitgen, max): a uniform value in [0, max] by masked rejection, with
+// 32-bit draws (PCG64's buffered next_uint32) when max fits in 32 bits. Generator.permutation(n)
+// is arange(n) shuffled by Fisher-Yates with j = random_interval(i) for i = n - 1 down to 1.
+inline uint64_t random_interval(Pcg64& rng, uint64_t max) {
+  if (max == 0) return 0;
+  uint64_t mask = max;
+  for (int s = 1; s <= 32; s <<= 1) mask |= mask >> s;  // smallest all-ones mask >= max
+  uint64_t value;
+  if (max <= 0xFFFFFFFFULL) {
+    while ((value = (rng.next32() & mask)) > max) {
+    }
+  } else {
+    while ((value = (rng.next64() & mask)) > max) {
+    }
+  }
+  return value;
+}
+
 // instances.py::row_keys: splitmix64 of base + j * golden, j = 1..m (uint64 wrap-around).
 inline uint64_t row_key(uint64_t base, uint64_t j) {
   uint64_t z = base + j * 0x9E3779B97F4A7C15ULL;
@@ -293,6 +311,8 @@ struct Params {
   int64_t max_predictions_per_seq;
   uint32_t cls_id, sep_id, mask_id;
   uint64_t vocab_size;
+  const bool* continuation = nullptr;  // whole-word masking: per vocab id, "is a '##' piece"
+  uint64_t continuation_size = 0;
 };
 
 // Whether `a` holds V values in native byte order. Not dtype identity (dtype.is): an array that
@@ -654,7 +674,74 @@ class DocumentBuilder {
       out_.m_offsets.insert(out_.m_offsets.end(), m, last);
       return;
     }
-    mask_rows(flat0, row0, m, mask_seed);
+    if (p_.continuation != nullptr) mask_rows_wwm(flat0, row0, m, mask_seed);
+    else mask_rows(flat0, row0, m, mask_seed);
+  }
+
+  // instances.py::_mask_rows_wwm: bertdist.data.masking.mask_sequence row by row, with one
+  // Generator for all rows. Per row: the candidates are the non-special positions; a word is a
+  // candidate that is not a '##' piece (or follows a special token) plus the '##' pieces right
+  // after it; words are visited in the order of rng.permutation(words) and taken greedily while
+  // they fit the budget (a word that would overshoot is skipped); then u = random(k) and k random
+  // ids for the k chosen positions (ascending), as the token-level path does.
+  void mask_rows_wwm(int64_t flat0, size_t row0, size_t m, uint64_t mask_seed) {
+    Pcg64 rng(mask_seed);  // np.random.Generator(np.random.PCG64(mask_seed))
+    T* flat = out_.ids.data() + flat0;
+    const uint64_t high = p_.vocab_size - 1;
+    std::vector<int64_t> cand, starts, order, positions;
+    std::vector<double> u;
+    for (size_t r = 0; r < m; r++) {
+      const int64_t start = out_.ids_offsets[row0 + r] - flat0;
+      const int64_t length = out_.ids_offsets[row0 + r + 1] - flat0 - start;
+      const int64_t sep_a = static_cast<int64_t>(out_.num_a[row0 + r]) - 1;
+      const int64_t end = segs_b_[r].size > 0 ? length - 1 : length;  // [SEP] at length - 1 with B
+      T* row = flat + start;
+      const int64_t budget = std::min<int64_t>(
+          p_.max_predictions_per_seq,
+          std::max<int64_t>(1, static_cast<int64_t>(std::nearbyint(static_cast<double>(length) * p_.masked_lm_prob))));
+      cand.clear();
+      for (int64_t c = 1; c < end; c++)
+        if (c != sep_a) cand.push_back(c);
+      positions.clear();
+      if (!cand.empty()) {  // the reference returns before drawing anything otherwise
+        starts.clear();
+        for (size_t i = 0; i < cand.size(); i++) {
+          const uint64_t id = row[cand[i]];
+          if (id >= p_.continuation_size)
+            throw py::value_error("whole-word masking: id " + std::to_string(id) + " is outside the continuation mask (" +
+                                  std::to_string(p_.continuation_size) + " vocab ids)");
+          const bool cont = i > 0 && p_.continuation[id] && cand[i] - cand[i - 1] == 1;
+          if (!cont) starts.push_back(static_cast<int64_t>(i));
+        }
+        const int64_t words = static_cast<int64_t>(starts.size());
+        order.resize(words);
+        for (int64_t w = 0; w < words; w++) order[w] = w;
+        for (int64_t i = words - 1; i >= 1; i--) std::swap(order[i], order[random_interval(rng, i)]);
+        int64_t total = 0;
+        for (int64_t w : order) {
+          if (total >= budget) break;
+          const int64_t first = starts[w];
+          const int64_t last = w + 1 < words ? starts[w + 1] : static_cast<int64_t>(cand.size());
+          if (total + (last - first) > budget) continue;
+          for (int64_t i = first; i < last; i++) positions.push_back(cand[i]);
+          total += last - first;
+        }
+        std::sort(positions.begin(), positions.end());
+      }
+      const size_t k = positions.size();
+      u.resize(k);
+      rng.fill_doubles(u.data(), static_cast<int64_t>(k));
+      for (int64_t pos : positions) {
+        out_.mpos.push_back(static_cast<uint16_t>(pos));
+        out_.mids.push_back(row[pos]);  // labels: the original ids
+      }
+      for (size_t j = 0; j < k; j++) {
+        const T rand_id = static_cast<T>(rng.bounded(high));  // every random id is drawn, whatever u says
+        if (u[j] < 0.8) row[positions[j]] = static_cast<T>(p_.mask_id);
+        else if (u[j] >= 0.9) row[positions[j]] = rand_id;
+      }
+      out_.m_offsets.push_back(out_.m_offsets.back() + static_cast<int64_t>(k));
+    }
   }
 
   // instances.py::_mask_rows. numpy argsorts a [rows, width] matrix of uniform keys (specials and
@@ -765,7 +852,8 @@ py::tuple build_document(py::array ids, py::array bounds, py::array mt_seeds, py
                          int64_t max_seq_length, double short_seq_prob, const std::string& objective,
                          double nsp_random_prob, const std::string& masking, double masked_lm_prob,
                          int64_t max_predictions_per_seq, bool whole_word_mask, int64_t cls_id, int64_t sep_id,
-                         int64_t mask_id, int64_t vocab_size, const NegativePool* pool, int64_t doc_index) {
+                         int64_t mask_id, int64_t vocab_size, const NegativePool* pool, int64_t doc_index,
+                         py::object continuation) {
   check_array(ids, "ids", 1);
   const bool u16 = has_dtype<uint16_t>(ids);
   if (!u16 && !has_dtype<uint32_t>(ids))
@@ -807,8 +895,19 @@ py::tuple build_document(py::array ids, py::array bounds, py::array mt_seeds, py
   if (masking != "static" && masking != "dynamic")
     throw py::value_error("masking: expected static or dynamic, got '" + masking + "'");
   p.static_masking = masking == "static";
-  if (p.static_masking && whole_word_mask)
-    throw py::value_error("whole_word_mask: not supported by the native builder (use the Python reference)");
+  py::array cont_array;  // kept alive until the build is done
+  if (p.static_masking && whole_word_mask) {
+    if (continuation.is_none())
+      throw py::value_error("continuation: whole-word masking needs the vocab's continuation mask, got None");
+    cont_array = continuation.cast<py::array>();
+    check_array(cont_array, "continuation", 1);
+    check_dtype<bool>(cont_array, "continuation");
+    if (cont_array.shape(0) != vocab_size)
+      throw py::value_error("continuation: expected one entry per vocab id (" + std::to_string(vocab_size) + "), got " +
+                            std::to_string(cont_array.shape(0)));
+    p.continuation = static_cast<const bool*>(cont_array.data());
+    p.continuation_size = static_cast<uint64_t>(cont_array.shape(0));
+  }
   if (!(masked_lm_prob >= 0.0 && masked_lm_prob <= 1.0))
     throw py::value_error("masked_lm_prob: expected a value in [0, 1], got " + std::to_string(masked_lm_prob));
   p.masked_lm_prob = masked_lm_prob;
@@ -900,7 +999,7 @@ PYBIND11_MODULE(_native_instances, m) {
         py::arg("max_seq_length"), py::arg("short_seq_prob"), py::arg("objective"), py::arg("nsp_random_prob"),
         py::arg("masking"), py::arg("masked_lm_prob"), py::arg("max_predictions_per_seq"), py::arg("whole_word_mask"),
         py::arg("cls_id"), py::arg("sep_id"), py::arg("mask_id"), py::arg("vocab_size"), py::arg("pool").none(true),
-        py::arg("doc_index"));
+        py::arg("doc_index"), py::arg("continuation") = py::none());
 
   m.def("gather_ragged", &gather_ragged,
         "Rows `rows` (int64) of the ragged column (values: uint16/uint32/int64, offsets: int64, n_rows + 1): "

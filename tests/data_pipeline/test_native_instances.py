@@ -55,15 +55,25 @@ def make_pool(docs, p: InstanceParams, seed: int) -> list:
                   key=lambda w: (w[0], w[1]))
 
 
-def assert_same(docs, p: InstanceParams, *, seed: int, dupes: int, pool=None, pool_of=None) -> int:
-    """Reference vs native for every document; ``pool_of(doc)`` gives a per-document pool."""
+def continuation_table(vocab_size: int, seed: int = 0, rate: float = 0.35) -> np.ndarray:
+    """A '##' table for whole-word masking: about ``rate`` of the ids are continuation pieces."""
+    return np.random.default_rng(seed).random(vocab_size) < rate
+
+
+def assert_same(docs, p: InstanceParams, *, seed: int, dupes: int, pool=None, pool_of=None,
+                continuation: np.ndarray | None = None) -> int:
+    """Reference vs native for every document; ``pool_of(doc)`` gives a per-document pool.
+    Whole-word masking takes ``continuation`` (default: a random table of the vocab's size)."""
+    if p.whole_word_mask and continuation is None:
+        continuation = continuation_table(p.vocab_size)
     rows = 0
     for d in docs:
         dp = pool_of(d) if pool_of else pool
         s_ref, s_nat = InstanceStats(), InstanceStats()
-        want = InstanceBatch.concat([create_instances(*d, k, params=p, seed=seed, pool=dp, stats=s_ref)
-                                     for k in range(dupes)])
-        got = native_instances.create_document_instances(*d, dupes, params=p, seed=seed, pool=dp, stats=s_nat)
+        want = InstanceBatch.concat([create_instances(*d, k, params=p, seed=seed, pool=dp, continuation=continuation,
+                                                      stats=s_ref) for k in range(dupes)])
+        got = native_instances.create_document_instances(*d, dupes, params=p, seed=seed, pool=dp,
+                                                         continuation=continuation, stats=s_nat)
         for f in FIELDS:
             a, b = getattr(want, f), getattr(got, f)
             assert a.dtype == b.dtype, (d[0], f, a.dtype, b.dtype, p)
@@ -77,14 +87,53 @@ def assert_same(docs, p: InstanceParams, *, seed: int, dupes: int, pool=None, po
 
 
 @needs_native
-@pytest.mark.parametrize("masking", ["static", "dynamic"])
+@pytest.mark.parametrize("masking", ["static", "dynamic", "static_wwm"])
 @pytest.mark.parametrize("max_seq_length", [8, 16, 128])
 @pytest.mark.parametrize("objective", ["nsp", "sop", "none"])
 def test_parity_objectives_lengths_short_seq(objective, max_seq_length, masking):
     docs = synthetic_docs()
     for ssp in (0.0, 0.1, 1.0):
-        p = params(objective=objective, max_seq_length=max_seq_length, short_seq_prob=ssp, masking=masking)
+        p = params(objective=objective, max_seq_length=max_seq_length, short_seq_prob=ssp,
+                   masking=masking.removesuffix("_wwm"), whole_word_mask=masking.endswith("_wwm"))
         assert assert_same(docs, p, seed=1, dupes=3, pool=make_pool(docs, p, 1)) > 0
+
+
+@needs_native
+def test_parity_whole_word_masking_knobs():
+    """Whole-word masking: words longer than the budget (skipped, the next one tried), tables with
+    no '##' pieces or only '##' pieces (one word per run of candidates), budgets of 0 and above the
+    candidates, uint32 ids, and the masking rates of a real run."""
+    docs = synthetic_docs(seed=6)
+    for kw, rate in ((dict(), 0.35), (dict(), 0.0), (dict(), 1.0), (dict(), 0.9),
+                     (dict(max_predictions_per_seq=0), 0.35), (dict(max_predictions_per_seq=200, masked_lm_prob=1.0), 0.5),
+                     (dict(masked_lm_prob=0.125), 0.5), (dict(objective="sop"), 0.6), (dict(vocab_size=1), 0.0)):
+        p = params(max_seq_length=48, whole_word_mask=True, **kw)
+        table = continuation_table(p.vocab_size, rate=rate) if p.vocab_size > 1 else np.zeros(30522, bool)
+        if p.vocab_size == 1:  # every id is outside a 1-entry vocab: the table must still cover them
+            p = replace(p, vocab_size=30522)
+        assert assert_same(docs, p, seed=7, dupes=2, pool=make_pool(docs, p, 7), continuation=table) > 0
+    docs32 = synthetic_docs(seed=2, dtype=np.uint32, high=70000)
+    p = params(max_seq_length=24, whole_word_mask=True, vocab_size=70000, cls_id=66000, sep_id=66001, mask_id=66002)
+    assert_same(docs32, p, seed=3, dupes=2, pool=make_pool(docs32, p, 3))
+    # no partially masked word in the native output: a '##' piece and the piece before it (both
+    # non-special) are masked together or not at all
+    table = continuation_table(30522, rate=0.5)
+    p = params(max_seq_length=64, whole_word_mask=True)
+    words = 0
+    for d in docs:
+        b = native_instances.create_document_instances(*d, 2, params=p, seed=9, continuation=table)
+        for r in range(len(b)):
+            s, e, ms, me = b.ids_offsets[r], b.ids_offsets[r + 1], b.m_offsets[r], b.m_offsets[r + 1]
+            pos = b.mpos[ms:me].astype(np.int64)
+            original = b.ids[s:e].copy()
+            original[pos] = b.mids[ms:me]
+            masked = set(pos.tolist())
+            special = {0, int(b.num_a[r]) - 1, int(e - s) - 1}
+            for i in range(2, int(e - s)):
+                if table[original[i]] and i not in special and i - 1 not in special:
+                    assert (i in masked) == (i - 1 in masked), (d[0], r, i)
+                    words += i in masked
+    assert words > 50  # multi-piece words were masked
 
 
 @needs_native
@@ -175,10 +224,14 @@ def test_parity_on_tokenized_books(shared_data):
             if len(bounds) > 2:
                 docs.append((f"{book}#{j}", ids, bounds))
     assert len(docs) >= 8 and docs[0][1].dtype == np.uint16
+    from bertdist.data.vocab import continuation_mask
+
     for kw in (dict(objective="nsp", max_seq_length=128), dict(objective="sop", max_seq_length=64, masking="dynamic"),
-               dict(objective="none", max_seq_length=512), dict(objective="nsp", max_seq_length=16, short_seq_prob=0.5)):
+               dict(objective="none", max_seq_length=512), dict(objective="nsp", max_seq_length=16, short_seq_prob=0.5),
+               dict(objective="nsp", max_seq_length=128, whole_word_mask=True)):
         p = params(**kw)
-        assert assert_same(docs, p, seed=12345, dupes=2, pool=make_pool(docs, p, 12345)) > 100
+        assert assert_same(docs, p, seed=12345, dupes=2, pool=make_pool(docs, p, 12345),
+                           continuation=continuation_mask(vocab)) > 100
 
 
 # ---------------------------------------------------------------- RNG replicas
@@ -298,7 +351,9 @@ def test_argument_errors_name_expected_and_actual():
         (dict(seeds=seeds.astype(np.int64)), "mt_seeds: expected dtype uint64, got int64"),
         (dict(objective="mlm"), "objective: expected one of nsp, sop, none, got 'mlm'"),
         (dict(masking="random"), "masking: expected static or dynamic, got 'random'"),
-        (dict(whole_word_mask=True), "whole_word_mask: not supported by the native builder"),
+        (dict(whole_word_mask=True), "continuation: whole-word masking needs the vocab's continuation mask, got None"),
+        (dict(whole_word_mask=True, continuation=np.zeros(30522, np.uint8)), "continuation: expected dtype bool, got uint8"),
+        (dict(whole_word_mask=True, continuation=np.zeros(100, bool)), r"continuation: expected one entry per vocab id \(30522\), got 100"),
         (dict(max_seq_length=4), "max_seq_length: expected 8 <= max_seq_length <= 65535, got 4"),
         (dict(masked_lm_prob=1.5), r"masked_lm_prob: expected a value in \[0, 1\]"),
         (dict(cls_id=70000), "cls_id 70000 does not fit the ids' dtype uint16"),
@@ -317,28 +372,27 @@ def test_argument_errors_name_expected_and_actual():
         native_instances._PackedPool([w, (1, "x", ids[:9], [0, 9])])
     with pytest.raises(ValueError, match="pool doc: expected 1 entries"):
         ext.NegativePool(ids[:9], np.array([0, 9]), np.array([0, 9]), np.array([0, 2]), np.array([0, 0]))
-    with pytest.raises(ValueError, match="whole-word masking is only in the Python reference"):
+    with pytest.raises(ValueError, match="needs the vocab's continuation mask"):  # as the reference says too
         native_instances.create_document_instances("d", ids, bounds, 1, params=params(whole_word_mask=True), seed=1)
+    with pytest.raises(ValueError, match="needs the vocab's continuation mask"):
+        create_instances("d", ids, bounds, 0, params=params(whole_word_mask=True), seed=1)
 
 
 def test_builder_choice(monkeypatch):
-    p, wwm = params(), params(whole_word_mask=True)
-    assert native_instances.choose_builder("reference", p)[0] == "reference"
-    assert native_instances.choose_builder("auto", wwm)[0] == "reference"
+    p = params()
+    assert native_instances.choose_builder("reference")[0] == "reference"
     with pytest.raises(ValueError, match="not one of"):
-        native_instances.choose_builder("fast", p)
+        native_instances.choose_builder("fast")
     if native_instances.available():
-        assert native_instances.choose_builder("auto", p)[0] == "native"
-        assert native_instances.choose_builder("native", replace(wwm, masking="dynamic"))[0] == "native"
-    with pytest.raises(ValueError, match="instance_builder=native, but whole-word masking"):
-        native_instances.choose_builder("native", wwm)
+        assert native_instances.choose_builder("auto")[0] == "native"
+        assert native_instances.choose_builder("native")[0] == "native"
     # the extension missing: auto falls back and says why, native is an error
     monkeypatch.setattr(native_instances, "_ext", None)
     monkeypatch.setattr(native_instances, "_UNAVAILABLE", "the extension data_pipeline._native_instances is not built (test)")
-    chosen, why = native_instances.choose_builder("auto", p)
+    chosen, why = native_instances.choose_builder("auto")
     assert chosen == "reference" and "not built" in why
     with pytest.raises(ValueError, match="instance_builder=native, but the extension .* is not built"):
-        native_instances.choose_builder("native", p)
+        native_instances.choose_builder("native")
     with pytest.raises(RuntimeError, match="not built"):
         native_instances.create_document_instances("d", np.zeros(3, np.uint16), np.array([0, 3]), 1, params=p, seed=1)
 
@@ -407,7 +461,9 @@ def test_transforms_write_identical_shards_with_either_builder(tmp_path, small_v
 
 
 @needs_native
-def test_build_records_identical_with_and_without_the_extension(tmp_path, small_vocab, monkeypatch, caplog):
+@pytest.mark.parametrize("whole_word_mask", [False, True])
+def test_build_records_identical_with_and_without_the_extension(tmp_path, small_vocab, monkeypatch, caplog,
+                                                                whole_word_mask):
     """The whole pipeline (bundled wiki + books, in-process): auto takes the native builder;
     with the extension hidden it falls back to the reference, and every shard is byte-identical."""
     import json
@@ -423,7 +479,8 @@ def test_build_records_identical_with_and_without_the_extension(tmp_path, small_
 
     def build(out: Path) -> dict[str, bytes]:
         return shard_bytes(build_records([f"wiki:{SAMPLES / 'wiki'}", f"books:{SAMPLES / 'books'}"], out, small_vocab,
-                                         max_seq_length=64, dupe_factor=2, num_shards=2))
+                                         max_seq_length=64, dupe_factor=2, num_shards=2,
+                                         whole_word_mask=whole_word_mask))
 
     caplog.set_level(logging.INFO, logger="data_pipeline")
     monkeypatch.setattr(native_instances, "_logged", set())
@@ -438,7 +495,7 @@ def test_build_records_identical_with_and_without_the_extension(tmp_path, small_
         assert native[name] == reference[name], f"{name} differs between the native and the reference builder"
 
 
-def test_config_instance_builder_reaches_the_pipeline(tmp_path, small_vocab, caplog):
+def test_config_instance_builder_reaches_the_pipeline(tmp_path, small_vocab, caplog, monkeypatch):
     """``instance_builder`` from the config is what the driver and the workers use; an impossible
     ``native`` fails in the driver before any output is written."""
     import logging
@@ -451,10 +508,12 @@ def test_config_instance_builder_reaches_the_pipeline(tmp_path, small_vocab, cap
                   num_shards=1, instance_builder="reference")
     said = [r.getMessage() for r in caplog.records if "training instances:" in r.getMessage()]
     assert said and all("reference builder (instance_builder=reference)" in m for m in said)
-    with pytest.raises(ValueError, match="instance_builder=native, but"):
-        build_records([f"books:{SAMPLES / 'books'}"], tmp_path / "wwm", small_vocab, max_seq_length=64,
-                      num_shards=1, instance_builder="native", whole_word_mask=True)
-    assert not (tmp_path / "wwm").exists() or not any((tmp_path / "wwm").iterdir())
+    monkeypatch.setattr(native_instances, "_ext", None)  # as if the extension were not built
+    monkeypatch.setattr(native_instances, "_UNAVAILABLE", "the extension is not built (test)")
+    with pytest.raises(ValueError, match="instance_builder=native, but the extension is not built"):
+        build_records([f"books:{SAMPLES / 'books'}"], tmp_path / "native", small_vocab, max_seq_length=64,
+                      num_shards=1, instance_builder="native")
+    assert not (tmp_path / "native").exists() or not any((tmp_path / "native").iterdir())
 
 
 # ---------------------------------------------------------------- the ragged gather
