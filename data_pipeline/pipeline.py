@@ -40,7 +40,6 @@ from data_pipeline.transforms import (
 )
 
 log = logging.getLogger("data_pipeline")
-SPLITS = ("train", "heldout")
 
 
 def default_pipeline_args() -> list[str]:
