@@ -36,7 +36,7 @@ from data_pipeline.output_dir import OutputDir
 from data_pipeline.tokenization import vocab_is_cased
 from data_pipeline.transforms import (
     DIRECTORY_SUFFIX, NS, CreateInstances, ReadBertFormatText, ReadBooks, ReadJsonLines, ReadWikipediaDump,
-    SplitShards, SplitSentences, Tokenize, WriteShards, match_file_sizes, shard_name,
+    SplitShards, SplitSentences, Tokenize, WriteShards, match_file_sizes, parquet_writer_options, shard_name,
 )
 
 log = logging.getLogger("data_pipeline")
@@ -125,7 +125,7 @@ def build_pipeline(p: beam.Pipeline, cfg: DataConfig, staging: str, tokens: list
          staging, {"train": SplitShards(cfg.num_shards, round(rows * (1 - frac))),
                    "heldout": SplitShards(cfg.heldout_num_shards, round(rows * frac))},
          len(tokens), cfg.row_group_size, cfg.compression,
-         rows_per_bucket=cfg.shuffle_bucket_rows, spill_rows=cfg.shuffle_spill_rows))
+         rows_per_bucket=cfg.shuffle_bucket_rows, spill_rows=cfg.shuffle_spill_rows, encoding=cfg.parquet_encoding))
 
 
 def _query_counters(result) -> dict[str, int]:
@@ -180,8 +180,9 @@ def _write_empty_shard(path: str, vocab_size: int, cfg: DataConfig) -> dict[str,
     import pyarrow.parquet as pq
 
     buf = io.BytesIO()
-    pq.write_table(InstanceBatch.empty("uint16" if vocab_size < 65536 else "uint32").to_arrow(vocab_size), buf,
-                   row_group_size=cfg.row_group_size, compression=cfg.compression, write_statistics=False)
+    table = InstanceBatch.empty("uint16" if vocab_size < 65536 else "uint32").to_arrow(vocab_size)
+    pq.write_table(table, buf, row_group_size=cfg.row_group_size,
+                   **parquet_writer_options(table.schema, cfg.compression, cfg.parquet_encoding))
     data = buf.getvalue()
     OutputDir.write_bytes(path, data)
     return {"path": path.rsplit("/", 1)[-1], "rows": 0, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),

@@ -626,12 +626,27 @@ class _WritePartDoFn(beam.DoFn):
                        "masked_tokens": batch.num_masked(), "random_next": int((batch.nsp == 1).sum())})
 
 
+def parquet_writer_options(schema, compression: str, encoding: str = "dictionary") -> dict:
+    """``pq.ParquetWriter`` options for a shard (DataConfig.parquet_encoding explains the choice).
+    "byte_stream_split" names every leaf column (``input_ids.list.element`` for a list)."""
+    options = dict(compression=compression, write_statistics=False)
+    if encoding == "byte_stream_split":
+        import pyarrow as pa
+
+        leaves = [f"{f.name}.list.element" if pa.types.is_list(f.type) else f.name for f in schema]
+        options.update(use_dictionary=False, column_encoding={leaf: "BYTE_STREAM_SPLIT" for leaf in leaves})
+    elif encoding != "dictionary":
+        raise ValueError(f"parquet encoding {encoding!r} is not one of ['dictionary', 'byte_stream_split']")
+    return options
+
+
 class _AssembleShardDoFn(beam.DoFn):
     """((split, shard), parts) -> the shard's Parquet file, parts streamed in bucket order, plus a sidecar."""
 
-    def __init__(self, staging: str, num_shards: dict[str, int], row_group_size: int, compression: str):
+    def __init__(self, staging: str, num_shards: dict[str, int], row_group_size: int, compression: str,
+                 encoding: str = "dictionary"):
         self.staging, self.num_shards = staging, num_shards
-        self.row_group_size, self.compression = row_group_size, compression
+        self.row_group_size, self.compression, self.encoding = row_group_size, compression, encoding
 
     def process(self, kv):
         import pyarrow as pa
@@ -647,7 +662,8 @@ class _AssembleShardDoFn(beam.DoFn):
             with FileSystems.open(part["path"]) as f:
                 table = pa.ipc.open_stream(f).read_all()
             if writer is None:
-                writer = pq.ParquetWriter(out, table.schema, compression=self.compression, write_statistics=False)
+                writer = pq.ParquetWriter(out, table.schema, **parquet_writer_options(table.schema, self.compression,
+                                                                                      self.encoding))
             writer.write_table(table, row_group_size=self.row_group_size)
         writer.close()
         out.close()
@@ -678,13 +694,16 @@ class WriteShards(beam.PTransform):
     """(split, InstanceBatch) pairs -> exactly balanced Parquet shards per split in ``staging``,
     rows sorted by key (see :mod:`data_pipeline.sharding`); each shard also gets a ``.json``
     sidecar with size, sha256 and counts. Workers hold one bucket (about ``rows_per_bucket``
-    rows) at a time, never a shard. All splits share the transforms, keyed by split."""
+    rows) at a time, never a shard. All splits share the transforms, keyed by split.
+    ``encoding``: DataConfig.parquet_encoding."""
 
     def __init__(self, staging: str, splits: dict[str, SplitShards], vocab_size: int, row_group_size: int,
-                 compression: str, *, rows_per_bucket: int = 16384, spill_rows: int = 32768):
+                 compression: str, *, rows_per_bucket: int = 16384, spill_rows: int = 32768,
+                 encoding: str = "dictionary"):
         super().__init__()
         self.staging, self.splits = staging, dict(splits)
         self.vocab_size, self.row_group_size, self.compression = vocab_size, row_group_size, compression
+        self.encoding = encoding
         # the bucket count comes from an estimate made before the run, so bucketing needs no
         # extra pass over the rows; the manifest records the real bucket sizes
         self.bits = {s: sharding.bucket_bits(v.expected_rows, rows_per_bucket) for s, v in self.splits.items()}
@@ -714,5 +733,5 @@ class WriteShards(beam.PTransform):
             | "WritePart" >> beam.ParDo(_WritePartDoFn(f"{self.staging}/parts", self.vocab_size))
             | "GroupShard" >> beam.GroupByKey()
             | "Assemble" >> beam.ParDo(_AssembleShardDoFn(self.staging, num_shards, self.row_group_size,
-                                                          self.compression))
+                                                          self.compression, self.encoding))
         )
