@@ -75,7 +75,6 @@ class _PackedPool:
     def __init__(self, pool: list | None):
         self.source = pool
         self.doc_number: dict = {}
-        self.dtype = None
         if not pool:  # the reference's `not pool`: no negatives at all
             self.native = None
             return
@@ -84,7 +83,6 @@ class _PackedPool:
         if len(dtypes) != 1:
             raise ValueError(f"NSP pool: window ids of several dtypes {sorted(map(str, dtypes))}; "
                              "the native builder needs one (one vocab)")
-        self.dtype = wids[0].dtype
         n = len(pool)
         id_offsets = np.zeros(n + 1, np.int64)
         np.cumsum(np.fromiter((a.shape[0] for a in wids), np.int64, n), out=id_offsets[1:])

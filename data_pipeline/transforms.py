@@ -18,6 +18,7 @@ import numpy as np
 from apache_beam.metrics import Metrics
 
 from data_pipeline import beam_tuning, sharding, sources, text as textlib
+from data_pipeline.config import PARQUET_ENCODINGS
 from data_pipeline.instance_batch import InstanceBatch, list_column
 from data_pipeline.instances import HeldOutSplit, InstanceParams, InstanceStats, create_instances, pool_windows
 
@@ -349,8 +350,7 @@ class Tokenize(beam.PTransform):
 class _CreateInstancesDoFn(beam.DoFn):
     """All dupes of one document -> (split, InstanceBatch). ``builder`` is the config's
     ``instance_builder``: the native builder (data_pipeline.native_instances, bitwise the same
-    output) when it is built and supports the config, else the Python reference (see
-    ``choose_builder``). ``pools`` is {split: NSP pool}; a document draws negatives from its
+    output) when it is built, else the Python reference (see ``choose_builder``). ``pools`` is {split: NSP pool}; a document draws negatives from its
     own split only."""
 
     def __init__(self, params: InstanceParams, seed: int, dupe_factor: int, vocab_path: str,
@@ -635,8 +635,8 @@ def parquet_writer_options(schema, compression: str, encoding: str = "dictionary
 
         leaves = [f"{f.name}.list.element" if pa.types.is_list(f.type) else f.name for f in schema]
         options.update(use_dictionary=False, column_encoding={leaf: "BYTE_STREAM_SPLIT" for leaf in leaves})
-    elif encoding != "dictionary":
-        raise ValueError(f"parquet encoding {encoding!r} is not one of ['dictionary', 'byte_stream_split']")
+    elif encoding not in PARQUET_ENCODINGS:
+        raise ValueError(f"parquet encoding {encoding!r} is not one of {list(PARQUET_ENCODINGS)}")
     return options
 
 

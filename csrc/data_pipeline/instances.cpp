@@ -696,12 +696,13 @@ class DocumentBuilder {
       const int64_t sep_a = static_cast<int64_t>(out_.num_a[row0 + r]) - 1;
       const int64_t end = segs_b_[r].size > 0 ? length - 1 : length;  // [SEP] at length - 1 with B
       T* row = flat + start;
-      const int64_t budget = std::min<int64_t>(
-          p_.max_predictions_per_seq,
-          std::max<int64_t>(1, static_cast<int64_t>(std::nearbyint(static_cast<double>(length) * p_.masked_lm_prob))));
       cand.clear();
       for (int64_t c = 1; c < end; c++)
         if (c != sep_a) cand.push_back(c);
+      // mask_sequence does not cap the budget by the candidates; capping changes nothing, since
+      // the greedy choice can never take more than all of them
+      const int64_t budget =
+          mask_budget(length, p_.masked_lm_prob, p_.max_predictions_per_seq, static_cast<int64_t>(cand.size()));
       positions.clear();
       if (!cand.empty()) {  // the reference returns before drawing anything otherwise
         starts.clear();
