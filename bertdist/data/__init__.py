@@ -12,17 +12,17 @@ Record columns (one row per training instance, no padding stored):
   - ``next_sentence_label``: int8, 0 = B follows A (SOP: in order), 1 = random B (SOP: swapped),
     -1 = no second objective.
   - ``masked_lm_positions``: list<uint16>, ``masked_lm_ids``: list<uint16|uint32> (original ids);
-    empty lists when ``records.masking == "dynamic"`` (mask in the loader with
-    :func:`bertdist.data.masking.mask_sequence` / :func:`mask_batch`).
+    empty lists when ``records.masking == "dynamic"`` (the trainer's loader masks then).
 
-Additions to the contract in common.md (nothing removed):
-  - The manifest holds two splits, ``train`` and ``heldout`` (a document-hash held-out split);
-    ``open_records(..., split="train")`` picks one (default ``train``).
-  - ``records.record_format`` (= ``manifest["records"]``) gives max_seq_length, masking,
-    objective, whole_word_mask, masked_lm_prob, max_predictions_per_seq, id_dtype in one place;
-    ``records.special_token_ids`` and ``records.vocab`` (path, sha256, size) likewise.
-  - :mod:`bertdist.data.masking` holds the one masking implementation, used by the pipeline for
-    static masking and by the trainer's loader for dynamic masking (same semantics).
+The manifest holds two splits, ``train`` and ``heldout`` (a document-hash held-out split);
+``open_records(..., split="train")`` picks one (default ``train``). ``records.record_format``
+(= ``manifest["records"]``) gives max_seq_length, masking, objective, whole_word_mask,
+masked_lm_prob, max_predictions_per_seq and id_dtype in one place; ``records.special_token_ids``
+and ``records.vocab`` (path, sha256, size) likewise.
+
+:mod:`bertdist.data.masking` is the masking oracle: the rules, one readable sequence at a time.
+The pipeline's static masking and the loader's dynamic masking are vectorised versions of it,
+tested against it draw for draw.
 """
 from bertdist.data.manifest import MANIFEST_NAME, RecordsError, file_sha256, load_manifest, write_manifest_atomic
 from bertdist.data.records import RECORD_COLUMNS, Records, open_records, record_schema

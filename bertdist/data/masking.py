@@ -1,16 +1,69 @@
-"""MLM masking with google-research/bert semantics, on numpy id arrays.
+"""MLM masking with google-research/bert semantics: the oracle, one readable sequence at a time.
 
-One implementation for both uses: the pipeline calls it for static masking, the trainer's
-loader for dynamic masking. Per sequence: ``num_to_predict = min(max_predictions,
-max(1, round(len * masked_lm_prob)))`` (len counts [CLS]/[SEP]); candidates are all non-special
-positions (whole words under whole-word masking: a word is a start piece plus its following
-'##' pieces, never crossing a special token); candidates are taken in random order, a word that
-would overshoot the budget is skipped; each chosen position becomes [MASK] 80%, itself 10%,
-a uniformly random vocab id 10%.
+Two vectorised implementations follow these rules for speed, and their tests replay their random
+draws through the functions here and demand the same positions and ids (tests/data/test_masking.py):
+the pipeline's static masking (``data_pipeline/instances.py``, and its C++ twin) and the trainer
+loader's dynamic masking (``bertdist/train/masking.py``). The pipeline's whole-word masking calls
+:func:`mask_sequence` itself.
+
+The rules, per sequence:
+- the budget is ``min(max_predictions, max(1, round(len * masked_lm_prob)))``, ``len`` counting
+  [CLS]/[SEP];
+- candidates are the non-special positions, grouped into words: a word is a start piece plus its
+  following '##' pieces (under whole-word masking; otherwise every token is a word), and never
+  crosses a special token;
+- words are visited in a random order and taken while they fit: one that would overshoot the
+  budget is skipped, and the visit stops once the budget is reached;
+- each chosen position becomes [MASK] with probability 0.8, a uniformly random vocab id with 0.1,
+  and stays itself with 0.1.
 """
 from __future__ import annotations
 
 import numpy as np
+
+
+def masking_budget(length: int, masked_lm_prob: float, max_predictions: int) -> int:
+    """How many positions a sequence of ``length`` tokens (specials included) should predict."""
+    return min(max_predictions, max(1, int(round(length * masked_lm_prob))))
+
+
+def candidate_words(special: np.ndarray, continuation: np.ndarray | None = None) -> list[np.ndarray]:
+    """The maskable words of a sequence, in order, as arrays of positions.
+
+    ``special``: bool per position, True where nothing may be masked ([CLS], [SEP], padding).
+    ``continuation``: bool per position, True at '##' pieces; None = every token is a word."""
+    cand = np.flatnonzero(~special)
+    if continuation is None:
+        return [cand[i:i + 1] for i in range(cand.size)]
+    # a word starts at a candidate that is not a continuation piece or does not follow a candidate
+    follows = np.concatenate(([False], np.diff(cand) == 1))
+    starts = np.flatnonzero(~(continuation[cand] & follows))
+    return np.split(cand, starts[1:]) if cand.size else []
+
+
+def choose_masked_positions(words: list[np.ndarray], word_order, budget: int) -> np.ndarray:
+    """Visit ``words`` in ``word_order``; take each that fits in what is left of ``budget``.
+    Returns the chosen positions, sorted."""
+    chosen, total = [], 0
+    for w in word_order:
+        if total >= budget:
+            break
+        if total + words[w].size > budget:
+            continue  # would overshoot: skipped, a shorter word may still fit
+        chosen.append(words[w])
+        total += words[w].size
+    return np.sort(np.concatenate(chosen)) if chosen else np.empty(0, np.int64)
+
+
+def replace_masked(ids: np.ndarray, positions: np.ndarray, u: np.ndarray, random_ids: np.ndarray,
+                   mask_id: int) -> np.ndarray:
+    """80/10/10: position ``positions[i]`` becomes ``mask_id`` if ``u[i] < 0.8``, ``random_ids[i]``
+    if ``u[i] >= 0.9``, and keeps its id otherwise. Returns a copy of ``ids``."""
+    out = ids.copy()
+    out[positions[u < 0.8]] = mask_id
+    rnd = u >= 0.9
+    out[positions[rnd]] = np.asarray(random_ids)[rnd].astype(ids.dtype)
+    return out
 
 
 def mask_sequence(
@@ -26,79 +79,13 @@ def mask_sequence(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Mask one sequence. Returns (masked ids, sorted positions, original ids at positions).
 
-    ``special``: bool array, True at positions never masked ([CLS], [SEP], padding).
-    ``continuation``: bool array over positions (True = '##' piece) to mask whole words;
-    None = token-level masking.
-    """
-    n = ids.shape[0]
-    budget = min(max_predictions, max(1, int(round(n * masked_lm_prob))))
-    cand = np.flatnonzero(~special)
-    if cand.size == 0:
+    Draws, in this order: a permutation of the words, then one uniform and one vocab id per chosen
+    position (the pipeline's native builder replays exactly this sequence)."""
+    words = candidate_words(special, continuation)
+    if not words:
         return ids.copy(), np.empty(0, np.int64), np.empty(0, ids.dtype)
-    if continuation is None:
-        k = min(budget, cand.size)
-        positions = np.sort(rng.choice(cand, size=k, replace=False))
-    else:
-        # word starts: a candidate that is not a continuation piece, or whose predecessor is special
-        cont = continuation[cand] & np.concatenate(([False], np.diff(cand) == 1))
-        starts = np.flatnonzero(~cont)
-        lengths = np.diff(np.append(starts, cand.size))
-        order = rng.permutation(starts.size)
-        chosen = []
-        total = 0
-        for w in order:
-            if total >= budget:
-                break
-            ln = lengths[w]
-            if total + ln > budget:
-                continue
-            chosen.append(w)
-            total += ln
-        if chosen:
-            idx = np.concatenate([np.arange(starts[w], starts[w] + lengths[w]) for w in chosen])
-            positions = np.sort(cand[idx])
-        else:
-            positions = np.empty(0, np.int64)
-    labels = ids[positions]
-    out = ids.copy()
+    budget = masking_budget(ids.shape[0], masked_lm_prob, max_predictions)
+    positions = choose_masked_positions(words, rng.permutation(len(words)), budget)
     u = rng.random(positions.size)
-    rand_ids = rng.integers(0, vocab_size, size=positions.size)
-    out[positions[u < 0.8]] = mask_id
-    rnd = u >= 0.9
-    out[positions[rnd]] = rand_ids[rnd].astype(ids.dtype)
-    return out, positions, labels
-
-
-def mask_batch(
-    input_ids: np.ndarray,
-    lengths: np.ndarray,
-    rng: np.random.Generator,
-    *,
-    special_ids: tuple[int, ...] | np.ndarray,
-    masked_lm_prob: float,
-    max_predictions: int,
-    mask_id: int,
-    vocab_size: int,
-    continuation_vocab: np.ndarray | None = None,
-    ignore_index: int = -100,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Dynamic masking of a padded batch ``[B, S]`` for the loader.
-
-    Returns (masked ids ``[B, S]``, labels ``[B, S]`` with ``ignore_index`` where not predicted).
-    ``continuation_vocab`` (from :func:`bertdist.data.continuation_mask`) enables whole-word masking.
-    """
-    out = input_ids.copy()
-    labels = np.full(input_ids.shape, ignore_index, dtype=np.int64)
-    special_ids = np.asarray(special_ids)
-    for b in range(input_ids.shape[0]):
-        n = int(lengths[b])
-        row = input_ids[b, :n]
-        special = np.isin(row, special_ids)
-        cont = continuation_vocab[row] if continuation_vocab is not None else None
-        masked, pos, lab = mask_sequence(
-            row, rng, special=special, masked_lm_prob=masked_lm_prob, max_predictions=max_predictions,
-            mask_id=mask_id, vocab_size=vocab_size, continuation=cont,
-        )
-        out[b, :n] = masked
-        labels[b, pos] = lab
-    return out, labels
+    random_ids = rng.integers(0, vocab_size, size=positions.size)
+    return replace_masked(ids, positions, u, random_ids, mask_id), positions, ids[positions]

@@ -9,8 +9,10 @@ of the ``n`` maskable tokens (everything but [CLS], [SEP] and padding); of the
 chosen, 80% become [MASK], 10% a random token, 10% stay. With whole-word
 masking, a word (a piece plus its following "##" pieces) is chosen or skipped
 as a unit: words are visited in a random order and taken while they fit in ``k``.
-Same semantics as the pipeline's static masking (``bertdist.data.masking``),
-which is a per-sequence loop; this one is batched for the loader's speed.
+These are the rules of the oracle ``bertdist.data.masking``, which masks one
+sequence at a time; this version works on whole batches for the loader's speed,
+and tests/data/test_masking.py replays its random draws through the oracle and
+requires identical labels and ids.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import dataclasses
 
 import numpy as np
 
-IGNORE_INDEX = -100
+from bertdist.model.config import IGNORE_INDEX
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,11 +56,11 @@ def dynamic_mask(
     max_predictions: int,
     continuation: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Mask ``input_ids`` [B, S] in place; returns (input_ids, labels) with labels = -100 where not predicted.
+    """Mask ``input_ids`` [B, S] in place; returns (input_ids, labels) with labels = IGNORE_INDEX where not predicted.
 
-    Same semantics as ``bertdist.data.masking.mask_sequence`` (the pipeline's static masking):
-    budget ``min(max_predictions, max(1, round(len * p)))`` with ``len`` counting [CLS]/[SEP];
-    whole words are visited in random order and one that would overshoot the budget is skipped.
+    The oracle's rules (``bertdist.data.masking``): budget ``min(max_predictions, max(1, round(len * p)))``
+    with ``len`` counting [CLS]/[SEP]; words are visited in the order of their ``noise`` draw and one
+    that would overshoot the budget is skipped.
     """
     b, s = input_ids.shape
     cols = np.arange(s)

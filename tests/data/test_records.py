@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import shutil
 
-import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
@@ -83,16 +82,3 @@ def test_readable_without_our_code(sample_records):
     assert t.num_rows == man["splits"]["train"]["shards"][0]["rows"]
     assert isinstance(t.column("input_ids").to_pylist()[0][0], int)
 
-
-def test_dynamic_masking_helper_matches_static_semantics():
-    from bertdist.data.masking import mask_batch
-
-    rng = np.random.default_rng(0)
-    ids = rng.integers(1000, 2000, size=(64, 128)).astype(np.int64)
-    ids[:, 0], ids[:, 127] = 101, 102
-    out, labels = mask_batch(ids, np.full(64, 128), rng, special_ids=(0, 101, 102), masked_lm_prob=0.15,
-                             max_predictions=20, mask_id=103, vocab_size=30522)
-    n = (labels != -100).sum(axis=1)
-    assert (n == 19).all()  # round(128 * 0.15) = 19 <= 20
-    assert (labels[:, [0, 127]] == -100).all()
-    assert (labels[labels != -100] == ids[labels != -100]).all()
