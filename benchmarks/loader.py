@@ -33,12 +33,12 @@ def build(seq: int, out: Path, vocab: Path) -> Path:
 
 def measure(manifest: Path, vocab: Path, seq: int, micro: int, steps: int, whole_word: bool) -> dict:
     from bertdist.data import continuation_mask
-    from bertdist.train.config import DataConfig
+    from bertdist.train.config import LoaderConfig
     from bertdist.train.loader import LoaderState, PretrainingLoader, open_training_records
 
     src = open_training_records(manifest, vocab, seq)
     micro = min(micro, src.num_rows)
-    cfg = DataConfig(max_seq_length=seq, micro_batch_size=micro, global_batch_size=micro,
+    cfg = LoaderConfig(max_seq_length=seq, micro_batch_size=micro, global_batch_size=micro,
                      whole_word_mask=whole_word, prefetch_steps=0, shuffle_window_shards=4)
     loader = PretrainingLoader(src, cfg, rank=0, world_size=1, grad_accum=1, continuation=continuation_mask(vocab))
     it = loader.steps(LoaderState())

@@ -347,7 +347,7 @@ def loss_curve(manifest: str, cfg, steps: int, batch: int, device: torch.device,
                dropout: float, lr: float) -> dict:
     """Per-step losses of ours-optimized vs ours-reference on the same real batches, same init."""
     from bertdist.data import continuation_mask, open_records
-    from bertdist.train.config import DataConfig
+    from bertdist.train.config import LoaderConfig
     from bertdist.train.loader import LoaderState, PretrainingLoader
 
     recs = open_records(manifest)
@@ -355,7 +355,7 @@ def loss_curve(manifest: str, cfg, steps: int, batch: int, device: torch.device,
     msl = recs.max_seq_length
     wwm = bool(recs.record_format.get("whole_word_mask", False)) and recs.masking == "dynamic"
     cont = continuation_mask(vocab["path"]) if wwm else None
-    dcfg = DataConfig(train_manifest=str(manifest), max_seq_length=msl, micro_batch_size=batch,
+    dcfg = LoaderConfig(train_manifest=str(manifest), max_seq_length=msl, micro_batch_size=batch,
                       global_batch_size=batch, prefetch_steps=0)
     loader = PretrainingLoader(recs, dcfg, rank=0, world_size=1, grad_accum=1, continuation=cont)
     ccfg = dataclasses.replace(cfg, vocab_size=int(vocab["size"]), hidden_dropout_prob=dropout,

@@ -13,42 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from bertdist.config import ConfigError
+from bertdist.train.config import load_train_config
 from cluster.errors import SubmitError
 
 # Input paths of a TrainConfig (bertdist/train/config.py) that must exist before a job is queued.
 DATA_KEYS = ("data.train_manifest", "data.vocab_file")
-
-
-def _get(data: dict, dotted: str) -> Any:
-    node: Any = data
-    for key in dotted.split("."):
-        if not isinstance(node, dict) or key not in node:
-            return None
-        node = node[key]
-    return node
-
-
-def _apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
-    """Dotted overrides applied to the raw YAML, so paths changed on the command line are the ones checked.
-    (The trainer validates overrides against its schema; here they only redirect lookups.)"""
-    from bertdist.config.schema import _parse_scalar  # same scalar rules as the trainer
-
-    import copy
-
-    data = copy.deepcopy(data)
-    for item in overrides:
-        if "=" not in item:
-            raise SubmitError(f"override {item!r} is not of the form key.path=value")
-        path, raw = item.split("=", 1)
-        keys = path.strip().split(".")
-        node = data
-        for k in keys[:-1]:
-            nxt = node.get(k)
-            if not isinstance(nxt, dict):
-                nxt = node[k] = {}
-            node = nxt
-        node[keys[-1]] = _parse_scalar(raw)
-    return data
 
 
 @dataclass(frozen=True)
@@ -94,35 +64,6 @@ class TrainingJob:
             )
 
 
-def _facts_from_train_config(cfg_path: Path, overrides: Sequence[str]) -> dict[str, Any]:
-    """The trainer's own schema (bertdist.train.config): overrides are validated here, before queueing."""
-    from bertdist.train.config import load_train_config
-
-    tc = load_train_config(cfg_path, overrides)
-    data_paths = [v for k in DATA_KEYS if (v := getattr(tc.data, k.split(".", 1)[1], None))]
-    return {
-        "run_dir": tc.run_dir,
-        "data_paths": data_paths,
-        "global_batch": tc.data.global_batch_size,
-        "micro_batch": tc.data.micro_batch_size,
-        "checkpoint_every": tc.checkpoint.every_steps,
-    }
-
-
-def _facts_from_yaml(cfg_path: Path, overrides: Sequence[str]) -> dict[str, Any]:
-    """Fallback when the trainer's schema module is not installed: the same keys, read from the YAML."""
-    from bertdist.config import load_yaml
-
-    data = _apply_overrides(load_yaml(cfg_path), overrides)
-    return {
-        "run_dir": _get(data, "run_dir") or "runs/pretrain",
-        "data_paths": [v for k in DATA_KEYS if (v := _get(data, k))],
-        "global_batch": _get(data, "data.global_batch_size") or 256,
-        "micro_batch": _get(data, "data.micro_batch_size") or 32,
-        "checkpoint_every": _get(data, "checkpoint.every_steps"),
-    }
-
-
 def read_training_job(
     config_path: str | Path,
     overrides: Sequence[str] = (),
@@ -130,17 +71,14 @@ def read_training_job(
     check_data: bool = True,
     name: str | None = None,
 ) -> TrainingJob:
-    from bertdist.config import ConfigError
-
+    """The job's view of a training config, read through the trainer's own (torch-free) schema, so
+    overrides are validated here, before queueing, exactly as the job will validate them."""
     cfg = Path(config_path).expanduser()
     if not cfg.is_file():
         raise SubmitError(f"training config not found: {cfg}")
     cfg = cfg.resolve()
     try:
-        try:
-            facts = _facts_from_train_config(cfg, overrides)
-        except ImportError:
-            facts = _facts_from_yaml(cfg, overrides)
+        tc = load_train_config(cfg, overrides)
     except ConfigError as e:
         raise SubmitError(f"{cfg}: {e}") from None
 
@@ -150,7 +88,7 @@ def read_training_job(
         # starts in the submit directory (sbatch --chdir), so resolve against the cwd.
         return (p if p.is_absolute() else (Path.cwd() / p)).resolve()
 
-    data_paths = tuple(_path(p) for p in facts["data_paths"])
+    data_paths = tuple(_path(v) for k in DATA_KEYS if (v := getattr(tc.data, k.split(".", 1)[1])))
     if check_data:
         for p in data_paths:
             if not p.exists():
@@ -158,10 +96,10 @@ def read_training_job(
     return TrainingJob(
         config_path=cfg,
         overrides=tuple(overrides),
-        run_dir=_path(facts["run_dir"]),
+        run_dir=_path(tc.run_dir),
         data_paths=data_paths,
         name=name or f"bertdist-{cfg.stem}",
-        global_batch=int(facts["global_batch"]) if facts["global_batch"] else None,
-        micro_batch=int(facts["micro_batch"]) if facts["micro_batch"] else None,
-        checkpoint_every=int(facts["checkpoint_every"]) if facts.get("checkpoint_every") else None,
+        global_batch=tc.data.global_batch_size,
+        micro_batch=tc.data.micro_batch_size,
+        checkpoint_every=tc.checkpoint.every_steps or None,
     )

@@ -1,15 +1,21 @@
-"""The BERT model (bert.py), its config and presets (config.py), FLOP accounting (flops.py)."""
-from bertdist.model.bert import (
-    IGNORE_INDEX,
-    BertForPreTraining,
-    BertModel,
-    PreTrainingOutput,
-    count_parameters,
-    mlm_loss,
-    nsp_loss,
-)
-from bertdist.model.config import BERT_VOCAB_SIZE, PRESETS, BertConfig
+"""The BERT model (bert.py), its config and presets (config.py), FLOP accounting (flops.py).
+
+The config and the FLOP accounting import no torch, so schemas and tooling can use them without
+it; the model classes load torch when first asked for.
+"""
+from bertdist.model.config import BERT_VOCAB_SIZE, IGNORE_INDEX, PRESETS, BertConfig
 from bertdist.model.flops import forward_flops_per_sequence, mfu, train_flops_per_sequence
+
+_MODEL_NAMES = ("BertForPreTraining", "BertModel", "PreTrainingOutput", "count_parameters", "mlm_loss", "nsp_loss")
+
+
+def __getattr__(name: str):
+    if name in _MODEL_NAMES:
+        from bertdist.model import bert
+
+        return getattr(bert, name)
+    raise AttributeError(f"module 'bertdist.model' has no attribute {name!r}")
+
 
 __all__ = [
     "BERT_VOCAB_SIZE",

@@ -20,6 +20,9 @@ PRESETS: dict[str, dict[str, int]] = {
     "large": dict(num_hidden_layers=24, hidden_size=1024, num_attention_heads=16, intermediate_size=4096),
 }
 BERT_VOCAB_SIZE = 30522
+# The label of positions that get no loss (MLM: tokens not masked; NER: continuation pieces):
+# torch's cross_entropy ignore_index default, and Hugging Face's.
+IGNORE_INDEX = -100
 
 
 @dataclasses.dataclass

@@ -1,7 +1,7 @@
 """TrainConfig: the schema of `bertdist pretrain` recipes (configs/pretrain/*.yaml).
 
 Each component gets only its own section: the model its ``BertConfig``, the
-loader ``DataConfig``, the optimizer ``OptimizerConfig`` and so on. The model
+loader ``LoaderConfig``, the optimizer ``OptimizerConfig`` and so on. The model
 section is filled from its ``preset`` first, explicit keys win; its
 ``vocab_size`` always comes from the vocab file (``data.vocab_file``).
 """
@@ -12,11 +12,11 @@ import os
 from typing import Literal, Optional, Sequence
 
 from bertdist.config import ConfigError, apply_overrides, from_dict, load_yaml
-from bertdist.model import PRESETS, BertConfig
+from bertdist.model.config import PRESETS, BertConfig
 
 
 @dataclasses.dataclass
-class DataConfig:
+class LoaderConfig:
     train_manifest: str = ""  # manifest.json of the pipeline's training shards
     eval_split: Optional[str] = "heldout"  # split of the same manifest used for evaluation; None: no eval
     vocab_file: str = ""  # must be the vocab the shards were built with (sha256 checked)
@@ -85,7 +85,7 @@ class ScheduleConfig:
 
 
 @dataclasses.dataclass
-class DeepSpeedSection:
+class DeepSpeedConfig:
     zero_stage: int = 1
     precision: Literal["fp32", "bf16", "fp16"] = "bf16"
     gradient_clipping: float = 1.0  # 0 disables
@@ -143,10 +143,10 @@ class TrainConfig:
     max_steps: Optional[int] = None  # stop early (the schedule still spans schedule.total_steps)
     max_consecutive_nonfinite: int = 20
     model: BertConfig = dataclasses.field(default_factory=BertConfig)
-    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    data: LoaderConfig = dataclasses.field(default_factory=LoaderConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
-    deepspeed: DeepSpeedSection = dataclasses.field(default_factory=DeepSpeedSection)
+    deepspeed: DeepSpeedConfig = dataclasses.field(default_factory=DeepSpeedConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
@@ -195,7 +195,7 @@ def load_train_config(path: str | os.PathLike | None, overrides: Sequence[str] =
     return train_config_from_dict(data)
 
 
-def check_batch_sizes(data: DataConfig, world_size: int) -> int:
+def check_batch_sizes(data: LoaderConfig, world_size: int) -> int:
     """Gradient-accumulation steps from global = micro x accum x world, or a ConfigError with the numbers."""
     per_step = data.micro_batch_size * world_size
     if data.global_batch_size % per_step:

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from bertdist.config import ConfigError
-from bertdist.train.config import DataConfig
-from bertdist.train.masking import IGNORE_INDEX, SpecialIds, dynamic_mask, pad_rows, special_ids_from_manifest, static_labels
+from bertdist.train.config import LoaderConfig
+from bertdist.train.masking import SpecialIds, dynamic_mask, pad_rows, special_ids_from_manifest, static_labels
 
 
 class RecordSource(Protocol):
@@ -102,7 +102,7 @@ class _Window:
 class PretrainingLoader:
     """Yields, per optimizer step, this rank's ``accum`` micro-batches (dicts of int64 tensors)."""
 
-    def __init__(self, source: RecordSource, cfg: DataConfig, *, rank: int, world_size: int, grad_accum: int,
+    def __init__(self, source: RecordSource, cfg: LoaderConfig, *, rank: int, world_size: int, grad_accum: int,
                  continuation: np.ndarray | None = None, mask_seed: int | None = None):
         """``continuation``: bool[V] "##" table (``bertdist.data.continuation_mask``), for whole-word masking."""
         self.source, self.cfg, self.rank, self.world = source, cfg, rank, world_size
@@ -278,7 +278,7 @@ def _prefetch(gen, depth: int):
             t.join(timeout=0.05)
 
 
-def eval_batches(source: RecordSource, cfg: DataConfig, continuation: np.ndarray | None, *, rank: int, world_size: int,
+def eval_batches(source: RecordSource, cfg: LoaderConfig, continuation: np.ndarray | None, *, rank: int, world_size: int,
                  micro_batch_size: int, max_sequences: int, seed: int) -> list[dict[str, torch.Tensor]]:
     """This rank's share of the held-out set (file order), masked with fixed seeded masks.
 
@@ -306,5 +306,5 @@ def eval_batches(source: RecordSource, cfg: DataConfig, continuation: np.ndarray
     return out
 
 
-__all__ = ["IGNORE_INDEX", "LoaderState", "PretrainingLoader", "RecordSource", "SpecialIds", "eval_batches",
+__all__ = ["LoaderState", "PretrainingLoader", "RecordSource", "SpecialIds", "eval_batches",
            "open_training_records"]

@@ -10,22 +10,23 @@ import torch
 
 from bertdist.config import ConfigError
 from bertdist.data import RecordsError, continuation_mask, load_vocab
-from bertdist.train.config import DataConfig
+from bertdist.model import IGNORE_INDEX
+from bertdist.train.config import LoaderConfig
 from bertdist.train.loader import LoaderState, PretrainingLoader, eval_batches, open_training_records
-from bertdist.train.masking import IGNORE_INDEX, SpecialIds, dynamic_mask
+from bertdist.train.masking import SpecialIds, dynamic_mask
 
 
 def make(records, vocab, world=1, rank=0, accum=2, **kw):
-    cfg = DataConfig(train_manifest=str(records), vocab_file=str(vocab), max_seq_length=64, micro_batch_size=16,
+    cfg = LoaderConfig(train_manifest=str(records), vocab_file=str(vocab), max_seq_length=64, micro_batch_size=16,
                      global_batch_size=16 * accum * world, shuffle_window_shards=2, **kw)
     src = open_training_records(cfg.train_manifest, cfg.vocab_file, 64)
     return PretrainingLoader(src, cfg, rank=rank, world_size=world, grad_accum=accum,
                              continuation=continuation_mask(vocab))
 
 
-def test_ranks_get_disjoint_equal_shares_independent_of_world_size(train_records, train_vocab):
-    one = make(train_records, train_vocab, world=1, accum=2)
-    ranks = [make(train_records, train_vocab, world=2, rank=r, accum=1) for r in range(2)]
+def test_ranks_get_disjoint_equal_shares_independent_of_world_size(train_records, small_vocab):
+    one = make(train_records, small_vocab, world=1, accum=2)
+    ranks = [make(train_records, small_vocab, world=2, rank=r, accum=1) for r in range(2)]
     assert one.steps_per_epoch == ranks[0].steps_per_epoch == ranks[1].steps_per_epoch > 10
     state = LoaderState()
     for _ in range(3):
@@ -44,8 +45,8 @@ def test_ranks_get_disjoint_equal_shares_independent_of_world_size(train_records
     assert one.num_rows - len(seen) == one.dropped_per_epoch < one.global_batch
 
 
-def test_resume_from_state_neither_replays_nor_skips(train_records, train_vocab):
-    loader = make(train_records, train_vocab)
+def test_resume_from_state_neither_replays_nor_skips(train_records, small_vocab):
+    loader = make(train_records, small_vocab)
     it = loader.steps(LoaderState())
     seq = [next(it) for _ in range(6)]
     resumed = loader.steps(seq[2][1])  # the state saved after step 3
@@ -61,8 +62,8 @@ def test_resume_from_state_neither_replays_nor_skips(train_records, train_vocab)
                            loader.micro_batches(LoaderState(0, 0))[0]["input_ids"])
 
 
-def test_dynamic_masking_follows_bert(train_records, train_vocab):
-    loader = make(train_records, train_vocab, whole_word_mask=False)
+def test_dynamic_masking_follows_bert(train_records, small_vocab):
+    loader = make(train_records, small_vocab, whole_word_mask=False)
     sp = loader.special
     n_masked = n_rand = n_keep = 0
     for b in loader.micro_batches(LoaderState()) + loader.micro_batches(LoaderState(0, 32)):
@@ -101,11 +102,11 @@ def test_whole_word_masking_never_splits_a_word():
             assert 1 <= chosen[r].sum() <= round(len(row) * 0.3)
 
 
-def test_static_masks_are_taken_from_the_records(tmp_path, train_vocab, train_records):
+def test_static_masks_are_taken_from_the_records(tmp_path, small_vocab, train_records):
     from tests.train.conftest import build
 
-    manifest = build(tmp_path / "static", train_vocab, masking="static", num_shards=2, dupe_factor=1)
-    loader = make(manifest, train_vocab)
+    manifest = build(tmp_path / "static", small_vocab, masking="static", num_shards=2, dupe_factor=1)
+    loader = make(manifest, small_vocab)
     assert not loader.dynamic
     b = loader.micro_batches(LoaderState())[0]
     parts = loader._rows(0, 0, 16)
@@ -119,21 +120,21 @@ def test_static_masks_are_taken_from_the_records(tmp_path, train_vocab, train_re
         got = {p: int(b["labels"][row, p]) for p in torch.nonzero(b["labels"][row] != IGNORE_INDEX).flatten().tolist()}
         assert got == exp
     with pytest.raises(ConfigError, match="unmasked"):
-        make(train_records, train_vocab, masking="static")
+        make(train_records, small_vocab, masking="static")
 
 
-def test_manifest_and_shard_errors(tmp_path, train_records, train_vocab):
-    cfg = DataConfig(max_seq_length=128, micro_batch_size=16, global_batch_size=32)
-    src = open_training_records(train_records, train_vocab, 64)
+def test_manifest_and_shard_errors(tmp_path, train_records, small_vocab):
+    cfg = LoaderConfig(max_seq_length=128, micro_batch_size=16, global_batch_size=32)
+    src = open_training_records(train_records, small_vocab, 64)
     with pytest.raises(ConfigError, match="max_seq_length 64"):
         PretrainingLoader(src, cfg, rank=0, world_size=1, grad_accum=2)
     with pytest.raises(RecordsError, match="max_seq_length"):
-        open_training_records(train_records, train_vocab, 128)
+        open_training_records(train_records, small_vocab, 128)
     other = tmp_path / "other_vocab.txt"
-    other.write_text("\n".join(load_vocab(train_vocab)[:-1]) + "\n")
+    other.write_text("\n".join(load_vocab(small_vocab)[:-1]) + "\n")
     with pytest.raises(RecordsError, match="vocab sha256"):
         open_training_records(train_records, other, 64)
-    big = DataConfig(max_seq_length=64, micro_batch_size=20000, global_batch_size=40000)
+    big = LoaderConfig(max_seq_length=64, micro_batch_size=20000, global_batch_size=40000)
     with pytest.raises(ConfigError, match="fewer than one global batch"):
         PretrainingLoader(src, big, rank=0, world_size=1, grad_accum=2)
     copy = tmp_path / "records"
@@ -142,16 +143,16 @@ def test_manifest_and_shard_errors(tmp_path, train_records, train_vocab):
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
     with pytest.raises(RecordsError, match=shard.name):
-        open_training_records(copy / "manifest.json", train_vocab, 64)
+        open_training_records(copy / "manifest.json", small_vocab, 64)
     shard.unlink()
     with pytest.raises(RecordsError, match="missing"):
-        open_training_records(copy / "manifest.json", train_vocab, 64)
+        open_training_records(copy / "manifest.json", small_vocab, 64)
 
 
-def test_eval_masks_are_fixed_and_world_independent(train_records, train_vocab):
-    held = open_training_records(train_records, train_vocab, 64, split="heldout")
-    cfg = DataConfig(max_seq_length=64)
-    cont = continuation_mask(train_vocab)
+def test_eval_masks_are_fixed_and_world_independent(train_records, small_vocab):
+    held = open_training_records(train_records, small_vocab, 64, split="heldout")
+    cfg = LoaderConfig(max_seq_length=64)
+    cont = continuation_mask(small_vocab)
     one = eval_batches(held, cfg, cont, rank=0, world_size=1, micro_batch_size=8, max_sequences=64, seed=3)
     again = eval_batches(held, cfg, cont, rank=0, world_size=1, micro_batch_size=8, max_sequences=64, seed=3)
     r1 = eval_batches(held, cfg, cont, rank=1, world_size=2, micro_batch_size=8, max_sequences=64, seed=3)
