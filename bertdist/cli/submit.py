@@ -6,22 +6,19 @@ submitted and submits nothing.
 """
 from __future__ import annotations
 
-import json
 import shlex
-import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 from bertdist.cli.errors import exit_2_on
 from cluster.errors import SubmitError
 
-SCHEDULERS = ("slurm", "deepspeed", "k8s", "local")
 
 
 def _add_resources(p) -> None:
     g = p.add_argument_group("resources")
+    from cluster.submit import SCHEDULERS
+
     g.add_argument("--scheduler", choices=SCHEDULERS, default="slurm")
     g.add_argument("--nodes", type=int, default=1)
     g.add_argument("--gpus-per-node", type=int, default=None, help="GPUs (= training processes) per node")
@@ -72,109 +69,38 @@ def _resources(args):
     ).validate()
 
 
-def _write(path: Path, text: str, mode: int = 0o644) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    path.chmod(mode)
-    return path
+def _request(args, *, name: str, run_dir: Path, label: str, program_argv: list[str], program_module: list[str],
+             job=None):
+    """The launch the command line asks for (cluster.submit does the rest)."""
+    from cluster import k8s
+    from cluster.submit import DeepSpeedHosts, LaunchRequest
 
-
-def _stamp() -> str:
-    return time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-
-
-def submit_slurm_script(script: str, *, name: str, log_dir: Path, record: dict) -> str:
-    """Write the script beside the logs, sbatch it, and record the submission; returns the job id."""
-    from cluster import slurm_client
-
-    path = _write(log_dir / f"{name}-{_stamp()}.sbatch", script, 0o755)
-    job_id = slurm_client.sbatch(path)
-    info = {**record, "job_id": job_id, "script": str(path),
-            "log": str(log_dir / f"{name}-{job_id}.out"), "submitted": _stamp()}
-    _write(log_dir / f"{job_id}.json", json.dumps(info, indent=1) + "\n")
-    print(f"submitted SLURM job {job_id}\n  script: {path}\n  log:    {info['log']}\n"
-          f"  follow: bertdist jobs logs {job_id} --follow")
-    return job_id
-
-
-def _launch(args, *, name: str, run_dir: Path, label: str, program_argv: list[str],
-            program_module: list[str], job=None) -> int:
-    """Render (and unless --dry-run, submit) ``program`` on the chosen scheduler."""
-    from cluster import deepspeed_launch, k8s, local, slurm
-
-    res = _resources(args)
-    if job is not None:
-        job.check_world_size(res.world_size)
-    sched = args.scheduler
-    log_dir = slurm.job_log_dir(run_dir)
-    if sched == "slurm":
-        program = program_module if res.launcher == "torchrun" else program_argv
-        script = slurm.render_job_script(name=name, run_dir=run_dir, config_label=label, program=program,
-                                         res=res, python=args.python, nccl_ifname=args.nccl_ifname)
-        if args.dry_run:
-            print(script, end="")
-            return 0
-        submit_slurm_script(script, name=name, log_dir=log_dir,
-                            record={"scheduler": "slurm", "run_dir": str(run_dir), "what": label})
-        return 0
-    if sched == "deepspeed":
-        if not args.hosts:
-            raise SubmitError("--scheduler deepspeed needs --hosts node1,node2,... (the first is the master)")
-        hosts = deepspeed_launch.parse_hosts(args.hosts)
-        hostfile, envfile = log_dir / f"{name}.hostfile", log_dir / f"{name}.deepspeed_env"
-        launch = deepspeed_launch.deepspeed_launch(
-            program_module, res, hosts, hostfile_path=hostfile, env_file_path=envfile,
-            launcher=args.ds_launcher, master_port=args.master_port,
-            deepspeed_bin=str(Path(args.python).with_name("deepspeed")), nccl_ifname=args.nccl_ifname)
-        if args.dry_run:
-            print(f"# {hostfile}\n{launch.hostfile}# {envfile}\n{launch.env_file}# commands")
-            print("\n".join(launch.shell_lines()))
-            return 0
-        _write(hostfile, launch.hostfile)
-        _write(envfile, launch.env_file)
-        procs = [subprocess.Popen(argv) for _, argv in launch.commands]
-        return max(p.wait() for p in procs)
-    if sched == "k8s":
-        if job is None:
-            raise SubmitError("--scheduler k8s renders training jobs only")
-        opts = k8s.K8sOptions(image=args.image or "", namespace=args.namespace, workdir_pvc=args.workdir_pvc,
-                              data_pvc=args.data_pvc, run_pvc=args.run_pvc, shm_size=args.shm_size)
-        manifest = k8s.render_pytorchjob(job, res, opts)
-        k8s.validate_pytorchjob(manifest)
-        text = k8s.to_yaml(manifest)
-        if args.dry_run:
-            print(text, end="")
-            return 0
-        path = _write(log_dir / f"{name}.pytorchjob.yaml", text)
-        kubectl = shutil.which("kubectl")
-        if kubectl is None:
-            raise SubmitError(f"kubectl not found on PATH; the manifest is at {path} (kubectl create -f {path})")
-        proc = subprocess.run([kubectl, "create", "-f", str(path)], capture_output=True, text=True)
-        if proc.returncode:
-            raise SubmitError(f"kubectl rejected the PyTorchJob: {proc.stderr.strip() or proc.stdout.strip()}")
-        print(proc.stdout.strip())
-        return 0
-    argv = local.local_command(program_module, res, python=args.python)
-    if args.dry_run:
-        print(shlex.join(argv))
-        return 0
-    return local.run_local(argv, res)
+    return LaunchRequest(
+        scheduler=args.scheduler, name=name, run_dir=run_dir, label=label, program_argv=program_argv,
+        program_module=program_module, resources=_resources(args), python=args.python,
+        nccl_ifname=args.nccl_ifname, job=job, dry_run=args.dry_run,
+        deepspeed=DeepSpeedHosts(args.hosts, args.ds_launcher, args.master_port) if args.hosts else None,
+        k8s=k8s.K8sOptions(image=args.image or "", namespace=args.namespace, workdir_pvc=args.workdir_pvc,
+                           data_pvc=args.data_pvc, run_pvc=args.run_pvc, shm_size=args.shm_size))
 
 
 def run_pretrain(args) -> int:
+    from cluster.submit import launch
     from cluster.training import read_training_job
 
     job = read_training_job(args.config, args.overrides, check_data=True, name=args.name)
-    return _launch(args, name=job.name, run_dir=job.run_dir, label=f"training config {job.config_path}",
-                   program_argv=job.command(args.python), program_module=job.command(launcher_module=True),
-                   job=job)
+    return launch(_request(args, name=job.name, run_dir=job.run_dir, label=f"training config {job.config_path}",
+                           program_argv=job.command(args.python), program_module=job.command(launcher_module=True),
+                           job=job))
 
 
 def run_probe(args) -> int:
+    from cluster.submit import launch
+
     out = Path(args.out).resolve()
     tail = ["cluster.probe", "--out", str(out)]
-    return _launch(args, name=args.name or "bertdist-probe", run_dir=out, label="launch probe (cluster.probe)",
-                   program_argv=[args.python, "-m", *tail], program_module=["-m", *tail])
+    return launch(_request(args, name=args.name or "bertdist-probe", run_dir=out, label="launch probe (cluster.probe)",
+                           program_argv=[args.python, "-m", *tail], program_module=["-m", *tail]))
 
 
 _guard = exit_2_on("bertdist submit", SubmitError)
@@ -228,6 +154,7 @@ def run_data(args) -> int:
 
     from cluster import beam, local, slurm
     from cluster.spec import Resources
+    from cluster.submit import submit_slurm_script
 
     cfg = Path(args.config).expanduser()
     if not cfg.is_file():
