@@ -6,7 +6,7 @@ def run(args) -> int:
     from bertdist.config import load_config
     from bertdist.export.hf import ExportError
     from bertdist.finetune.config import FinetuneConfig
-    from bertdist.finetune.glue import DataError
+    from bertdist.finetune.errors import DataError
     from bertdist.finetune.train import run_finetune
 
     overrides = [f"task={args.task}", f"checkpoint={args.checkpoint}", f"data={args.data}"]

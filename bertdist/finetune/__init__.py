@@ -7,7 +7,7 @@ import importlib
 _EXPORTS = {
     "quick_finetune": "bertdist.finetune.api",
     "FinetuneConfig": "bertdist.finetune.config",
-    "DataError": "bertdist.finetune.glue",
+    "DataError": "bertdist.finetune.errors",
     "VocabMismatch": "bertdist.finetune.train",
     "run_finetune": "bertdist.finetune.train",
 }

@@ -12,13 +12,10 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from bertdist.finetune import metrics as M
+from bertdist.finetune.metrics import accuracy, binary_f1, matthews_corrcoef, pearson, spearman
+from bertdist.finetune.errors import DataError
 
 csv.field_size_limit(sys.maxsize)
-
-
-class DataError(ValueError):
-    """Input data that does not fit the task's format; the message names file, line and expectation."""
 
 
 @dataclasses.dataclass
@@ -54,12 +51,12 @@ class GlueTask:
 
     def metrics(self, preds, labels) -> dict[str, float]:
         if self.is_regression:
-            return {"pearson": M.pearson(preds, labels), "spearman": M.spearman(preds, labels)}
-        out = {"accuracy": M.accuracy(preds, labels)}
+            return {"pearson": pearson(preds, labels), "spearman": spearman(preds, labels)}
+        out = {"accuracy": accuracy(preds, labels)}
         if self.name == "cola":
-            out = {"mcc": M.matthews_corrcoef(preds, labels), **out}
+            out = {"mcc": matthews_corrcoef(preds, labels), **out}
         if self.name in ("mrpc", "qqp"):
-            out = {"f1": M.binary_f1(preds, labels), **out}
+            out = {"f1": binary_f1(preds, labels), **out}
         return out
 
     @property

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from bertdist.model import BertConfig, BertModel
+from bertdist.model import IGNORE_INDEX, BertConfig, BertModel
 from bertdist.model.bert import init_weights
 
 HeadKind = Literal["classification", "regression", "token", "span", "choice"]
@@ -72,7 +72,7 @@ class BertForTask(nn.Module):
             logits = self.classifier(self.dropout(seq)).float()
             loss = None
             if "labels" in batch:
-                loss = F.cross_entropy(logits.view(-1, self.num_labels), batch["labels"].view(-1), ignore_index=-100)
+                loss = F.cross_entropy(logits.view(-1, self.num_labels), batch["labels"].view(-1), ignore_index=IGNORE_INDEX)
             return logits, loss
         logits = self.classifier(self.dropout(pooled)).float()
         if self.kind == "choice":

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from bertdist.finetune.glue import DataError
+from bertdist.finetune.errors import DataError
 from bertdist.finetune.metrics import entity_spans
 
 SPLIT_FILES = {  # our split name -> candidate file names (IOB2 conversion, original release)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bertdist.finetune.glue import DataError
+from bertdist.finetune.errors import DataError
 
 
 @dataclasses.dataclass

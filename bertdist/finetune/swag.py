@@ -6,7 +6,7 @@ import csv
 import dataclasses
 from pathlib import Path
 
-from bertdist.finetune.glue import DataError
+from bertdist.finetune.errors import DataError
 
 REQUIRED = ("sent1", "sent2", "ending0", "ending1", "ending2", "ending3")
 SPLIT_FILES = {"train": "train.csv", "dev": "val.csv", "test": "test.csv"}

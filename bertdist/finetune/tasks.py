@@ -13,14 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from bertdist.finetune import glue as G
-from bertdist.finetune import metrics as M
-from bertdist.finetune import ner as N
-from bertdist.finetune import squad as Q
-from bertdist.finetune import swag as S
-from bertdist.finetune.glue import DataError
+from bertdist.finetune import glue, metrics, ner, squad, swag
+from bertdist.finetune.errors import DataError
+from bertdist.model import IGNORE_INDEX
 
-TASKS = tuple(G.GLUE_TASKS) + ("squad", "squad2", "ner", "swag")
+TASKS = tuple(glue.GLUE_TASKS) + ("squad", "squad2", "ner", "swag")
 
 
 @dataclasses.dataclass
@@ -57,14 +54,14 @@ def _file(data_dir: Path, override: str | None, names: tuple[str, ...], what: st
 
 class GlueRunner(Runner):
     def __init__(self, name: str, data_dir: Path, tok, cfg):
-        self.task = G.GLUE_TASKS[name]
+        self.task = glue.GLUE_TASKS[name]
         self.data_dir, self.tok, self.cfg = data_dir, tok, cfg
         self.kind = "regression" if self.task.is_regression else "classification"
         self.num_labels = self.task.num_labels
         self.main_metric = self.task.main_metric
         self.label_names = list(self.task.labels) or None
 
-    def _encode(self, examples: list[G.Example]) -> list[dict]:
+    def _encode(self, examples: list[glue.Example]) -> list[dict]:
         enc = self.tok([e.text_a for e in examples], [e.text_b for e in examples] if self.task.text_b is not None else None,
                        truncation=True, max_length=self.cfg.max_seq_length)
         feats = []
@@ -77,23 +74,23 @@ class GlueRunner(Runner):
 
     def train_features(self) -> list[dict]:
         path = _file(self.data_dir, self.cfg.train_file, ("train.tsv",), "train")
-        return self._encode(G.read_glue(self.task, path, limit=self.cfg.max_train_examples))
+        return self._encode(glue.read_glue(self.task, path, limit=self.cfg.max_train_examples))
 
     def eval_sets(self) -> list[EvalSet]:
         out = []
         for split in self.task.dev_splits:
             path = Path(self.cfg.dev_file) if self.cfg.dev_file and len(self.task.dev_splits) == 1 else \
-                G.split_file(self.data_dir, split)
-            ex = G.read_glue(self.task, path, limit=self.cfg.max_eval_examples)
+                glue.split_file(self.data_dir, split)
+            ex = glue.read_glue(self.task, path, limit=self.cfg.max_eval_examples)
             out.append(EvalSet(split, self._encode(ex), ex, True))
         return out
 
     def test_sets(self) -> list[EvalSet]:
         out = []
         for split in self.task.test_splits:
-            path = G.split_file(self.data_dir, split)
+            path = glue.split_file(self.data_dir, split)
             if path.is_file():
-                ex = G.read_glue(self.task, path, test=True, limit=self.cfg.max_eval_examples)
+                ex = glue.read_glue(self.task, path, test=True, limit=self.cfg.max_eval_examples)
                 out.append(EvalSet(split, self._encode(ex), ex, False))
         return out
 
@@ -105,18 +102,18 @@ class GlueRunner(Runner):
     def score(self, es, logits):
         preds = self._predict(logits)
         gold = [e.label if self.task.is_regression else self.task.labels.index(e.label) for e in es.context]
-        metrics = self.task.metrics(preds, gold)
+        scores = self.task.metrics(preds, gold)
         rows = [{"guid": e.guid, "prediction": p if self.task.is_regression else self.task.labels[p],
                  "label": e.label, "logits": np.asarray(lg, dtype=float).reshape(-1).tolist()}
                 for e, p, lg in zip(es.context, preds, logits)]
-        return metrics, rows
+        return scores, rows
 
     def write_test(self, out_dir, es, logits):
         preds = self._predict(logits)
         names = preds if self.task.is_regression else [self.task.labels[p] for p in preds]
         i = self.task.test_splits.index(es.name)
         path = out_dir / "glue_submission" / f"{self.task.submission[i]}.tsv"
-        G.write_submission(path, self.task, [e.guid for e in es.context], names)
+        glue.write_submission(path, self.task, [e.guid for e in es.context], names)
         return path
 
 
@@ -126,19 +123,19 @@ class NerRunner(Runner):
 
     def __init__(self, data_dir: Path, tok, cfg):
         self.data_dir, self.tok, self.cfg = data_dir, tok, cfg
-        self.train = N.read_conll(_file(data_dir, cfg.train_file, N.SPLIT_FILES["train"], "train"),
+        self.train = ner.read_conll(_file(data_dir, cfg.train_file, ner.SPLIT_FILES["train"], "train"),
                                   limit=cfg.max_train_examples)
         self.scheme = detect_scheme_or(cfg.ner_scheme, self.train)
-        self.label_names = N.label_set([N.Sentence(s.words, N.to_iob2(s.tags, self.scheme), 0) for s in self.train])
+        self.label_names = ner.label_set([ner.Sentence(s.words, ner.to_iob2(s.tags, self.scheme), 0) for s in self.train])
         self.num_labels = len(self.label_names)
         self.truncated_words = 0
 
-    def _encode(self, sents: list[N.Sentence], path: Path) -> list[dict]:
+    def _encode(self, sents: list[ner.Sentence], path: Path) -> list[dict]:
         enc = self.tok([s.words for s in sents], is_split_into_words=True, truncation=True,
                        max_length=self.cfg.max_seq_length)
         feats = []
         for i, s in enumerate(sents):
-            tags = N.to_iob2(s.tags, self.scheme)
+            tags = ner.to_iob2(s.tags, self.scheme)
             for t in tags:
                 if t not in self.label_names:
                     raise DataError(f"{path}:{s.line}: label {t!r} is not in the label set from the training "
@@ -147,7 +144,7 @@ class NerRunner(Runner):
             labels, first_token, prev = [], {}, None
             for j, w in enumerate(word_ids):
                 if w is None or w == prev:
-                    labels.append(-100)  # special tokens and continuation pieces are not predicted
+                    labels.append(IGNORE_INDEX)  # special tokens and continuation pieces are not predicted
                 else:
                     labels.append(self.label_names.index(tags[w]))
                     first_token[w] = j
@@ -162,8 +159,8 @@ class NerRunner(Runner):
         return self._encode(self.train, self.data_dir)
 
     def eval_sets(self):
-        path = _file(self.data_dir, self.cfg.dev_file, N.SPLIT_FILES["dev"], "dev")
-        sents = N.read_conll(path, limit=self.cfg.max_eval_examples)
+        path = _file(self.data_dir, self.cfg.dev_file, ner.SPLIT_FILES["dev"], "dev")
+        sents = ner.read_conll(path, limit=self.cfg.max_eval_examples)
         return [EvalSet("dev", self._encode(sents, path), sents, True)]
 
     def score(self, es, logits):
@@ -175,14 +172,14 @@ class NerRunner(Runner):
             gold_tags.append(s.tags)
             rows.append({"words": s.words, "prediction": tags, "gold": s.tags})
         # gold keeps the file's own scheme; predictions are IOB2; spans compare across both
-        metrics = M.entity_f1(pred_tags, [N.to_iob2(g, self.scheme) for g in gold_tags], "IOB2")
-        metrics["truncated_words"] = sum(f["_first_token"].count(None) for f in es.features)
-        metrics["scheme"] = self.scheme
-        return metrics, rows
+        scores = metrics.entity_f1(pred_tags, [ner.to_iob2(g, self.scheme) for g in gold_tags], "IOB2")
+        scores["truncated_words"] = sum(f["_first_token"].count(None) for f in es.features)
+        scores["scheme"] = self.scheme
+        return scores, rows
 
 
-def detect_scheme_or(scheme: str, sents: list[N.Sentence]) -> str:
-    return N.detect_scheme(sents) if scheme == "auto" else scheme
+def detect_scheme_or(scheme: str, sents: list[ner.Sentence]) -> str:
+    return ner.detect_scheme(sents) if scheme == "auto" else scheme
 
 
 class SquadRunner(Runner):
@@ -197,13 +194,13 @@ class SquadRunner(Runner):
 
     def _read(self, split: str, override: str | None, limit: int | None):
         path = _file(self.data_dir, override, self.names[split], split)
-        ex, version = Q.read_squad(path)
+        ex, version = squad.read_squad(path)
         if any(e.is_impossible for e in ex) and not self.v2:
             raise DataError(f"{path}: has unanswerable questions (SQuAD v2.0); use the task 'squad2'")
         return ex[:limit] if limit is not None else ex
 
     def _features(self, ex, train):
-        return Q.make_features(ex, self.tok, self.cfg.max_seq_length, self.cfg.doc_stride, self.cfg.max_query_length,
+        return squad.make_features(ex, self.tok, self.cfg.max_seq_length, self.cfg.doc_stride, self.cfg.max_query_length,
                                train=train)
 
     def train_features(self):
@@ -217,14 +214,14 @@ class SquadRunner(Runner):
 
     def score(self, es, logits):
         ex, feats = es.context
-        preds, nbest = Q.decode_predictions(
+        preds, nbest = squad.decode_predictions(
             ex, feats, [lg[:, 0] for lg in logits], [lg[:, 1] for lg in logits], n_best=self.cfg.n_best,
             max_answer_length=self.cfg.max_answer_length, version_2=self.v2, null_threshold=self.cfg.null_threshold)
         gold = {e.qid: [a[0] for a in e.answers] for e in ex}
-        metrics = M.squad_scores(preds, gold)
+        scores = metrics.squad_scores(preds, gold)
         rows = [{"id": e.qid, "prediction": preds[e.qid], "answers": gold[e.qid], "nbest": nbest[e.qid][:5]}
                 for e in ex]
-        return metrics, rows
+        return scores, rows
 
     def main_rows_to_official(self, rows):  # {qid: answer}, the official predictions.json
         return {r["id"]: r["prediction"] for r in rows}
@@ -238,7 +235,7 @@ class SwagRunner(Runner):
     def __init__(self, data_dir: Path, tok, cfg):
         self.data_dir, self.tok, self.cfg = data_dir, tok, cfg
 
-    def _encode(self, ex: list[S.ChoiceExample]) -> list[dict]:
+    def _encode(self, ex: list[swag.ChoiceExample]) -> list[dict]:
         firsts = [e.context for e in ex for _ in range(4)]
         seconds = [f"{e.start} {end}" for e in ex for end in e.endings]
         enc = self.tok(firsts, seconds, truncation=True, max_length=self.cfg.max_seq_length)
@@ -251,24 +248,24 @@ class SwagRunner(Runner):
         return feats
 
     def train_features(self):
-        path = _file(self.data_dir, self.cfg.train_file, (S.SPLIT_FILES["train"],), "train")
-        return self._encode(S.read_swag(path, limit=self.cfg.max_train_examples))
+        path = _file(self.data_dir, self.cfg.train_file, (swag.SPLIT_FILES["train"],), "train")
+        return self._encode(swag.read_swag(path, limit=self.cfg.max_train_examples))
 
     def eval_sets(self):
-        path = _file(self.data_dir, self.cfg.dev_file, (S.SPLIT_FILES["dev"],), "dev")
-        ex = S.read_swag(path, limit=self.cfg.max_eval_examples)
+        path = _file(self.data_dir, self.cfg.dev_file, (swag.SPLIT_FILES["dev"],), "dev")
+        ex = swag.read_swag(path, limit=self.cfg.max_eval_examples)
         return [EvalSet("dev", self._encode(ex), ex, True)]
 
     def score(self, es, logits):
         preds = [int(np.argmax(x)) for x in logits]
         gold = [e.label for e in es.context]
-        return {"accuracy": M.accuracy(preds, gold)}, [{"guid": e.guid, "prediction": p, "label": e.label}
+        return {"accuracy": metrics.accuracy(preds, gold)}, [{"guid": e.guid, "prediction": p, "label": e.label}
                                                          for e, p in zip(es.context, preds)]
 
 
 def canonical_task(name: str) -> str:
     n = name.lower()
-    n = G.ALIASES.get(n, n)
+    n = glue.ALIASES.get(n, n)
     n = {"squad1": "squad", "squad-v1.1": "squad", "squad-v2.0": "squad2", "squad_v2": "squad2",
          "conll2003": "ner", "conll": "ner"}.get(n, n)
     if n not in TASKS:
@@ -281,7 +278,7 @@ def make_runner(task: str, data_dir: str | Path, tok, cfg) -> Runner:
     d = Path(data_dir)
     if not d.is_dir():
         raise DataError(f"data directory not found: {d}")
-    if name in G.GLUE_TASKS:
+    if name in glue.GLUE_TASKS:
         return GlueRunner(name, d, tok, cfg)
     if name == "ner":
         return NerRunner(d, tok, cfg)

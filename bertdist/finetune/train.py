@@ -25,9 +25,10 @@ from bertdist.config import save_config
 from bertdist.export.sources import PretrainedWeights, load_pretrained
 from bertdist.export.tokenizer import bert_tokenizer, read_vocab, vocab_sha256
 from bertdist.finetune.config import FinetuneConfig
-from bertdist.finetune.glue import DataError
+from bertdist.finetune.errors import DataError
 from bertdist.finetune.heads import BertForTask
 from bertdist.finetune.tasks import EvalSet, Runner, dump_json, make_runner
+from bertdist.model import IGNORE_INDEX
 
 
 class VocabMismatch(DataError):
@@ -83,7 +84,7 @@ def collate(features: list[dict], pad_id: int = 0) -> dict[str, torch.Tensor]:
         if k in ("labels",) and not isinstance(vals[0], list) or k in ("start_positions", "end_positions"):
             out[k] = torch.tensor(vals, dtype=torch.float32 if isinstance(vals[0], float) else torch.long)
             continue
-        fill = -100 if k == "labels" else (pad_id if k == "input_ids" else 0)
+        fill = IGNORE_INDEX if k == "labels" else (pad_id if k == "input_ids" else 0)
         if choice:
             arr = [[row + [fill] * (width - len(row)) for row in v] for v in vals]
         else:
