@@ -2,11 +2,11 @@
 
 Module and parameter names mirror ``transformers.BertForPreTraining`` one to
 one, so a state dict moves between the two without renaming. Layer norm and
-attention go through the kernel seam (``bertdist.ops``): ``self.k`` is the
-``KernelSet`` chosen from ``config.kernels`` at construction, either the
+attention go through the kernel seam (``bertdist.ops``): ``self.kernels`` is
+the ``KernelSet`` chosen from ``config.kernels`` at construction, either the
 fused extension or the pure-PyTorch reference, side by side behind the same
-calls. Parallelism (DeepSpeed, ZeRO) and checkpointing are applied from
-outside; nothing here knows about ranks.
+calls. Parallelism (DeepSpeed, ZeRO) and activation checkpointing are applied
+from outside (``bertdist/train/``); nothing here knows about ranks.
 """
 from __future__ import annotations
 
@@ -16,10 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from bertdist.model.config import BertConfig
+from bertdist.model.config import IGNORE_INDEX, BertConfig
 from bertdist.ops import KernelSet, resolve_kernels
-
-IGNORE_INDEX = -100  # MLM label for positions that are not predicted
 
 
 class LayerNorm(nn.LayerNorm):
@@ -27,10 +25,10 @@ class LayerNorm(nn.LayerNorm):
 
     def __init__(self, hidden: int, eps: float, kernels: KernelSet):
         super().__init__(hidden, eps=eps)
-        self.k = kernels
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.k.layer_norm(x, self.weight, self.bias, self.eps)
+        return self.kernels.layer_norm(x, self.weight, self.bias, self.eps)
 
 
 class BertEmbeddings(nn.Module):
@@ -97,7 +95,7 @@ class BertSelfAttention(nn.Module):
         self.key = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         self.value = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         self.dropout_p = cfg.attention_probs_dropout_prob
-        self.k = kernels
+        self.kernels = kernels
 
     def forward(self, h: torch.Tensor, mask: "torch.Tensor | Unpadded | None") -> torch.Tensor:
         # One GEMM for Q, K and V (the concatenated weight is tiny next to the activations).
@@ -107,27 +105,28 @@ class BertSelfAttention(nn.Module):
         if isinstance(mask, Unpadded):  # h is [T, hidden]: packed real tokens
             t = h.shape[0]
             q, k, v = qkv.view(t, 3, self.heads, self.head_dim).unbind(1)  # [T, heads, head_dim]
-            ctx = self.k.varlen_attention(
+            ctx = self.kernels.varlen_attention(
                 q, k, v, mask.cu_seqlens, mask.max_seqlen, dropout_p=self.dropout_p, training=self.training
             )
             return ctx.reshape(t, self.heads * self.head_dim)
         b, s, _ = h.shape
         qkv = qkv.view(b, s, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        ctx = self.k.attention(
+        ctx = self.kernels.attention(
             qkv[0], qkv[1], qkv[2], mask, dropout_p=self.dropout_p, training=self.training
         )  # [b, heads, s, head_dim]
         return ctx.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
 
 
-class BertSelfOutput(nn.Module):
-    """Dense projection, then LN(residual + dropout(x + bias)) in one seam call."""
+class DenseDropoutAddNorm(nn.Module):
+    """Dense projection, then LN(residual + dropout(x + bias)) in one seam call: the output of
+    both halves of a layer (HF's ``BertSelfOutput`` after attention, ``BertOutput`` after the FFN)."""
 
     def __init__(self, cfg: BertConfig, in_features: int, kernels: KernelSet):
         super().__init__()
         self.dense = nn.Linear(in_features, cfg.hidden_size)
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.dropout_p = cfg.hidden_dropout_prob
-        self.k = kernels
+        self.kernels = kernels
         # A fused kernel adds the bias together with dropout and the residual; stock PyTorch is
         # faster with the bias inside the GEMM (addmm) than as a separate element-wise pass.
         self.bias_in_kernel = kernels.sources["bias_dropout_add_layer_norm"] == "fused"
@@ -137,7 +136,7 @@ class BertSelfOutput(nn.Module):
             y, bias = F.linear(x, self.dense.weight), self.dense.bias
         else:
             y, bias = F.linear(x, self.dense.weight, self.dense.bias), None
-        return self.k.bias_dropout_add_layer_norm(
+        return self.kernels.bias_dropout_add_layer_norm(
             y, bias, residual, self.LayerNorm.weight, self.LayerNorm.bias,
             p=self.dropout_p, training=self.training, eps=self.LayerNorm.eps,
         )
@@ -147,7 +146,7 @@ class BertAttention(nn.Module):
     def __init__(self, cfg: BertConfig, kernels: KernelSet):
         super().__init__()
         self.self = BertSelfAttention(cfg, kernels)
-        self.output = BertSelfOutput(cfg, cfg.hidden_size, kernels)
+        self.output = DenseDropoutAddNorm(cfg, cfg.hidden_size, kernels)
 
     def forward(self, h: torch.Tensor, mask: "torch.Tensor | Unpadded | None") -> torch.Tensor:
         return self.output(self.self(h, mask), h)
@@ -167,7 +166,7 @@ class BertLayer(nn.Module):
         super().__init__()
         self.attention = BertAttention(cfg, kernels)
         self.intermediate = BertIntermediate(cfg)
-        self.output = BertSelfOutput(cfg, cfg.intermediate_size, kernels)
+        self.output = DenseDropoutAddNorm(cfg, cfg.intermediate_size, kernels)
 
     def forward(self, h: torch.Tensor, mask: "torch.Tensor | Unpadded | None") -> torch.Tensor:
         a = self.attention(h, mask)
@@ -178,16 +177,11 @@ class BertEncoder(nn.Module):
     def __init__(self, cfg: BertConfig, kernels: KernelSet):
         super().__init__()
         self.layer = nn.ModuleList(BertLayer(cfg, kernels) for _ in range(cfg.num_hidden_layers))
-        # Set from outside (the trainer) to recompute each layer's activations in backward.
-        self.checkpoint_fn = None
 
     def forward(self, h: torch.Tensor, mask: "torch.Tensor | Unpadded | None") -> torch.Tensor:
         """``mask``: [B, S] bool key-padding mask for padded h, or ``Unpadded`` for packed h [T, hidden]."""
         for layer in self.layer:
-            if self.checkpoint_fn is not None and self.training:
-                h = self.checkpoint_fn(layer, h, mask)
-            else:
-                h = layer(h, mask)
+            h = layer(h, mask)
         return h
 
 
@@ -318,7 +312,7 @@ class BertForPreTraining(nn.Module):
 
 
 def mlm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over predicted positions (labels == -100 are ignored); fp32 softmax."""
+    """Mean cross-entropy over predicted positions (labels == IGNORE_INDEX are ignored); fp32 softmax."""
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX)
 
 

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from bertdist.config import ConfigError, save_config
+from bertdist.train.state import TrainerState, checkpoint_tag
 
 LATEST = "latest"
 COMPLETE = "COMPLETE"
@@ -41,10 +42,6 @@ STATE_FILE = "trainer_state.json"
 CONFIG_FILE = "bertdist_config.yaml"
 STAGING = ".staging"
 UNIVERSAL = "universal"
-
-
-def tag_for(step: int) -> str:
-    return f"step_{step:08d}"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -68,6 +65,12 @@ def _write_atomic(path: Path, text: str) -> None:
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+def seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 def rng_state() -> dict[str, Any]:
@@ -97,6 +100,17 @@ def resolve_checkpoint(path: str | os.PathLike) -> tuple[Path, str]:
                       f"(a tag directory with '{COMPLETE}')")
 
 
+def latest_tag(ckpt_dir: Path) -> str | None:
+    """The tag ``latest`` points at, or None when there is no checkpoint yet."""
+    p = Path(ckpt_dir) / LATEST
+    if not p.is_file():
+        return None
+    tag = p.read_text().strip()
+    if not (p.parent / tag / COMPLETE).is_file():
+        raise ConfigError(f"{p} points at {tag!r}, which is not a complete checkpoint in {p.parent}")
+    return tag
+
+
 def read_checkpoint_state(ckpt_dir: Path, tag: str) -> dict[str, Any]:
     tdir = ckpt_dir / tag
     if not (tdir / COMPLETE).is_file():
@@ -114,18 +128,10 @@ class CheckpointManager:
             shutil.rmtree(self.dir / STAGING, ignore_errors=True)  # leftovers of a save that crashed
         _barrier()
 
-    def latest_tag(self) -> str | None:
-        p = self.dir / LATEST
-        if not p.is_file():
-            return None
-        tag = p.read_text().strip()
-        if not (self.dir / tag / COMPLETE).is_file():
-            raise ConfigError(f"{p} points at {tag!r}, which is not a complete checkpoint in {self.dir}")
-        return tag
-
-    def save(self, engine, step: int, trainer_state: dict[str, Any], config) -> str:
+    def save(self, engine, state: TrainerState, config) -> str:
         """All ranks call this. Returns the tag once ``latest`` points at it."""
-        tag = tag_for(step)
+        tag = checkpoint_tag(state.step)
+        trainer_state = state.to_dict()
         staging_root = self.dir / STAGING
         if self.rank == 0:
             shutil.rmtree(staging_root / tag, ignore_errors=True)  # leftovers of a crashed save

@@ -11,9 +11,11 @@ and the backend is gloo; with CUDA it is NCCL.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import socket
+from typing import Iterator
 
 import torch
 
@@ -65,3 +67,36 @@ def init_distributed(backend: str | None = None) -> DistInfo:
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE")
+
+
+@contextlib.contextmanager
+def single_process_group() -> Iterator[bool]:
+    """A one-process gloo group for DeepSpeed work inside a larger program (``import-hf``, tests),
+    torn down afterwards with its rendezvous variables (children inherit the environment). Inside
+    an existing group it does nothing; yields whether it made one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        yield False
+        return
+    saved = {k: os.environ.get(k) for k in _DIST_ENV}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0", LOCAL_SIZE="1")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield True
+    finally:
+        from deepspeed.utils import groups
+
+        # DeepSpeed caches a clone of the world group; once destroyed, a later engine in this process
+        # would be handed the stale clone ("Group ... is not registered").
+        groups._WORLD_GROUP = None
+        dist.destroy_process_group()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

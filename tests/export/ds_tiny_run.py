@@ -18,7 +18,7 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from bertdist.config import to_dict  # noqa: E402
-from bertdist.model import BertConfig, BertForPreTraining  # noqa: E402
+from bertdist.model import IGNORE_INDEX, BertConfig, BertForPreTraining  # noqa: E402
 
 
 class MLMOnly(torch.nn.Module):
@@ -57,7 +57,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(100 + rank)
     for _ in range(3):
         ids = torch.randint(1000, cfg.vocab_size, (2, 16), generator=g)
-        labels = torch.full_like(ids, -100)
+        labels = torch.full_like(ids, IGNORE_INDEX)
         labels[:, 3] = ids[:, 3]
         loss = engine(ids, labels, torch.zeros(2, dtype=torch.long))
         engine.backward(loss)

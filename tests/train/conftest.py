@@ -7,10 +7,10 @@ bundled real text in ``data_pipeline/samples`` (Gutenberg books + a Wikipedia sa
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,21 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import free_port, torchrun
+
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "data_pipeline" / "samples"
 TINY = REPO / "configs" / "pretrain" / "tiny.yaml"
-
-
-@pytest.fixture(scope="session")
-def train_vocab(tmp_path_factory) -> Path:
-    from data_pipeline.config import InputConfig
-    from data_pipeline.tokenization import train_vocab as train
-    from data_pipeline.vocab_corpus import iter_sentences
-
-    out = tmp_path_factory.mktemp("train_vocab") / "vocab.txt"
-    train(iter_sentences([InputConfig(kind="books", path=str(SAMPLES / "books"))]), out, vocab_size=3000,
-          lowercase=True)
-    return out
 
 
 def build(out: Path, vocab: Path, **overrides) -> Path:
@@ -44,15 +34,9 @@ def build(out: Path, vocab: Path, **overrides) -> Path:
 
 
 @pytest.fixture(scope="session")
-def train_records(tmp_path_factory, train_vocab) -> Path:
+def train_records(tmp_path_factory, small_vocab) -> Path:
     """manifest.json of dynamic-masking records (seq 64) with a train and a held-out split."""
-    return build(tmp_path_factory.mktemp("train_records"), train_vocab)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return build(tmp_path_factory.mktemp("train_records"), small_vocab)
 
 
 FAULTS = Path(__file__).with_name("fault_injection.py")
@@ -74,8 +58,7 @@ def pretrain_cmd(nproc: int, *args: str, faults: list[str] | None = None, launch
         world_info = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(nproc))}).encode()).decode()
         return [sys.executable, "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
                 "--master_addr=127.0.0.1", f"--master_port={free_port()}", "--module", "bertdist.cli.pretrain", *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *entry, *args]
+    return [*torchrun(nproc), *entry, *args]
 
 
 def proc_env() -> dict[str, str]:
@@ -112,6 +95,58 @@ def wait_for(pred, proc: subprocess.Popen, timeout: float, what: str, log: Path 
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
     raise AssertionError(f"timed out waiting for {what}:\n" + (log.read_text()[-4000:] if log else ""))
+
+
+@pytest.fixture(scope="module")
+def group():
+    """A one-process gloo group in this process, for DeepSpeed engines built by the tests themselves."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
+    from bertdist.train.distributed import single_process_group
+
+    with single_process_group():
+        yield
+
+
+def tiny_cfg(tmp_path, records, vocab, *overrides):
+    from bertdist.data import load_vocab
+    from bertdist.train.config import load_train_config
+
+    cfg = load_train_config(TINY, [f"run_dir={tmp_path}", f"data.train_manifest={records}",
+                                   f"data.vocab_file={vocab}", "data.prefetch_steps=0",
+                                   "data.global_batch_size=16", *overrides])
+    return dataclasses.replace(cfg, model=cfg.model.with_vocab(len(load_vocab(vocab))))
+
+
+def run_steps(cfg, records_path, n: int, *, fault=None):
+    """Builds a fresh engine and takes ``n`` steps; returns (per-step results, the engine)."""
+    import torch
+
+    from bertdist.data import continuation_mask
+    from bertdist.train.engine import build_engine
+    from bertdist.train.loader import LoaderState, PretrainingLoader, open_training_records
+    from bertdist.train.restore import RestorePlan, new_state, restore
+    from bertdist.train.step import StepRunner, train_step
+
+    built = build_engine(cfg, RestorePlan("fresh"), 1, 1, "cpu")
+    state = restore(built.engine, built.scheduler, RestorePlan("fresh"), cfg, 0, new_state(cfg, 1, 1))
+    assert state.step == 0 and state.loader == {"epoch": 0, "position": 0}
+    if fault:
+        fault(built.engine)
+    records = open_training_records(str(records_path), cfg.data.vocab_file, cfg.data.max_seq_length)
+    loader = PretrainingLoader(records, cfg.data, rank=0, world_size=1, grad_accum=1,
+                               continuation=continuation_mask(cfg.data.vocab_file))
+    runner = StepRunner(built.engine, torch.device("cpu"), 1, cfg.deepspeed.precision, cfg.model,
+                        own_grad_norm=True)
+    steps = loader.steps(LoaderState())
+    try:
+        results = [train_step(runner, next(steps)[0], i + 1, stop_requested=False) for i in range(n)]
+    finally:
+        steps.close()
+    return results, built.engine
+
+
+def assert_ok(res: subprocess.CompletedProcess) -> None:
+    assert res.returncode == 0, f"rc={res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
 
 
 def metrics(run_dir: Path, kind: str = "train") -> list[dict]:

@@ -1,0 +1,45 @@
+"""The model, optimizer, LR schedule and DeepSpeed engine of a run, built from its config."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from bertdist.train.config import TrainConfig
+from bertdist.train.restore import RestorePlan
+
+
+@dataclasses.dataclass
+class Engine:
+    engine: object  # deepspeed.DeepSpeedEngine
+    scheduler: object  # torch.optim.lr_scheduler.LambdaLR
+    ds_config: dict
+
+
+def build_engine(cfg: TrainConfig, plan: RestorePlan, world_size: int, grad_accum: int, device_type: str) -> Engine:
+    """Identical initial weights on every rank (seeded before the model is built); activation
+    checkpointing applied from outside the model; universal loading when ``plan`` needs it."""
+    import deepspeed
+
+    from bertdist.model import BertForPreTraining
+    from bertdist.train.activation_checkpointing import apply_activation_checkpointing
+    from bertdist.train.checkpoint import seed_all
+    from bertdist.train.ds_config import build_ds_config
+    from bertdist.train.optim import build_optimizer, build_scheduler
+
+    seed_all(cfg.seed)
+    model = BertForPreTraining(cfg.model, device_type=device_type)
+    optimizer = build_optimizer(model, cfg.optimizer, device_type)
+    scheduler = build_scheduler(optimizer, cfg.schedule)
+    ds_config = build_ds_config(cfg, world_size, grad_accum)
+    if plan.universal:
+        ds_config.setdefault("checkpoint", {})["load_universal"] = True
+    apply_activation_checkpointing(model, cfg.deepspeed.activation_checkpointing, ds_config)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=ds_config, dist_init_required=False)
+    return Engine(engine, scheduler, ds_config)
+
+
+def save_ds_config(ds_config: dict, run_dir: Path) -> None:
+    with open(run_dir / "ds_config.json", "w") as f:
+        json.dump(ds_config, f, indent=2)

@@ -1,0 +1,141 @@
+"""Where a run starts from: fresh, a resume of this run, or a new phase from another checkpoint.
+
+``plan_restore`` decides, from the config, ``--resume`` and what is on disk, before the engine
+exists (a different world size needs DeepSpeed's universal loading, which is an engine config
+flag). ``restore`` then loads the plan into the engine and returns the position to continue from.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Literal
+
+from bertdist.config import ConfigError, to_dict
+from bertdist.train.checkpoint import latest_tag, read_checkpoint_state, resolve_checkpoint
+from bertdist.train.config import TrainConfig
+from bertdist.train.state import TrainerState
+
+# Model fields that change the weights' shapes; a resume with any of them changed is refused.
+ARCH_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+               "max_position_embeddings", "type_vocab_size")
+
+
+@dataclasses.dataclass(frozen=True)
+class RestorePlan:
+    mode: Literal["fresh", "resume", "init"]
+    load_dir: Path | None = None  # the checkpoint directory holding ``tag``
+    tag: str | None = None
+    saved: TrainerState | None = None
+    # The checkpoint was written by another world size and its optimizer state is partitioned
+    # per rank (ZeRO, or bf16's fp32 master shards): it must be loaded as a universal checkpoint.
+    universal: bool = False
+
+
+def check_compatible(saved: TrainerState, cfg: TrainConfig, what: str) -> None:
+    """Refuse a checkpoint whose shapes (and, for a resume, optimizer, precision, schedule) differ."""
+    problems = []
+    for k in ARCH_FIELDS:
+        a, b = saved.model.get(k), getattr(cfg.model, k)
+        if a != b:
+            problems.append(f"model.{k}: checkpoint {a}, config {b}")
+    if what == "resume":
+        for key, theirs, ours in (("optimizer", saved.optimizer, cfg.optimizer.name),
+                                  ("zero_stage", saved.zero_stage, cfg.deepspeed.zero_stage),
+                                  ("precision", saved.precision, cfg.deepspeed.precision),
+                                  ("phase", saved.phase, cfg.phase)):
+            if theirs != ours:
+                problems.append(f"{key}: checkpoint {theirs!r}, config {ours!r}")
+        # The LR schedule and peak lr are restored from the checkpoint, so a changed one would be ignored.
+        sched = {"lr": cfg.optimizer.lr, **to_dict(cfg.schedule)}
+        for key, ours in sched.items():
+            theirs = (saved.schedule or {}).get(key, ours)
+            if theirs != ours:
+                problems.append(f"{'optimizer' if key == 'lr' else 'schedule'}.{key}: checkpoint {theirs!r}, "
+                                f"config {ours!r}")
+    if problems:
+        raise ConfigError(
+            f"cannot {what} from this checkpoint, the config is incompatible:\n  " + "\n  ".join(problems)
+            + ("\n(to change these, start a new phase from the checkpoint with checkpoint.init_from instead of "
+               "--resume)" if what == "resume" else "")
+        )
+
+
+def _read_state(load_dir: Path, tag: str) -> TrainerState:
+    try:
+        return TrainerState.from_dict(read_checkpoint_state(load_dir, tag))
+    except ValueError as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{load_dir / tag}: {e}") from None
+
+
+def plan_restore(cfg: TrainConfig, resume: str | None, world_size: int) -> RestorePlan:
+    """``resume``: None (fresh, or ``checkpoint.init_from``), "auto" (this run's latest checkpoint
+    if any) or a checkpoint path. Reads only ``latest`` and ``trainer_state.json``."""
+    plan = RestorePlan("fresh")
+    if resume:
+        if resume == "auto":
+            ckpt_dir = Path(cfg.checkpoint_dir)
+            tag = latest_tag(ckpt_dir)
+            load_dir = ckpt_dir if tag is not None else None
+        else:
+            load_dir, tag = resolve_checkpoint(resume)
+        if tag is not None:
+            saved = _read_state(load_dir, tag)
+            check_compatible(saved, cfg, "resume")
+            plan = RestorePlan("resume", load_dir, tag, saved)
+    if plan.mode == "fresh" and cfg.checkpoint.init_from:
+        load_dir, tag = resolve_checkpoint(cfg.checkpoint.init_from)
+        saved = _read_state(load_dir, tag)
+        check_compatible(saved, cfg, "start a new phase")
+        plan = RestorePlan("init", load_dir, tag, saved)
+    loads_optimizer = plan.mode == "resume" or (plan.mode == "init" and cfg.checkpoint.init_load_optimizer)
+    if plan.saved is not None and plan.saved.world_size != world_size and loads_optimizer:
+        universal = plan.saved.zero_stage > 0 or plan.saved.precision == "bf16"
+        plan = dataclasses.replace(plan, universal=universal)
+    return plan
+
+
+def new_state(cfg: TrainConfig, world_size: int, grad_accum: int) -> TrainerState:
+    """The state of a run at step 0 of its phase."""
+    return TrainerState(
+        step=0, phase=cfg.phase, phases=[{"phase": cfg.phase, "init_from": None, "init_step": None}],
+        loader={"epoch": 0, "position": 0}, world_size=world_size, model=to_dict(cfg.model),
+        optimizer=cfg.optimizer.name, zero_stage=cfg.deepspeed.zero_stage, precision=cfg.deepspeed.precision,
+        seed=cfg.seed, micro_batch_size=cfg.data.micro_batch_size, global_batch_size=cfg.data.global_batch_size,
+        grad_accum=grad_accum, schedule={"lr": cfg.optimizer.lr, **to_dict(cfg.schedule)})
+
+
+def restore(engine, scheduler, plan: RestorePlan, cfg: TrainConfig, rank: int, state: TrainerState) -> TrainerState:
+    """Load ``plan`` into ``engine`` and seed this rank's RNGs; returns ``state`` moved to where the
+    run continues (step, loader position, phase history)."""
+    import torch
+
+    from bertdist.train.checkpoint import seed_all, set_rng_state
+
+    if plan.mode == "resume":
+        path, _ = engine.load_checkpoint(str(plan.load_dir), plan.tag, load_optimizer_states=True,
+                                         load_lr_scheduler_states=True)
+        if path is None:
+            raise ConfigError(f"DeepSpeed could not load checkpoint {plan.load_dir}/{plan.tag}")
+        saved = plan.saved
+        state = dataclasses.replace(state, step=saved.step, loader=saved.loader, phases=saved.phases)
+        rng_file = Path(plan.load_dir) / plan.tag / f"rng_state_rank{rank}.pt"  # (absent in a universal copy)
+        if saved.world_size == state.world_size and rng_file.is_file():
+            set_rng_state(torch.load(rng_file, weights_only=False))
+        else:
+            seed_all(cfg.seed + 7919 * (rank + 1) + state.step)
+        return state
+    seed_all(cfg.seed + 7919 * (rank + 1))  # per-rank dropout streams
+    if plan.mode == "init":
+        load_optimizer = cfg.checkpoint.init_load_optimizer
+        engine.load_checkpoint(str(plan.load_dir), plan.tag, load_optimizer_states=load_optimizer,
+                               load_lr_scheduler_states=False, load_module_only=not load_optimizer)
+        # A fresh phase: fresh step count and warmup; the lr the first step uses is the new schedule's.
+        engine.global_steps, engine.global_samples, engine.skipped_steps = 0, 0, 0
+        lam = scheduler.lr_lambdas[0]
+        for g, base in zip(engine.optimizer.param_groups, scheduler.base_lrs):
+            g["lr"] = base * lam(0)
+        state = dataclasses.replace(state, phases=plan.saved.phases + [
+            {"phase": cfg.phase, "init_from": f"{plan.load_dir}/{plan.tag}", "init_step": plan.saved.step}])
+    return state
