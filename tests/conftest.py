@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,6 +33,54 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=f"../shared/data not found at {SHARED_DATA}"))
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+
+
+def free_port() -> int:
+    """A free TCP port on loopback, for launchers that need a port before they start (the DeepSpeed
+    launcher's --master_port). torchrun needs none: tests start it with --standalone, so its agent
+    binds a port itself and no other process can take it in between."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc: int) -> list[str]:
+    """``python -m torch.distributed.run`` for ``nproc`` local processes, rendezvous on a port its
+    agent picks and keeps (--standalone)."""
+    import sys
+
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+
+
+# Helpers that Python's multiprocessing starts once and keeps for the interpreter's lifetime.
+_INTERPRETER_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
+def _is_leftover(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE and not any(h in " ".join(p.cmdline()) for h in _INTERPRETER_HELPERS)
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind():
+    """A test must leave no process behind: one would slow, or take a port from, the tests after it.
+    Anything this test started that still runs afterwards is killed, and the test fails naming it."""
+    yield
+    left = [p for p in psutil.Process().children(recursive=True) if _is_leftover(p)]
+    if not left:
+        return
+    names = []
+    for p in left:
+        try:
+            names.append(f"pid {p.pid}: {' '.join(p.cmdline())[:200]}")
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(left, timeout=10)
+    if names:
+        pytest.fail("the test left processes running (killed now):\n  " + "\n  ".join(names))
 
 
 @pytest.fixture(scope="session")

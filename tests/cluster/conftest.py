@@ -7,6 +7,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,6 +24,45 @@ def slurm_cluster() -> str:
         # As root the test-bed must come up: a broken one fails here instead of hiding behind a skip.
         pytest.fail(f"could not start SLURM with {SLURM_UP}: {(proc.stderr or proc.stdout).strip()[-1500:]}")
     return subprocess.run(["hostname"], capture_output=True, text=True).stdout.strip()
+
+
+def _job_processes() -> list[psutil.Process]:
+    """Processes started by a SLURM job of the test-bed (they carry its SLURM_JOB_ID), whatever their
+    parent now is; not those of a job this pytest itself runs in."""
+    own = os.environ.get("SLURM_JOB_ID")
+    found = []
+    for p in psutil.process_iter():
+        try:
+            job = p.environ().get("SLURM_JOB_ID")
+            if job is not None and job != own:
+                found.append(p)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_job_left_behind(request):
+    """A SLURM test must end with its jobs finished and their processes gone: a requeued or stray job
+    still running would load the machine and hold ports during the tests that follow. Leftovers are
+    cancelled and killed, and the test fails naming them."""
+    yield
+    if "slurm_cluster" not in request.fixturenames or shutil.which("squeue") is None:
+        return
+    jobs = subprocess.run(["squeue", "-h", "-o", "%i %T %j"], capture_output=True, text=True).stdout.split("\n")
+    jobs = [j for j in jobs if j.strip()]
+    for j in jobs:
+        subprocess.run(["scancel", j.split()[0]])
+    procs = _job_processes()
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=30)
+    if jobs or procs:
+        pytest.fail(f"the test left SLURM jobs {jobs} and job processes "
+                    f"{[(p.pid, p.name()) for p in procs if p.is_running()] or len(procs)} behind (cancelled and killed now)")
 
 
 def wait_for_job(job_id: str, timeout: float = 180, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")) -> dict:

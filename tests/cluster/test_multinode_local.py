@@ -5,22 +5,35 @@ processes all-reduce once (cluster.probe), so the multi-node code path runs for 
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 from cluster import deepspeed_launch
 from cluster.spec import Resources
+from tests.conftest import free_port
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """The agent and every process it started (a timed-out run must not outlive the test)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def test_two_deepspeed_agents_rendezvous_over_loopback(tmp_path):
     out = tmp_path / "probe"
     hosts = ["127.0.0.1", "127.0.0.2"]
+    port = free_port()
     hostfile, envfile = tmp_path / "hostfile", tmp_path / "ds_env"
     launch = deepspeed_launch.deepspeed_launch(
         ["-m", "cluster.probe", "--out", str(out), "--timeout", "120"], Resources(nodes=2, procs_per_node=1),
-        hosts, hostfile_path=hostfile, env_file_path=envfile, launcher="ssh", master_port=29731,
+        hosts, hostfile_path=hostfile, env_file_path=envfile, launcher="ssh", master_port=port,
         deepspeed_bin=str(Path(sys.executable).with_name("deepspeed")), workdir=tmp_path)
     hostfile.write_text(launch.hostfile)
     agents = []
@@ -28,18 +41,18 @@ def test_two_deepspeed_agents_rendezvous_over_loopback(tmp_path):
         assert argv[:4] == ["ssh", "-o", "BatchMode=yes", host]
         # what ssh would run on `host`: run it here
         agents.append(subprocess.Popen(["bash", "-c", argv[4]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                       text=True))
+                                       text=True, start_new_session=True))
     logs = []
     for a in agents:
         try:
             logs.append(a.communicate(timeout=240)[0])
         finally:
-            a.kill()
+            _kill_group(a)
     assert all(a.returncode == 0 for a in agents), "\n".join(logs)[-3000:]
     ranks = sorted((json.loads(p.read_text()) for p in out.glob("rank-*.json")), key=lambda r: r["rank"])
     assert [r["rank"] for r in ranks] == [0, 1]
     assert all(r["world_size"] == 2 and r["all_reduce"] == 3.0 and r["local_rank"] == 0 for r in ranks)
-    assert all(r["master"] == "127.0.0.1:29731" for r in ranks)
+    assert all(r["master"] == f"127.0.0.1:{port}" for r in ranks)
     assert "[probe] rank 1/2" in "\n".join(logs)
     # the per-node command exported the job environment on each node
     assert all(r["env"].get("OMP_NUM_THREADS") == "1" for r in ranks)

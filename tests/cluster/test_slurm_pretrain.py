@@ -21,20 +21,14 @@ pytestmark = pytest.mark.slurm
 
 
 @pytest.fixture(scope="module")
-def records(tmp_path_factory) -> tuple[Path, Path]:
-    """(manifest.json, vocab.txt): seq 64, two shards, dynamic masking, NSP."""
+def records(tmp_path_factory, small_vocab) -> tuple[Path, Path]:
+    """(manifest.json, vocab.txt): seq 64, two shards, NSP."""
     from data_pipeline import build_records
-    from data_pipeline.config import InputConfig
-    from data_pipeline.tokenization import train_vocab
-    from data_pipeline.vocab_corpus import iter_sentences
 
     out = tmp_path_factory.mktemp("slurm_records")
-    vocab = out / "vocab.txt"
-    train_vocab(iter_sentences([InputConfig(kind="books", path=str(SAMPLES / "books"))]), vocab,
-                vocab_size=3000, lowercase=True)
-    manifest = build_records([f"books:{SAMPLES / 'books'}"], out / "shards", vocab, max_seq_length=64,
+    manifest = build_records([f"books:{SAMPLES / 'books'}"], out / "shards", small_vocab, max_seq_length=64,
                              dupe_factor=1, num_shards=2)
-    return manifest, vocab
+    return manifest, small_vocab
 
 
 def _submit(run: Path, records, steps: int, every: int) -> str:

@@ -8,9 +8,7 @@ round to the bf16 module copy exactly and carry more precision than it.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,21 +18,15 @@ from bertdist.export.deepspeed_ckpt import consolidate, resolve_checkpoint
 from bertdist.export.hf import ExportError
 from bertdist.export.sources import load_pretrained
 from bertdist.export.verify import max_logit_diff
+from tests.conftest import torchrun
 
 pytestmark = pytest.mark.shared
 SCRIPT = Path(__file__).with_name("ds_tiny_run.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(out: Path, stage: int, dtype: str, vocab: Path, nproc: int = 2) -> None:
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(_free_port()),
-           str(SCRIPT), str(out), str(stage), dtype, str(vocab)]
+    cmd = [*torchrun(nproc), str(SCRIPT), str(out), str(stage), dtype, str(vocab)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 

@@ -4,9 +4,7 @@ both ranks' shards, and transformers reproduces our logits. About 60 s on 2 core
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,15 +12,10 @@ import torch
 
 from bertdist.export.sources import load_pretrained
 from bertdist.export.verify import max_logit_diff
+from tests.conftest import torchrun
 
 pytestmark = pytest.mark.shared
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_export_real_trainer_zero3_two_ranks(tmp_path, shared_data):
@@ -33,8 +26,7 @@ def test_export_real_trainer_zero3_two_ranks(tmp_path, shared_data):
     manifest = build_records([f"books:{REPO / 'data_pipeline' / 'samples' / 'books'}"], tmp_path / "records", vocab,
                              max_seq_length=64, dupe_factor=1, num_shards=2, masking="dynamic")
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_port()), "-m", "bertdist.cli.pretrain", str(REPO / "configs" / "pretrain" / "tiny.yaml"),
+    cmd = [*torchrun(2), "-m", "bertdist.cli.pretrain", str(REPO / "configs" / "pretrain" / "tiny.yaml"),
            f"run_dir={run}", f"data.train_manifest={manifest}", f"data.vocab_file={vocab}", "data.eval_split=null",
            "logging.progress=none", "schedule.total_steps=3", "schedule.warmup_steps=1", "checkpoint.every_steps=0",
            "deepspeed.zero_stage=3", "deepspeed.precision=bf16", "optimizer.name=adamw", "optimizer.lr=1e-3", "data.micro_batch_size=8", "data.global_batch_size=16"]

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 
 import pytest
 
 from bertdist.finetune import FinetuneConfig, run_finetune
+from tests.conftest import torchrun
 from tests.finetune import fixtures
 
 pytestmark = pytest.mark.shared
@@ -22,12 +21,6 @@ pytestmark = pytest.mark.shared
 SETTINGS = ["max_seq_length=64", "batch_size=16", "max_train_examples=96", "max_eval_examples=64", "epochs=1",
             "learning_rate=2e-4", "hidden_dropout_prob=0.0", "kernels=reference", "progress=false",
             "predict_test=false", "tensorboard=false"]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("zero_stage", [2])
@@ -42,8 +35,7 @@ def test_two_process_deepspeed_matches_single_process(tmp_path, shared_data, zer
     run_finetune(single)
 
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_port()),
-           "-m", "bertdist.cli.main", "finetune", "sst2", "--checkpoint", str(ckpt), "--data", str(data),
+    cmd = [*torchrun(2), "-m", "bertdist.cli.main", "finetune", "sst2", "--checkpoint", str(ckpt), "--data", str(data),
            "--out", str(tmp_path / "ds"), "--deepspeed", "--set", f"zero_stage={zero_stage}"]
     for s in SETTINGS:
         cmd += ["--set", s]

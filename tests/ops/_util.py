@@ -12,7 +12,8 @@ from bertdist.ops.reference import _additive_mask, reference_layer_norm
 
 
 def ext():
-    """The loaded extension, or skip (the reason says why it is missing)."""
+    """The loaded extension; a test fails (saying why it is missing) when it did not load, since
+    `make test` builds it: a missing extension is a broken build, not a reason to skip."""
     mod, why = fused._extension.load()
     if mod is None:
         pytest.fail(f"bertdist._C did not load: {why}")
