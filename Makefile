@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # Worker count for pytest-style knobs and the demo; CI machines have 2 cores.
 JOBS ?= $(shell nproc)
 
-.PHONY: demo test venv clean lint-duplicates slurm
+.PHONY: demo test test-fast venv clean lint-duplicates slurm
 
 venv: $(STAMP)
 
@@ -32,6 +32,13 @@ $(STAMP): requirements.lock pyproject.toml setup.py $(wildcard csrc/* csrc/*/*)
 
 test: venv slurm
 	$(PY) -m pytest -q -p no:cacheprovider tests; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5): treated as failure"; exit 1; fi; \
+	exit $$rc
+
+# The fast loop: everything but the tests that start torchrun, DeepSpeed launcher, Beam worker or
+# SLURM jobs, or run for long (marked `slow` or `slurm`). Under 3 minutes on 2 cores.
+test-fast: venv
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not slurm" tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5): treated as failure"; exit 1; fi; \
 	exit $$rc
 

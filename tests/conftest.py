@@ -44,6 +44,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Rendezvous variables: a child that inherits them from this process (a test's in-process group sets
+# them) would try to bind or join this process's port.
+RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE",
+                  "GROUP_RANK", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a process a test launches: this one's, less any rendezvous variables."""
+    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_ENV}
+    env.update(extra)
+    return env
+
+
 def torchrun(nproc: int) -> list[str]:
     """``python -m torch.distributed.run`` for ``nproc`` local processes, rendezvous on a port its
     agent picks and keeps (--standalone)."""

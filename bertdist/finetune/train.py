@@ -261,10 +261,10 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
     if cfg.deepspeed:
         import deepspeed
 
+        from bertdist.train.distributed import prepare_environment
+
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            os.environ.setdefault("RANK", "0"), os.environ.setdefault("WORLD_SIZE", "1")
-            os.environ.setdefault("LOCAL_RANK", "0"), os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+            prepare_environment()  # a launcher's variables, or a world of one on a free port
             deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     rank, _ = _dist()
     out = Path(cfg.output_dir)

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from cluster import deepspeed_launch
 from cluster.spec import Resources
 from tests.conftest import free_port
@@ -26,6 +28,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+@pytest.mark.slow
 def test_two_deepspeed_agents_rendezvous_over_loopback(tmp_path):
     out = tmp_path / "probe"
     hosts = ["127.0.0.1", "127.0.0.2"]

@@ -18,14 +18,14 @@ from bertdist.export.deepspeed_ckpt import consolidate, resolve_checkpoint
 from bertdist.export.hf import ExportError
 from bertdist.export.sources import load_pretrained
 from bertdist.export.verify import max_logit_diff
-from tests.conftest import torchrun
+from tests.conftest import child_env, torchrun
 
 pytestmark = pytest.mark.shared
 SCRIPT = Path(__file__).with_name("ds_tiny_run.py")
 
 
 def _run(out: Path, stage: int, dtype: str, vocab: Path, nproc: int = 2) -> None:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    env = child_env(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     cmd = [*torchrun(nproc), str(SCRIPT), str(out), str(stage), dtype, str(vocab)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -33,6 +33,7 @@ def _run(out: Path, stage: int, dtype: str, vocab: Path, nproc: int = 2) -> None
 
 # Stage 0 in bf16 (LAMB's setting): no optimizer shards, the fp32 masters sit unnamed in the
 # optimizer wrapper's state. Stage 0 fp32 is covered by the real-trainer run in test_import_pretrain.py.
+@pytest.mark.slow
 @pytest.mark.parametrize("stage,dtype,nproc", [(2, "bf16", 2), (3, "bf16", 2), (0, "bf16", 1)])
 def test_export_deepspeed_checkpoint(tmp_path, shared_data, stage, dtype, nproc):
     vocab = shared_data / "vocab" / "bert-base-uncased-vocab.txt"

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from bertdist.export.sources import load_pretrained
+from tests.conftest import child_env
 
-pytestmark = pytest.mark.shared
+pytestmark = [pytest.mark.shared, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -51,8 +52,7 @@ def test_import_hf_then_continue_pretraining(tmp_path, shared_data):
            "checkpoint.every_steps=0", f"checkpoint.init_from={init}", "checkpoint.init_load_optimizer=false",
            "model.preset=custom", "model.hidden_size=64", "model.num_hidden_layers=2", "model.num_attention_heads=2",
            "model.intermediate_size=128", "model.max_position_embeddings=128", "optimizer.lr=1e-12"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env={**__import__("os").environ,
-                                                                             "OMP_NUM_THREADS": "1"})
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=child_env(OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "init at step 0" in r.stdout + r.stderr
 

@@ -12,9 +12,9 @@ import torch
 
 from bertdist.export.sources import load_pretrained
 from bertdist.export.verify import max_logit_diff
-from tests.conftest import torchrun
+from tests.conftest import child_env, torchrun
 
-pytestmark = pytest.mark.shared
+pytestmark = [pytest.mark.shared, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -30,7 +30,7 @@ def test_export_real_trainer_zero3_two_ranks(tmp_path, shared_data):
            f"run_dir={run}", f"data.train_manifest={manifest}", f"data.vocab_file={vocab}", "data.eval_split=null",
            "logging.progress=none", "schedule.total_steps=3", "schedule.warmup_steps=1", "checkpoint.every_steps=0",
            "deepspeed.zero_stage=3", "deepspeed.precision=bf16", "optimizer.name=adamw", "optimizer.lr=1e-3", "data.micro_batch_size=8", "data.global_batch_size=16"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    env = child_env(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 

@@ -13,10 +13,10 @@ import subprocess
 import pytest
 
 from bertdist.finetune import FinetuneConfig, run_finetune
-from tests.conftest import torchrun
+from tests.conftest import child_env, torchrun
 from tests.finetune import fixtures
 
-pytestmark = pytest.mark.shared
+pytestmark = [pytest.mark.shared, pytest.mark.slow]
 
 SETTINGS = ["max_seq_length=64", "batch_size=16", "max_train_examples=96", "max_eval_examples=64", "epochs=1",
             "learning_rate=2e-4", "hidden_dropout_prob=0.0", "kernels=reference", "progress=false",
@@ -34,7 +34,7 @@ def test_two_process_deepspeed_matches_single_process(tmp_path, shared_data, zer
                                for k, v in (s.split("=") for s in SETTINGS)})
     run_finetune(single)
 
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env = child_env(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     cmd = [*torchrun(2), "-m", "bertdist.cli.main", "finetune", "sst2", "--checkpoint", str(ckpt), "--data", str(data),
            "--out", str(tmp_path / "ds"), "--deepspeed", "--set", f"zero_stage={zero_stage}"]
     for s in SETTINGS:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import child_env
+
 pytestmark = [pytest.mark.shared, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 BOOKS = ["austen-emma", "austen-persuasion", "chesterton-brown", "melville-moby_dick"]
@@ -42,7 +44,7 @@ def test_pretrained_tiny_model_learns_sst2(tmp_path, shared_data):
     cmd = [sys.executable, "-m", "bertdist.cli.pretrain", str(REPO / "configs" / "pretrain" / "tiny.yaml"),
            f"run_dir={run}", f"data.train_manifest={manifest}", f"data.vocab_file={vocab}", "data.eval_split=null",
            "logging.progress=none", "checkpoint.every_steps=0"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=child_env())
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     hf = tmp_path / "hf"
     assert main(["export", str(run), "--out", str(hf)]) == 0  # the hand-off (verifies logits vs transformers)

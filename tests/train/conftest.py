@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port, torchrun
+from tests.conftest import child_env, free_port, torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "data_pipeline" / "samples"
@@ -62,7 +62,7 @@ def pretrain_cmd(nproc: int, *args: str, faults: list[str] | None = None, launch
 
 
 def proc_env() -> dict[str, str]:
-    env = dict(os.environ)
+    env = child_env()
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     return env
 

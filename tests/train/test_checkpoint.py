@@ -37,6 +37,7 @@ def test_saves_publish_atomically_and_keep_the_last_n(group, tmp_path, train_rec
     assert (ckpt_dir / LATEST).read_text().strip() == "step_00000003" and not list((ckpt_dir / STAGING).iterdir())
 
 
+@pytest.mark.slow
 def test_killed_save_leaves_last_good_checkpoint(tmp_path, train_records, small_vocab):
     args = tiny_args(tmp_path, train_records, small_vocab, "schedule.total_steps=10", "checkpoint.every_steps=5",
                      "eval.at_start=false", "eval.every_steps=0")
@@ -56,6 +57,7 @@ def test_killed_save_leaves_last_good_checkpoint(tmp_path, train_records, small_
     assert not (ckpt / ".staging" / "step_00000010").exists()
 
 
+@pytest.mark.slow
 def test_zero2_checkpoint_from_two_ranks_resumes_on_one(tmp_path, train_records, small_vocab):
     common = ["optimizer.name=adamw", "optimizer.lr=1e-3", "deepspeed.zero_stage=2", "model.hidden_dropout_prob=0",
               "model.attention_probs_dropout_prob=0", "schedule.total_steps=12", "checkpoint.every_steps=10",

@@ -26,6 +26,8 @@ from tests.train.conftest import (
     wait_for,
 )
 
+pytestmark = pytest.mark.slow  # two-rank torchrun / DeepSpeed launcher runs
+
 
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory, train_records, small_vocab):
