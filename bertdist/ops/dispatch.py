@@ -199,7 +199,8 @@ def auto_kernels(workload, device: torch.device, *, cache=None, log: Callable[[s
         warnings.warn(f"kernels=auto: could not decide the kernels on {device} ({type(e).__name__}: {e}); "
                       "running torch-native kernels (kernels=reference)", RuntimeWarning, stacklevel=2)
         return reference_set(device.type)
-    selection.log_once(plan, log)
+    if _rank() == 0:
+        selection.log_once(plan, log)
     return kernel_set_from_plan(plan, device.type)
 
 

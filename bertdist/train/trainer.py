@@ -165,8 +165,9 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None) -> TrainResult:
 
     from bertdist.data import continuation_mask, load_vocab
     from bertdist.model import BertForPreTraining, train_flops_per_sequence
+    from bertdist.ops import kernels_for_run
     from bertdist.train.ds_config import build_ds_config
-    from bertdist.train.loader import LoaderState, PretrainingLoader, eval_batches, open_training_records
+    from bertdist.train.loader import LoaderState, PretrainingLoader, eval_batches, open_training_records, pin_batches
     from bertdist.train.metrics import RunLogger, device_peak_flops
     from bertdist.train.optim import build_optimizer, build_scheduler
 
@@ -222,8 +223,12 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None) -> TrainResult:
             load_dir = ensure_universal(load_dir, load_tag, rank)
 
     # ---- model, optimizer, engine ----------------------------------------------------------
+    # kernels: auto on CUDA: rank 0 measures (or reads its cache) for this run's shapes and broadcasts
+    # the plan, so every rank runs the same kernels; a copy goes to run_dir. Before seeding: it may use the RNG.
+    kernels = kernels_for_run(cfg.model.kernels, cfg.model, device, micro_batch=cfg.data.micro_batch_size,
+                              seq=cfg.data.max_seq_length, precision=cfg.deepspeed.precision, run_dir=str(run_dir))
     _seed_all(cfg.seed)  # identical initial weights on every rank
-    model = BertForPreTraining(cfg.model, device_type=device.type)
+    model = BertForPreTraining(cfg.model, device_type=device.type, kernels=kernels)
     if cfg.deepspeed.activation_checkpointing == "torch":
         from torch.utils.checkpoint import checkpoint
 
@@ -273,7 +278,7 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None) -> TrainResult:
     engine.train()
 
     loader = PretrainingLoader(records, cfg.data, rank=rank, world_size=world, grad_accum=grad_accum,
-                               continuation=continuation)
+                               continuation=continuation, pin_device=device)
     eval_set = None
     if cfg.data.eval_split:
         held = open_training_records(cfg.data.train_manifest, cfg.data.vocab_file, cfg.data.max_seq_length,
@@ -282,6 +287,8 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None) -> TrainResult:
             eval_set = _balanced_eval(eval_batches(held, cfg.data, continuation, rank=rank, world_size=world,
                                                    micro_batch_size=cfg.eval.micro_batch_size,
                                                    max_sequences=cfg.eval.max_sequences, seed=cfg.eval.seed), device)
+            if device.type == "cuda":
+                eval_set = pin_batches(eval_set)  # held for the run: copied asynchronously at every evaluation
 
     total = cfg.steps_to_run
     log = RunLogger(str(run_dir), rank == 0, cfg.logging.tensorboard, cfg.logging.progress, total, step)
