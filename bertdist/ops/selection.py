@@ -530,7 +530,7 @@ def _child_main(spec_path: str, out_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     sys.path[:0] = [p for p in spec["sys_path"] if p not in sys.path]
     device = torch.device(spec["device"])
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
     cases = [(Case(**c["case"]), [Candidate.from_dict(x) for x in c["candidates"]]) for c in spec["cases"]]
     with open(out_path, "a", buffering=1) as f:
