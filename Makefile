@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # Worker count for pytest-style knobs and the demo; CI machines have 2 cores.
 JOBS ?= $(shell nproc)
 
-.PHONY: demo test test-fast venv clean lint-duplicates slurm
+.PHONY: demo test test-fast venv clean lint-duplicates slurm gpu-acceptance
 
 venv: $(STAMP)
 
@@ -54,6 +54,11 @@ slurm:
 
 demo: venv
 	$(PY) -m bertdist.demo --out demo_out
+
+# The one-command GPU acceptance (README "On a GPU"): a report under benchmarks/results/.
+# Without CUDA it runs the quick CPU variant.
+gpu-acceptance: venv
+	$(PY) -m bertdist.cli.main bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info demo_out

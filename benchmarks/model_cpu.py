@@ -22,7 +22,7 @@ import time
 import torch
 import transformers
 
-from bertdist.model import BertConfig, BertForPreTraining
+from bertdist.model import IGNORE_INDEX, BertConfig, BertForPreTraining
 
 
 def make_batch(vocab: int, batch: int, seq: int, seed: int = 0):
@@ -34,7 +34,7 @@ def make_batch(vocab: int, batch: int, seq: int, seed: int = 0):
     types = ((torch.arange(seq)[None, :] >= (lengths // 2)[:, None]).long()) * mask
     pick = (torch.rand(batch, seq, generator=g) < 0.15) & mask.bool()
     pick[:, 0] = False
-    labels = torch.where(pick, ids, torch.full_like(ids, -100))
+    labels = torch.where(pick, ids, torch.full_like(ids, IGNORE_INDEX))
     nsp = torch.randint(0, 2, (batch,), generator=g)
     return ids, mask, types, labels, nsp
 

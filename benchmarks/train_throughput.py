@@ -1,8 +1,13 @@
 """Training throughput of bertdist's BERT vs Hugging Face's: one run, same device, batch and precision.
 
-Variants (``--variants``; default: all on CUDA, the three without torch.compile on CPU):
+Variants (``--variants``; default: all on CUDA, ours-optimized, ours-reference and hf-sdpa on CPU):
   ours-optimized   bertdist, unpadded encoder (packed real tokens, varlen attention), sparse MLM
-                   head, kernels=auto (fused where available); ``--compile`` wraps it in torch.compile
+                   head, kernels=auto: on CUDA the measured plan for this batch, seq and precision
+                   (``bertdist.ops.selection``; its table is printed and recorded), on CPU torch's
+                   ops; ``--compile`` wraps it in torch.compile
+  ours-torch       the same model with kernels=reference: torch-native ops only (on CUDA: SDPA on
+                   the re-padded sequences with dropout, varlen_attn without); on CPU the same as
+                   ours-optimized, so not a CPU default
   ours-reference   bertdist, padded encoder, sparse MLM head, kernels=reference
   hf-sdpa          transformers.BertForPreTraining, attn_implementation="sdpa" (dense MLM head)
   hf-sdpa-compile  the same under torch.compile (skipped, with the reason, if compiling fails)
@@ -72,7 +77,9 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-VARIANTS = ("ours-optimized", "ours-reference", "hf-sdpa", "hf-sdpa-compile")
+from bertdist.model import IGNORE_INDEX  # noqa: E402
+
+VARIANTS = ("ours-optimized", "ours-torch", "ours-reference", "hf-sdpa", "hf-sdpa-compile")
 CPU_DEFAULT_VARIANTS = ("ours-optimized", "ours-reference", "hf-sdpa")
 BASELINE = "hf-sdpa"
 SHORT_SEQ_PROB = 0.1  # BERT's create_pretraining_data default
@@ -142,7 +149,7 @@ def make_batch(lengths: np.ndarray, seq: int, vocab_size: int, max_predictions: 
     ids = rng.integers(5, vocab_size, (b, seq)) * mask
     ids[:, 0] = 2  # a stand-in [CLS]; ids do not change the cost
     types = (cols[None, :] >= ((lengths + 1) // 2)[:, None]) & mask
-    labels = np.full((b, seq), -100, dtype=np.int64)
+    labels = np.full((b, seq), IGNORE_INDEX, dtype=np.int64)
     predicted = np.minimum(max_predictions, np.maximum(1, np.rint(0.15 * lengths))).astype(np.int64)
     for r in range(b):
         k = min(int(predicted[r]), int(lengths[r]) - 1)
@@ -155,17 +162,41 @@ def make_batch(lengths: np.ndarray, seq: int, vocab_size: int, max_predictions: 
 
 
 # ----- models --------------------------------------------------------------------------------------
-def build_variant(name: str, cfg, device: torch.device, compile_ours: bool) -> tuple[torch.nn.Module, torch.nn.Module, dict]:
+OURS = {  # variant -> (unpad, kernels)
+    "ours-optimized": (True, "auto"),
+    "ours-torch": (True, "reference"),
+    "ours-reference": (False, "reference"),
+}
+
+
+def ours_kernels(name: str, cfg, device: torch.device, batch: int | None, seq: int | None, precision: str):
+    """The variant's KernelSet: for ours-optimized on CUDA the measured plan of this run's
+    shapes (under autocast, as make_step runs it), else what ``kernels`` resolves to."""
+    from bertdist.ops import kernels_for_run
+
+    _, mode = OURS[name]
+    if mode == "auto" and device.type == "cuda" and batch:
+        return kernels_for_run(mode, cfg, device, micro_batch=batch, seq=seq, precision=precision,
+                               autocast=precision != "fp32")
+    return None  # resolved by the model from cfg.kernels
+
+
+def build_variant(name: str, cfg, device: torch.device, compile_ours: bool, *, batch: int | None = None,
+                  seq: int | None = None, precision: str = "fp32") -> tuple[torch.nn.Module, torch.nn.Module, dict]:
     """(module to train, the uncompiled module, description)."""
     from bertdist.model import BertForPreTraining
 
     if name.startswith("ours-"):
-        vcfg = (dataclasses.replace(cfg, unpad=True, sparse_mlm_head=True, kernels="auto") if name == "ours-optimized"
-                else dataclasses.replace(cfg, unpad=False, sparse_mlm_head=True, kernels="reference"))
-        raw = BertForPreTraining(vcfg, device_type=device.type).to(device).train()
+        unpad, mode = OURS[name]
+        vcfg = dataclasses.replace(cfg, unpad=unpad, sparse_mlm_head=True, kernels=mode)
+        kernels = ours_kernels(name, vcfg, device, batch, seq, precision)
+        raw = BertForPreTraining(vcfg, device_type=device.type, kernels=kernels).to(device).train()
         compiled = name == "ours-optimized" and compile_ours
         info = {"impl": "bertdist", "unpad": vcfg.unpad, "sparse_mlm_head": vcfg.sparse_mlm_head,
                 "kernels": dict(raw.bert.kernels.sources), "compile": compiled}
+        plan = raw.bert.kernels.plan
+        if plan is not None:
+            info["kernel_plan"] = {"table": plan.table(), "plan": plan.to_dict()}
         return (torch.compile(raw) if compiled else raw), raw, info
     import transformers
 
@@ -296,7 +327,8 @@ def run_variant(name: str, cfg, batches: list[Batch], device: torch.device, prec
         prime_code_paths(name, cfg, device, precision)
     with PeakMemory(device) as mem:
         torch.manual_seed(0)
-        model, raw, info = build_variant(name, cfg, device, compile_ours)
+        model, raw, info = build_variant(name, cfg, device, compile_ours, batch=len(batches[0].lengths),
+                                         seq=batches[0].tensors["input_ids"].shape[1], precision=precision)
         check = encoder_rows(raw, on_dev[0], cfg.hidden_size)
         step = make_step(model, device, precision)
         for i in range(warmup):  # also compiles, for every batch shape (warmup >= number of batches)
@@ -368,7 +400,7 @@ def loss_curve(manifest: str, cfg, steps: int, batch: int, device: torch.device,
     curves, init = {}, None
     for name in ("ours-optimized", "ours-reference"):
         torch.manual_seed(0)
-        model, raw, info = build_variant(name, ccfg, device, compile_ours)
+        model, raw, info = build_variant(name, ccfg, device, compile_ours, batch=batch, seq=msl, precision=precision)
         if init is None:
             init = {k: v.detach().clone() for k, v in raw.state_dict().items()}
         else:
@@ -450,6 +482,10 @@ def markdown(res: dict) -> str:
         lines.append(f"| {name} | skipped: {why} | | | | | | | |")
     lines += ["", f"Peak memory: {res['peak_mem_kind']}. Kernels of ours-optimized: "
               f"{res['variants'].get('ours-optimized', {}).get('kernels', '-')}."]
+    plan = res["variants"].get("ours-optimized", {}).get("kernel_plan")
+    if plan:
+        lines += ["", "kernels: auto decisions of ours-optimized (numerics vs the fp32 reference, then time):", "",
+                  "```", plan["table"], "```"]
     if res.get("loss_curve"):
         lc = res["loss_curve"]
         lines += ["", f"Loss curve: {lc['steps']} steps on {lc['manifest']} (batch {lc['batch']}, seq {lc['max_seq_length']}, "

@@ -3,7 +3,8 @@
 Stages, each run as the user would type it and timed:
   1. vocab     `bertdist data vocab`   WordPiece vocab trained on the bundled books and wiki sample
   2. data      `bertdist data build`   Beam (DirectRunner, multi-processing) -> Parquet shards + manifest
-  3. pretrain  `torchrun --nproc_per_node 2 -m bertdist.cli.main pretrain`  DeepSpeed on 2 local ranks
+  3. pretrain  `torchrun --nproc_per_node N -m bertdist.cli.main pretrain`  DeepSpeed on N local ranks:
+               one per visible GPU with CUDA (NCCL), else 2 CPU ranks (gloo) (``local_ranks``)
   4. export    `bertdist export`       Hugging Face directory; fill-mask top-5 before vs after
   5. finetune  `bertdist finetune sst2` on a small real classification task built from the
                bundled books (which of two authors wrote a sentence), in SST-2's TSV layout
@@ -86,15 +87,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def stage_pretrain(out: Path, manifest: Path, vocab: Path, steps: int):
+# The tiny recipe's micro batch (configs/pretrain/tiny.yaml); the global batch follows the rank count.
+DEMO_MICRO_BATCH = 16
+
+
+def local_ranks() -> tuple[int, str]:
+    """(processes, why): one per visible GPU when CUDA is present (each rank binds to
+    cuda:LOCAL_RANK, so a second rank on a one-GPU machine would fail), else 2 CPU ranks."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        n = torch.cuda.device_count()
+        return n, f"{n} visible CUDA device{'s' if n > 1 else ''}, one rank each (NCCL)"
+    return 2, "no CUDA device: 2 CPU ranks (gloo)"
+
+
+def demo_global_batch(ranks: int, micro: int = DEMO_MICRO_BATCH) -> int:
+    """The recipe's 32 sequences per step where the ranks divide it, else one micro batch per rank."""
+    return micro * ranks * max(1, 2 // ranks)
+
+
+def stage_pretrain(out: Path, manifest: Path, vocab: Path, steps: int, ranks: int):
     run_dir = out / "pretrain"
     if run_dir.exists():
         shutil.rmtree(run_dir)
     every = max(steps // 4, 1)
-    sh(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+    sh(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1",
        "--master_port", str(_free_port()), "-m", "bertdist.cli.main", "pretrain",
        str(REPO / "configs/pretrain/tiny.yaml"), f"run_dir={run_dir}", f"data.train_manifest={manifest}",
        f"data.vocab_file={vocab}", f"schedule.total_steps={steps}", f"schedule.warmup_steps={max(steps // 20, 1)}",
+       f"data.micro_batch_size={DEMO_MICRO_BATCH}", f"data.global_batch_size={demo_global_batch(ranks)}",
        f"checkpoint.every_steps={every}", f"eval.every_steps={every}", "logging.progress=none",
        env={"OMP_NUM_THREADS": "1"})
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -176,7 +198,7 @@ def stage_finetune(out: Path, hf_dir: Path, vocab: Path):
     return metrics, line
 
 
-def plot_curves(metrics: list[dict], png: Path) -> Path:
+def plot_curves(metrics: list[dict], png: Path, ranks: int = 2) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -189,7 +211,7 @@ def plot_curves(metrics: list[dict], png: Path) -> Path:
     if evals and "mlm_loss" in evals[0]:
         ax1.plot([m["step"] for m in evals], [m["mlm_loss"] for m in evals], "o-", label="held-out MLM loss")
     ax1.set_xlabel("step")
-    ax1.set_title("pretraining loss (tiny, 2 ranks)")
+    ax1.set_title(f"pretraining loss (tiny, {ranks} rank{'s' if ranks > 1 else ''})")
     ax1.legend()
     for key, label in (("mlm_acc", "held-out MLM accuracy"), ("nsp_acc", "held-out NSP accuracy")):
         if evals and key in evals[0]:
@@ -213,10 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     stages = Stages()
     vocab = stages.run("1. vocab", stage_vocab, out)
     manifest = stages.run("2. data (Beam)", stage_data, out, vocab)
-    run_dir, metrics = stages.run("3. pretrain (DeepSpeed, 2 ranks)", stage_pretrain, out, manifest, vocab, args.steps)
+    ranks, why = local_ranks()
+    print(f"pretraining ranks: {why}", flush=True)
+    run_dir, metrics = stages.run(f"3. pretrain (DeepSpeed, {ranks} rank{'s' if ranks > 1 else ''})", stage_pretrain,
+                                  out, manifest, vocab, args.steps, ranks)
     hf_dir = stages.run("4. export (Hugging Face)", stage_export, out, run_dir, vocab)
     ft = stages.run("5. finetune", stage_finetune, out, hf_dir, vocab)
-    png = plot_curves(metrics, out / "pretrain_curves.png")
+    png = plot_curves(metrics, out / "pretrain_curves.png", ranks)
     print("\n=== summary")
     for name, dt, line in stages.rows:
         print(f"  {name:<34} {dt:7.1f} s  {line}")

@@ -9,8 +9,11 @@ from cluster.spec import Resources
 NCCL_DEFAULTS: dict[str, str] = {
     "NCCL_DEBUG": "WARN",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-    # Collective timeout diagnostics: dump the flight recorder on a hang.
+    # Collective timeout diagnostics: dump the flight recorder on a hang. The dump needs the
+    # recorder on (a ring buffer of the last collectives); without a buffer size it records nothing.
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    "TORCH_FR_BUFFER_SIZE": "2000",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",  # the older name of the same knob, for older torch
 }
 
 

@@ -27,7 +27,9 @@ def main(argv: list[str] | None = None) -> int:
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        from bertdist.train.distributed import cuda_device_for  # a clear error for more ranks than GPUs
+
+        torch.cuda.set_device(cuda_device_for(int(os.environ.get("LOCAL_RANK", "0"))))
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")

@@ -33,6 +33,8 @@ def collect() -> dict:
         ]
     from data_pipeline import native_instances, wordpiece
 
+    from bertdist.ops.decision_cache import DecisionCache
+
     data_native = {  # the data pipeline's C++ twins (plain pybind11 modules, no torch)
         "instance_builder": native_instances.unavailable_reason() or "native (data_pipeline._native_instances)",
         "wordpiece_encoder": wordpiece.native_unavailable_reason() or "native (data_pipeline._native_wordpiece)",
@@ -51,7 +53,24 @@ def collect() -> dict:
         },
         "devices": devices,
         "kernels": kernels,
+        "kernel_decisions": cached_decisions(DecisionCache()),
     }
+
+
+def cached_decisions(cache) -> dict:
+    """What kernels: auto measured and cached, per environment (device, torch, build)."""
+    envs = []
+    for entry in cache.environments().values():
+        rows = []
+        for d in entry["decisions"].values():
+            ms = {m["name"]: m.get("ms") for m in d["measurements"]}
+            c = d["case"]
+            rows.append({"op": c["op"], "dtype": c["dtype"], "dropout": c["p"] if c["dropout"] else 0.0,
+                         "shape": f"b{c['batch']} s{c['seq']} h{c['hidden']} n{c['heads']}", "choice": d["choice"],
+                         "choice_ms": ms.get(d["choice"]), "torch_ms": ms.get("torch"),
+                         "rejected": sorted(m["name"] for m in d["measurements"] if m["status"] in ("failed", "error"))})
+        envs.append({"environment": entry["environment"], "updated": entry.get("updated"), "decisions": rows})
+    return {"cache": str(cache.path), "environments": envs}
 
 
 def run(args) -> int:
@@ -71,12 +90,32 @@ def run(args) -> int:
     for k, v in info["data_pipeline"].items():
         print(f"  {k:<18} {v}")
     for dt, rows in info["kernels"].items():
-        print(f"kernels on {dt} (kernels: auto picks the 'active' column):")
+        note = ("kernels: auto measures the candidates on the GPU per run and runs these torch-native ops "
+                "unless another passed numerics and was faster" if dt == "cuda" else "kernels: auto runs these")
+        print(f"kernels on {dt} ({note}):")
         for r in rows:
             state = "fused usable" if r["fused_usable"] else "fused NOT usable"
             why = f" - {r['reason']}" if r["reason"] else ""
             print(f"  {r['op']:<28} active={r['active_under_auto']:<9} {state}{why}")
+    print_decisions(info["kernel_decisions"])
     return 0
+
+
+def print_decisions(dec: dict) -> None:
+    if not dec["environments"]:
+        print(f"kernel decisions: none cached yet ({dec['cache']}; kernels: auto writes them on a GPU's first run)")
+        return
+    print(f"kernel decisions cached in {dec['cache']}:")
+    for env in dec["environments"]:
+        e = env["environment"]
+        print(f"  {e.get('device')} | torch {e.get('torch')} (CUDA {e.get('cuda')}, cuDNN {e.get('cudnn')}) | "
+              f"build {e.get('build')} | updated {env['updated']}")
+        for r in env["decisions"]:
+            times = (f"{r['choice_ms']:.3f} ms vs torch {r['torch_ms']:.3f} ms"
+                     if r["choice_ms"] is not None and r["torch_ms"] is not None else "")
+            rejected = f"; rejected: {', '.join(r['rejected'])}" if r["rejected"] else ""
+            print(f"    {r['op']:<28} {r['dtype']:<9} dropout {r['dropout']:<4g} {r['shape']:<22} -> "
+                  f"{r['choice']:<20} {times}{rejected}")
 
 
 def register(sub) -> None:

@@ -17,6 +17,7 @@ SUBCOMMANDS = [
     "bertdist.cli.finetune",
     "bertdist.cli.submit",
     "bertdist.cli.jobs",
+    "bertdist.cli.bench",
 ]
 
 

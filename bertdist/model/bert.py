@@ -197,10 +197,13 @@ class BertPooler(nn.Module):
 class BertModel(nn.Module):
     """Embeddings -> encoder -> pooler. Returns (sequence_output, pooled_output)."""
 
-    def __init__(self, cfg: BertConfig, add_pooling_layer: bool = True, device_type: str | None = None):
+    def __init__(self, cfg: BertConfig, add_pooling_layer: bool = True, device_type: str | None = None,
+                 kernels: KernelSet | None = None):
         super().__init__()
         self.config = cfg
-        self.kernels = resolve_kernels(cfg.kernels, device_type or _default_device_type())
+        # ``kernels``: a set agreed by all ranks (the trainer's); else resolved from cfg.kernels here.
+        self.kernels = kernels if kernels is not None else resolve_kernels(
+            cfg.kernels, device_type or _default_device_type(), model_config=cfg)
         self.embeddings = BertEmbeddings(cfg, self.kernels)
         self.encoder = BertEncoder(cfg, self.kernels)
         self.pooler = BertPooler(cfg) if add_pooling_layer else None
@@ -273,10 +276,10 @@ class PreTrainingOutput:
 class BertForPreTraining(nn.Module):
     """BERT with the MLM and NSP (or SOP) heads."""
 
-    def __init__(self, cfg: BertConfig, device_type: str | None = None):
+    def __init__(self, cfg: BertConfig, device_type: str | None = None, kernels: KernelSet | None = None):
         super().__init__()
         self.config = cfg
-        self.bert = BertModel(cfg, device_type=device_type)
+        self.bert = BertModel(cfg, device_type=device_type, kernels=kernels)
         self.cls = BertPreTrainingHeads(cfg, self.bert.embeddings.word_embeddings, self.bert.kernels)
         decoder = self.cls.predictions.decoder  # its weight is the (already initialised) embedding
         for m in self.cls.modules():

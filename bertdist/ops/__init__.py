@@ -1,11 +1,16 @@
-"""Layer norm and attention, behind one seam (see dispatch.py)."""
+"""Layer norm and attention, behind one seam (see dispatch.py); kernels: auto is selection.py."""
 from bertdist.ops.dispatch import (
     OP_NAMES,
     REFERENCE,
+    TORCH_NATIVE,
     KernelMode,
     KernelSet,
     OpStatus,
+    auto_kernels,
+    kernel_set_from_plan,
     kernel_status,
+    kernels_for_run,
+    reference_set,
     resolve_kernels,
 )
 from bertdist.ops.reference import (
@@ -20,10 +25,15 @@ from bertdist.ops.reference import (
 __all__ = [
     "OP_NAMES",
     "REFERENCE",
+    "TORCH_NATIVE",
     "KernelMode",
     "KernelSet",
     "OpStatus",
+    "auto_kernels",
+    "kernel_set_from_plan",
     "kernel_status",
+    "kernels_for_run",
+    "reference_set",
     "resolve_kernels",
     "reference_attention",
     "reference_attention_math",

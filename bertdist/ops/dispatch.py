@@ -1,33 +1,41 @@
 """The kernel seam: which implementation of each op the model gets.
 
-The model never imports a kernel directly. It asks ``resolve_kernels(mode,
-device_type)`` once at construction for a ``KernelSet`` and calls its three
-functions. ``mode`` is the config's ``kernels`` value:
+The model never imports a kernel directly. It is given (or asks ``resolve_kernels`` once at
+construction for) a ``KernelSet`` and calls its four functions. ``mode`` is the config's
+``kernels`` value:
 
-- ``reference``: the pure-PyTorch ops in ``reference.py``;
-- ``fused``: the compiled extension (``bertdist.ops.fused``); an error if it
-  is not usable, with the reason;
-- ``auto``: fused where the extension is built and supports the device and
-  the device type is one where fused is the faster choice (``AUTO_FUSED_DEVICE_TYPES``:
-  CUDA), reference otherwise. The C++ CPU kernels exist so that the binding, dispatch
-  and autograd path is built and tested without a GPU; torch's own CPU ops (oneDNN/MKL
-  GEMMs) are faster on CPU (see benchmarks/kernels.py), so ``auto`` keeps them there and
-  ``fused`` selects the C++ kernels explicitly.
+- ``reference``: torch's own ops. On CUDA the torch-native fast paths (``torch_native.py``:
+  SDPA with a boolean mask, ``varlen_attn`` for unpadded attention where it applies); on CPU
+  the functions of ``reference.py``, as before.
+- ``fused``: our compiled kernels (``bertdist.ops.fused``), forced; an error if they are not
+  usable, with the reason.
+- ``auto``: on CUDA a measured choice (``selection.py``): per op, dtype and dropout on/off,
+  the fastest candidate that passed a numerics check on this device, and torch-native unless
+  another candidate is measurably faster, so never slower than ``reference``. The trainer
+  decides on rank 0 for the shapes of its config and passes the agreed ``KernelPlan``
+  (``kernels_for_run``); a model built without one decides for ``default_workload`` in a
+  single process, and runs torch-native in a multi-process job (ranks would not agree
+  otherwise). On CPU ``auto`` keeps torch's CPU ops without measuring: the C++ CPU kernels
+  exist to test the binding path and are slower than oneDNN/MKL there (benchmarks/kernels.py);
+  tests exercise the measured mechanism on CPU explicitly, with the C++ kernels as candidates.
 
-``kernel_status()`` reports, per op, whether the fused version is usable and
-why not, for ``bertdist info``.
+``kernel_status()`` reports, per op, whether the fused version is usable and why not, for
+``bertdist info``.
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import warnings
 from typing import Callable, Literal
 
-from bertdist.ops import reference
+import torch
+
+from bertdist.ops import reference, torch_native
 
 KernelMode = Literal["reference", "fused", "auto"]
 OP_NAMES = ("layer_norm", "bias_dropout_add_layer_norm", "attention", "varlen_attention")
-AUTO_FUSED_DEVICE_TYPES = ("cuda",)
+MEASURED_DEVICE_TYPES = ("cuda",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +46,8 @@ class KernelSet:
     bias_dropout_add_layer_norm: Callable
     attention: Callable
     varlen_attention: Callable  # unpadded: packed tokens + cumulative sequence lengths
-    sources: dict  # op name -> "reference" | "fused"
+    sources: dict  # op name -> "reference" | "fused" | the chosen candidate's name under auto
+    plan: object = None  # the selection.KernelPlan behind an auto set
 
 
 REFERENCE = KernelSet(
@@ -48,6 +57,19 @@ REFERENCE = KernelSet(
     varlen_attention=reference.reference_varlen_attention,
     sources={name: "reference" for name in OP_NAMES},
 )
+
+TORCH_NATIVE = KernelSet(
+    layer_norm=torch_native.layer_norm,
+    bias_dropout_add_layer_norm=torch_native.bias_dropout_add_layer_norm,
+    attention=torch_native.sdpa_attention,
+    varlen_attention=torch_native.varlen_attention,
+    sources={name: "reference" for name in OP_NAMES},
+)
+
+
+def reference_set(device_type: str) -> KernelSet:
+    """What ``kernels: reference`` runs on ``device_type``."""
+    return TORCH_NATIVE if device_type == "cuda" else REFERENCE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,23 +99,156 @@ def kernel_status(device_type: str = "cpu") -> list[OpStatus]:
     return out
 
 
-def resolve_kernels(mode: KernelMode, device_type: str = "cpu") -> KernelSet:
-    if mode == "reference":
-        return REFERENCE
-    if mode not in ("fused", "auto"):
-        raise ValueError(f"kernels must be one of reference|fused|auto, got {mode!r}")
-    if mode == "auto" and device_type not in AUTO_FUSED_DEVICE_TYPES:
-        return REFERENCE  # without loading (or JIT-building) the extension
-    status = {s.op: s for s in kernel_status(device_type)}
-    if mode == "fused":
-        bad = [f"{s.op}: {s.reason}" for s in status.values() if not s.usable]
-        if bad:
-            raise RuntimeError(f"kernels=fused requested on {device_type} but: " + "; ".join(bad))
-    mod, _ = _fused_module()
+# ---------------------------------------------------------------- auto: routing by a plan
+
+
+_NORM_OPS = ("layer_norm", "bias_dropout_add_layer_norm")
+
+
+def call_dtype(op: str, args: tuple) -> str:
+    """The dtype an op call computes in: q's for attention; for the layer norms the promoted
+    dtype of x and the residual, and fp32 under autocast (torch's CUDA policy for layer_norm,
+    and the one our fused ops register)."""
+    x = args[0]
+    if op in _NORM_OPS:
+        if torch.is_autocast_enabled(x.device.type):
+            return "float32"
+        if op == "bias_dropout_add_layer_norm":
+            return str(torch.promote_types(x.dtype, args[2].dtype)).removeprefix("torch.")
+    return str(x.dtype).removeprefix("torch.")
+
+
+def dropout_active(kwargs: dict) -> bool:
+    return bool(kwargs.get("training")) and float(kwargs.get("p", kwargs.get("dropout_p", 0.0)) or 0.0) > 0
+
+
+class RoutedOp:
+    """One op under ``kernels: auto``: the decided candidate per (dtype, dropout active), the
+    torch-native op for a call the plan did not decide. Neither key depends on the batch, so
+    every rank takes the same route."""
+
+    def __init__(self, op: str, routes: dict[tuple[str, bool], Callable], fallback: Callable, names: dict):
+        self.op, self.routes, self.fallback, self.names = op, routes, fallback, names
+        self.__name__ = f"auto_{op}"
+
+    def __call__(self, *args, **kwargs):
+        return self.routes.get((call_dtype(self.op, args), dropout_active(kwargs)), self.fallback)(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        routes = ", ".join(f"{d}{'+dropout' if p else ''}: {n}" for (d, p), n in self.names.items())
+        return f"RoutedOp({self.op}: {routes or 'torch-native only'})"
+
+
+def kernel_set_from_plan(plan, device_type: str = "cuda") -> KernelSet:
+    """The KernelSet that runs ``plan``'s choices (a ``selection.KernelPlan``)."""
+    from bertdist.ops.candidates import Candidate
+
+    base = reference_set(device_type)
     funcs, sources = {}, {}
     for op in OP_NAMES:
-        if status[op].usable:
-            funcs[op], sources[op] = getattr(mod, op), "fused"
-        else:
-            funcs[op], sources[op] = getattr(REFERENCE, op), "reference"
-    return KernelSet(**funcs, sources=sources)
+        routes, names, primary = {}, {}, None
+        for d in plan.decisions.values():
+            if d.case.op != op:
+                continue
+            cand = Candidate.from_dict(plan.candidates[op][d.choice])
+            routes[(d.case.dtype, d.case.dropout)] = cand.load()
+            names[(d.case.dtype, d.case.dropout)] = cand.name
+            if primary is None or d.case.dropout:  # the training call (with dropout) names the op
+                primary = cand
+        funcs[op] = RoutedOp(op, routes, getattr(base, op), names) if routes else getattr(base, op)
+        # The name of the training call's choice; the model hands the dense bias to the kernel
+        # only when it is "fused" (every kernel also runs correctly without it).
+        sources[op] = primary.name if primary is not None else "reference"
+    return KernelSet(**funcs, sources=sources, plan=plan)
+
+
+def default_workload(model_config, device_type: str):
+    """What a model built without a plan decides for: batch 32 x seq 128 (or its max
+    positions), the device's low-precision dtype and fp32, the model's dropout."""
+    from bertdist.ops.selection import Workload
+
+    low = "bfloat16" if device_type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float16"
+    return Workload(batch=32, seq=min(128, model_config.max_position_embeddings), hidden=model_config.hidden_size,
+                    heads=model_config.num_attention_heads, dtypes=(low, "float32"),
+                    hidden_dropout=model_config.hidden_dropout_prob,
+                    attention_dropout=model_config.attention_probs_dropout_prob, eps=model_config.layer_norm_eps,
+                    unpad=model_config.unpad)
+
+
+def _distributed_world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def auto_kernels(workload, device: torch.device, *, cache=None, log: Callable[[str], None] | None = None,
+                 agree: bool = True) -> KernelSet:
+    """``kernels: auto`` for ``workload`` on ``device``: the agreed, measured plan (rank 0
+    decides and broadcasts), or torch-native with a warning when the decision fails."""
+    from bertdist.ops import selection
+    from bertdist.ops.decision_cache import DecisionCache
+
+    cache = DecisionCache() if cache is None else cache
+
+    def make():
+        return selection.decide(workload, device, cache=cache or None)
+
+    try:
+        plan = selection.agree_plan(make, device) if agree else make()
+    except Exception as e:  # noqa: BLE001 - the safe choice is torch's own ops, said loudly
+        warnings.warn(f"kernels=auto: could not decide the kernels on {device} ({type(e).__name__}: {e}); "
+                      "running torch-native kernels (kernels=reference)", RuntimeWarning, stacklevel=2)
+        return reference_set(device.type)
+    if _rank() == 0:
+        selection.log_once(plan, log)
+    return kernel_set_from_plan(plan, device.type)
+
+
+def resolve_kernels(mode: KernelMode, device_type: str = "cpu", *, model_config=None) -> KernelSet:
+    """The KernelSet for ``mode`` on ``device_type``. ``model_config`` (a BertConfig) lets
+    ``auto`` on CUDA decide for ``default_workload``; without it, or in a multi-process job
+    (use the trainer's agreed plan there), ``auto`` runs torch-native."""
+    if mode == "reference":
+        return reference_set(device_type)
+    if mode not in ("fused", "auto"):
+        raise ValueError(f"kernels must be one of reference|fused|auto, got {mode!r}")
+    if mode == "auto":
+        if device_type not in MEASURED_DEVICE_TYPES or model_config is None:
+            return reference_set(device_type)  # without loading (or JIT-building) the extension
+        if _distributed_world() > 1:
+            warnings.warn("kernels=auto in a multi-process job without an agreed plan: torch-native kernels "
+                          "(the trainer passes the plan rank 0 decided; see bertdist.ops.kernels_for_run)",
+                          RuntimeWarning, stacklevel=2)
+            return reference_set(device_type)
+        device = torch.device("cuda", torch.cuda.current_device())
+        return auto_kernels(default_workload(model_config, device_type), device, agree=False)
+    status = {s.op: s for s in kernel_status(device_type)}
+    bad = [f"{s.op}: {s.reason}" for s in status.values() if not s.usable]
+    if bad:
+        raise RuntimeError(f"kernels=fused requested on {device_type} but: " + "; ".join(bad))
+    mod, _ = _fused_module()
+    return KernelSet(**{op: getattr(mod, op) for op in OP_NAMES}, sources={op: "fused" for op in OP_NAMES})
+
+
+def kernels_for_run(mode: KernelMode, model_config, device: torch.device, *, micro_batch: int, seq: int,
+                    precision: str, autocast: bool = False, log: Callable[[str], None] | None = None,
+                    run_dir: str | None = None, cache=None) -> KernelSet:
+    """The KernelSet of a training run, the same on every rank. ``auto`` on CUDA: decided on
+    rank 0 for this run's micro batch, sequence length and precision, broadcast, logged once,
+    and copied to ``run_dir/kernel_decisions.json`` (rank 0)."""
+    if mode != "auto" or device.type not in MEASURED_DEVICE_TYPES:
+        return resolve_kernels(mode, device.type)
+    from bertdist.ops import selection
+
+    workload = selection.Workload.for_model(model_config, batch=micro_batch, seq=seq, precision=precision,
+                                            autocast=autocast)
+    kernels = auto_kernels(workload, device, cache=cache, log=log)
+    if run_dir is not None and kernels.plan is not None and _rank() == 0:
+        selection.plan_copy(kernels.plan, run_dir)
+    return kernels
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

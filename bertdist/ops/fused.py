@@ -211,6 +211,13 @@ def _bdaln_backward(ctx, grad_y, _grad_h, _grad_mean, _grad_rstd, _grad_rng_stat
 
 _bdaln_fwd.register_autograd(_bdaln_backward, setup_context=_bdaln_setup)
 
+# Under torch.autocast the layer norms run in fp32, as torch's own layer_norm does on CUDA: the
+# inputs arrive in mixed dtypes there (a bf16 GEMM output beside an fp32 residual), which the
+# kernels would otherwise reject.
+for _name in ("bertdist::layer_norm_fwd", "bertdist::bias_dropout_add_layer_norm_fwd"):
+    for _device_type in ("cpu", "cuda"):
+        torch.library.register_autocast(_name, _device_type, torch.float32)
+
 
 def bias_dropout_add_layer_norm(
     x: Tensor,

@@ -52,7 +52,7 @@ class OptimizerConfig:
     # LAMB trust-ratio clamp, as in DeepSpeed's FusedLamb (max_coeff / min_coeff).
     lamb_max_coeff: float = 10.0
     lamb_min_coeff: float = 0.01
-    implementation: Literal["auto", "fused", "torch"] = "auto"  # auto: fused on CUDA, torch on CPU
+    implementation: Literal["auto", "fused", "torch"] = "auto"  # auto: fused on CUDA where it loads (train/optim.py)
 
     def __post_init__(self) -> None:
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):

@@ -52,6 +52,21 @@ def prepare_environment() -> None:
     env.setdefault("MASTER_PORT", "29500")
 
 
+def cuda_device_for(local_rank: int) -> torch.device:
+    """``cuda:LOCAL_RANK``, or a ConfigError when this node starts more ranks than it has visible GPUs."""
+    from bertdist.config import ConfigError
+
+    visible = torch.cuda.device_count()
+    if not 0 <= local_rank < visible:
+        mask = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise ConfigError(
+            f"LOCAL_RANK {local_rank} but this node has {visible} visible CUDA device(s)"
+            f"{f' (CUDA_VISIBLE_DEVICES={mask})' if mask is not None else ''}: start one process per GPU, "
+            f"at most {visible} here (torchrun --nproc_per_node {visible}, deepspeed --num_gpus {visible}, "
+            f"srun --ntasks-per-node {visible})")
+    return torch.device("cuda", local_rank)
+
+
 def init_distributed(backend: str | None = None) -> DistInfo:
     prepare_environment()
     import deepspeed
@@ -59,8 +74,8 @@ def init_distributed(backend: str | None = None) -> DistInfo:
 
     local_rank = int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        device = cuda_device_for(local_rank)
+        torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")

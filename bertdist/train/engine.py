@@ -16,9 +16,12 @@ class Engine:
     ds_config: dict
 
 
-def build_engine(cfg: TrainConfig, plan: RestorePlan, world_size: int, grad_accum: int, device_type: str) -> Engine:
+def build_engine(cfg: TrainConfig, plan: RestorePlan, world_size: int, grad_accum: int, device_type: str,
+                 kernels=None) -> Engine:
     """Identical initial weights on every rank (seeded before the model is built); activation
-    checkpointing applied from outside the model; universal loading when ``plan`` needs it."""
+    checkpointing applied from outside the model; universal loading when ``plan`` needs it.
+    ``kernels``: the KernelSet every rank agreed on (``bertdist.ops.kernels_for_run``); None
+    resolves ``cfg.model.kernels`` here."""
     import deepspeed
 
     from bertdist.model import BertForPreTraining
@@ -28,7 +31,7 @@ def build_engine(cfg: TrainConfig, plan: RestorePlan, world_size: int, grad_accu
     from bertdist.train.optim import build_optimizer, build_scheduler
 
     seed_all(cfg.seed)
-    model = BertForPreTraining(cfg.model, device_type=device_type)
+    model = BertForPreTraining(cfg.model, device_type=device_type, kernels=kernels)
     optimizer = build_optimizer(model, cfg.optimizer, device_type)
     scheduler = build_scheduler(optimizer, cfg.schedule)
     ds_config = build_ds_config(cfg, world_size, grad_accum)

@@ -103,9 +103,14 @@ class PretrainingLoader:
     """Yields, per optimizer step, this rank's ``accum`` micro-batches (dicts of int64 tensors)."""
 
     def __init__(self, source: RecordSource, cfg: LoaderConfig, *, rank: int, world_size: int, grad_accum: int,
-                 continuation: np.ndarray | None = None, mask_seed: int | None = None):
-        """``continuation``: bool[V] "##" table (``bertdist.data.continuation_mask``), for whole-word masking."""
+                 continuation: np.ndarray | None = None, mask_seed: int | None = None,
+                 pin_device: torch.device | None = None):
+        """``continuation``: bool[V] "##" table (``bertdist.data.continuation_mask``), for whole-word masking.
+        ``pin_device``: a CUDA device the batches are bound for; they are then collated into pinned
+        (page-locked) memory, in the prefetch thread, so ``.to(device, non_blocking=True)`` is a real
+        asynchronous copy (from pageable memory it is not)."""
         self.source, self.cfg, self.rank, self.world = source, cfg, rank, world_size
+        self.pin_device = pin_device if pin_device is not None and pin_device.type == "cuda" else None
         self.accum, self.micro = grad_accum, cfg.micro_batch_size
         self.global_batch = cfg.micro_batch_size * grad_accum * world_size
         fmt = source.manifest["records"]
@@ -226,17 +231,24 @@ class PretrainingLoader:
     def steps(self, state: LoaderState) -> Iterator[tuple[list[dict[str, torch.Tensor]], LoaderState]]:
         """Endless: (micro-batches of the step at ``state``, the state after that step)."""
         if self.cfg.prefetch_steps <= 0:
-            while True:
-                nxt = self.advance(state)
-                yield self.micro_batches(state), nxt
-                state = nxt
+            yield from self._produce(state)
         yield from _prefetch(self._produce(state), self.cfg.prefetch_steps)
 
     def _produce(self, state: LoaderState):
+        if self.pin_device is not None:
+            # This runs in the prefetch thread, whose current device would be cuda:0: pinning there
+            # would create a context on GPU 0 for every rank of the node.
+            torch.cuda.set_device(self.pin_device)
         while True:
             nxt = self.advance(state)
-            yield self.micro_batches(state), nxt
+            batches = self.micro_batches(state)
+            yield (pin_batches(batches) if self.pin_device is not None else batches), nxt
             state = nxt
+
+
+def pin_batches(batches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """The same batches in pinned host memory (for asynchronous host-to-GPU copies)."""
+    return [{k: v.pin_memory() for k, v in mb.items()} for mb in batches]
 
 
 def _prefetch(gen, depth: int):

@@ -12,16 +12,34 @@ from typing import Any
 
 import torch
 
-# Dense peak FLOP/s per device (vendor datasheets; SXM parts). Tensor-core peak for bf16/fp16,
-# plain FP32 (no TF32) for fp32.
+# Dense peak FLOP/s per device (vendor datasheets, no 2:4 sparsity): tensor-core peak for
+# bf16/fp16, plain FP32 (no TF32) for fp32. Matched against torch.cuda.get_device_name() in
+# order, whole words, so that the PCIe and NVL parts are not taken for SXM ones ("H100 PCIe"
+# before "H100"), nor an A10G for an A10.
 GPU_PEAKS: list[tuple[str, dict[str, float]]] = [
-    ("H200", {"bf16": 989.4e12, "fp16": 989.4e12, "fp32": 66.9e12}),
-    ("H100", {"bf16": 989.4e12, "fp16": 989.4e12, "fp32": 66.9e12}),
-    ("A100", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}),
-    ("L40S", {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12}),
-    ("A10", {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12}),
-    ("V100", {"bf16": 0.0, "fp16": 125e12, "fp32": 15.7e12}),
+    (r"\bGB200\b", {"bf16": 2500e12, "fp16": 2500e12, "fp32": 90e12}),  # per GPU, 1,200 W
+    (r"\bB200\b", {"bf16": 2250e12, "fp16": 2250e12, "fp32": 80e12}),  # HGX B200, 1,000 W
+    (r"\bB100\b", {"bf16": 1750e12, "fp16": 1750e12, "fp32": 60e12}),
+    (r"\bH200\b.*\bNVL\b", {"bf16": 835.5e12, "fp16": 835.5e12, "fp32": 60e12}),
+    (r"\bH100\b.*\bNVL\b", {"bf16": 835.5e12, "fp16": 835.5e12, "fp32": 60e12}),
+    (r"\bH100\b.*\bPCIe\b", {"bf16": 756.5e12, "fp16": 756.5e12, "fp32": 51.2e12}),
+    (r"\b(GH200|H200|H100|H800)\b", {"bf16": 989.4e12, "fp16": 989.4e12, "fp32": 66.9e12}),  # SXM
+    (r"\b(A100|A800)\b", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}),
+    (r"\bL40S\b", {"bf16": 362.05e12, "fp16": 362.05e12, "fp32": 91.6e12}),
+    (r"\bL40\b", {"bf16": 181e12, "fp16": 181e12, "fp32": 90.5e12}),
+    (r"\bL4\b", {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12}),
+    (r"\bA10\b", {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12}),
+    (r"\bA30\b", {"bf16": 165e12, "fp16": 165e12, "fp32": 10.3e12}),
+    (r"\bV100\b", {"bf16": 0.0, "fp16": 125e12, "fp32": 15.7e12}),
 ]
+
+
+def gpu_peak(name: str, precision: str) -> float | None:
+    """The dense peak FLOP/s of the GPU named ``name`` at ``precision``, or None if unknown."""
+    for pattern, peaks in GPU_PEAKS:
+        if re.search(pattern, name):
+            return peaks.get(precision) or None
+    return None
 
 
 def _cpu_peak() -> tuple[float, str]:
@@ -47,10 +65,10 @@ def device_peak_flops(device: torch.device, precision: str, override_tflops: flo
         return override_tflops * 1e12, f"configured peak {override_tflops} TFLOP/s"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key, peaks in GPU_PEAKS:
-            if key in name and peaks.get(precision):
-                return peaks[precision], f"{name}: {peaks[precision] / 1e12:.1f} TFLOP/s dense {precision} (datasheet)"
-        return float("nan"), f"{name}: unknown peak (set logging.device_peak_tflops)"
+        peak = gpu_peak(name, precision)
+        if peak:
+            return peak, f"{name}: {peak / 1e12:.1f} TFLOP/s dense {precision} (datasheet)"
+        return float("nan"), f"{name}: unknown peak for {precision} (set logging.device_peak_tflops)"
     return _cpu_peak()
 
 

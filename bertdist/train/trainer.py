@@ -71,7 +71,7 @@ def _open_data(cfg: TrainConfig):
 
 def _eval_set(cfg: TrainConfig, continuation, rank: int, world: int, device) -> list | None:
     """The held-out batches of this rank (the same count on every rank), or None."""
-    from bertdist.train.loader import eval_batches, open_training_records
+    from bertdist.train.loader import eval_batches, open_training_records, pin_batches
     from bertdist.train.step import balanced_eval
 
     if not cfg.data.eval_split:
@@ -80,9 +80,11 @@ def _eval_set(cfg: TrainConfig, continuation, rank: int, world: int, device) -> 
                                  split=cfg.data.eval_split)
     if not held.num_rows:
         return None
-    return balanced_eval(eval_batches(held, cfg.data, continuation, rank=rank, world_size=world,
-                                      micro_batch_size=cfg.eval.micro_batch_size,
-                                      max_sequences=cfg.eval.max_sequences, seed=cfg.eval.seed), device)
+    batches = balanced_eval(eval_batches(held, cfg.data, continuation, rank=rank, world_size=world,
+                                         micro_batch_size=cfg.eval.micro_batch_size,
+                                         max_sequences=cfg.eval.max_sequences, seed=cfg.eval.seed), device)
+    # held for the run: pinned once, so every evaluation copies them to the GPU asynchronously
+    return pin_batches(batches) if device.type == "cuda" else batches
 
 
 def _check_device(cfg: TrainConfig, device) -> None:
@@ -100,6 +102,7 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None) -> TrainResult:
     """Train one phase. ``resume``: None (fresh), "auto" (latest checkpoint if any) or a checkpoint path."""
     if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS handle
+    from bertdist.ops import kernels_for_run
     from bertdist.train.checkpoint import CheckpointManager, ensure_universal
     from bertdist.train.distributed import init_distributed
     from bertdist.train.engine import build_engine, save_ds_config
@@ -121,7 +124,11 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None) -> TrainResult:
     ckpt = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep_last_n, rank, world)
     if plan.universal:  # per-rank optimizer shards must be re-partitioned for this world size
         plan = dataclasses.replace(plan, load_dir=ensure_universal(plan.load_dir, plan.tag, rank))
-    built = build_engine(cfg, plan, world, grad_accum, device.type)
+    # kernels: auto on CUDA: rank 0 measures (or reads its cache) for this run's shapes and broadcasts the
+    # plan, so every rank runs the same kernels; a copy goes to run_dir. Before seeding: it may use the RNG.
+    kernels = kernels_for_run(cfg.model.kernels, cfg.model, device, micro_batch=cfg.data.micro_batch_size,
+                              seq=cfg.data.max_seq_length, precision=cfg.deepspeed.precision, run_dir=str(run_dir))
+    built = build_engine(cfg, plan, world, grad_accum, device.type, kernels)
     engine = built.engine
     if rank == 0:
         save_ds_config(built.ds_config, run_dir)
@@ -129,7 +136,7 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None) -> TrainResult:
     engine.train()
 
     loader = PretrainingLoader(records, cfg.data, rank=rank, world_size=world, grad_accum=grad_accum,
-                               continuation=continuation)
+                               continuation=continuation, pin_device=device)
     eval_set = _eval_set(cfg, continuation, rank, world, device)
     total = cfg.steps_to_run
     log = RunLogger(str(run_dir), rank == 0, cfg.logging.tensorboard, cfg.logging.progress, total, state.step)

@@ -82,3 +82,26 @@ def test_data_build_exits_fast_as_a_program_and_returns_in_process(tmp_path, sma
     args[args.index(str(tmp_path / "a"))] = str(tmp_path / "b")
     assert cli.main(args) == 0  # in-process: returns, and the interpreter goes on
     assert (tmp_path / "b" / "manifest.json").exists()
+
+
+def test_info_shows_cached_kernel_decisions_per_device(tmp_path, monkeypatch, capsys):
+    import torch
+
+    from bertdist.cli import info
+    from bertdist.ops import selection
+    from bertdist.ops.decision_cache import DecisionCache
+
+    monkeypatch.setenv("BERTDIST_CACHE_DIR", str(tmp_path))
+    w = selection.Workload(batch=2, seq=8, hidden=16, heads=2, ops=("layer_norm",))
+    selection.decide(w, torch.device("cpu"), cache=DecisionCache(), timer=lambda c, case, call, d: [2.0 if c.name == "torch" else 1.0])
+    monkeypatch.setattr(selection, "device_name", lambda device: "NVIDIA H100 80GB HBM3")  # a second device
+    selection.decide(w, torch.device("cpu"), cache=DecisionCache(), timer=lambda c, case, call, d: [1.0])
+    dec = info.collect()["kernel_decisions"]
+    assert dec["cache"] == str(tmp_path / "kernel_decisions.json")
+    by_device = {e["environment"]["device"]: e["decisions"] for e in dec["environments"]}
+    assert len(by_device) == 2 and [r["choice"] for r in by_device["NVIDIA H100 80GB HBM3"]] == ["torch"]
+    (cpu_rows,) = [rows for name, rows in by_device.items() if name.startswith("cpu")]
+    assert cpu_rows[0]["choice"] == "fused" and cpu_rows[0]["choice_ms"] == 1.0 and cpu_rows[0]["torch_ms"] == 2.0
+    info.print_decisions(dec)
+    out = capsys.readouterr().out
+    assert "NVIDIA H100 80GB HBM3 | torch" in out and "-> fused" in out and "vs torch 2.000 ms" in out

@@ -357,8 +357,19 @@ def check_make(cmd, ws):
     target = cmd.argv[1]
     r = subprocess.run(["make", "-n", target], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, f"{cmd}: make -n {target}: {r.stderr}"
-    expect = {"demo": "-m bertdist.demo", "test": "-m pytest"}[target]
+    expect = {"demo": "-m bertdist.demo", "test": "-m pytest", "gpu-acceptance": "bertdist.cli.main bench"}[target]
     assert expect in r.stdout, f"make {target} does not run {expect}:\n{r.stdout}"
+
+
+def check_bench(cmd, ws):
+    args = parse_bertdist(bertdist_argv(cmd))
+    assert args.func.__module__ == "bertdist.cli.bench", f"{cmd}: not the bench command"
+    assert (REPO / "benchmarks" / "acceptance.py").is_file()
+
+
+def check_pip_install(cmd, ws):
+    assert cmd.argv[-1] == "." and "--no-build-isolation" in cmd.argv, f"{cmd}: expected an in-tree build against the user's torch"
+    assert (REPO / "pyproject.toml").is_file() and (REPO / "setup.py").is_file()
 
 
 @dataclass(frozen=True)
@@ -376,6 +387,9 @@ class Check:
 CHECKS = [
     Check(("make", "demo"), None, check_make, "make demo (about 3 min after set-up)"),
     Check(("make", "test"), None, check_make, "make test (the suite this file is part of)"),
+    Check(("make", "gpu-acceptance"), None, check_make, "a GPU machine; its CPU variant: tests/benchmarks/test_acceptance.py"),
+    Check(("bertdist", "bench"), None, check_bench, "tests/benchmarks/test_acceptance.py (quick CPU variant); a GPU"),
+    Check(("pip", "install"), None, check_pip_install, "tests/test_wheel_install.py (wheel into a fresh venv)"),
     Check(("bertdist", "info"), check_info),
     Check(("bertdist", "model", "summary"), check_model_summary),
     Check(("bertdist", "data", "vocab"), check_data_vocab),

@@ -303,3 +303,13 @@ def test_sbatch_not_found(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(SubmitError, match="sbatch not found on PATH"):
         slurm_client.sbatch(tmp_path / "x.sbatch")
+
+
+def test_nccl_timeout_dump_has_a_flight_recorder_to_dump():
+    """TORCH_NCCL_DUMP_ON_TIMEOUT dumps the flight recorder, which records nothing unless its buffer size is > 0."""
+    from cluster.launch import job_environment
+
+    env = job_environment(Resources(nodes=2, gpus_per_node=8))
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert int(env["TORCH_FR_BUFFER_SIZE"]) > 0 and int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
+    assert "TORCH_NCCL_DUMP_ON_TIMEOUT" not in job_environment(Resources(nodes=1))  # CPU jobs: no NCCL

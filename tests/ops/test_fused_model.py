@@ -86,3 +86,17 @@ def test_training_with_dropout_is_reproducible_under_manual_seed():
     b = fus(**batch).loss
     c = fus(**batch).loss
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_fused_layer_norms_run_in_fp32_under_autocast_like_torch_on_cuda():
+    """Under torch.autocast a bf16 GEMM output meets an fp32 residual: the fused layer norms used to
+    reject the mix; they now autocast to fp32, as torch's layer_norm does on CUDA."""
+    ext()
+    ref, fus = _pair("tiny", vocab_size=300, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    batch = _batch(ref.config, 3, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_r, out_f = ref(**batch), fus(**batch)
+    assert out_f.loss.dtype == torch.float32 and torch.isfinite(out_f.loss)
+    assert abs(out_f.loss.item() - out_r.loss.item()) < 2e-2 * abs(out_r.loss.item())  # bf16 GEMMs on both sides
+    out_f.loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in fus.parameters() if p.grad is not None)

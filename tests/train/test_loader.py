@@ -162,3 +162,33 @@ def test_eval_masks_are_fixed_and_world_independent(train_records, small_vocab):
     for a, b in zip(one[1::2], r1):
         assert all(torch.equal(a[k], b[k]) for k in a)
     assert dataclasses.is_dataclass(cfg)
+
+
+def test_batches_for_a_gpu_are_pinned_in_the_prefetch_thread(train_records, small_vocab, monkeypatch):
+    """Pinned host memory makes .to(cuda, non_blocking=True) asynchronous; the pinning happens in
+    the loader's thread, after binding that thread to the rank's GPU (else it opens a context on
+    cuda:0). No GPU here: pin_memory and set_device are recorded instead."""
+    import threading
+
+    events = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory",
+                        lambda self: events.append(("pin", threading.current_thread().name)) or self.clone())
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: events.append(("set_device", str(d),
+                                                                        threading.current_thread().name)))
+    plain = make(train_records, small_vocab)
+    pinned = make(train_records, small_vocab)
+    pinned.pin_device = torch.device("cuda", 3)
+    gens = [plain.steps(LoaderState()), pinned.steps(LoaderState())]
+    a, b = (next(g) for g in gens)
+    for g in gens:
+        g.close()  # joins the prefetch threads
+    assert events[0] == ("set_device", "cuda:3", "bertdist-loader")
+    pins = [e for e in events if e[0] == "pin"]
+    assert pins and all(name == "bertdist-loader" for _, name in pins)
+    per_step = sum(len(mb) for mb in b[0])
+    assert len(pins) >= per_step and len(pins) % per_step == 0  # every tensor of every micro-batch (+ prefetched)
+    for x, y in zip(a[0], b[0]):
+        assert all(torch.equal(x[k], y[k]) for k in x)
+    cpu = PretrainingLoader(plain.source, plain.cfg, rank=0, world_size=1, grad_accum=2,
+                            continuation=continuation_mask(small_vocab), pin_device=torch.device("cpu"))
+    assert cpu.pin_device is None  # nothing to pin for a CPU run

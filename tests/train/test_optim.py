@@ -109,3 +109,39 @@ def test_nvidia_lamb_poly_schedule():
     assert lrs[-1] == pytest.approx(0.0, abs=1e-12)
     with pytest.raises(ConfigError, match="not both"):
         ScheduleConfig(warmup_steps=10, warmup_fraction=0.1)
+
+
+def test_gpu_optimizer_selection_never_depends_on_a_silent_jit_build(monkeypatch):
+    """What a CUDA run gets, decided on CPU: torch's fused AdamW (nothing to build); FusedLamb only
+    where DeepSpeed's op can load, else our Lamb with a warning; implementation=fused fails up
+    front, naming what is missing."""
+    from bertdist.model import BertConfig, BertForPreTraining
+    from bertdist.train import optim
+
+    model = BertForPreTraining(BertConfig.from_preset("tiny", vocab_size=100, kernels="reference"), device_type="cpu")
+    adamw = build_optimizer(model, OptimizerConfig(name="adamw"), "cuda")
+    assert type(adamw) is torch.optim.AdamW and adamw.defaults["fused"] is True
+    assert not build_optimizer(model, OptimizerConfig(name="adamw"), "cpu").defaults["fused"]
+
+    missing = (False, "DeepSpeed's fused_lamb op is not prebuilt and its first-use JIT build needs nvcc")
+    monkeypatch.setattr(optim, "deepspeed_fused_status", lambda name: missing)
+    with pytest.warns(RuntimeWarning, match="needs nvcc.*PyTorch Lamb"):
+        assert isinstance(build_optimizer(model, OptimizerConfig(name="lamb"), "cuda"), Lamb)
+    with pytest.raises(ConfigError, match="implementation=fused: DeepSpeed's fused_lamb .* needs nvcc"):
+        build_optimizer(model, OptimizerConfig(name="lamb", implementation="fused"), "cuda")
+
+
+def test_deepspeed_fused_status_names_ninja_and_nvcc(monkeypatch):
+    import deepspeed.git_version_info as info
+    import torch.utils.cpp_extension as ce
+
+    from bertdist.ops import _build_config
+    from bertdist.train.optim import deepspeed_fused_status
+
+    monkeypatch.setitem(info.installed_ops, "fused_lamb", False)
+    monkeypatch.setattr(ce, "is_ninja_available", lambda: False)
+    monkeypatch.setattr(_build_config, "find_cuda_home", lambda: (None, "nvcc not found on PATH and CUDA_HOME unset"))
+    ok, why = deepspeed_fused_status("lamb")
+    assert not ok and "ninja and nvcc (nvcc not found" in why and "DS_BUILD_FUSED_LAMB=1" in why
+    monkeypatch.setitem(info.installed_ops, "fused_lamb", True)
+    assert deepspeed_fused_status("lamb") == (True, "DeepSpeed fused_lamb prebuilt")

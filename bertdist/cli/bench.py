@@ -1,0 +1,51 @@
+"""`bertdist bench`: the one-command GPU acceptance (benchmarks/acceptance.py), a quick CPU variant without CUDA.
+
+It runs from a source checkout: the acceptance uses the repository's tests/ and benchmarks/,
+which an installed wheel does not carry."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+from bertdist.ops import _build_config as bc
+
+
+def acceptance_module():
+    path = bc.REPO / "benchmarks" / "acceptance.py"
+    if not path.is_file() or not (bc.REPO / "tests").is_dir():
+        raise SystemExit(f"bertdist bench runs from a source checkout (it needs benchmarks/ and tests/ beside the "
+                         f"package, looked in {bc.REPO}); clone the repository and run it there")
+    spec = importlib.util.spec_from_file_location("bertdist_acceptance", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run(args) -> int:
+    argv = ["--out", args.out, "--budget-s", str(args.budget_s)]
+    for flag, value in (("--configs", args.configs), ("--variants", args.variants), ("--skip", args.skip),
+                        ("--steps", args.steps)):
+        if value:
+            argv += [flag, str(value)]
+    if args.quick:
+        argv.append("--quick")
+    if args.lengths_from:
+        argv += ["--lengths-from", *args.lengths_from]
+    report = acceptance_module().main(argv)
+    tests = report.get("tests") or {}
+    return 0 if tests.get("returncode", 0) in (0, 5) else 1  # 5: pytest collected nothing to run
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="GPU acceptance: tests, kernel and training benchmarks, one report "
+                                     "(quick CPU variant without CUDA)")
+    p.add_argument("--out", default=str(bc.REPO / "benchmarks" / "results"), help="report folder")
+    p.add_argument("--quick", action="store_true", help="small sizes on any device (automatic without CUDA)")
+    p.add_argument("--lengths-from", nargs="+", metavar="MANIFEST", help="records to sample row lengths from")
+    p.add_argument("--configs", help="preset:seq:batch,... (default: base/large x 128/512 on CUDA)")
+    p.add_argument("--variants", help="train_throughput variants")
+    p.add_argument("--steps", type=int, help="timed steps per variant")
+    p.add_argument("--skip", help="stages to skip: tests,kernels,throughput")
+    p.add_argument("--budget-s", type=float, default=570.0, help="time budget in seconds (default 570)")
+    p.set_defaults(func=run)

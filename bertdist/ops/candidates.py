@@ -1,0 +1,193 @@
+"""The registry of kernel candidates that ``kernels: auto`` chooses among, per op.
+
+A ``Candidate`` names an implementation of one op by import path (``"module:attr"``), so a
+fresh process (the isolated measurement, a test) can load it, plus an optional support check
+(``"module:attr"``, ``check(case) -> reason or None``). ``Case`` is one decision: an op, a
+dtype, dropout on or off, and the shape it is measured at.
+
+Every op's first candidate is its *baseline*: what ``kernels: reference`` runs on that device
+type (``baseline_target``). It is always measured and wins unless another candidate passes
+the numerics check and is measurably faster, so ``auto`` cannot be slower than ``reference``.
+
+Built in (``BUILTIN``): torch's ops (``torch_native``) and our fused kernels (``fused``).
+Others register with ``register_candidate`` (e.g. emulated CUDA kernels, ``test_only=True``:
+tests only, never ``kernels: auto`` in a run). Registration order is measurement order.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Callable
+
+OPS = ("layer_norm", "bias_dropout_add_layer_norm", "attention", "varlen_attention")
+BASELINE = "torch"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One decision: ``op`` at ``dtype`` (torch dtype name), with dropout or without
+    (``dropout``: a training call with p > 0), measured at batch x seq (lengths drawn from
+    ``lengths_seed``) with the model's hidden size and heads."""
+
+    op: str
+    dtype: str
+    dropout: bool
+    device_type: str
+    batch: int
+    seq: int
+    hidden: int
+    heads: int
+    p: float = 0.1
+    eps: float = 1e-12
+    lengths_seed: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def shape(self) -> str:
+        if self.op in ("attention", "varlen_attention"):
+            return f"batch {self.batch} x seq {self.seq}, {self.heads} heads x {self.head_dim}"
+        return f"{self.batch * self.seq} rows x {self.hidden}"
+
+    @property
+    def key(self) -> str:
+        mode = f"dropout {self.p:g}" if self.dropout else "no dropout"
+        return (f"{self.op} | {self.dtype} | {mode} | b{self.batch} s{self.seq} h{self.hidden} "
+                f"n{self.heads} eps{self.eps:g} seed{self.lengths_seed}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    op: str
+    name: str  # unique per op: "torch", "torch:sdpa-cudnn", "fused", ...
+    target: str  # "module:attr" of the function (the op's signature in reference.py)
+    family: str  # "torch" | "fused" | "emulated" | another label (reports, bias placement)
+    check: str | None = None  # "module:attr" of check(case) -> reason it cannot run, or None
+    test_only: bool = False
+    bias_in_kernel: bool = False  # bias_dropout_add_layer_norm: the dense bias is added inside
+
+    def load(self) -> Callable:
+        return _resolve(self.target)
+
+    def unsupported(self, case: Case) -> str | None:
+        """Why this candidate cannot run ``case`` (None: it can)."""
+        return _resolve(self.check)(case) if self.check else None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Candidate":
+        return cls(**d)
+
+
+def _resolve(ref: str):
+    module, _, attr = ref.partition(":")
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+# ---------------------------------------------------------------- support checks (by import path)
+
+
+def _cuda_only(case: Case) -> str | None:
+    return None if case.device_type == "cuda" else f"CUDA only (this is {case.device_type})"
+
+
+def fused_unsupported(case: Case) -> str | None:
+    from bertdist.ops import fused
+
+    ok, why = fused.availability(case.op, case.device_type)
+    if not ok:
+        return why
+    if case.device_type == "cuda" and case.op in ("attention", "varlen_attention") and case.head_dim not in (32, 64, 128):
+        return f"the CUDA attention kernels take head_dim 32, 64 or 128, not {case.head_dim}"
+    if case.dtype == "float64" and case.device_type != "cpu":
+        return "float64 runs on CPU only"
+    return None
+
+
+def sdpa_backend_unsupported(case: Case) -> str | None:
+    return _cuda_only(case)
+
+
+def varlen_attn_case_unsupported(case: Case) -> str | None:
+    from bertdist.ops import torch_native
+
+    if case.dropout:
+        return "varlen_attn has no dropout (torch hard-codes dropout_p=0)"
+    if case.device_type != "cuda":
+        return f"varlen_attn needs CUDA, this is {case.device_type}"
+    if case.dtype not in ("float16", "bfloat16"):
+        return f"varlen_attn takes float16/bfloat16, not {case.dtype}"
+    if case.head_dim % 8 or case.head_dim > torch_native.VARLEN_ATTN_MAX_HEAD_DIM:
+        return f"varlen_attn needs head_dim a multiple of 8 and <= 256, not {case.head_dim}"
+    return None
+
+
+# ---------------------------------------------------------------- the registry
+
+_NATIVE = "bertdist.ops.torch_native"
+_CHECKS = "bertdist.ops.candidates"
+
+
+def baseline_target(op: str, device_type: str) -> str:
+    """What ``kernels: reference`` runs for ``op`` on ``device_type``: torch-native on CUDA; on
+    CPU the functions of reference.py (SDPA with an additive mask, the per-sequence varlen loop)."""
+    if device_type == "cuda":
+        return f"{_NATIVE}:{op}"
+    return f"bertdist.ops.reference:reference_{op}"
+
+
+def _builtin() -> list[Candidate]:
+    out = []
+    for op in OPS:
+        if op in ("attention",):
+            out += [
+                Candidate(op, "torch:sdpa-efficient", f"{_NATIVE}:SDPA_EFFICIENT", "torch", f"{_CHECKS}:sdpa_backend_unsupported"),
+                Candidate(op, "torch:sdpa-cudnn", f"{_NATIVE}:SDPA_CUDNN", "torch", f"{_CHECKS}:sdpa_backend_unsupported"),
+                Candidate(op, "torch:varlen_attn", f"{_NATIVE}:attention_via_varlen", "torch",
+                          f"{_CHECKS}:varlen_attn_case_unsupported"),
+            ]
+        if op == "varlen_attention":
+            out += [
+                Candidate(op, "torch:sdpa-repadded", f"{_NATIVE}:varlen_attention_sdpa", "torch"),
+                Candidate(op, "torch:varlen_attn", f"{_NATIVE}:varlen_attention_flash", "torch",
+                          f"{_CHECKS}:varlen_attn_case_unsupported"),
+            ]
+        out.append(Candidate(op, "fused", f"bertdist.ops.fused:{op}", "fused", f"{_CHECKS}:fused_unsupported",
+                             bias_in_kernel=op == "bias_dropout_add_layer_norm"))
+    return out
+
+
+_EXTRA: list[Candidate] = []
+
+
+def register_candidate(candidate: Candidate) -> None:
+    """Add a candidate (replacing one of the same op and name)."""
+    if candidate.op not in OPS:
+        raise ValueError(f"unknown op {candidate.op!r}; ops are {', '.join(OPS)}")
+    if candidate.name == BASELINE:
+        raise ValueError(f"{BASELINE!r} is the baseline's name and cannot be registered")
+    _EXTRA[:] = [c for c in _EXTRA if (c.op, c.name) != (candidate.op, candidate.name)] + [candidate]
+
+
+def unregister_candidate(op: str, name: str) -> None:
+    _EXTRA[:] = [c for c in _EXTRA if (c.op, c.name) != (op, name)]
+
+
+def candidates_for(op: str, device_type: str, *, include_test_only: bool = False,
+                   extra: list[Candidate] = ()) -> list[Candidate]:
+    """The baseline first, then the built-in and registered candidates for ``op``."""
+    base = Candidate(op, BASELINE, baseline_target(op, device_type), "torch")
+    rest = [c for c in (*_builtin(), *_EXTRA, *extra) if c.op == op and (include_test_only or not c.test_only)]
+    seen, out = set(), [base]
+    for c in reversed(rest):  # later registrations replace earlier ones of the same name
+        if c.name not in seen:
+            seen.add(c.name)
+            out.insert(1, c)
+    return out

@@ -1,0 +1,258 @@
+"""kernels: auto's measured choice, on CPU: the C++ CPU kernels and torch's CPU ops as candidates,
+plus injected wrong, slow, dropout-ignoring and crashing ones (tests/ops/selection_candidates.py)."""
+from __future__ import annotations
+
+import json
+import random
+import socket
+
+import pytest
+import torch
+
+from bertdist.model import BertConfig, BertForPreTraining
+from bertdist.ops import REFERENCE, TORCH_NATIVE, auto_kernels, kernel_set_from_plan, reference_set, selection, torch_native
+from bertdist.ops.candidates import Candidate, Case, candidates_for, register_candidate, unregister_candidate
+from bertdist.ops.decision_cache import DecisionCache
+from tests.ops._util import ext
+
+CPU = torch.device("cpu")
+TC = "tests.ops.selection_candidates"
+
+
+def _ln_workload(**kw):
+    return selection.Workload(batch=2, seq=8, hidden=16, heads=2, ops=("layer_norm",), **kw)
+
+
+def _cand(name, attr, op="layer_norm"):
+    return Candidate(op, name, f"{TC}:{attr}", "test", test_only=True)
+
+
+def _fake_timer(ms_by_name):
+    def timer(candidate, case, call, device):
+        call()  # the call still has to run
+        return [ms_by_name[candidate.name]] * 3
+    return timer
+
+
+def test_wrong_kernel_is_rejected_with_a_warning_naming_op_error_and_bound():
+    with pytest.warns(RuntimeWarning, match=r"layer_norm candidate 'wrong'.*error .* > bound .*2 x torch's own"):
+        plan = selection.decide(_ln_workload(), CPU, extra=[_cand("wrong", "wrong_layer_norm")],
+                                include_test_only=True, timer=_fake_timer({"torch": 1.0, "fused": 1.0, "wrong": 0.01}))
+    (d,) = plan.decisions.values()
+    wrong = d.measurement("wrong")
+    assert wrong.status == "failed" and wrong.error > wrong.bound and wrong.ms is None
+    assert d.choice != "wrong"  # though it would have been the fastest by far
+    assert "wrong" in plan.table() and "failed" in plan.table()
+
+
+def test_slow_kernel_is_not_chosen_with_real_timing():
+    plan = selection.decide(_ln_workload(), CPU, extra=[_cand("slow", "slow_layer_norm")], include_test_only=True)
+    (d,) = plan.decisions.values()
+    slow, base = d.measurement("slow"), d.measurement("torch")
+    assert slow.status == "passed" and slow.ms > 15 > base.ms
+    assert d.choice != "slow"
+
+
+def test_dropout_that_is_not_applied_fails():
+    w = selection.Workload(batch=2, seq=8, hidden=16, heads=2, ops=("bias_dropout_add_layer_norm",))
+    cand = _cand("nodrop", "dropout_ignoring_bdaln", op="bias_dropout_add_layer_norm")
+    with pytest.warns(RuntimeWarning, match="dropout not applied"):
+        plan = selection.decide(w, CPU, extra=[cand], include_test_only=True,
+                                timer=_fake_timer({"torch": 1.0, "fused": 1.0, "nodrop": 0.1}))
+    by_dropout = {d.case.dropout: d for d in plan.decisions.values()}
+    assert by_dropout[True].measurement("nodrop").status == "failed" and by_dropout[True].choice != "nodrop"
+    assert by_dropout[False].choice == "nodrop"  # right, and fastest, where no dropout is asked for
+
+
+def test_fastest_passing_candidate_wins_only_by_a_clear_margin():
+    ext()
+    timings = {"torch": 1.0, "fused": 0.5, "same": 0.9}
+    plan = selection.decide(_ln_workload(), CPU, extra=[_cand("same", "same_layer_norm")], include_test_only=True,
+                            timer=_fake_timer(timings))
+    assert next(iter(plan.decisions.values())).choice == "fused"
+    near = {"torch": 1.0, "fused": 1 - selection.MIN_GAIN / 2, "same": 1.0}  # within the noise margin
+    plan = selection.decide(_ln_workload(), CPU, timer=_fake_timer(near))
+    assert next(iter(plan.decisions.values())).choice == "torch"
+
+
+def test_choice_is_never_slower_than_the_baseline():
+    rng = random.Random(0)
+    for _ in range(500):
+        ms = [rng.uniform(0.1, 2.0) for _ in range(4)]
+        status = [rng.choice(["passed", "failed", "error", "unsupported"]) for _ in range(3)]
+        results = [selection.Measurement("torch", "torch", "passed", ms=ms[0])] + [
+            selection.Measurement(f"c{i}", "x", s, ms=m if s == "passed" else None)
+            for i, (s, m) in enumerate(zip(status, ms[1:]))]
+        chosen = next(r for r in results if r.name == selection.choose(results))
+        assert chosen.status == "passed" and chosen.ms <= ms[0]
+
+
+def test_cache_is_reused_and_invalidated_by_torch_device_or_candidates(tmp_path, monkeypatch):
+    cache = DecisionCache(tmp_path / "kd.json")
+    calls = []
+
+    def timer(candidate, case, call, device):
+        calls.append(candidate.name)
+        return [1.0]
+
+    first = selection.decide(_ln_workload(), CPU, cache=cache, timer=timer)
+    assert calls and first.note.startswith("measured")
+    calls.clear()
+    again = selection.decide(_ln_workload(), CPU, cache=cache, timer=timer)
+    assert not calls and again.note.startswith("cached")
+    assert [d.choice for d in again.decisions.values()] == [d.choice for d in first.decisions.values()]
+
+    monkeypatch.setattr(torch, "__version__", "99.0.0")  # another torch
+    selection.decide(_ln_workload(), CPU, cache=cache, timer=timer)
+    assert calls
+    monkeypatch.undo()
+    calls.clear()
+    monkeypatch.setattr(selection, "device_name", lambda device: "another device")
+    selection.decide(_ln_workload(), CPU, cache=cache, timer=timer)
+    assert calls
+    monkeypatch.undo()
+    calls.clear()
+    selection.decide(_ln_workload(), CPU, cache=cache, timer=timer)  # the first environment, still cached
+    assert not calls
+    selection.decide(_ln_workload(), CPU, cache=cache, timer=timer, extra=[_cand("same", "same_layer_norm")],
+                     include_test_only=True)  # a new candidate: measured again
+    assert "same" in calls
+    envs = cache.environments()
+    assert len(envs) == 3 and {e["environment"]["torch"] for e in envs.values()} == {torch.__version__, "99.0.0"}
+
+
+def test_corrupt_cache_is_moved_aside_not_lost(tmp_path):
+    path = tmp_path / "kd.json"
+    path.write_text("{not json")
+    with pytest.warns(RuntimeWarning, match="unreadable"):
+        assert DecisionCache(path).load({"device": "x"}) == {}
+    assert [p.read_text() for p in tmp_path.glob("kd.json.corrupt-*")] == ["{not json"]
+
+
+def test_crashing_kernel_costs_only_itself_in_an_isolated_measurement():
+    cases = [(c, candidates_for(c.op, "cpu", extra=[_cand("crash", "crashing_layer_norm")], include_test_only=True))
+             for c in _ln_workload().cases("cpu")]
+    with pytest.warns(RuntimeWarning, match="'crash' killed the measuring process"):
+        (d,) = selection.measure_isolated(cases, CPU)
+    crash = d.measurement("crash")
+    assert crash.status == "error" and "exit" in crash.reason
+    assert d.measurement("torch").ms is not None and d.choice != "crash"
+
+
+def test_routed_set_picks_by_dtype_and_dropout_and_falls_back_to_torch(monkeypatch):
+    ext()
+    w = selection.Workload(batch=2, seq=8, hidden=16, heads=2, ops=("bias_dropout_add_layer_norm",))
+    plan = selection.decide(w, CPU, timer=lambda cand, case, call, dev: [0.1 if case.dropout == (cand.name == "fused")
+                                                                           else 1.0])
+    ks = kernel_set_from_plan(plan, "cpu")
+    assert ks.sources["bias_dropout_add_layer_norm"] == "fused"  # the training call's choice
+    assert ks.layer_norm is REFERENCE.layer_norm  # undecided ops: torch-native
+    seen = []
+    for name in ("fused", "torch"):
+        cand = Candidate.from_dict(plan.candidates["bias_dropout_add_layer_norm"][name])
+        fn = cand.load()
+        monkeypatch.setitem(ks.bias_dropout_add_layer_norm.routes,
+                            next(k for k, n in ks.bias_dropout_add_layer_norm.names.items() if n == name),
+                            lambda *a, _n=name, _f=fn, **k: seen.append(_n) or _f(*a, **k))
+    x, r, w_, b = torch.randn(4, 16), torch.randn(4, 16), torch.ones(16), torch.zeros(16)
+    ks.bias_dropout_add_layer_norm(x, None, r, w_, b, p=0.1, training=True, eps=1e-12)
+    ks.bias_dropout_add_layer_norm(x, None, r, w_, b, p=0.1, training=False, eps=1e-12)
+    assert seen == ["fused", "torch"]
+    y = ks.bias_dropout_add_layer_norm(x.double(), None, r.double(), w_.double(), b.double(), p=0.1, training=True,
+                                       eps=1e-12)  # float64 was not decided: torch-native
+    assert y.dtype == torch.float64 and seen == ["fused", "torch"]
+
+
+def test_model_runs_on_a_measured_plan_and_matches_the_reference():
+    ext()
+    cfg = BertConfig.from_preset("tiny", vocab_size=300, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                 unpad=True)
+    w = selection.Workload.for_model(cfg, batch=3, seq=16)
+    prefer_fused = lambda cand, case, call, dev: [0.1 if cand.name == "fused" else 1.0]  # noqa: E731
+    ks = kernel_set_from_plan(selection.decide(w, CPU, timer=prefer_fused), "cpu")
+    assert ks.sources == {"layer_norm": "fused", "bias_dropout_add_layer_norm": "fused",
+                          "attention": "reference", "varlen_attention": "fused"}  # unpad: padded attention not decided
+    torch.manual_seed(0)
+    ours = BertForPreTraining(cfg, device_type="cpu", kernels=ks)
+    ref = BertForPreTraining(cfg, device_type="cpu", kernels=REFERENCE)
+    ref.load_state_dict(ours.state_dict())
+    ids = torch.randint(5, 300, (3, 16))
+    mask = (torch.arange(16)[None] < torch.tensor([16, 9, 3])[:, None]).long()
+    a, b = ours(ids, mask).seq_relationship_logits, ref(ids, mask).seq_relationship_logits
+    assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_workload_cases_follow_the_config():
+    cfg = BertConfig.from_preset("base", unpad=True, attention_probs_dropout_prob=0.0)
+    w = selection.Workload.for_model(cfg, batch=64, seq=128, precision="bf16", autocast=True)
+    ops = {(c.op, c.dtype, c.dropout) for c in w.cases("cuda")}
+    assert ops == {("layer_norm", "float32", False), ("bias_dropout_add_layer_norm", "float32", True),
+                   ("bias_dropout_add_layer_norm", "float32", False), ("varlen_attention", "bfloat16", False)}
+    with pytest.raises(ValueError, match="divisible"):
+        selection.Workload(batch=1, seq=8, hidden=10, heads=3)
+
+
+def test_reference_means_torch_native_on_cuda_and_the_old_reference_on_cpu():
+    assert reference_set("cpu") is REFERENCE
+    assert reference_set("cuda") is TORCH_NATIVE
+    assert TORCH_NATIVE.attention is torch_native.sdpa_attention
+    assert TORCH_NATIVE.varlen_attention is torch_native.varlen_attention
+
+
+def test_registry_takes_test_only_candidates_without_exposing_them_to_runs():
+    c = Candidate("attention", "emulated", f"{TC}:same_layer_norm", "emulated", test_only=True)
+    register_candidate(c)
+    try:
+        assert "emulated" not in [x.name for x in candidates_for("attention", "cuda")]
+        assert [x.name for x in candidates_for("attention", "cuda", include_test_only=True)][-1] == "emulated"
+        with pytest.raises(ValueError, match="baseline"):
+            register_candidate(Candidate("attention", "torch", "x:y", "torch"))
+    finally:
+        unregister_candidate("attention", "emulated")
+
+
+def test_case_key_names_everything_a_decision_depends_on():
+    a = Case("attention", "bfloat16", True, "cuda", 64, 128, 1024, 16)
+    assert "attention | bfloat16 | dropout 0.1 | b64 s128 h1024 n16" in a.key
+    assert Case("attention", "bfloat16", False, "cuda", 64, 128, 1024, 16, p=0.0).key != a.key
+
+
+# ---------------------------------------------------------------- ranks agree
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from bertdist.ops import selection as sel
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        # Each rank would choose differently on its own: rank 1 sees "same" as fastest.
+        def timer(candidate, case, call, device):
+            fast = "same" if rank == 1 else "torch"
+            return [0.1 if candidate.name == fast else 1.0]
+
+        extra = [Candidate("layer_norm", "same", f"{TC}:same_layer_norm", "test", test_only=True)]
+        make = lambda: sel.decide(_ln_workload(), CPU, timer=timer, extra=extra, include_test_only=True)  # noqa: E731
+        own = make()
+        agreed = sel.agree_plan(make, CPU)
+        with open(f"{out_dir}/rank{rank}.json", "w") as f:
+            json.dump({"own": [d.choice for d in own.decisions.values()],
+                       "agreed": [d.choice for d in agreed.decisions.values()]}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_run_rank_zeros_choice(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank_main, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["own"] == ["torch"] and r1["own"] == ["same"]  # left alone, they would disagree
+    assert r0["agreed"] == r1["agreed"] == ["torch"]
