@@ -16,7 +16,7 @@ def _version(dist: str) -> str:
 def collect() -> dict:
     import torch
 
-    from bertdist.ops import kernel_status, resolve_kernels
+    from bertdist.ops import emulated, kernel_status, resolve_kernels
 
     devices = [f"cpu ({os.cpu_count()} logical cores, {torch.get_num_threads()} torch threads)"]
     if torch.cuda.is_available():
@@ -51,6 +51,8 @@ def collect() -> dict:
         },
         "devices": devices,
         "kernels": kernels,
+        # kernels: emulated (the CUDA kernels run on the CPU, for tests): built or why not
+        "emulated_kernels": emulated.describe(),
     }
 
 
@@ -76,6 +78,7 @@ def run(args) -> int:
             state = "fused usable" if r["fused_usable"] else "fused NOT usable"
             why = f" - {r['reason']}" if r["reason"] else ""
             print(f"  {r['op']:<28} active={r['active_under_auto']:<9} {state}{why}")
+    print(f"emulated CUDA kernels (kernels: emulated, for tests): {info['emulated_kernels']}")
     return 0
 
 
