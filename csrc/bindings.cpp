@@ -656,7 +656,8 @@ pybind11::dict build_info() {
 // and its totals (context switches, barriers, warp collectives).
 pybind11::dict emulator_counts() {
   pybind11::dict kernels;
-  for (const auto& k : bdemu::kernel_counts()) kernels[k.name.c_str()] = pybind11::make_tuple(k.launches, k.blocks, k.threads);
+  for (const auto& k : bdemu::kernel_counts())
+    kernels[k.name.c_str()] = pybind11::make_tuple(k.launches, k.blocks, k.threads);
   const bdemu::Counters c = bdemu::counters();
   pybind11::dict d;
   d["kernels"] = kernels;

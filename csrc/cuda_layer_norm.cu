@@ -244,7 +244,8 @@ __global__ void __launch_bounds__(kMaxThreads) ln_fwd_stream_kernel(LnFwdParams 
   const float* gamma = static_cast<const float*>(p.gamma);
   const float* beta = static_cast<const float*>(p.beta);
   T* y = static_cast<T*>(p.y) + base;
-  for (int64_t c = threadIdx.x; c < p.hidden; c += blockDim.x) y[c] = from_f<T>((value(c) - mean) * rstd * gamma[c] + beta[c]);
+  for (int64_t c = threadIdx.x; c < p.hidden; c += blockDim.x)
+    y[c] = from_f<T>((value(c) - mean) * rstd * gamma[c] + beta[c]);
   if (threadIdx.x == 0) {
     static_cast<float*>(p.mean)[row] = mean;
     static_cast<float*>(p.rstd)[row] = rstd;

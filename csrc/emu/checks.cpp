@@ -153,11 +153,13 @@ class Verdict {
   void close(const char* what, const Array& emu, const Array& cpu, const Array& ref) {
     const double e = rel_err(emu, ref);
     if (t_ == DType::F32) {
-      if (!(e <= kTolF32)) add(std::string(what) + ": error " + fmt("%.3e", e) + " against float64 > " + fmt("%.0e", kTolF32));
+      if (!(e <= kTolF32))
+        add(std::string(what) + ": error " + fmt("%.3e", e) + " against float64 > " + fmt("%.0e", kTolF32));
     } else {
       const double c = rel_err(cpu, ref);
       if (!(e <= 2 * c + kLowPrecisionFloor))
-        add(std::string(what) + ": error " + fmt("%.3e", e) + " against float64 > 2 x the CPU twin's " + fmt("%.3e", c));
+        add(std::string(what) + ": error " + fmt("%.3e", e) + " against float64 > 2 x the CPU twin's " +
+            fmt("%.3e", c));
     }
   }
   // Results computed in fp32 whatever T (statistics): close to the CPU twin's.
@@ -461,7 +463,8 @@ AttnLayout attn_layout(const AttnCase& c) {
 }
 
 HeadTensor at(HeadTensor t, const Array& a) {
-  t.ptr = static_cast<char*>(a.data()) + reinterpret_cast<intptr_t>(t.ptr) * static_cast<intptr_t>(elem_size(a.dtype()));
+  const auto offset = reinterpret_cast<intptr_t>(t.ptr);
+  t.ptr = static_cast<char*>(a.data()) + offset * static_cast<intptr_t>(elem_size(a.dtype()));
   return t;
 }
 

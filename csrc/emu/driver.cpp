@@ -47,7 +47,7 @@ int main(int argc, char** argv) {
         return 2;
       }
     } else {
-      std::fprintf(stderr, "check_kernels: unknown argument %s (see the comment at the top of driver.cpp)\n", a.c_str());
+      std::fprintf(stderr, "check_kernels: unknown argument %s (see the top of csrc/emu/driver.cpp)\n", a.c_str());
       return 2;
     }
   }

@@ -119,14 +119,29 @@ std::string format(const char* fmt, ...) {
   return s;
 }
 
-std::string dim_str(const dim3& d) { return format("(%u, %u, %u)", d.x, d.y, d.z); }
+// A short piece of a message in a fixed buffer: a fiber that faults is never unwound, so the
+// parts of its message must not own heap memory.
+struct Text {
+  char s[112];
+  const char* c_str() const { return s; }
+};
+
+Text dim_str(const dim3& d) {
+  Text t;
+  std::snprintf(t.s, sizeof t.s, "(%u, %u, %u)", d.x, d.y, d.z);
+  return t;
+}
 
 const char* base_name(const char* path) {
   const char* slash = std::strrchr(path, '/');
   return slash ? slash + 1 : path;
 }
 
-std::string site_str(const Site& s) { return format("%s:%d", base_name(s.file), s.line); }
+Text site_str(const Site& s) {
+  Text t;
+  std::snprintf(t.s, sizeof t.s, "%s:%d", base_name(s.file), s.line);
+  return t;
+}
 
 // Dynamic shared memory for one launch: the block's bytes end where a PROT_NONE page begins.
 class DynamicSmem {
@@ -193,21 +208,24 @@ thread_local Thread* tls_thread = nullptr;
 thread_local StackPool* tls_stacks = nullptr;
 
 std::string where(const Launch& L, const Thread& t) {
-  return format("%s: block %s thread %s (warp %d lane %d)", L.cfg.name, dim_str(dim3(L.block_idx.x, L.block_idx.y,
-                L.block_idx.z)).c_str(), dim_str(dim3(t.ids.thread_idx.x, t.ids.thread_idx.y, t.ids.thread_idx.z)).c_str(),
-                t.warp, t.lane);
+  const dim3 b(L.block_idx.x, L.block_idx.y, L.block_idx.z);
+  const dim3 th(t.ids.thread_idx.x, t.ids.thread_idx.y, t.ids.thread_idx.z);
+  return format("%s: block %s thread %s (warp %d lane %d)", L.cfg.name, dim_str(b).c_str(), dim_str(th).c_str(), t.warp,
+                t.lane);
 }
 
-// From a fiber: record the fault and leave for the host side for good.
-[[noreturn]] void fiber_fault(cudaError_t code, const std::string& msg) {
+// From a fiber: record the fault and leave for the host side for good. The fiber's frames are
+// abandoned, never unwound, so none may own memory then: the message is emptied here, and the
+// pieces it is made of (site_str, dim_str) are fixed-size buffers, not heap strings.
+[[noreturn]] void fiber_fault(cudaError_t code, std::string msg) {
   Launch& L = *tls_launch;
-  Thread& t = *tls_thread;
   if (!L.faulted) {
     L.faulted = true;
     L.fault_code = code;
-    L.fault_message = where(L, t) + ": " + msg;
+    L.fault_message = where(L, *tls_thread) + ": " + msg;
   }
-  switch_to(&t.ctx, &L.host);
+  std::string().swap(msg);  // the caller's temporary: its memory goes now
+  switch_to(&tls_thread->ctx, &L.host);
   std::abort();  // never resumed
 }
 
@@ -233,9 +251,9 @@ __attribute__((noinline)) void thread_body(Thread* t) {
   const unsigned me = 1u << t->lane;
   for (const WarpOp& op : w.pending)
     if (op.mask & me)
-      fiber_fault(cudaErrorLaunchFailure,
-                  format("exited while lanes 0x%08x wait for it at %s (%s, mask 0x%08x)", op.arrived,
-                         collective_name(op.kind), site_str(op.site).c_str(), op.mask));
+      fiber_fault(cudaErrorLaunchFailure, format("exited while lanes 0x%08x wait for it at %s (%s, mask 0x%08x)",
+                                                 op.arrived, collective_name(op.kind), site_str(op.site).c_str(),
+                                                 op.mask));
   w.exited |= me;
   w.runnable &= ~me;
   --L.live;
@@ -368,7 +386,7 @@ std::string config_error(const LaunchConfig& c, const DeviceProps& d, size_t max
     *code = cudaErrorInvalidValue;
     return format("%zu bytes of dynamic shared memory > this kernel's limit of %zu (%s)", c.dynamic_smem, max_dynamic,
                   opted_in ? "set by cudaFuncSetAttribute"
-                           : "the default; cudaFuncSetAttribute(cudaFuncAttributeMaxDynamicSharedMemorySize) raises it");
+                           : "the default; cudaFuncSetAttribute(MaxDynamicSharedMemorySize) raises it");
   }
   return "";
 }
@@ -432,10 +450,10 @@ uint64_t warp_collective(Collective kind, const Site& site, unsigned mask, uint6
   Warp& w = L.warps[t.warp];
   const unsigned me = 1u << t.lane;
   const char* name = collective_name(kind);
-  const std::string at = site_str(site);
+  const Text at = site_str(site);  // a fixed buffer: a waiting fiber holds no heap object
   if (!(mask & me))
-    fiber_fault(cudaErrorLaunchFailure,
-                format("%s (%s) with mask 0x%08x does not include the calling lane %d", name, at.c_str(), mask, t.lane));
+    fiber_fault(cudaErrorLaunchFailure, format("%s (%s) with mask 0x%08x does not include the calling lane %d", name,
+                                               at.c_str(), mask, t.lane));
   if (mask & ~w.exists)
     fiber_fault(cudaErrorLaunchFailure, format("%s (%s) mask 0x%08x names lanes 0x%08x this block does not have "
                                                "(blockDim %s)", name, at.c_str(), mask, mask & ~w.exists,
@@ -461,8 +479,8 @@ uint64_t warp_collective(Collective kind, const Site& site, unsigned mask, uint6
     for (const WarpOp& p : w.pending)
       if (p.mask & mask)
         fiber_fault(cudaErrorLaunchFailure,
-                    format("%s (%s) mask 0x%08x overlaps lanes 0x%08x waiting at %s (%s) with mask 0x%08x: divergent "
-                           "warp", name, at.c_str(), mask, p.arrived, collective_name(p.kind),
+                    format("%s (%s) mask 0x%08x overlaps lanes 0x%08x waiting at %s (%s) with mask 0x%08x: "
+                           "divergent warp", name, at.c_str(), mask, p.arrived, collective_name(p.kind),
                            site_str(p.site).c_str(), p.mask));
     w.pending.push_back(WarpOp{kind, site, mask, 0});
     op = &w.pending.back();
@@ -495,9 +513,8 @@ uint64_t warp_collective(Collective kind, const Site& site, unsigned mask, uint6
       int src = lane ^ (r.lane_mask & 31);
       if (src > max_lane) src = lane;
       if (!(mask & (1u << src)))
-        fiber_fault(cudaErrorLaunchFailure,
-                    format("%s (%s): lane %d reads lane %d, which is not in mask 0x%08x", name, at.c_str(), lane, src,
-                           mask));
+        fiber_fault(cudaErrorLaunchFailure, format("%s (%s): lane %d reads lane %d, which is not in mask 0x%08x",
+                                                   name, at.c_str(), lane, src, mask));
       r.shfl_out = L.threads[base + src].shfl_in;
     }
   }
@@ -524,12 +541,12 @@ uint64_t shfl_xor_bits(const char* file, int line, unsigned mask, uint64_t bits,
 }
 
 void fault(cudaError_t code, const char* fmt, ...) {
+  current("a device-side check");
   va_list ap;
   va_start(ap, fmt);
-  const std::string msg = vformat(fmt, ap);
+  std::string msg = vformat(fmt, ap);
   va_end(ap);
-  current("a device-side check");
-  fiber_fault(code, msg);
+  fiber_fault(code, std::move(msg));  // leaves msg empty
 }
 
 void check_vector_access(const void* p, size_t bytes, bool store) {
@@ -649,7 +666,8 @@ cudaError_t set_func_attribute(const void* func, cudaFuncAttribute attr, int val
     return cudaSuccess;
   }
   if (attr == cudaFuncAttributePreferredSharedMemoryCarveout) return cudaSuccess;  // a hint
-  record_error(cudaErrorInvalidValue, format("cudaFuncSetAttribute: attribute %d is not emulated", static_cast<int>(attr)));
+  record_error(cudaErrorInvalidValue,
+               format("cudaFuncSetAttribute: attribute %d is not emulated", static_cast<int>(attr)));
   return cudaErrorInvalidValue;
 }
 
@@ -673,7 +691,9 @@ cudaError_t device_get_attribute(int* value, cudaDeviceAttr attr, int) {
     case cudaDevAttrMaxThreadsPerBlock: *value = d.max_threads_per_block; return cudaSuccess;
     case cudaDevAttrWarpSize: *value = kWarp; return cudaSuccess;
     case cudaDevAttrMaxSharedMemoryPerBlock: *value = static_cast<int>(d.shared_per_block); return cudaSuccess;
-    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = static_cast<int>(d.shared_per_block_optin); return cudaSuccess;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin:
+      *value = static_cast<int>(d.shared_per_block_optin);
+      return cudaSuccess;
     default:
       record_error(cudaErrorInvalidValue,
                    format("cudaDeviceGetAttribute: attribute %d is not emulated", static_cast<int>(attr)));
@@ -691,7 +711,8 @@ std::string describe_device() {
   return format("emulated CUDA device (bdemu, csrc/emu): %d multiprocessors, %d threads per block, %zu KB shared "
                 "memory per block (%zu KB opt-in), warps of 32, blocks run one at a time in %s order",
                 d.multiprocessors, d.max_threads_per_block, d.shared_per_block / 1024, d.shared_per_block_optin / 1024,
-                d.order == Order::kAlternate ? "alternating" : (d.order == Order::kAscending ? "ascending" : "descending"));
+                d.order == Order::kAlternate ? "alternating"
+                                             : (d.order == Order::kAscending ? "ascending" : "descending"));
 }
 
 std::vector<KernelCount> kernel_counts() {
