@@ -1,7 +1,7 @@
 """Mutation tests of the emulated-kernel suite: each class of CUDA bug below, injected into a copy
 of csrc/ one at a time, must make `make emu-test` fail.
 
-    python tests/emu/mutate.py [--only NAME[,NAME...]] [--jobs N] [--record] [--list]
+    python tests/emu/mutate.py [--only NAME[,NAME...]] [--skip-survivors] [--jobs N] [--record] [--list]
 
 A mutant is an exact edit of one source file; the script first checks that its text occurs
 exactly once, so a kernel change that moves the text stops the script with a clear message
@@ -12,6 +12,8 @@ standalone driver first (incremental: only the edited file's objects are rebuilt
 driver passed, the Python-level tests against an extension built from the mutant. A mutant is
 killed when make fails. Mutants marked `survives` document what the emulator cannot see; the
 script fails if one of them is killed too (then the note is stale) or if any other survives.
+A survivor costs the most (the driver passes, so the extension is built from it and the Python
+tests run): --skip-survivors leaves them out of a quick run.
 
 --record writes benchmarks/results/emu_mutations_<date>.md: every mutant, killed or not, by
 which check, how long it took, and the command.
@@ -141,11 +143,17 @@ def _first_failure(r: subprocess.CompletedProcess) -> str:
     return (tail[-1] if tail else f"make exited {r.returncode}")[:300]
 
 
-def run_worker(mutants, jobs: int, scratch: Path) -> list[Outcome]:
-    """One copy of csrc/ and one build folder for a batch of mutants, in order."""
+def run_worker(mutants, jobs: int, scratch: Path, baseline: bool = True) -> list[Outcome]:
+    """One copy of csrc/ and one build folder for a batch of mutants, in order. `baseline`: run
+    the checks on the unmutated copy first (else only build it, when the caller checked them)."""
     copy, build = scratch / "csrc", scratch / "build"
     shutil.copytree(CSRC, copy)
-    base = _make(["emu-check", f"EMU_CSRC={copy}", f"EMU_BUILD={build}"], jobs)
+    if baseline:
+        base = _make(["emu-check", f"EMU_CSRC={copy}", f"EMU_BUILD={build}"], jobs)
+    else:
+        base = subprocess.run([sys.executable, "-m", "bertdist.ops._emu_build", "driver", "--csrc", str(copy),
+                               "--out", str(build)], cwd=REPO, capture_output=True, text=True,
+                              env={**os.environ, "MAX_JOBS": str(jobs)})
     if base.returncode != 0:
         raise RuntimeError(f"the unmutated sources fail `make emu-check`: {_first_failure(base)}\n{base.stdout[-3000:]}")
     out, dirty = [], None
@@ -164,7 +172,7 @@ def run_worker(mutants, jobs: int, scratch: Path) -> list[Outcome]:
     return out
 
 
-def run(mutants, jobs: int) -> tuple[list[Outcome], float]:
+def run(mutants, jobs: int, baseline: bool = True) -> tuple[list[Outcome], float]:
     check_texts(mutants)
     t0 = time.perf_counter()
     # Mutants of one file stay together: each switch of file rebuilds one more object.
@@ -173,7 +181,7 @@ def run(mutants, jobs: int) -> tuple[list[Outcome], float]:
     batches = [b for b in batches if b]
     with tempfile.TemporaryDirectory(prefix="bertdist-mutants-") as tmp:
         with ThreadPoolExecutor(len(batches)) as pool:
-            futures = [pool.submit(run_worker, b, 1 if len(batches) > 1 else 2, Path(tmp) / f"w{i}")
+            futures = [pool.submit(run_worker, b, 1 if len(batches) > 1 else 2, Path(tmp) / f"w{i}", baseline)
                        for i, b in enumerate(batches)]
             outcomes = [o for f in futures for o in f.result()]
     order = {m.name: i for i, m in enumerate(mutants)}
@@ -225,6 +233,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", help="comma-separated mutant names (default: all)")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="mutants built and run in parallel")
     ap.add_argument("--record", action="store_true", help="write benchmarks/results/emu_mutations_<date>.md")
+    ap.add_argument("--skip-survivors", action="store_true", help="leave out the known survivors (the slowest)")
     ap.add_argument("--list", action="store_true", help="list the mutants and exit")
     a = ap.parse_args(argv)
     if a.list:
@@ -238,6 +247,8 @@ def main(argv=None) -> int:
         if unknown:
             raise SystemExit(f"unknown mutants {unknown}; --list shows them")
         mutants = tuple(m for m in MUTANTS if m.name in names)
+    if a.skip_survivors:
+        mutants = tuple(m for m in mutants if not m.survives)
     outcomes, seconds = run(mutants, max(1, a.jobs))
     killed = sum(o.killed for o in outcomes)
     print(f"{killed} of {len(outcomes)} mutants killed in {seconds:.0f} s")
