@@ -9,6 +9,7 @@
 #include <cstdarg>
 #include <cstdio>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -205,7 +206,7 @@ struct Launch {
 
 thread_local Launch* tls_launch = nullptr;
 thread_local Thread* tls_thread = nullptr;
-thread_local StackPool* tls_stacks = nullptr;
+thread_local std::unique_ptr<StackPool> tls_stacks;  // freed when the host thread ends
 
 std::string where(const Launch& L, const Thread& t) {
   const dim3 b(L.block_idx.x, L.block_idx.y, L.block_idx.z);
@@ -607,8 +608,8 @@ void run_grid(const LaunchConfig& cfg, Body body) {
   L.threads.resize(static_cast<size_t>(L.nthreads));
   L.warps.resize(static_cast<size_t>(L.nwarps));
   L.static_arena.assign(L.dev.shared_per_block, 0);
-  if (tls_stacks == nullptr) tls_stacks = new StackPool();  // lives as long as the host thread
-  L.stacks = tls_stacks;
+  if (!tls_stacks) tls_stacks = std::make_unique<StackPool>();
+  L.stacks = tls_stacks.get();
   DynamicSmem dyn(cfg.dynamic_smem);
   L.dyn = &dyn;
   tls_launch = &L;

@@ -17,7 +17,7 @@
 
 namespace bdemu {
 
-#if defined(__x86_64__)
+#ifdef BDEMU_ASM_SWITCH
 // bdemu_switch(void** save_sp, void* new_sp): push the System V callee-saved registers,
 // store the stack pointer, load the other one, pop its registers and return into it.
 // bdemu_start: a new fiber's first "return" lands here with entry in r13 and arg in r12.

@@ -8,14 +8,17 @@
 #include <cstddef>
 #include <vector>
 
-#if !defined(__x86_64__)
+// BDEMU_UCONTEXT: the portable ucontext switch on x86-64 too (to test it there).
+#if defined(__x86_64__) && !defined(BDEMU_UCONTEXT)
+#define BDEMU_ASM_SWITCH 1
+#else
 #include <ucontext.h>
 #endif
 
 namespace bdemu {
 
 struct Context {
-#if defined(__x86_64__)
+#ifdef BDEMU_ASM_SWITCH
   void* sp = nullptr;  // saved stack pointer; the callee-saved registers sit on that stack
 #else
   ucontext_t uc;
