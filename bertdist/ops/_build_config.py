@@ -196,8 +196,11 @@ def emu_build_reason() -> tuple[bool, str]:
 
 
 def emu_cxx_flags() -> list[str]:
-    # -fno-strict-aliasing: the kernels reinterpret element pointers as vectors, as CUDA code does.
-    # The pragmas (#pragma unroll) and maybe-uninitialized warnings are nvcc-isms in host mode.
+    # -O2, not -O3: -O3's loop unswitching can copy a __syncwarp into lane-dependent paths, which
+    # the emulator (keying collectives by call site) would report as divergence. It comes last,
+    # after the -O3 setuptools passes. -fno-strict-aliasing: the kernels reinterpret element
+    # pointers as vectors, as CUDA code does. #pragma unroll and maybe-uninitialized warnings are
+    # nvcc-isms in host mode.
     return ["-O2", "-fopenmp", "-DBERTDIST_EMU", "-fno-strict-aliasing", "-Wno-unknown-pragmas",
             "-Wno-maybe-uninitialized"]
 

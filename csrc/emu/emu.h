@@ -13,11 +13,13 @@
 // - __syncthreads is a barrier that counts arrivals; exited threads count as arrived. Threads
 //   arriving at two different __syncthreads (two call sites) stop the launch with an error.
 // - __syncwarp and __shfl_xor_sync are warp collectives keyed by call site (the instruction
-//   address after inlining, like the GPU's program counter) and mask. The launch stops with a
-//   message naming lanes, masks and source lines when: the mask omits the calling lane or names
-//   exited or absent lanes; a lane named in the mask reaches a different collective, a
-//   __syncthreads or its end instead (divergence); a shuffle reads a lane outside the mask; or
-//   nothing can run (deadlock).
+//   address after inlining, like the GPU's program counter, and the source line) and mask.
+//   (So the host compiler must not copy a collective into lane-dependent paths, as -O3's
+//   loop unswitching may: the emulated builds use -O2, see _build_config.emu_cxx_flags.)
+//   The launch stops with a message naming lanes, masks and source lines when: the mask omits
+//   the calling lane or names exited or absent lanes; a lane named in the mask reaches a
+//   different collective, a __syncthreads or its end instead (divergence); a shuffle reads a
+//   lane outside the mask; or nothing can run (deadlock).
 // - Shared memory (static and dynamic) is per block, filled with NaN (all bits set) at block
 //   start; dynamic shared memory ends at a guard page. Launch limits are enforced: threads and
 //   grid dimensions, 48 KB of shared memory without opt-in, the opt-in ceiling of the emulated
