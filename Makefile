@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # Worker count for pytest-style knobs and the demo; CI machines have 2 cores.
 JOBS ?= $(shell nproc)
 
-.PHONY: demo test test-fast venv clean lint-duplicates slurm gpu-acceptance
+.PHONY: demo test test-fast venv clean lint-duplicates slurm gpu-acceptance emu-check emu-test emu-sanitize emu-mutate
 
 venv: $(STAMP)
 
@@ -59,6 +59,36 @@ demo: venv
 # Without CUDA it runs the quick CPU variant.
 gpu-acceptance: venv
 	$(PY) -m bertdist.cli.main bench
+
+# The CUDA kernels run on the CPU by the SIMT emulator (csrc/emu; README "The model and the
+# kernels"). EMU_CSRC and EMU_BUILD let the mutation tests build from a mutated copy of csrc/.
+# These targets need the venv only when there is none yet: their builds are incremental on
+# their own (bertdist/ops/_emu_build.py), and a stale stamp must not reinstall the package.
+EMU_CSRC ?= csrc
+EMU_BUILD ?= build/emu
+EMU_VENV := $(if $(wildcard $(PY)),,venv)
+
+# The standalone check driver: the emulator's selftests and every kernel against the CPU twins.
+emu-check: $(EMU_VENV)
+	$(PY) -m bertdist.ops._emu_build driver --csrc $(EMU_CSRC) --out $(EMU_BUILD)
+	$(EMU_BUILD)/check_kernels --quiet
+
+# The emulated-kernel tests alone: the driver, then the Python-level tests (ops, entry points,
+# the tiny model) against an extension built from the same sources. `make test` runs them too.
+emu-test: emu-check
+	$(PY) -m bertdist.ops._emu_build ext --csrc $(EMU_CSRC) --out $(EMU_BUILD)
+	BERTDIST_EMU_EXT=$(EMU_BUILD)/ext/_C_emu.so $(PY) -m pytest -q -p no:cacheprovider tests/emu \
+		--ignore=tests/emu/test_kernel_checks.py --ignore=tests/emu/test_mutations.py
+
+# The driver under AddressSanitizer + UndefinedBehaviorSanitizer (any report aborts the run).
+emu-sanitize: $(EMU_VENV)
+	$(PY) -m bertdist.ops._emu_build driver --sanitize --csrc $(EMU_CSRC) --out $(EMU_BUILD)
+	ASAN_OPTIONS=abort_on_error=1:detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+		$(EMU_BUILD)/check_kernels_sanitized --quiet
+
+# Every mutant of tests/emu/mutate.py must make `make emu-test` fail; writes benchmarks/results/.
+emu-mutate: $(EMU_VENV)
+	$(PY) tests/emu/mutate.py --record
 
 clean:
 	rm -rf $(VENV) build *.egg-info demo_out

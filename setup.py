@@ -14,6 +14,12 @@ Two more, independent extensions, ``data_pipeline._native_instances`` and
 torch (Beam workers must not import torch). They are built first, by setuptools' own
 build_extension, each in its own try: a failure costs only that module (the data pipeline then
 uses its Python reference) and never stops the other nor ``bertdist._C``, nor the reverse.
+
+``bertdist._C_emu`` (the CUDA kernels compiled by the host compiler for the SIMT emulator in
+csrc/emu, so that they run in CI without a GPU) is built last, in its own try and its own
+build folder, where a C++ compiler and the CUDA headers exist (no nvcc needed); otherwise, or
+when it fails, it is skipped with the reason and nothing else is affected. BERTDIST_EMU=0
+skips it.
 """
 import importlib.util
 import os
@@ -111,6 +117,25 @@ DATA_EXTS = _data_extensions()
 EXT, CPU_FALLBACK, CE = _extensions()
 
 
+def _emu_extension(ce):
+    """The emulated-kernel extension, or None (with the reason logged) when it cannot be built here."""
+    ok, why = bc.emu_build_reason()
+    if not ok:
+        _log(f"{bc.EMU_EXT_NAME} NOT built: {why} (kernels=emulated and its tests will say so)")
+        return None
+    _log(f"{bc.EMU_EXT_NAME}: {why}")
+    return ce.CppExtension(
+        bc.EMU_EXT_NAME,
+        [f"csrc/{s}" for s in bc.EMU_EXT_SOURCES],
+        extra_compile_args={"cxx": bc.emu_cxx_flags()},
+        extra_link_args=["-fopenmp"],
+        include_dirs=bc.emu_include_dirs(),
+    )
+
+
+EMU_EXT = _emu_extension(CE) if CE is not None else None
+
+
 def _split_data_extension(cmd):
     """Build the data extensions first, each on its own; leave only the torch extension(s) in
     ``cmd``. Returns the data extensions that built (to be put back, so an in-place build copies them)."""
@@ -127,8 +152,28 @@ if EXT is not None:
 
         def build_extensions(self):
             data_built = _split_data_extension(self)
+            emu = [e for e in self.extensions if e.name == bc.EMU_EXT_NAME]
+            self.extensions = [e for e in self.extensions if e.name != bc.EMU_EXT_NAME]
             self._build_torch_extension()
-            self.extensions = data_built + self.extensions
+            emu_built = self._build_emu_extension(emu)
+            self.extensions = data_built + self.extensions + emu_built
+
+        def _build_emu_extension(self, emu):
+            """Builds bertdist._C_emu on its own (its objects in their own folder: it compiles
+            bindings.cpp with other flags); a failure costs only that module."""
+            if not emu:
+                return []
+            built, temp = self.extensions, self.build_temp
+            self.extensions, self.build_temp = emu, os.path.join(temp, "emu")
+            try:
+                super().build_extensions()
+                return emu
+            except Exception as e:  # compiler/linker errors surface as various exception types
+                _log(f"{bc.EMU_EXT_NAME} build failed: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+                _log(f"{bc.EMU_EXT_NAME} NOT built: kernels=emulated is unavailable, the rest is unaffected")
+                return []
+            finally:
+                self.extensions, self.build_temp = built, temp
 
         def _build_torch_extension(self):
             if not self.extensions:
@@ -163,5 +208,5 @@ else:
 
     build_ext_cmd = BuildExt
 
-ext_modules = DATA_EXTS + ([EXT] if EXT is not None else [])
+ext_modules = DATA_EXTS + ([EXT] if EXT is not None else []) + ([EMU_EXT] if EMU_EXT is not None else [])
 setup(ext_modules=ext_modules, cmdclass={"build_ext": build_ext_cmd} if ext_modules else {})

@@ -4,6 +4,9 @@
 // message naming the expected and the actual value, allocates outputs, and hands raw
 // pointers to the CPU kernels or, for CUDA tensors, to the CUDA kernels (when built with
 // BERTDIST_WITH_CUDA). Autograd lives in Python (bertdist/ops/fused.py).
+//
+// Built with BERTDIST_EMU instead, this file is bertdist._C_emu: the same entry points hand
+// CPU tensors to the CUDA kernels, run by the SIMT emulator (csrc/emu), as a GPU would get them.
 #include <torch/extension.h>
 
 #include <mutex>
@@ -32,8 +35,23 @@
 #define BERTDIST_BUILD_NOTE ""
 #endif
 
+// The CUDA kernels are called from this module: compiled by nvcc, or by the host compiler for the emulator.
+#if defined(BERTDIST_WITH_CUDA) || defined(BERTDIST_EMU)
+#define BERTDIST_CUDA_KERNELS 1
+#endif
+#ifdef BERTDIST_EMU
+#include "emu/checks.h"
+#include "emu/emu_api.h"
+#endif
+
 namespace bertdist {
 namespace {
+
+#ifdef BERTDIST_EMU
+constexpr bool kEmulated = true;  // CPU tensors go to the emulated CUDA kernels
+#else
+constexpr bool kEmulated = false;
+#endif
 
 std::string shape_str(const at::Tensor& t) { return c10::str(t.sizes()); }
 
@@ -43,8 +61,8 @@ DType dtype_of(const at::Tensor& t, const char* op) {
     case at::kHalf: return DType::F16;
     case at::kBFloat16: return DType::BF16;
     case at::kDouble:
-      TORCH_CHECK(t.device().is_cpu(), op, ": float64 is supported on CPU only (got a float64 tensor on ",
-                  t.device(), ")");
+      TORCH_CHECK(t.device().is_cpu() && !kEmulated, op, ": float64 is supported by the C++ CPU kernels only (got a ",
+                  "float64 tensor on ", t.device(), kEmulated ? ", for the emulated CUDA kernels" : "", ")");
       return DType::F64;
     default:
       TORCH_CHECK(false, op, ": expected dtype float32, float16 or bfloat16 (float64 on CPU), got ",
@@ -108,7 +126,7 @@ at::Tensor forward_rng(DropoutRng& r, const at::Tensor& ref, double p_drop, cons
   if (seed.has_value()) {
     r.seed = static_cast<uint64_t>(*seed);
     r.offset = checked_offset(offset, op);
-    if (ref.device().is_cpu()) {
+    if (ref.device().is_cpu() && !kEmulated) {
       record.data_ptr<int64_t>()[0] = *seed;
       record.data_ptr<int64_t>()[1] = offset;
     } else {
@@ -139,7 +157,7 @@ void backward_rng(DropoutRng& r, const at::Tensor& ref, double p_drop, const at:
   TORCH_CHECK(record.dim() == 1 && record.size(0) == 2 && record.is_contiguous(), op,
               ": rng_state must be the forward's contiguous [2] (seed, offset) record, got shape ",
               shape_str(record));
-  if (ref.device().is_cpu()) {
+  if (ref.device().is_cpu() && !kEmulated) {
     r.seed = static_cast<uint64_t>(record.data_ptr<int64_t>()[0]);
     r.offset = checked_offset(record.data_ptr<int64_t>()[1], op);
   } else {
@@ -154,6 +172,17 @@ void* current_stream() { return static_cast<void*>(c10::cuda::getCurrentCUDAStre
 // Runs the CPU or CUDA variant of a kernel for tensors on `ref`'s device.
 template <typename CpuFn, typename CudaFn>
 void run_on_device(const at::Tensor& ref, const char* op, CpuFn&& cpu, CudaFn&& cuda) {
+#ifdef BERTDIST_EMU
+  (void)cpu;
+  TORCH_CHECK(ref.device().is_cpu(), op, ": bertdist._C_emu runs the emulated CUDA kernels on CPU tensors, got device ",
+              ref.device());
+  try {
+    cuda(nullptr);  // the emulator runs each launch to completion: no stream
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, op, ": ", e.what());
+  }
+  return;
+#endif
   if (ref.device().is_cpu()) {
     cpu();
     return;
@@ -219,7 +248,7 @@ std::vector<at::Tensor> run_ln_fwd(LnFwdParams& p, const at::Tensor& x, const Ln
   const DType t = dtype_of(x, op);
   if (in.rows > 0)
     run_on_device(x, op, [&] { ln_fwd_cpu(p, t); }, [&](void* s) {
-#ifdef BERTDIST_WITH_CUDA
+#ifdef BERTDIST_CUDA_KERNELS
       ln_fwd_cuda(p, t, s);
 #endif
     });
@@ -263,7 +292,7 @@ std::vector<at::Tensor> run_ln_bwd(LnBwdParams& p, const at::Tensor& dy, const a
   const DType t = dtype_of(h, op);
   if (in.rows > 0)
     run_on_device(h, op, [&] { ln_bwd_cpu(p, t); }, [&](void* s) {
-#ifdef BERTDIST_WITH_CUDA
+#ifdef BERTDIST_CUDA_KERNELS
       const int parts = ln_bwd_cuda_parts(p.rows, h.device().index());
       auto ws = at::empty({3 * static_cast<int64_t>(parts) * p.hidden}, h.options().dtype(at::kFloat));
       ln_bwd_cuda(p, t, ws.data_ptr<float>(), parts, s);
@@ -369,7 +398,7 @@ void check_head_tensor(const at::Tensor& ref, const at::Tensor& t, const char* o
 
 void check_head_dim(const at::Tensor& q, const char* op) {
   const int64_t d = q.size(-1);
-  if (q.device().is_cuda()) {
+  if (q.device().is_cuda() || kEmulated) {
     TORCH_CHECK(d == 32 || d == 64 || d == 128, op, ": head_dim must be 32, 64 or 128 on CUDA, got ", d);
   } else {
     TORCH_CHECK(d >= 1 && d <= 1024, op, ": head_dim must be in [1, 1024], got ", d);
@@ -476,7 +505,7 @@ int64_t stat_rows(const at::Tensor& q) { return q.numel() / q.size(-1); }
 void run_attn(const at::Tensor& ref, const AttnParams& p, DType t, bool backward, const char* op) {
   if (ref.numel() == 0 || p.batch == 0) return;
   run_on_device(ref, op, [&] { backward ? attn_bwd_cpu(p, t) : attn_fwd_cpu(p, t); }, [&](void* s) {
-#ifdef BERTDIST_WITH_CUDA
+#ifdef BERTDIST_CUDA_KERNELS
     backward ? attn_bwd_cuda(p, t, s) : attn_fwd_cuda(p, t, s);
 #endif
   });
@@ -604,8 +633,14 @@ bool with_cuda() {
 pybind11::dict build_info() {
   pybind11::dict d;
   d["with_cuda"] = with_cuda();
+  d["emulated"] = kEmulated;
+#ifdef BERTDIST_EMU
+  d["cuda_archs"] = std::string();
+  d["note"] = bdemu::describe_device();
+#else
   d["cuda_archs"] = std::string(BERTDIST_CUDA_ARCHS);
   d["note"] = std::string(BERTDIST_BUILD_NOTE);
+#endif
 #ifdef _OPENMP
   d["openmp"] = true;
 #else
@@ -616,13 +651,63 @@ pybind11::dict build_info() {
   return d;
 }
 
+#ifdef BERTDIST_EMU
+// What the emulator has run since the last reset: {kernel name: (launches, blocks, threads)}
+// and its totals (context switches, barriers, warp collectives).
+pybind11::dict emulator_counts() {
+  pybind11::dict kernels;
+  for (const auto& k : bdemu::kernel_counts())
+    kernels[k.name.c_str()] = pybind11::make_tuple(k.launches, k.blocks, k.threads);
+  const bdemu::Counters c = bdemu::counters();
+  pybind11::dict d;
+  d["kernels"] = kernels;
+  d["context_switches"] = c.context_switches;
+  d["barriers"] = c.barriers;
+  d["warp_collectives"] = c.warp_collectives;
+  return d;
+}
+
+// The C++ checks (csrc/emu/checks.h): returns {passed, failed, failures, log}.
+pybind11::dict run_checks(const std::string& suite, const std::string& filter, bool keep_going, bool quick) {
+  bdemu::CheckOptions o;
+  o.suite = suite;
+  o.filter = filter;
+  o.keep_going = keep_going;
+  o.quick = quick;
+  bdemu::CheckReport r;
+  {
+    pybind11::gil_scoped_release no_gil;
+    try {
+      r = bdemu::run_checks(o);
+    } catch (const std::invalid_argument& e) {
+      pybind11::gil_scoped_acquire gil;
+      TORCH_CHECK(false, "run_checks: ", e.what());
+    }
+  }
+  pybind11::dict d;
+  d["passed"] = r.passed;
+  d["failed"] = r.failed;
+  d["failures"] = r.failures;
+  d["log"] = r.log;
+  return d;
+}
+#endif
+
 }  // namespace
 }  // namespace bertdist
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace bertdist;
   namespace py = pybind11;
+#ifdef BERTDIST_EMU
+  m.doc() = "bertdist's CUDA kernels run on CPU tensors by the SIMT emulator (csrc/emu): same entry points as _C";
+  m.def("emulator_counts", &emulator_counts, "What the emulator has run since the last reset");
+  m.def("reset_emulator_counts", &bdemu::reset_counts);
+  m.def("run_checks", &run_checks, py::arg("suite") = "all", py::arg("filter") = "", py::arg("keep_going") = false,
+        py::arg("quick") = false, "The emulator's C++ checks (csrc/emu/checks.h)");
+#else
   m.doc() = "bertdist fused kernels: layer norm, bias+dropout+residual+layer norm, attention (CPU and CUDA)";
+#endif
   m.def("layer_norm_fwd", &layer_norm_fwd, py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("eps"));
   m.def("layer_norm_bwd", &layer_norm_bwd, py::arg("grad_out"), py::arg("x"), py::arg("mean"), py::arg("rstd"),
         py::arg("weight"));

@@ -76,7 +76,7 @@ constexpr int fwd_smem_floats() { return BQ * D + BK * (D + 1) + BK * D + kWarps
 template <typename T, int D, int BQ, int BK>
 __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(AttnParams p, uint32_t threshold, float inv_keep) {
   constexpr int RPW = BQ / kWarps, DPL = D / 32, KPL = BK / 32;
-  extern __shared__ float smem[];
+  BD_EXTERN_SHARED(float, smem);
   float* Qs = smem;
   float* Ks = Qs + BQ * D;
   float* Vs = Ks + BK * (D + 1);
@@ -189,7 +189,7 @@ constexpr int dq_smem_floats() { return 2 * BQ * D + 2 * BK * (D + 1) + kWarps *
 template <typename T, int D, int BQ, int BK>
 __global__ void __launch_bounds__(kThreads) attn_dq_kernel(AttnParams p, uint32_t threshold, float inv_keep) {
   constexpr int RPW = BQ / kWarps, DPL = D / 32, KPL = BK / 32;
-  extern __shared__ float smem[];
+  BD_EXTERN_SHARED(float, smem);
   float* Qs = smem;
   float* dOs = Qs + BQ * D;
   float* Ks = dOs + BQ * D;
@@ -274,7 +274,7 @@ constexpr int dkdv_smem_floats() { return 2 * BK * D + 2 * kBQ2 * (D + 1) + 3 * 
 template <typename T, int D, int BK>
 __global__ void __launch_bounds__(kThreads) attn_dkdv_kernel(AttnParams p, uint32_t threshold, float inv_keep) {
   constexpr int KPW = BK / kWarps, DPL = D / 32, QP = D + 1;
-  extern __shared__ float smem[];
+  BD_EXTERN_SHARED(float, smem);
   float* Ks = smem;
   float* Vs = Ks + BK * D;
   float* Qs = Vs + BK * D;
@@ -371,7 +371,7 @@ void launch(K kernel, dim3 grid, int smem_floats, cudaStream_t stream, const cha
   if (bytes > 48 * 1024)
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
                name);
-  kernel<<<grid, kThreads, bytes, stream>>>(p, threshold, inv_keep);
+  BD_LAUNCH(kernel, name, grid, kThreads, bytes, stream)(p, threshold, inv_keep);
   check_launch(name);
 }
 
@@ -414,7 +414,9 @@ void attn_bwd_cuda(const AttnParams& p, DType t, void* stream) {
     using T = decltype(tv);
     dispatch_head_dim(p.head_dim, "attn_bwd_cuda", [&](auto dc) {
       constexpr int D = decltype(dc)::value;
-      attn_delta_kernel<T, D><<<dim3((p.seq + kThreads - 1) / kThreads, p.heads, p.batch), kThreads, 0, s>>>(p);
+      const auto delta_kernel = attn_delta_kernel<T, D>;
+      BD_LAUNCH(delta_kernel, "attn_delta_kernel", dim3((p.seq + kThreads - 1) / kThreads, p.heads, p.batch),
+                kThreads, 0, s)(p);
       check_launch("attn_delta_kernel");
       constexpr int BQ = D == 128 ? 32 : 64, BK = D == 128 ? 32 : 64;
       launch(attn_dq_kernel<T, D, BQ, BK>, dim3((p.seq + BQ - 1) / BQ, p.heads, p.batch), dq_smem_floats<D, BQ, BK>(),

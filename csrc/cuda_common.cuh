@@ -1,18 +1,42 @@
 // Device helpers shared by the CUDA kernels: dtype conversion, warp/block reductions,
 // launch checks, dtype dispatch and the dropout key. No torch headers (see ops.h) beyond
 // ATen's two small raw Philox-state headers.
+//
+// The same sources also build for the SIMT emulator (csrc/emu, -DBERTDIST_EMU), which runs
+// them on the CPU in CI. The only spellings that differ are the three macros below.
 #pragma once
+#ifdef BERTDIST_EMU
+#include "emu/emu.h"  // stands in for the CUDA runtime and the device built-ins
+#else
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <ATen/cuda/PhiloxUtils.cuh>
+#endif
 
 #include <stdexcept>
 #include <string>
 
 #include "ops.h"
 #include "philox.h"
+
+// BD_LAUNCH(kernel, "name", grid, block, smem_bytes, stream)(args...) is
+// kernel<<<grid, block, smem_bytes, stream>>>(args...); the emulator also reports the name.
+// BD_SHARED(float, red, 66) is `__shared__ float red[66]`; BD_EXTERN_SHARED(float, smem) is
+// `extern __shared__ float smem[]` (the launch's dynamic shared memory).
+#ifdef BERTDIST_EMU
+#define BD_LAUNCH(kernel, name, grid, block, smem_bytes, stream) \
+  ::bdemu::Launcher(kernel, grid, block, smem_bytes, stream, name, __FILE__, __LINE__)
+#define BD_SHARED(type, var, count)                                                       \
+  static char var##_bd_key; /* one key per declaration: all threads get the same array */ \
+  type* const var = static_cast<type*>(::bdemu::static_shared(&var##_bd_key, sizeof(type) * (count), alignof(type)))
+#define BD_EXTERN_SHARED(type, var) type* const var = static_cast<type*>(::bdemu::dynamic_shared())
+#else
+#define BD_LAUNCH(kernel, name, grid, block, smem_bytes, stream) kernel<<<grid, block, smem_bytes, stream>>>
+#define BD_SHARED(type, var, count) __shared__ type var[count]
+#define BD_EXTERN_SHARED(type, var) extern __shared__ type var[]
+#endif
 
 namespace bertdist {
 
@@ -29,6 +53,19 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Vec {
   T v[N];
+#ifdef BERTDIST_EMU
+  // The emulator checks what a GPU faults on: a vector load or store not aligned to its size.
+  Vec() = default;
+  Vec(const Vec& o) {
+    ::bdemu::check_vector_access(&o, sizeof(Vec), false);
+    std::memcpy(v, o.v, sizeof(v));
+  }
+  Vec& operator=(const Vec& o) {
+    ::bdemu::check_vector_access(this, sizeof(Vec), true);
+    std::memcpy(v, o.v, sizeof(v));
+    return *this;
+  }
+#endif
 };
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -78,10 +115,12 @@ struct DropoutKey {
 __device__ __forceinline__ DropoutKey dropout_key(const DropoutRng& r) {
   if (r.saved) return {static_cast<uint64_t>(r.saved[0]), static_cast<uint32_t>(r.saved[1])};
   DropoutKey k{r.seed, r.offset};
+#ifdef BERTDIST_WITH_CUDA  // the CUDA generator exists only there; the emulated build takes explicit seeds
   if (r.from_generator) {
     const auto gen = at::cuda::philox::unpack(r.generator);
     dropout_key_from_generator(std::get<0>(gen), std::get<1>(gen), &k.seed, &k.offset);
   }
+#endif
   return k;
 }
 

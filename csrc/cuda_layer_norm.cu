@@ -8,6 +8,11 @@
 // (deterministic, no atomics). Dropout masks come from Philox counters (philox.h), so the
 // backward regenerates the forward's mask (from the (seed, offset) the forward recorded) and
 // matches the CPU kernel bit for bit.
+//
+// Rows the register-resident kernels cannot hold (more than 8 vectors per thread, as an odd
+// hidden size above 8192 needs, or a layout whose registers exceed what the GPU can give a
+// block of that many threads) go to the streaming kernels instead, which re-read the row from
+// global memory rather than keep it in registers.
 #include <algorithm>
 
 #include "cuda_common.cuh"
@@ -39,7 +44,7 @@ struct DropDraws {
 
 template <typename T, int VEC, int NV>
 __global__ void ln_fwd_kernel(LnFwdParams p, uint32_t threshold, float inv_keep) {
-  __shared__ float red[66];
+  BD_SHARED(float, red, 66);
   const DropoutKey key = p.dropout ? forward_dropout_key(p.rng) : DropoutKey{0, 0};
   const int64_t row = blockIdx.x;
   const int nvec = static_cast<int>(p.hidden / VEC);
@@ -116,7 +121,7 @@ __global__ void ln_fwd_kernel(LnFwdParams p, uint32_t threshold, float inv_keep)
 // ws layout: [3][parts][hidden] partial column sums of (dgamma, dbeta, dbias).
 template <typename T, int VEC, int NV>
 __global__ void ln_bwd_kernel(LnBwdParams p, float* ws, int parts, uint32_t threshold, float inv_keep) {
-  __shared__ float red[66];
+  BD_SHARED(float, red, 66);
   const DropoutKey key = p.dropout ? dropout_key(p.rng) : DropoutKey{0, 0};
   const int nvec = static_cast<int>(p.hidden / VEC);
   const float* gamma = static_cast<const float*>(p.gamma);
@@ -194,6 +199,104 @@ __global__ void ln_bwd_kernel(LnBwdParams p, float* ws, int parts, uint32_t thre
   }
 }
 
+// h = residual + dropout(x + bias) at flat element e = base + c, in fp32 (x itself for plain LN).
+template <typename T>
+__device__ __forceinline__ float pre_norm(const LnFwdParams& p, const DropoutKey& key, uint32_t threshold,
+                                          float inv_keep, int64_t base, int64_t c) {
+  const float* bias = static_cast<const float*>(p.bias);
+  float v = to_f(static_cast<const T*>(p.x)[base + c]) + (bias ? bias[c] : 0.f);
+  if (p.dropout) {
+    const uint64_t e = static_cast<uint64_t>(base + c);
+    v = hidden_draws(key.seed, key.offset, e >> 2).v[e & 3] < threshold ? v * inv_keep : 0.f;
+  }
+  if (p.residual) v += to_f(static_cast<const T*>(p.residual)[base + c]);
+  return v;
+}
+
+// The forward for rows too wide for ln_fwd_kernel: one block per row, three passes over it (sum,
+// squared deviations, output). The first pass stores h; the later ones read it back (the rounded
+// values the statistics and the backward use) or, for plain LN, re-read x.
+template <typename T>
+__global__ void __launch_bounds__(kMaxThreads) ln_fwd_stream_kernel(LnFwdParams p, uint32_t threshold,
+                                                                     float inv_keep) {
+  BD_SHARED(float, red, 66);
+  const DropoutKey key = p.dropout ? forward_dropout_key(p.rng) : DropoutKey{0, 0};
+  const int64_t row = blockIdx.x, base = row * p.hidden;
+  T* h = p.h ? static_cast<T*>(p.h) + base : nullptr;
+  float sum = 0.f;
+  for (int64_t c = threadIdx.x; c < p.hidden; c += blockDim.x) {
+    float v = pre_norm<T>(p, key, threshold, inv_keep, base, c);
+    if (h) {
+      h[c] = from_f<T>(v);
+      v = to_f(h[c]);
+    }
+    sum += v;
+  }
+  const auto value = [&](int64_t c) { return h ? to_f(h[c]) : pre_norm<T>(p, key, threshold, inv_keep, base, c); };
+  const float mean = block_sum2(sum, 0.f, red).x / static_cast<float>(p.hidden);
+  float sq = 0.f;
+  for (int64_t c = threadIdx.x; c < p.hidden; c += blockDim.x) {
+    const float d = value(c) - mean;
+    sq += d * d;
+  }
+  const float var = block_sum2(sq, 0.f, red).x / static_cast<float>(p.hidden);
+  const float rstd = 1.f / sqrtf(var + p.eps);
+  const float* gamma = static_cast<const float*>(p.gamma);
+  const float* beta = static_cast<const float*>(p.beta);
+  T* y = static_cast<T*>(p.y) + base;
+  for (int64_t c = threadIdx.x; c < p.hidden; c += blockDim.x)
+    y[c] = from_f<T>((value(c) - mean) * rstd * gamma[c] + beta[c]);
+  if (threadIdx.x == 0) {
+    static_cast<float*>(p.mean)[row] = mean;
+    static_cast<float*>(p.rstd)[row] = rstd;
+  }
+}
+
+// The backward for rows too wide for ln_bwd_kernel: the same grid-stride rows, two passes over
+// each; the block's column partial sums accumulate in its slice of ws (each thread always owns
+// the same columns, so no two threads touch one word).
+template <typename T>
+__global__ void __launch_bounds__(kMaxThreads) ln_bwd_stream_kernel(LnBwdParams p, float* ws, int parts,
+                                                                     uint32_t threshold, float inv_keep) {
+  BD_SHARED(float, red, 66);
+  const DropoutKey key = p.dropout ? dropout_key(p.rng) : DropoutKey{0, 0};
+  const int64_t H = p.hidden;
+  const float* gamma = static_cast<const float*>(p.gamma);
+  const float inv_h = 1.f / static_cast<float>(H);
+  float* dg = ws + (0 * static_cast<int64_t>(parts) + blockIdx.x) * H;
+  float* db = ws + (1 * static_cast<int64_t>(parts) + blockIdx.x) * H;
+  float* dbias = ws + (2 * static_cast<int64_t>(parts) + blockIdx.x) * H;
+  for (int64_t c = threadIdx.x; c < H; c += blockDim.x) dg[c] = db[c] = dbias[c] = 0.f;
+  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const int64_t base = row * H;
+    const T* dy = static_cast<const T*>(p.dy) + base;
+    const T* h = static_cast<const T*>(p.h) + base;
+    const float mean = static_cast<const float*>(p.mean)[row];
+    const float rstd = static_cast<const float*>(p.rstd)[row];
+    float s1 = 0.f, s2 = 0.f;
+    for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
+      const float d = to_f(dy[c]), xh = (to_f(h[c]) - mean) * rstd, g = d * gamma[c];
+      s1 += g;
+      s2 += g * xh;
+      dg[c] += d * xh;
+      db[c] += d;
+    }
+    const float2 s = block_sum2(s1, s2, red);
+    const float m1 = s.x * inv_h, m2 = s.y * inv_h;
+    for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
+      const float xh = (to_f(h[c]) - mean) * rstd;
+      float g = rstd * (to_f(dy[c]) * gamma[c] - m1 - xh * m2);
+      static_cast<T*>(p.dh)[base + c] = from_f<T>(g);
+      if (p.dropout) {
+        const uint64_t e = static_cast<uint64_t>(base + c);
+        g = hidden_draws(key.seed, key.offset, e >> 2).v[e & 3] < threshold ? g * inv_keep : 0.f;
+        static_cast<T*>(p.dx)[base + c] = from_f<T>(g);
+      }
+      dbias[c] += g;
+    }
+  }
+}
+
 // out_k[c] = sum over parts of ws[k][part][c], for k = blockIdx.y (0: gamma, 1: beta, 2: bias).
 __global__ void column_sum_kernel(const float* ws, int parts, int64_t hidden, float* dgamma, float* dbeta,
                                   float* dbias) {
@@ -208,15 +311,26 @@ __global__ void column_sum_kernel(const float* ws, int parts, int64_t hidden, fl
 
 bool aligned16(const void* ptr) { return ptr == nullptr || (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
 
-// Picks the vector width and vectors per thread, then calls f(VEC, NV, threads) as types.
+// The most threads (whole warps, at most kMaxThreads) this GPU launches `kernel` with: fewer
+// when its registers do not fit (ptxas gives ln_bwd_kernel up to 130 registers at the wider
+// layouts, and a block has 64K).
+template <typename K>
+int max_threads(K kernel) {
+  cudaFuncAttributes a;
+  check_cuda(cudaFuncGetAttributes(&a, kernel), "cudaFuncGetAttributes");
+  return std::min(kMaxThreads, a.maxThreadsPerBlock / 32 * 32);
+}
+
+// Picks the vector width and vectors per thread, then calls f(VEC, NV, threads) as types and
+// returns true; false when the row needs more than 8 vectors per thread (the streaming kernels' job).
 template <typename T, typename F>
-void dispatch_layout(int64_t hidden, bool can_vectorize, const char* op, F&& f) {
+bool dispatch_layout(int64_t hidden, bool can_vectorize, F&& f) {
   constexpr int kVec = 16 / sizeof(T);
   const bool vec = can_vectorize && hidden % kVec == 0;
   const int64_t nvec = vec ? hidden / kVec : hidden;
   int nv = 1;
   while (nvec > static_cast<int64_t>(kMaxThreads) * nv) nv *= 2;
-  if (nv > 8) throw std::runtime_error(std::string(op) + ": hidden size " + std::to_string(hidden) + " too large");
+  if (nv > 8) return false;
   const int threads = static_cast<int>(std::min<int64_t>(kMaxThreads, ((nvec + nv - 1) / nv + 31) / 32 * 32));
   auto go = [&](auto vec_c) {
     constexpr int V = decltype(vec_c)::value;
@@ -231,6 +345,7 @@ void dispatch_layout(int64_t hidden, bool can_vectorize, const char* op, F&& f) 
     go(std::integral_constant<int, kVec>{});
   else
     go(std::integral_constant<int, 1>{});
+  return true;
 }
 
 }  // namespace
@@ -239,13 +354,22 @@ void ln_fwd_cuda(const LnFwdParams& p, DType t, void* stream) {
   const uint32_t threshold = keep_threshold(p.p);
   const float inv_keep = p.p < 1.f ? 1.f / (1.f - p.p) : 0.f;
   const bool can_vec = aligned16(p.x) && aligned16(p.residual) && aligned16(p.y) && aligned16(p.h);
+  const auto s = static_cast<cudaStream_t>(stream);
   dispatch_cuda_dtype(t, "ln_fwd_cuda", [&](auto tv) {
     using T = decltype(tv);
-    dispatch_layout<T>(p.hidden, can_vec, "ln_fwd_cuda", [&](auto vec_c, auto nv_c, int threads) {
-      ln_fwd_kernel<T, decltype(vec_c)::value, decltype(nv_c)::value>
-          <<<static_cast<unsigned>(p.rows), threads, 0, static_cast<cudaStream_t>(stream)>>>(p, threshold, inv_keep);
+    bool done = false;
+    dispatch_layout<T>(p.hidden, can_vec, [&](auto vec_c, auto nv_c, int threads) {
+      const auto kernel = ln_fwd_kernel<T, decltype(vec_c)::value, decltype(nv_c)::value>;
+      if (threads > max_threads(kernel)) return;
+      BD_LAUNCH(kernel, "ln_fwd_kernel", static_cast<unsigned>(p.rows), threads, 0, s)(p, threshold, inv_keep);
       check_launch("ln_fwd_kernel");
+      done = true;
     });
+    if (done) return;
+    const auto kernel = ln_fwd_stream_kernel<T>;
+    BD_LAUNCH(kernel, "ln_fwd_stream_kernel", static_cast<unsigned>(p.rows), max_threads(kernel), 0, s)(
+        p, threshold, inv_keep);
+    check_launch("ln_fwd_stream_kernel");
   });
 }
 
@@ -262,15 +386,24 @@ void ln_bwd_cuda(const LnBwdParams& p, DType t, float* workspace, int parts, voi
   auto s = static_cast<cudaStream_t>(stream);
   dispatch_cuda_dtype(t, "ln_bwd_cuda", [&](auto tv) {
     using T = decltype(tv);
-    dispatch_layout<T>(p.hidden, can_vec, "ln_bwd_cuda", [&](auto vec_c, auto nv_c, int threads) {
-      ln_bwd_kernel<T, decltype(vec_c)::value, decltype(nv_c)::value>
-          <<<parts, threads, 0, s>>>(p, workspace, parts, threshold, inv_keep);
+    bool done = false;
+    dispatch_layout<T>(p.hidden, can_vec, [&](auto vec_c, auto nv_c, int threads) {
+      const auto kernel = ln_bwd_kernel<T, decltype(vec_c)::value, decltype(nv_c)::value>;
+      if (threads > max_threads(kernel)) return;
+      BD_LAUNCH(kernel, "ln_bwd_kernel", parts, threads, 0, s)(p, workspace, parts, threshold, inv_keep);
       check_launch("ln_bwd_kernel");
+      done = true;
     });
+    if (done) return;
+    const auto kernel = ln_bwd_stream_kernel<T>;
+    BD_LAUNCH(kernel, "ln_bwd_stream_kernel", parts, max_threads(kernel), 0, s)(p, workspace, parts, threshold,
+                                                                                  inv_keep);
+    check_launch("ln_bwd_stream_kernel");
   });
   dim3 grid(static_cast<unsigned>((p.hidden + 255) / 256), 3);
-  column_sum_kernel<<<grid, 256, 0, s>>>(workspace, parts, p.hidden, static_cast<float*>(p.dgamma),
-                                         static_cast<float*>(p.dbeta), static_cast<float*>(p.dbias));
+  BD_LAUNCH(column_sum_kernel, "column_sum_kernel", grid, 256, 0, s)(
+      workspace, parts, p.hidden, static_cast<float*>(p.dgamma), static_cast<float*>(p.dbeta),
+      static_cast<float*>(p.dbias));
   check_launch("column_sum_kernel");
 }
 

@@ -16,7 +16,7 @@ def _version(dist: str) -> str:
 def collect() -> dict:
     import torch
 
-    from bertdist.ops import kernel_status, resolve_kernels
+    from bertdist.ops import emulated, kernel_status, resolve_kernels
 
     devices = [f"cpu ({os.cpu_count()} logical cores, {torch.get_num_threads()} torch threads)"]
     if torch.cuda.is_available():
@@ -54,6 +54,8 @@ def collect() -> dict:
         "devices": devices,
         "kernels": kernels,
         "kernel_decisions": cached_decisions(DecisionCache()),
+        # kernels: emulated (the CUDA kernels run on the CPU, for tests): built or why not
+        "emulated_kernels": emulated.describe(),
     }
 
 
@@ -98,6 +100,7 @@ def run(args) -> int:
             why = f" - {r['reason']}" if r["reason"] else ""
             print(f"  {r['op']:<28} active={r['active_under_auto']:<9} {state}{why}")
     print_decisions(info["kernel_decisions"])
+    print(f"emulated CUDA kernels (kernels: emulated, for tests): {info['emulated_kernels']}")
     return 0
 
 

@@ -127,9 +127,10 @@ class DenseDropoutAddNorm(nn.Module):
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.dropout_p = cfg.hidden_dropout_prob
         self.kernels = kernels
-        # A fused kernel adds the bias together with dropout and the residual; stock PyTorch is
-        # faster with the bias inside the GEMM (addmm) than as a separate element-wise pass.
-        self.bias_in_kernel = kernels.sources["bias_dropout_add_layer_norm"] == "fused"
+        # Our kernels (fused, or their emulated run) add the bias together with dropout and the
+        # residual; torch's ops are faster with the bias inside the GEMM (addmm) than as a
+        # separate element-wise pass.
+        self.bias_in_kernel = kernels.sources["bias_dropout_add_layer_norm"] in ("fused", "emulated")
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if self.bias_in_kernel:

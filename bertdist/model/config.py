@@ -41,8 +41,9 @@ class BertConfig:
     initializer_range: float = 0.02
     layer_norm_eps: float = 1e-12
     pad_token_id: int = 0
-    # Which implementation of layer norm / attention to use (bertdist.ops).
-    kernels: Literal["reference", "fused", "auto"] = "auto"
+    # Which implementation of layer norm / attention to use (bertdist.ops); emulated: the CUDA
+    # kernels run on the CPU by the SIMT emulator (tests only: very slow).
+    kernels: Literal["reference", "fused", "auto", "emulated"] = "auto"
     # Project only masked positions to the vocabulary when MLM labels are given.
     sparse_mlm_head: bool = True
     # Run the encoder on real tokens only (varlen attention over packed sequences) when a

@@ -10,6 +10,7 @@ import importlib.util
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -130,3 +131,82 @@ def cuda_build_reason() -> tuple[bool, str]:
     if home is None:
         return False, f"no CUDA toolkit: {why}"
     return True, f"CUDA toolkit {home} ({why}), torch CUDA {torch.version.cuda}"
+
+
+# ---------------------------------------------------------------- the emulated CUDA kernels
+
+# bertdist._C_emu: the same bindings and CUDA kernel sources, compiled by the host C++
+# compiler for the SIMT emulator (csrc/emu), so the kernels' own code runs on CPU tensors.
+EMU_EXT_NAME = "bertdist._C_emu"
+# BERTDIST_EMU=0 skips the emulated extension.
+EMU_ENV = "BERTDIST_EMU"
+# Everything but the Python bindings; also the standalone check driver's sources (with driver.cpp).
+EMU_CORE_SOURCES = (
+    "emu/emu.cpp",
+    "emu/fiber.cpp",
+    "emu/layer_norm.cpp",
+    "emu/attention.cpp",
+    "emu/selftest.cpp",
+    "emu/checks.cpp",
+    "cpu_layer_norm.cpp",
+    "cpu_attention.cpp",
+)
+EMU_EXT_SOURCES = ("bindings.cpp",) + EMU_CORE_SOURCES
+EMU_DRIVER_SOURCES = EMU_CORE_SOURCES + ("emu/driver.cpp",)
+# The three headers the kernels need from the toolkit in host mode (they pull in the rest).
+CUDA_HOST_HEADERS = ("cuda_fp16.h", "cuda_bf16.h", "cuda_runtime_api.h")
+
+
+def find_cuda_headers() -> tuple[str | None, str]:
+    """A folder with the CUDA headers the kernels include in host mode, or None and why not.
+
+    Tried in order: the toolkit (CUDA_HOME, CUDA_PATH, nvcc on PATH), /usr/local/cuda, and the
+    headers the CUDA wheels of torch install (nvidia/cu*/include, nvidia/cuda_runtime/include).
+    Only headers are needed: no nvcc, no driver, no GPU.
+    """
+    candidates: list[tuple[str, str]] = []
+    home, why = find_cuda_home()
+    if home:
+        candidates.append((str(Path(home) / "include"), f"CUDA toolkit ({why})"))
+    candidates.append(("/usr/local/cuda/include", "/usr/local/cuda"))
+    spec = importlib.util.find_spec("nvidia")
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        for sub in sorted(Path(loc).glob("cu*/include")) + sorted(Path(loc).glob("cuda_runtime/include")):
+            candidates.append((str(sub), f"the {sub.parent.name} wheel"))
+    for folder, source in candidates:
+        if all((Path(folder) / h).exists() for h in CUDA_HOST_HEADERS):
+            return folder, source
+    tried = ", ".join(f for f, _ in candidates) or "nothing"
+    return None, f"no folder with {', '.join(CUDA_HOST_HEADERS)} (tried {tried}; set CUDA_HOME)"
+
+
+def emu_build_reason() -> tuple[bool, str]:
+    """Whether the emulated extension can be built here, and why (not)."""
+    if os.environ.get(EMU_ENV) == "0":
+        return False, f"{EMU_ENV}=0"
+    if not sys.platform.startswith("linux"):
+        return False, f"the emulator's fibers and guard pages need Linux (this is {sys.platform})"
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        return False, f"no C++ compiler ({cxx} not on PATH)"
+    headers, why = find_cuda_headers()
+    if headers is None:
+        return False, f"CUDA headers not found: {why}"
+    return True, f"CUDA headers from {why} ({headers})"
+
+
+def emu_cxx_flags() -> list[str]:
+    # -O2, not -O3: -O3's loop unswitching can copy a __syncwarp into lane-dependent paths, which
+    # the emulator (keying collectives by call site) would report as divergence. It comes last,
+    # after the -O3 setuptools passes. -fno-strict-aliasing: the kernels reinterpret element
+    # pointers as vectors, as CUDA code does. #pragma unroll and maybe-uninitialized warnings are
+    # nvcc-isms in host mode.
+    return ["-O2", "-fopenmp", "-DBERTDIST_EMU", "-fno-strict-aliasing", "-Wno-unknown-pragmas",
+            "-Wno-maybe-uninitialized"]
+
+
+def emu_include_dirs(csrc: Path = CSRC) -> list[str]:
+    headers, why = find_cuda_headers()
+    if headers is None:
+        raise RuntimeError(f"cannot build the emulated kernels: CUDA headers not found: {why}")
+    return [str(csrc), headers]

@@ -111,6 +111,20 @@ def fused_unsupported(case: Case) -> str | None:
     return None
 
 
+def emulated_unsupported(case: Case) -> str | None:
+    """The emulated CUDA kernels: CPU tensors, and the CUDA kernels' own limits."""
+    from bertdist.ops import emulated
+
+    ok, why = emulated.availability(case.op, case.device_type)
+    if not ok:
+        return why
+    if case.op in ("attention", "varlen_attention") and case.head_dim not in (32, 64, 128):
+        return f"the CUDA attention kernels take head_dim 32, 64 or 128, not {case.head_dim}"
+    if case.dtype == "float64":
+        return "the CUDA kernels take float32, float16 and bfloat16"
+    return None
+
+
 def sdpa_backend_unsupported(case: Case) -> str | None:
     return _cuda_only(case)
 
@@ -160,6 +174,10 @@ def _builtin() -> list[Candidate]:
                           f"{_CHECKS}:varlen_attn_case_unsupported"),
             ]
         out.append(Candidate(op, "fused", f"bertdist.ops.fused:{op}", "fused", f"{_CHECKS}:fused_unsupported",
+                             bias_in_kernel=op == "bias_dropout_add_layer_norm"))
+        # The CUDA kernels' own code run on the CPU (slow): judged like any other, in tests only.
+        out.append(Candidate(op, "emulated", f"bertdist.ops.emulated:{op}", "emulated",
+                             f"{_CHECKS}:emulated_unsupported", test_only=True,
                              bias_in_kernel=op == "bias_dropout_add_layer_norm"))
     return out
 

@@ -18,6 +18,9 @@ construction for) a ``KernelSet`` and calls its four functions. ``mode`` is the 
   otherwise). On CPU ``auto`` keeps torch's CPU ops without measuring: the C++ CPU kernels
   exist to test the binding path and are slower than oneDNN/MKL there (benchmarks/kernels.py);
   tests exercise the measured mechanism on CPU explicitly, with the C++ kernels as candidates.
+- ``emulated``: the CUDA kernels' own code, run on CPU tensors by the SIMT emulator
+  (``bertdist.ops.emulated``): to test them without a GPU, orders of magnitude slower than
+  any other choice; an error, with the reason, if it is not built or the device is not CPU.
 
 ``kernel_status()`` reports, per op, whether the fused version is usable and why not, for
 ``bertdist info``.
@@ -33,7 +36,7 @@ import torch
 
 from bertdist.ops import reference, torch_native
 
-KernelMode = Literal["reference", "fused", "auto"]
+KernelMode = Literal["reference", "fused", "auto", "emulated"]
 OP_NAMES = ("layer_norm", "bias_dropout_add_layer_norm", "attention", "varlen_attention")
 MEASURED_DEVICE_TYPES = ("cuda",)
 
@@ -46,7 +49,7 @@ class KernelSet:
     bias_dropout_add_layer_norm: Callable
     attention: Callable
     varlen_attention: Callable  # unpadded: packed tokens + cumulative sequence lengths
-    sources: dict  # op name -> "reference" | "fused" | the chosen candidate's name under auto
+    sources: dict  # op name -> "reference" | "fused" | "emulated" | the chosen candidate's name under auto
     plan: object = None  # the selection.KernelPlan behind an auto set
 
 
@@ -97,6 +100,30 @@ def kernel_status(device_type: str = "cpu") -> list[OpStatus]:
         ok, reason = mod.availability(op, device_type)
         out.append(OpStatus(op, ok, reason))
     return out
+
+
+def _emulated_module():
+    """Import the emulated-op module, or return the reason it can't be used."""
+    try:
+        return importlib.import_module("bertdist.ops.emulated"), ""
+    except Exception as e:
+        return None, f"bertdist.ops.emulated unavailable: {type(e).__name__}: {e}"
+
+
+def emulated_status(device_type: str = "cpu") -> list[OpStatus]:
+    """Per op: can the emulated CUDA kernel run on ``device_type``, and if not, why."""
+    mod, why = _emulated_module()
+    if mod is None:
+        return [OpStatus(op, False, why) for op in OP_NAMES]
+    return [OpStatus(op, *mod.availability(op, device_type)) for op in OP_NAMES]
+
+
+def _resolve_emulated(device_type: str) -> KernelSet:
+    bad = [f"{s.op}: {s.reason}" for s in emulated_status(device_type) if not s.usable]
+    if bad:
+        raise RuntimeError(f"kernels=emulated requested on {device_type} but: " + "; ".join(bad))
+    mod, _ = _emulated_module()
+    return KernelSet(**{op: getattr(mod, op) for op in OP_NAMES}, sources={op: "emulated" for op in OP_NAMES})
 
 
 # ---------------------------------------------------------------- auto: routing by a plan
@@ -157,7 +184,7 @@ def kernel_set_from_plan(plan, device_type: str = "cuda") -> KernelSet:
                 primary = cand
         funcs[op] = RoutedOp(op, routes, getattr(base, op), names) if routes else getattr(base, op)
         # The name of the training call's choice; the model hands the dense bias to the kernel
-        # only when it is "fused" (every kernel also runs correctly without it).
+        # only when it is ours, "fused" (every kernel also runs correctly without it).
         sources[op] = primary.name if primary is not None else "reference"
     return KernelSet(**funcs, sources=sources, plan=plan)
 
@@ -210,8 +237,10 @@ def resolve_kernels(mode: KernelMode, device_type: str = "cpu", *, model_config=
     (use the trainer's agreed plan there), ``auto`` runs torch-native."""
     if mode == "reference":
         return reference_set(device_type)
+    if mode == "emulated":
+        return _resolve_emulated(device_type)
     if mode not in ("fused", "auto"):
-        raise ValueError(f"kernels must be one of reference|fused|auto, got {mode!r}")
+        raise ValueError(f"kernels must be one of reference|fused|auto|emulated, got {mode!r}")
     if mode == "auto":
         if device_type not in MEASURED_DEVICE_TYPES or model_config is None:
             return reference_set(device_type)  # without loading (or JIT-building) the extension

@@ -30,7 +30,7 @@ def _cand(name, attr, op="layer_norm"):
 def _fake_timer(ms_by_name):
     def timer(candidate, case, call, device):
         call()  # the call still has to run
-        return [ms_by_name[candidate.name]] * 3
+        return [ms_by_name.get(candidate.name, 1.0)] * 3  # candidates not named: as slow as torch
     return timer
 
 
