@@ -43,7 +43,8 @@ def _log(msg: str) -> None:
 
 
 def _extensions():
-    """(extension, fallback) or (None, None) when torch is missing."""
+    """(extension, CPU-only fallback factory or None, torch.utils.cpp_extension), or (None, None, None)
+    when torch is missing."""
     try_cuda, why = bc.cuda_build_reason()
     if try_cuda:
         # torch.utils.cpp_extension reads CUDA_HOME at import time.

@@ -511,6 +511,16 @@ void run_attn(const at::Tensor& ref, const AttnParams& p, DType t, bool backward
   });
 }
 
+// Points `p` at the tensors the forward and the backward both hand the kernels.
+void set_forward_tensors(AttnParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& o, const at::Tensor& stats) {
+  p.q = head_view(q);
+  p.k = head_view(k);
+  p.v = head_view(v);
+  p.o = head_view(o);
+  p.stats = stats.data_ptr();
+}
+
 // The forward both layouts share once `p` holds the checked layout: returns (out, stats [2, rows],
 // rng_state).
 std::vector<at::Tensor> run_attention_fwd(AttnParams& p, const at::Tensor& q, const at::Tensor& k,
@@ -519,11 +529,7 @@ std::vector<at::Tensor> run_attention_fwd(AttnParams& p, const at::Tensor& q, co
   auto record = forward_rng(p.rng, q, p.p, seed, offset, op);
   auto o = empty_attn_out(q);
   auto stats = at::empty({2, stat_rows(q)}, q.options().dtype(acc_type(q)));
-  p.q = head_view(q);
-  p.k = head_view(k);
-  p.v = head_view(v);
-  p.o = head_view(o);
-  p.stats = stats.data_ptr();
+  set_forward_tensors(p, q, k, v, o, stats);
   run_attn(q, p, dtype_of(q, op), false, op);
   return {o, stats, record};
 }
@@ -542,15 +548,11 @@ std::vector<at::Tensor> run_attention_bwd(AttnParams& p, const at::Tensor& dout,
   backward_rng(p.rng, q, p.p, rng_state, op);
   auto dq = empty_attn_out(q), dk = empty_attn_out(q), dv = empty_attn_out(q);
   auto delta = at::empty({rows}, stats.options());
-  p.q = head_view(q);
-  p.k = head_view(k);
-  p.v = head_view(v);
-  p.o = head_view(o);
+  set_forward_tensors(p, q, k, v, o, stats);
   p.dout = head_view(dout);
   p.dq = head_view(dq);
   p.dk = head_view(dk);
   p.dv = head_view(dv);
-  p.stats = stats.data_ptr();
   p.delta = delta.data_ptr();
   run_attn(q, p, dtype_of(q, op), true, op);
   return {dq, dk, dv};
