@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from pathlib import Path
 
-from bertdist.ops import _build_config as bc
+# The checkout this package runs from (bertdist.ops._build_config.REPO), found without importing
+# bertdist.ops: registering this command must not load torch for every other command.
+REPO = Path(__file__).resolve().parents[2]
 
 
 def acceptance_module():
-    path = bc.REPO / "benchmarks" / "acceptance.py"
-    if not path.is_file() or not (bc.REPO / "tests").is_dir():
+    path = REPO / "benchmarks" / "acceptance.py"
+    if not path.is_file() or not (REPO / "tests").is_dir():
         raise SystemExit(f"bertdist bench runs from a source checkout (it needs benchmarks/ and tests/ beside the "
-                         f"package, looked in {bc.REPO}); clone the repository and run it there")
+                         f"package, looked in {REPO}); clone the repository and run it there")
     spec = importlib.util.spec_from_file_location("bertdist_acceptance", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
@@ -40,7 +43,7 @@ def run(args) -> int:
 def register(sub) -> None:
     p = sub.add_parser("bench", help="GPU acceptance: tests, kernel and training benchmarks, one report "
                                      "(quick CPU variant without CUDA)")
-    p.add_argument("--out", default=str(bc.REPO / "benchmarks" / "results"), help="report folder")
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="report folder")
     p.add_argument("--quick", action="store_true", help="small sizes on any device (automatic without CUDA)")
     p.add_argument("--lengths-from", nargs="+", metavar="MANIFEST", help="records to sample row lengths from")
     p.add_argument("--configs", help="preset:seq:batch,... (default: base/large x 128/512 on CUDA)")
