@@ -114,8 +114,7 @@ def test_tokenize_instances_and_write(tmp_path, small_vocab):
         assert_that(tok | beam.Map(lambda d: (d[0], len(d[2]) - 1)), equal_to([(f"d{i}", 30) for i in range(12)]),
                     label="tok")
         inst = tok | CreateInstances(instance_params(cfg, tokens), seed=1, dupe_factor=2,
-                                     vocab_path=str(small_vocab), pool_size=100, windows_per_doc=4,
-                                     scratch_dir=str(tmp_path / "docs"), spill_tokens=500)
+                                     vocab_path=str(small_vocab), scratch_dir=str(tmp_path / "docs"), spill_tokens=500)
         assert_that(inst | "n" >> beam.MapTuple(lambda split, b: (split, len(b) > 0)),
                     equal_to([("train", True)] * 12), label="inst")
         # 40 rows per bucket: several buckets, most straddling a shard boundary; spills every 100 rows
@@ -144,7 +143,7 @@ def test_splits_share_the_transforms_and_never_mix(tmp_path, small_vocab):
 
     from bertdist.data.vocab import load_vocab
     from data_pipeline.config import DataConfig
-    from data_pipeline.instances import HeldOutSplit
+    from data_pipeline.negatives import HeldOutSplit
     from data_pipeline.pipeline import instance_params
 
     tokens = load_vocab(small_vocab)
@@ -154,15 +153,14 @@ def test_splits_share_the_transforms_and_never_mix(tmp_path, small_vocab):
     for i in range(40):
         ids = np.array([1000 + 10 * i + (j % 10) for j in range(20 * 12)], np.uint16)
         docs.append((f"doc{i}", ids, np.arange(0, 241, 12, dtype=np.int64)))
-    split_of = HeldOutSplit(0.3)
+    split_of = HeldOutSplit.from_fraction(0.3)
     want = {d[0]: split_of(d[0]) for d in docs}
     assert set(want.values()) == {"train", "heldout"}
     cfg = DataConfig(max_seq_length=48, dupe_factor=2, masking="dynamic")
     with TestPipeline(options=beam.options.pipeline_options.PipelineOptions(OPTS)) as p:
         (p | beam.Create(docs)
          | CreateInstances(instance_params(cfg, tokens), seed=3, dupe_factor=2, vocab_path=str(small_vocab),
-                           pool_size=1000, windows_per_doc=4, scratch_dir=str(tmp_path / "docs"),
-                           split_of=split_of, spill_tokens=700)
+                           scratch_dir=str(tmp_path / "docs"), heldout_fraction=0.3, spill_tokens=700)
          | WriteShards(str(tmp_path), {"train": SplitShards(3, 200), "heldout": SplitShards(2, 80)}, len(tokens), 16,
                        "zstd", rows_per_bucket=30, spill_rows=50))
     counters = {c.key.metric.name: c.committed for c in p.result.metrics().query()["counters"]}
