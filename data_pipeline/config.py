@@ -55,10 +55,10 @@ class DataConfig:
     max_sentence_chars: int = 20_000  # longer "sentences" are cut at whitespace (counted)
     # --- output ---
     heldout_fraction: float = 0.01
-    # with heldout_fraction > 0: at least this many held-out documents, so that held-out NSP
-    # negatives can come from many other held-out documents; the floor never holds out more than
-    # half the documents nor more than heldout_floor_max_fraction of the tokens, and warns when
-    # the corpus is too small for it
+    # with heldout_fraction > 0: at least this many held-out documents (at most half of them), so
+    # that held-out NSP negatives come from many other held-out documents; the floor is not
+    # applied when it would hold out more than heldout_floor_max_fraction of the tokens (a few
+    # long books); fewer held-out documents than this is a warning
     heldout_min_documents: int = 20
     heldout_floor_max_fraction: float = 0.25
     num_shards: int = 8

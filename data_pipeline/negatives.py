@@ -6,7 +6,7 @@ document goes and which split it is in:
   - the held-out split is the documents with the lowest hashes: those below
     ``heldout_fraction * 2**64``, and at least the ``heldout_min_documents`` lowest (a held-out
     split of one or two documents cannot measure NSP, whose negatives must come from another
-    held-out document), unless that would hold out more than half the documents or more than
+    held-out document), at most half the documents, and only when that holds out at most
     ``heldout_floor_max_fraction`` of the tokens (see :func:`make_plan`);
   - each split's hash range is cut into equal *buckets*, as many as its tokens need for a bucket
     to hold about ``nsp_bucket_tokens`` tokens (thousands of Wikipedia articles; the whole split
@@ -178,11 +178,13 @@ def make_plan(summary: CorpusSummary, *, heldout_fraction: float, heldout_min_do
               bucket_tokens: int, heldout_floor_max_fraction: float = 0.25) -> BuildPlan:
     """The split threshold and the buckets, from the whole corpus's summary.
 
-    The held-out split is the documents below ``heldout_fraction`` of the hash space; when they
-    are fewer than ``heldout_min_documents``, the next lowest are added (whole documents, in hash
-    order) until there are enough, unless the next one would hold out more than half the
-    documents or more than ``heldout_floor_max_fraction`` of the tokens (a few long books in a
-    small corpus): then a warning says the split is too small to measure NSP."""
+    The held-out split is the documents below ``heldout_fraction`` of the hash space. When they
+    are fewer than the floor, K = min(``heldout_min_documents``, half the documents), the next
+    lowest are added (whole documents, in hash order) up to K, unless that would hold out more
+    than ``heldout_floor_max_fraction`` of the tokens (a few long books in a small corpus): then
+    the floor is not applied at all, since a few more documents would not make held-out NSP
+    measurable but would take much of the training text. Fewer than ``heldout_min_documents``
+    held-out documents is a warning."""
     if bucket_tokens < 1:
         raise ValueError(f"nsp_bucket_tokens must be >= 1, got {bucket_tokens}")
     warnings = []
@@ -191,17 +193,16 @@ def make_plan(summary: CorpusSummary, *, heldout_fraction: float, heldout_min_do
     if heldout_fraction > 0 and summary.documents:
         threshold = fraction_threshold(heldout_fraction)
         held = list(summary.below)
-        max_docs, max_tokens = summary.documents // 2, heldout_floor_max_fraction * summary.tokens
+        floor = min(heldout_min_documents, summary.documents // 2)
+        grown, grown_threshold = list(held), threshold
         for h in sorted(summary.lowest):  # the floor: the lowest hashes (repeated ids stay together)
-            if held[0] >= heldout_min_documents:
+            if grown[0] >= floor:
                 break
-            if h < threshold:
-                continue  # already held out by the fraction
-            docs, tokens, sentences = summary.lowest[h]
-            if held[0] + docs > max_docs or held[1] + tokens > max_tokens:
-                break
-            held = [held[0] + docs, held[1] + tokens, held[2] + sentences]
-            threshold = h + 1
+            if h >= threshold:  # below it: already held out by the fraction
+                grown = [a + b for a, b in zip(grown, summary.lowest[h])]
+                grown_threshold = h + 1
+        if grown[1] <= heldout_floor_max_fraction * summary.tokens or grown[0] == held[0]:
+            held, threshold = grown, grown_threshold
         if held[0] < heldout_min_documents:
             warnings.append(
                 f"held-out split: {held[0]} document(s) ({held[1]:,} of {summary.tokens:,} tokens), fewer than "
@@ -243,19 +244,25 @@ def buckets_of_slot(plan: BuildPlan, slot: int, bits: int) -> list[tuple[str, in
 
 
 def split_units(sizes: Sequence[int], n_units: int) -> list[list[int]]:
-    """Indices 0..len(sizes)-1 cut into at most ``n_units`` consecutive groups of similar total
-    size (each group non-empty)."""
+    """Indices 0..len(sizes)-1 cut into min(``n_units``, len(sizes)) consecutive, non-empty
+    groups: a group ends when the running total reaches its share of the whole, or when every
+    item left must start a group of its own."""
     n = len(sizes)
     n_units = max(1, min(n_units, n))
     total = sum(sizes)
-    groups: list[list[int]] = [[] for _ in range(n_units)]
+    groups: list[list[int]] = []
+    current: list[int] = []
     run = 0
-    for i, s in enumerate(sizes):
-        g = min(n_units - 1, (run * n_units) // total) if total else (i * n_units) // n
-        g = max(g, n_units - (n - i))  # leave at least one item for each later group
-        groups[g].append(i)
-        run += s
-    return [g for g in groups if g]
+    for i, size in enumerate(sizes):
+        current.append(i)
+        run += size
+        groups_left = n_units - len(groups) - 1  # after this one
+        if groups_left and (run * n_units >= total * (len(groups) + 1) or n - i - 1 == groups_left):
+            groups.append(current)
+            current = []
+    if current:
+        groups.append(current)
+    return groups
 
 
 # ---------------------------------------------------------------- one bucket's documents
