@@ -18,13 +18,14 @@ Differences from the reference, on purpose:
         tokens of them (thousands of Wikipedia articles; the whole split for a small corpus, so
         there the choice is corpus-wide). Held-out documents draw from held-out documents only;
       * the (document, start sentence) window is *dealt* rather than drawn: the bucket's windows
-        are shuffled once and each document reads its own run of the shuffled order, its dupes
-        one after the other (see negatives.py). So a negative is a uniformly random sentence start of the bucket: a
-        document is chosen in proportion to its sentence count, where the reference picks
-        documents uniformly (and so reuses the windows of short documents: on the 14 books and
-        the Wikipedia fragment, its 15k random-next rows take 0.64 distinct windows per row);
-        and windows are not reused until a document needs more negatives, over all its dupes,
-        than it has sentences (0.99 distinct windows per row there).
+        are shuffled once, and each document reads its own run of the shuffled order, its dupes
+        one after the other (see negatives.py). So a negative starts at a uniformly random
+        sentence of the bucket: a document is chosen in proportion to its sentence count, where
+        the reference picks documents uniformly. And a window is not reused until a document
+        needs more negatives, over all its dupes, than it has sentences. On the Wikipedia
+        fragment and the 14 books (seq 128), the random-next rows take 1.00 distinct windows
+        per row at dupe 1 and 0.96 at dupe 5; the reference takes 0.64 and 0.28, because it
+        reuses the sentences of short documents (benchmarks/data_pipeline.py --negatives).
       * When 10 positions in a row hold windows of the document itself (a bucket of one or two
         documents), the row falls back to the true continuation, labelled IsNext and counted
         (``same_document_fallbacks``); the reference then takes B from the same document and

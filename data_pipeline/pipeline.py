@@ -4,9 +4,12 @@ The commit protocol (so a killed run never leaves a manifest pointing at partial
   1. Beam writes every shard and a ``.json`` sidecar into ``<output>/.staging-<run>/``
      (on an object store, straight into ``<output>/shards-<run>/``: see output_dir.py).
   2. After the pipeline finished, the driver checks that every shard is there with its
-     recorded size, renames the staging dir to ``<output>/shards-<run>/`` and writes
-     ``manifest.json`` through a temporary file and a rename (on an object store, in one
-     PUT). Writing the manifest is the commit.
+     recorded size and that the build adds up (:func:`_verify`: the plan's documents, the
+     instance stage's unit reports and the rows written agree, and rows were written; else
+     :class:`EmptyBuildError`, naming the runner, and nothing is committed), renames the
+     staging dir to ``<output>/shards-<run>/`` and writes ``manifest.json`` through a
+     temporary file and a rename (on an object store, in one PUT). Writing the manifest is
+     the commit.
   3. Older ``shards-*`` dirs and stale ``.staging-*`` dirs are removed afterwards.
 A run killed before step 2 leaves the previous manifest (if any) pointing at the previous,
 complete shards; a re-run replaces both cleanly.
@@ -256,8 +259,8 @@ def _verify(cfg: DataConfig, runner: str, plan: BuildPlan | None, units: dict, r
             counters: dict | None) -> None:
     """Refuse to commit an empty or unverifiable dataset: the plan (corpus totals), the units'
     reports and the shards' sidecars come from three different stages and must agree."""
-    nbytes = sum(input_sizes(cfg).values())
-    where = (f"runner {runner}; inputs {nbytes:,} bytes in {len(input_sizes(cfg))} file(s). The tested runner is "
+    sizes = input_sizes(cfg)
+    where = (f"runner {runner}; inputs {sum(sizes.values()):,} bytes in {len(sizes)} file(s). The tested runner is "
              "DirectRunner; Beam's Dask runner is known to drop output branches")
     if plan is None:
         raise EmptyBuildError(f"the pipeline finished but wrote no build plan, so its output cannot be verified "
