@@ -125,6 +125,17 @@ def expected_rows(cfg: DataConfig) -> int:
     return int(cfg.dupe_factor * expected_tokens(cfg) / (0.9 * (cfg.max_seq_length - 3))) + 1
 
 
+def work_units(options: PipelineOptions) -> int:
+    """How many instance work units to aim for: four per local worker on the DirectRunner (more
+    only adds per-unit costs there), 32 on other runners, whose worker count is not known here."""
+    from apache_beam.options.pipeline_options import DirectOptions, StandardOptions
+
+    runner = str(options.view_as(StandardOptions).runner or "DirectRunner")
+    if runner.rsplit(".", 1)[-1] == "DirectRunner":
+        return 4 * max(1, options.view_as(DirectOptions).direct_num_workers or 1)
+    return 32
+
+
 def build_pipeline(p: beam.Pipeline, cfg: DataConfig, staging: str, tokens: list[str], lowercase: bool) -> None:
     docs = [read_source(p, i, src, cfg) for i, src in enumerate(cfg.inputs)]
     sentences = docs[0] if len(docs) == 1 else tuple(docs) | "AllSources" >> beam.Flatten()
@@ -141,7 +152,8 @@ def build_pipeline(p: beam.Pipeline, cfg: DataConfig, staging: str, tokens: list
          scratch_dir=f"{staging}/docs", report_dir=f"{staging}/report", heldout_fraction=frac,
          heldout_min_documents=cfg.heldout_min_documents, heldout_floor_max_fraction=cfg.heldout_floor_max_fraction,
          bucket_tokens=cfg.nsp_bucket_tokens,
-         slot_bits=slot_bits(expected_tokens(cfg), cfg.nsp_bucket_tokens), builder=cfg.instance_builder)
+         slot_bits=slot_bits(expected_tokens(cfg), cfg.nsp_bucket_tokens), target_units=work_units(p.options),
+         builder=cfg.instance_builder)
      | "Write" >> WriteShards(
          staging, {"train": SplitShards(cfg.num_shards, round(rows * (1 - frac))),
                    "heldout": SplitShards(cfg.heldout_num_shards, round(rows * frac))},

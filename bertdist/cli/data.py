@@ -55,8 +55,11 @@ def build_report(manifest: dict) -> list[str]:
     lines = [f"  documents {_n(c['documents'])}  sentences {_n(c['sentences'])}  input words {_n(c['input_words'])}  "
              f"tokens {_n(c['tokens'])}  masked {_n(c['masked_tokens'])}"]
     h = manifest["heldout"]
-    lines.append(f"  held-out: {h['documents']:,} documents ({h['tokens']:,} input tokens; heldout_fraction "
-                 f"{h['fraction']}, at least {h['min_documents']} documents)")
+    if h["fraction"] > 0:
+        lines.append(f"  held-out: {h['documents']:,} documents ({h['tokens']:,} input tokens; heldout_fraction "
+                     f"{h['fraction']}, at least {h['min_documents']} documents)")
+    else:
+        lines.append("  held-out: none (heldout_fraction 0)")
     neg = manifest.get("negatives")
     if neg:
         lines.append(f"  NSP negatives, (document, start sentence) windows ({neg['buckets']['train']} train + "
