@@ -205,8 +205,8 @@ def plot_curves(metrics: list[dict], png: Path, nsp_note: str = "") -> Path:
         if evals and key in evals[0] and not (key == "nsp_acc" and nsp_note):
             ax2.plot([m["step"] for m in evals], [m[key] for m in evals], "o-", label=label)
     if nsp_note:  # say so instead of plotting noise
-        ax2.text(0.02, 0.02, "held-out NSP: too few held-out documents\nto measure (see the data build)",
-                 transform=ax2.transAxes, fontsize=8, color="gray")
+        ax2.text(0.98, 0.04, "held-out NSP not measured: too few\nheld-out documents (see the data build)",
+                 transform=ax2.transAxes, fontsize=8, color="gray", ha="right")
     ax2.set_xlabel("step")
     ax2.set_title("held-out evaluation")
     ax2.legend()

@@ -249,15 +249,21 @@ UNIT_COUNTS = ("documents", "sentences", "tokens", "instances", "random_next", "
 
 
 def _read_report(out: OutputDir, report: str) -> tuple[BuildPlan | None, dict[str, dict[str, int]]]:
-    """The plan and the units' counts summed per split (max for max_window_reuse)."""
+    """The plan (every copy must be the same) and the units' counts summed per split (max for
+    max_window_reuse)."""
     from apache_beam.io.filesystems import FileSystems
 
-    plan = BuildPlan.from_json(out.read_json(f"{report}/plan.json")) if out.exists(f"{report}/plan.json") else None
+    def matching(pattern: str) -> list[str]:
+        return sorted(m.path for r in FileSystems.match([f"{report}/{pattern}"]) for m in r.metadata_list)
+
+    plans = [out.read_json(p) for p in matching("plan-*.json")] if out.exists(report) else []
+    if any(p != plans[0] for p in plans):
+        raise EmptyBuildError(f"the {len(plans)} copies of the build plan under {report} differ: the workers saw "
+                              "different corpora. Nothing was committed.")
+    plan = BuildPlan.from_json(plans[0]) if plans else None
     units: dict[str, dict[str, int]] = {s: {**dict.fromkeys(UNIT_COUNTS, 0), "max_window_reuse": 0, "units": 0}
                                         for s in ("train", "heldout")}
-    paths = sorted(m.path for r in FileSystems.match([f"{report}/units/*.json"]) for m in r.metadata_list) \
-        if out.exists(f"{report}/units") else []
-    for path in paths:
+    for path in matching("units/*.json") if out.exists(f"{report}/units") else []:
         u = out.read_json(path)
         acc = units[u["split"]]
         for k in UNIT_COUNTS:
@@ -270,14 +276,15 @@ def _read_report(out: OutputDir, report: str) -> tuple[BuildPlan | None, dict[st
 def _verify(cfg: DataConfig, runner: str, plan: BuildPlan | None, units: dict, rows: dict[str, int],
             counters: dict | None) -> None:
     """Refuse to commit an empty or unverifiable dataset: the plan (corpus totals), the units'
-    reports and the shards' sidecars come from three different stages and must agree."""
+    reports and the shards' sidecars come from different stages and must agree."""
     sizes = input_sizes(cfg)
     where = (f"runner {runner}; inputs {sum(sizes.values()):,} bytes in {len(sizes)} file(s). The tested runner is "
              "DirectRunner; Beam's Dask runner is known to drop output branches")
-    if plan is None:
-        raise EmptyBuildError(f"the pipeline finished but wrote no build plan, so its output cannot be verified "
-                              f"({where}). Nothing was committed.")
-    if sum(plan.documents.values()) == 0:
+    built = sum(u["units"] for u in units.values())
+    if plan is None and built:
+        raise EmptyBuildError(f"the pipeline built {built} work units but wrote no build plan, so its output cannot "
+                              f"be verified ({where}). Nothing was committed.")
+    if plan is None or sum(plan.documents.values()) == 0:
         skips = ("unknown: the runner reports no metrics" if counters is None else
                  ", ".join(f"{k}={v:,}" for k, v in counters.items() if k.startswith(("skipped_", "truncated_")))
                  or "none")
@@ -322,6 +329,8 @@ def _commit(cfg, out: OutputDir, staging: str, final: str, run_id: str, tokens, 
     rows = {s: sum(st["rows"] for *_, st in v if st) for s, v in shard_stats.items()}
     plan, units = _read_report(out, f"{staging}/report")
     _verify(cfg, runner, plan, units, rows, counters)
+    for w in plan.warnings:
+        log.warning("%s", w)
     for split, n in (("train", cfg.num_shards), ("heldout", cfg.heldout_num_shards)):
         entries = []
         for name, shard, side, st in shard_stats[split]:

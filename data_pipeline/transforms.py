@@ -23,7 +23,7 @@ from data_pipeline.config import PARQUET_ENCODINGS
 from data_pipeline.instance_batch import InstanceBatch, list_column
 from data_pipeline.instances import InstanceParams, InstanceStats, create_instances, derive_seed
 from data_pipeline.negatives import (
-    HASH_SPACE, BuildPlan, CorpusSummary, NegativeSource, buckets_of_slot, canonical_order, fraction_threshold,
+    HASH_SPACE, CorpusSummary, NegativeSource, buckets_of_slot, canonical_order, fraction_threshold,
     make_plan, placement_hash, split_units,
 )
 
@@ -380,7 +380,10 @@ class _BufferedSpillDoFn(beam.DoFn):
         from apache_beam.utils.windowed_value import WindowedValue
 
         for out in self._flush():
-            yield WindowedValue(out, MIN_TIMESTAMP, [GlobalWindow()])
+            if isinstance(out, beam.pvalue.TaggedOutput):
+                yield beam.pvalue.TaggedOutput(out.tag, WindowedValue(out.value, MIN_TIMESTAMP, [GlobalWindow()]))
+            else:
+                yield WindowedValue(out, MIN_TIMESTAMP, [GlobalWindow()])
 
     def _flush(self):
         if self.buffer:
@@ -399,10 +402,11 @@ def _ragged(arrays: list, typ):
 class _SpillDocsDoFn(_BufferedSpillDoFn):
     """Buffers tokenized documents up to ``spill_tokens`` tokens and writes them to one Arrow IPC
     file, one record batch per *slot* (the top ``slot_bits`` bits of the document's placement
-    hash), and emits only a reference per slot: {slot, path, batch, documents, tokens, summary}
-    (``summary``: a :class:`CorpusSummary` of its documents). The documents wait in these files
-    until the plan (corpus totals) says which split and bucket each belongs to: a file, not the
-    runner's memory. A bucket is a hash range, so reading it reads the slots it covers only."""
+    hash), and emits only a reference per slot, {slot, path, batch, documents, tokens}, and a
+    :class:`CorpusSummary` of the file's documents on the ``summaries`` output. The documents
+    wait in these files until the plan (corpus totals) says which split and bucket each belongs
+    to: a file, not the runner's memory. A bucket is a hash range, so reading it reads the slots
+    it covers only."""
 
     def __init__(self, scratch_dir: str, spill_tokens: int, slot_bits: int, fraction_threshold: int, keep: int):
         self.scratch_dir, self.limit, self.slot_bits = scratch_dir, spill_tokens, slot_bits
@@ -424,6 +428,7 @@ class _SpillDocsDoFn(_BufferedSpillDoFn):
         dtype = pa.from_numpy_dtype(docs[0][1].dtype)
         path = f"{self.scratch_dir}/docs-{uuid.uuid4().hex}.arrow"
         refs = []
+        summary = CorpusSummary(keep=self.keep, fraction_threshold=self.fraction_threshold)
         writer = None
         with FileSystems.create(path) as f:
             for batch, slot in enumerate(sorted(slots)):
@@ -436,13 +441,14 @@ class _SpillDocsDoFn(_BufferedSpillDoFn):
                 if writer is None:
                     writer = pa.ipc.new_file(f, table.schema)
                 writer.write_table(table, max_chunksize=1 << 30)  # one record batch per slot
-                summary = CorpusSummary(keep=self.keep, fraction_threshold=self.fraction_threshold)
+                tokens = 0
                 for i in members:
                     summary.add(hashes[i], int(docs[i][1].shape[0]), len(docs[i][2]) - 1)
-                refs.append({"slot": slot, "path": path, "batch": batch, "documents": len(members),
-                             "tokens": summary.tokens, "summary": summary})
+                    tokens += int(docs[i][1].shape[0])
+                refs.append({"slot": slot, "path": path, "batch": batch, "documents": len(members), "tokens": tokens})
             writer.close()
         yield from refs
+        yield beam.pvalue.TaggedOutput("summaries", summary)
 
 
 @dataclass
@@ -484,29 +490,6 @@ def read_documents(pieces: list[dict], lo: int, hi: int) -> list[_Document]:
     return [found[i] for i in order]
 
 
-class _PlanCombineFn(beam.CombineFn):
-    """Piece summaries -> the whole corpus's :class:`CorpusSummary` -> the :class:`BuildPlan`."""
-
-    def __init__(self, keep: int, fraction_threshold: int, plan_args: dict):
-        self.keep, self.fraction_threshold, self.plan_args = keep, fraction_threshold, plan_args
-
-    def create_accumulator(self):
-        return CorpusSummary(keep=self.keep, fraction_threshold=self.fraction_threshold)
-
-    def add_input(self, acc, summary):
-        return acc.merge(summary)
-
-    def merge_accumulators(self, accs):
-        accs = iter(accs)
-        out = next(accs)
-        for a in accs:
-            out.merge(a)
-        return out
-
-    def extract_output(self, acc):
-        return make_plan(acc, **self.plan_args)
-
-
 def _write_json(path: str, data) -> None:
     from apache_beam.io.filesystems import FileSystems
 
@@ -514,31 +497,48 @@ def _write_json(path: str, data) -> None:
         f.write(json.dumps(data, indent=1).encode())
 
 
-def _write_plan(plan: BuildPlan, report_dir: str) -> None:
-    for w in plan.warnings:
-        log.warning("%s", w)
-    _write_json(f"{report_dir}/plan.json", plan.to_json())
+class _ToBucketsDoFn(beam.DoFn):
+    """Piece -> ((split, bucket), piece + the bucket's hash range and the buckets' count), for
+    every bucket whose range meets the piece's slot. The plan comes from the spill files'
+    summaries (a side input, one small summary per file), made once per DoFn instance; each
+    instance also writes it to ``report_dir/plan-<unique>.json`` (all copies are the same: the
+    driver checks them against the units' reports)."""
+
+    def __init__(self, plan_args: dict, slot_bits: int, report_dir: str | None):
+        self.plan_args, self.slot_bits, self.report_dir = plan_args, slot_bits, report_dir
+        self.plan = None
+
+    def process(self, piece, summaries):
+        if self.plan is None:
+            total = CorpusSummary(keep=self.plan_args["keep"], fraction_threshold=self.plan_args["fraction_threshold"])
+            for summary in summaries:
+                total.merge(summary)
+            self.plan = make_plan(total, **{k: v for k, v in self.plan_args.items()
+                                            if k not in ("keep", "fraction_threshold")})
+            if self.report_dir is not None:
+                import uuid
+
+                _write_json(f"{self.report_dir}/plan-{uuid.uuid4().hex}.json", self.plan.to_json())
+        plan = self.plan
+        for split, j in buckets_of_slot(plan, piece["slot"], self.slot_bits):
+            lo, hi = plan.buckets[split][j]
+            yield (split, j), {**piece, "lo": lo, "hi": hi, "buckets": plan.num_buckets(),
+                               "plan_documents": plan.documents[split]}
 
 
-def _to_buckets(piece: dict, plan: BuildPlan, slot_bits: int):
-    ref = {k: piece[k] for k in ("slot", "path", "batch", "documents", "tokens")}
-    for key in buckets_of_slot(plan, piece["slot"], slot_bits):
-        yield key, ref
-
-
-def _units(kv, plan: BuildPlan, target_units: int):
+def _units(kv, target_units: int):
     """A bucket's pieces -> work units: enough per bucket that ``target_units`` units exist in
     all (a small corpus has one bucket per split, and one worker must not build it alone). Each
     unit builds the documents of its pieces; a unit of an NSP bucket reads the whole bucket for
-    the negatives (each worker keeps the last bucket it read)."""
+    the negatives (each worker keeps the last buckets it read)."""
     (split, bucket), pieces = kv
     pieces = sorted(pieces, key=lambda p: (p["path"], p["batch"]))
-    lo, hi = plan.buckets[split][bucket]
-    n = max(1, -(-target_units // max(1, plan.num_buckets())))
+    lo, hi = pieces[0]["lo"], pieces[0]["hi"]
+    n = max(1, -(-target_units // max(1, pieces[0]["buckets"])))
     groups = split_units([p["tokens"] for p in pieces], n)
     for u, group in enumerate(groups):
         yield {"split": split, "bucket": bucket, "lo": lo, "hi": hi, "pieces": pieces, "unit": u,
-               "units": len(groups), "mine": group}
+               "units": len(groups), "mine": group, "plan_documents": pieces[0]["plan_documents"]}
 
 
 class _CreateInstancesDoFn(beam.DoFn):
@@ -643,8 +643,8 @@ class CreateInstances(beam.PTransform):
     few work units, and an NSP negative comes from the document's own bucket (so held-out
     negatives from held-out documents only). Only file references go through the runner.
 
-    ``report_dir`` (optional) receives ``plan.json`` and one JSON report per unit, which the
-    driver checks before it commits. ``slot_bits`` (how finely the spill files are cut) and
+    ``report_dir`` (optional) receives the plan (``plan-*.json``, one identical copy per
+    ToBuckets worker) and one JSON report per unit, which the driver checks before it commits. ``slot_bits`` (how finely the spill files are cut) and
     ``target_units`` only change how the work is read and spread, never the output."""
 
     def __init__(self, params: InstanceParams, *, seed: int, dupe_factor: int, vocab_path: str, scratch_dir: str,
@@ -661,21 +661,17 @@ class CreateInstances(beam.PTransform):
     def expand(self, docs):
         threshold = fraction_threshold(self.heldout_fraction)
         keep = self.heldout_min_documents if self.heldout_fraction > 0 else 0
-        pieces = docs | "SpillDocs" >> beam.ParDo(
-            _SpillDocsDoFn(self.scratch_dir, self.spill_tokens, self.slot_bits, threshold, keep))
-        plan = (pieces
-                | "Summaries" >> beam.Map(lambda p: p["summary"])
-                | "Plan" >> beam.CombineGlobally(_PlanCombineFn(keep, threshold, {
-                    "heldout_fraction": self.heldout_fraction, "heldout_min_documents": self.heldout_min_documents,
-                    "heldout_floor_max_fraction": self.heldout_floor_max_fraction,
-                    "bucket_tokens": self.bucket_tokens})))
-        if self.report_dir is not None:
-            _ = plan | "WritePlan" >> beam.Map(_write_plan, self.report_dir)
-        plan_in = beam.pvalue.AsSingleton(plan)
-        return (pieces
-                | "ToBuckets" >> beam.FlatMap(_to_buckets, plan_in, self.slot_bits)
+        spilled = docs | "SpillDocs" >> beam.ParDo(
+            _SpillDocsDoFn(self.scratch_dir, self.spill_tokens, self.slot_bits, threshold, keep)
+        ).with_outputs("summaries", main="pieces")
+        plan_args = {"keep": keep, "fraction_threshold": threshold, "heldout_fraction": self.heldout_fraction,
+                     "heldout_min_documents": self.heldout_min_documents,
+                     "heldout_floor_max_fraction": self.heldout_floor_max_fraction, "bucket_tokens": self.bucket_tokens}
+        return (spilled.pieces
+                | "ToBuckets" >> beam.ParDo(_ToBucketsDoFn(plan_args, self.slot_bits, self.report_dir),
+                                            beam.pvalue.AsList(spilled.summaries))
                 | "GroupBucket" >> beam.GroupByKey()
-                | "Units" >> beam.FlatMap(_units, plan_in, self.target_units)
+                | "Units" >> beam.FlatMap(_units, self.target_units)
                 | "Spread" >> beam.Reshuffle()  # units, not documents: cheap, and spreads them over workers
                 | "Create" >> beam.ParDo(_CreateInstancesDoFn(self.params, self.seed, self.dupe_factor, self.vocab_path,
                                                               builder=self.builder, report_dir=self.report_dir,

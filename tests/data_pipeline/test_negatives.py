@@ -92,7 +92,7 @@ def test_buckets_cut_each_split_and_slots_find_them():
             found = set(buckets_of_slot(plan, slot, bits))
             want = {(s, j) for s, r in plan.buckets.items() for j, (a, b) in enumerate(r) if a < hi and lo < b}
             assert found == want and found
-    assert BuildPlan.from_json(plan.to_json()) == plan  # plan.json round trip
+    assert BuildPlan.from_json(plan.to_json()) == plan  # the plan files round trip
 
 
 def test_split_units_are_consecutive_non_empty_and_balanced():
