@@ -288,8 +288,8 @@ def _verify(cfg: DataConfig, runner: str, plan: BuildPlan | None, units: dict, r
         skips = ("unknown: the runner reports no metrics" if counters is None else
                  ", ".join(f"{k}={v:,}" for k, v in counters.items() if k.startswith(("skipped_", "truncated_")))
                  or "none")
-        raise EmptyBuildError(f"no document reached the instance stage ({where}; skips: {skips}). "
-                              "Nothing was committed.")
+        raise EmptyBuildError(f"no document reached the instance stage: every input was skipped, or the runner "
+                              f"dropped the stages after reading ({where}; skips: {skips}). Nothing was committed.")
     for split in ("train", "heldout"):
         u = units[split]
         if u["documents"] != plan.documents[split] or u["instances"] != rows[split]:

@@ -38,7 +38,8 @@ def test_a_build_whose_documents_are_all_skipped_fails_and_names_the_runner(tmp_
                "--direct_num_workers=1"])
     err = capsys.readouterr().err
     assert rc == 1 and not (out / "manifest.json").exists()
-    assert "bertdist data build: no document reached the instance stage (runner DirectRunner; inputs" in err
+    assert "bertdist data build: no document reached the instance stage: every input was skipped" in err
+    assert "(runner DirectRunner; inputs" in err
     assert f"skipped_too_few_sentences={DOCS}" in err and "Dask runner is known to drop output branches" in err
 
 
