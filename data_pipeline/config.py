@@ -40,10 +40,10 @@ class DataConfig:
     max_predictions_per_seq: int = 20
     whole_word_mask: bool = False
     # An NSP negative comes from the document's bucket: documents grouped by hash into buckets of
-    # about this many tokens (thousands of Wikipedia articles; a small corpus is one bucket per
-    # split, so there the choice is corpus-wide). A worker holds one bucket at a time: about 2
-    # bytes per token (4 with a vocab over 65,536 tokens), twice while it reads one
-    nsp_bucket_tokens: int = 1 << 24
+    # about this many tokens (4.2 M: about 5,000 Wikipedia articles or 40 books; a small corpus is
+    # one bucket per split, so there the choice is corpus-wide). A worker holds up to two buckets:
+    # about 2 bytes per token (4 with a vocab over 65,536 tokens) plus 16 per sentence
+    nsp_bucket_tokens: int = 1 << 22
     # who builds the instances: "native" (C++, data_pipeline._native_instances; bitwise the same
     # output) or the Python "reference"; "auto" takes native when it is built, "native" is an
     # error when it is not

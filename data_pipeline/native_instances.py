@@ -107,9 +107,9 @@ def create_document_instances(doc_id: str, ids: np.ndarray, bounds: np.ndarray, 
                               stats: InstanceStats | None = None) -> InstanceBatch:
     """``InstanceBatch.concat([create_instances(doc_id, ids, bounds, d, ..., negatives=deal) for d in
     range(dupe_factor)])`` with ``deal = negatives.dealer(doc_index)``, in one native call;
-    ``stats`` gets the same counts as the reference's after ``stats.count_windows(deal)``. ``continuation`` (the vocab's '##' mask,
-    :func:`bertdist.data.vocab.continuation_mask`) is needed for static whole-word masking, as in
-    the reference."""
+    ``stats`` gets the same counts as the reference's after ``stats.count_windows(deal)``.
+    ``continuation`` (the vocab's '##' mask, :func:`bertdist.data.vocab.continuation_mask`) is
+    needed for static whole-word masking, as in the reference."""
     if _ext is None:
         raise RuntimeError(unavailable_reason())
     source = packed(negatives) if params.objective == "nsp" else None

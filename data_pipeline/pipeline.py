@@ -388,8 +388,8 @@ def _commit(cfg, out: OutputDir, staging: str, final: str, run_id: str, tokens, 
                     "tokens": plan.tokens["heldout"]},
         "warnings": list(plan.warnings),
         "skips": {k: v for k, v in counters.items() if k.startswith(("skipped_", "truncated_"))} if known else None,
-        "repairs": ({k: v for k, v in counters.items() if k.startswith("repaired_") or k == "nsp_same_document_fallbacks"}
-                    if known else None),
+        "repairs": ({k: v for k, v in counters.items()
+                     if k.startswith("repaired_") or k == "nsp_same_document_fallbacks"} if known else None),
         "metrics": counters,
         "runner": runner,
         "beam_args": list(args),

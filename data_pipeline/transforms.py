@@ -541,6 +541,9 @@ def _units(kv, target_units: int):
                "units": len(groups), "mine": group, "plan_documents": pieces[0]["plan_documents"]}
 
 
+YIELD_ROWS = 8192  # the most rows _CreateInstancesDoFn hands on in one element
+
+
 class _CreateInstancesDoFn(beam.DoFn):
     """A work unit (see :func:`_units`) -> (split, InstanceBatch) per document, all dupes, and a
     small JSON report of the unit's counts under ``report_dir/units`` (the driver checks them
@@ -569,6 +572,8 @@ class _CreateInstancesDoFn(beam.DoFn):
 
     def _bucket(self, unit):
         """The bucket's documents (all of them for NSP negatives, else the unit's) and its source."""
+        import pyarrow as pa
+
         nsp = self.params.objective == "nsp"
         key = (unit["split"], unit["lo"], unit["hi"], tuple((p["path"], p["batch"]) for p in unit["pieces"]),
                None if nsp else tuple(unit["mine"]))
@@ -583,13 +588,18 @@ class _CreateInstancesDoFn(beam.DoFn):
                 source = NegativeSource.from_documents(
                     [(d.doc_id, d.ids, d.bounds) for d in docs],
                     seed=derive_seed(self.seed, "negatives", unit["split"], unit["lo"], unit["hi"]))
-                # the documents as views of the source's flat arrays: the Arrow tables can go
+                # the documents as views of the source's flat arrays: the Arrow tables can go, and
+                # Arrow's allocator gives their memory back (it keeps freed pages otherwise)
                 docs = [_Document(d.hash, d.doc_id, *source.document(i)[1:], d.piece) for i, d in enumerate(docs)]
+                pa.default_memory_pool().release_unused()
             hit = (docs, source, sum(d.ids.shape[0] for d in docs))
             while self.cache and sum(v[2] for v in self.cache.values()) + hit[2] > self.cache_tokens:
                 self.cache.pop(next(iter(self.cache)))  # the oldest goes
         self.cache[key] = hit
         return hit[0], hit[1]
+
+    def finish_bundle(self):
+        self.cache.clear()  # the next stages run in this worker too: their memory, not an idle bucket's
 
     def process(self, unit):
         split = unit["split"]
@@ -617,8 +627,10 @@ class _CreateInstancesDoFn(beam.DoFn):
             documents += 1
             sentences += len(doc.bounds) - 1
             tokens += doc.ids.shape[0]
-            if len(batch):
-                yield split, batch
+            # in slices: a long book's dupes are tens of thousands of rows, which would more than
+            # double the next stage's row buffer (shuffle_spill_rows) at once
+            for lo in range(0, len(batch), YIELD_ROWS):
+                yield split, batch.slice(lo, min(lo + YIELD_ROWS, len(batch)))
         count(f"{split}_instances", total.instances)
         count(f"{split}_random_next", total.random_next)
         if total.same_document_fallbacks:
@@ -644,19 +656,21 @@ class CreateInstances(beam.PTransform):
     negatives from held-out documents only). Only file references go through the runner.
 
     ``report_dir`` (optional) receives the plan (``plan-*.json``, one identical copy per
-    ToBuckets worker) and one JSON report per unit, which the driver checks before it commits. ``slot_bits`` (how finely the spill files are cut) and
-    ``target_units`` only change how the work is read and spread, never the output."""
+    ToBuckets worker) and one JSON report per unit, which the driver checks before it commits.
+    ``slot_bits`` (how finely the spill files are cut) and ``target_units`` only change how the
+    work is read and spread, never the output."""
 
     def __init__(self, params: InstanceParams, *, seed: int, dupe_factor: int, vocab_path: str, scratch_dir: str,
                  report_dir: str | None = None, heldout_fraction: float = 0.0, heldout_min_documents: int = 0,
-                 heldout_floor_max_fraction: float = 0.25, bucket_tokens: int = 1 << 24, slot_bits: int = 2, spill_tokens: int = 1 << 20,
-                 target_units: int = 32, builder: str = "auto"):
+                 heldout_floor_max_fraction: float = 0.25, bucket_tokens: int = 1 << 22, slot_bits: int = 2,
+                 spill_tokens: int = 1 << 20, target_units: int = 32, builder: str = "auto"):
         super().__init__()
         self.params, self.seed, self.dupe_factor, self.vocab_path = params, seed, dupe_factor, vocab_path
         self.scratch_dir, self.report_dir, self.spill_tokens = scratch_dir, report_dir, spill_tokens
         self.heldout_fraction, self.heldout_min_documents = heldout_fraction, heldout_min_documents
         self.heldout_floor_max_fraction = heldout_floor_max_fraction
-        self.bucket_tokens, self.slot_bits, self.target_units, self.builder = bucket_tokens, slot_bits, target_units, builder
+        self.bucket_tokens, self.slot_bits = bucket_tokens, slot_bits
+        self.target_units, self.builder = target_units, builder
 
     def expand(self, docs):
         threshold = fraction_threshold(self.heldout_fraction)
@@ -675,7 +689,7 @@ class CreateInstances(beam.PTransform):
                 | "Spread" >> beam.Reshuffle()  # units, not documents: cheap, and spreads them over workers
                 | "Create" >> beam.ParDo(_CreateInstancesDoFn(self.params, self.seed, self.dupe_factor, self.vocab_path,
                                                               builder=self.builder, report_dir=self.report_dir,
-                                                              cache_tokens=2 * self.bucket_tokens)))
+                                                              cache_tokens=self.bucket_tokens)))
 
 
 # ---------------------------------------------------------------- balanced shards

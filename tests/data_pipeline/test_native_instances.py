@@ -388,7 +388,8 @@ def test_argument_errors_name_expected_and_actual():
     with pytest.raises(ValueError, match="negatives ids: expected the document's dtype uint16, got uint32"):
         call(negatives=native_instances.packed(wide), doc_index=0)
     io, bo = np.array([0, 9]), np.array([0, 3])
-    with pytest.raises(ValueError, match=r"negatives document 0: expected sentence bounds 0 < \.\.\. < len\(document ids\) = 9"):
+    with pytest.raises(ValueError,
+                       match=r"negatives document 0: expected sentence bounds 0 < \.\.\. < len\(document ids\) = 9"):
         ext.NegativeSource(ids[:9], io, np.array([0, 4, 8]), bo, np.array([0, 1]))
     with pytest.raises(ValueError, match=r"negatives perm: expected a permutation of the 2 windows .* got 3 entries"):
         ext.NegativeSource(ids[:9], io, np.array([0, 4, 9]), bo, np.array([0, 1, 2]))

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from data_pipeline.negatives import (
-    HASH_SPACE, BuildPlan, CorpusSummary, HeldOutSplit, NegativeSource, buckets_of_slot, canonical_order, fraction_threshold,
-    make_plan, placement_hash, slot_range, split_units,
+    HASH_SPACE, BuildPlan, CorpusSummary, HeldOutSplit, NegativeSource, buckets_of_slot, canonical_order,
+    fraction_threshold, make_plan, placement_hash, slot_range, split_units,
 )
 
 
@@ -117,7 +117,8 @@ def test_deal_gives_every_row_its_own_window_from_another_document():
     rng = np.random.default_rng(1)
     docs = make_docs(40, rng)
     source = NegativeSource.from_documents(docs, seed=3)
-    assert source.num_windows == sum(len(d[2]) - 1 for d in docs) and sorted(source.perm) == list(range(source.num_windows))
+    assert source.num_windows == sum(len(d[2]) - 1 for d in docs)
+    assert sorted(source.perm) == list(range(source.num_windows))
     seen, own_total = set(), 0
     for d in range(len(docs)):
         deal = source.dealer(d)
