@@ -3,7 +3,7 @@
 Workload: the 14 Gutenberg books of ../shared/data/books, tokenized once with the uncased BERT
 vocab (one document per book, split at 20,000 sentences as the pipeline's Tokenize does), then
 training instances for every document with the pipeline's defaults: dupe_factor 5,
-max_seq_length 128, NSP (pool of 4 windows per document), static masking (0.15, max 20).
+max_seq_length 128, NSP (negatives dealt from one bucket of all the documents), static masking (0.15, max 20).
 Times only instance creation (what _CreateInstancesDoFn.process does per document), one core,
 and checks that both builders gave the same batches.
 
@@ -60,7 +60,8 @@ def main() -> None:
     from data_pipeline import native_instances
     from data_pipeline.config import DataConfig
     from data_pipeline.instance_batch import InstanceBatch
-    from data_pipeline.instances import InstanceStats, create_instances, pool_windows
+    from data_pipeline.instances import InstanceStats, create_instances
+    from data_pipeline.negatives import NegativeSource, canonical_order, placement_hash
     from data_pipeline.pipeline import instance_params
 
     if not native_instances.available():
@@ -73,21 +74,26 @@ def main() -> None:
     docs, words = tokenized_books(vocab, args.doc_sentences)
     tokens = sum(d[1].shape[0] for d in docs)
     print(f"tokenized {len(docs)} documents, {words:,} words, {tokens:,} tokens in {time.perf_counter() - t0:.1f} s")
-    pool = sorted((w for d in docs for w in pool_windows(*d, seed=cfg.seed, windows_per_doc=cfg.nsp_pool_windows_per_doc,
-                                                         max_tokens=cfg.max_seq_length - 3)),
-                  key=lambda w: (w[0], w[1]))[:cfg.nsp_pool_size]
+    order = canonical_order([placement_hash(d[0]) for d in docs], [d[0] for d in docs], [d[1] for d in docs])
+    docs = [docs[i] for i in order]  # one bucket, in the pipeline's order: document i is at place i
+    source = NegativeSource.from_documents(docs, seed=cfg.seed)
 
     def reference():
         stats = InstanceStats()
-        out = [InstanceBatch.concat([create_instances(*d, k, params=params, seed=cfg.seed, pool=pool,
-                                                      continuation=continuation, stats=stats)
-                                     for k in range(cfg.dupe_factor)]) for d in docs]
+        out = []
+        for place, d in enumerate(docs):
+            deal = source.dealer(place)
+            out.append(InstanceBatch.concat([create_instances(*d, k, params=params, seed=cfg.seed, negatives=deal,
+                                                              continuation=continuation, stats=stats)
+                                             for k in range(cfg.dupe_factor)]))
+            stats.count_windows(deal)
         return out, stats
 
     def native():
         stats = InstanceStats()
-        out = [native_instances.create_document_instances(*d, cfg.dupe_factor, params=params, seed=cfg.seed, pool=pool,
-                                                          continuation=continuation, stats=stats) for d in docs]
+        out = [native_instances.create_document_instances(*d, cfg.dupe_factor, params=params, seed=cfg.seed,
+                                                          negatives=source, doc_index=place, continuation=continuation,
+                                                          stats=stats) for place, d in enumerate(docs)]
         return out, stats
 
     results = {}

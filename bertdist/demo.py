@@ -198,7 +198,17 @@ def stage_finetune(out: Path, hf_dir: Path, vocab: Path):
     return metrics, line
 
 
-def plot_curves(metrics: list[dict], png: Path, ranks: int = 2) -> Path:
+def heldout_nsp_note(manifest: Path) -> str:
+    """Why held-out NSP is not measured ("" when it is): a held-out split of fewer documents than
+    the data build's floor (its warning says so) takes its negatives from too few documents."""
+    held = json.loads(manifest.read_text())["heldout"]
+    if held["documents"] >= held["min_documents"]:
+        return ""
+    return (f"held-out NSP not measured: the bundled sample's held-out split has {held['documents']} documents, "
+            f"fewer than the {held['min_documents']} that NSP needs (its negatives come from held-out documents only)")
+
+
+def plot_curves(metrics: list[dict], png: Path, ranks: int = 2, nsp_note: str = "") -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -214,8 +224,11 @@ def plot_curves(metrics: list[dict], png: Path, ranks: int = 2) -> Path:
     ax1.set_title(f"pretraining loss (tiny, {ranks} rank{'s' if ranks > 1 else ''})")
     ax1.legend()
     for key, label in (("mlm_acc", "held-out MLM accuracy"), ("nsp_acc", "held-out NSP accuracy")):
-        if evals and key in evals[0]:
+        if evals and key in evals[0] and not (key == "nsp_acc" and nsp_note):
             ax2.plot([m["step"] for m in evals], [m[key] for m in evals], "o-", label=label)
+    if nsp_note:  # say so instead of plotting noise
+        ax2.text(0.98, 0.04, "held-out NSP not measured: too few\nheld-out documents (see the data build)",
+                 transform=ax2.transAxes, fontsize=8, color="gray", ha="right")
     ax2.set_xlabel("step")
     ax2.set_title("held-out evaluation")
     ax2.legend()
@@ -241,10 +254,13 @@ def main(argv: list[str] | None = None) -> int:
                                   out, manifest, vocab, args.steps, ranks)
     hf_dir = stages.run("4. export (Hugging Face)", stage_export, out, run_dir, vocab)
     ft = stages.run("5. finetune", stage_finetune, out, hf_dir, vocab)
-    png = plot_curves(metrics, out / "pretrain_curves.png", ranks)
+    nsp_note = heldout_nsp_note(manifest)
+    png = plot_curves(metrics, out / "pretrain_curves.png", ranks, nsp_note)
     print("\n=== summary")
     for name, dt, line in stages.rows:
         print(f"  {name:<34} {dt:7.1f} s  {line}")
+    if nsp_note:
+        print(f"  {nsp_note}")
     print(f"  {'total':<34} {time.perf_counter() - t0:7.1f} s")
     print(f"  artifacts: vocab {vocab}\n             records {manifest.parent}\n             run {run_dir}"
           f" (checkpoints, TensorBoard, metrics.jsonl)\n             HF model {hf_dir}\n"

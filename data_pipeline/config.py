@@ -39,10 +39,11 @@ class DataConfig:
     masked_lm_prob: float = 0.15
     max_predictions_per_seq: int = 20
     whole_word_mask: bool = False
-    # NSP negatives come from a deterministic pool: the windows with the smallest hashes,
-    # ``nsp_pool_windows_per_doc`` candidate windows per document, at most ``nsp_pool_size``.
-    nsp_pool_size: int = 32768
-    nsp_pool_windows_per_doc: int = 4
+    # An NSP negative comes from the document's bucket: documents grouped by hash into buckets of
+    # about this many tokens (4.2 M: about 5,000 Wikipedia articles or 40 books; a small corpus is
+    # one bucket per split, so there the choice is corpus-wide). A worker holds up to two buckets:
+    # about 2 bytes per token (4 with a vocab over 65,536 tokens) plus 16 per sentence
+    nsp_bucket_tokens: int = 1 << 22
     # who builds the instances: "native" (C++, data_pipeline._native_instances; bitwise the same
     # output) or the Python "reference"; "auto" takes native when it is built, "native" is an
     # error when it is not
@@ -54,6 +55,12 @@ class DataConfig:
     max_sentence_chars: int = 20_000  # longer "sentences" are cut at whitespace (counted)
     # --- output ---
     heldout_fraction: float = 0.01
+    # with heldout_fraction > 0: at least this many held-out documents (at most half of them), so
+    # that held-out NSP negatives come from many other held-out documents; the floor is not
+    # applied when it would hold out more than heldout_floor_max_fraction of the tokens (a few
+    # long books); fewer held-out documents than this is a warning
+    heldout_min_documents: int = 20
+    heldout_floor_max_fraction: float = 0.25
     num_shards: int = 8
     heldout_num_shards: int = 1
     row_group_size: int = 2048

@@ -5,15 +5,32 @@ A tokenized document is ``(doc_id, ids, bounds)``: all its token ids concatenate
 sentence boundaries (``ids[bounds[i]:bounds[i+1]]`` is sentence i), so segments are slices.
 
 Determinism: every random choice for (document, dupe) comes from RNGs seeded by
-``derive_seed(seed, doc_id, dupe)``; NSP negatives come from a pool whose content depends only
-on the corpus and the seed (see :func:`pool_windows`). Nothing depends on bundling or order.
+``derive_seed(seed, doc_id, dupe)``; an NSP negative comes from the document's bucket, whose
+content and order depend only on the corpus and the seed (:mod:`data_pipeline.negatives`).
+Nothing depends on bundling, order or worker count.
 
 Differences from the reference, on purpose:
-  - NSP negatives are drawn from a deterministic pool of random windows (segments starting at a
-    random sentence of a document) instead of the whole in-memory corpus, which the reference
-    needs and a distributed pipeline cannot have. Windows are picked uniformly, so a negative is
-    still a uniformly random document at a uniformly random sentence, as in the reference,
-    restricted to the pool.
+  - NSP negatives. The reference holds the whole corpus in memory and, for every random-next row,
+    draws a uniformly random other document, then a uniformly random start sentence in it. A
+    distributed pipeline cannot hold the corpus, so here:
+      * the other document comes from the document's *bucket*, not the whole corpus: the
+        documents whose placement hash falls in the same range, about ``nsp_bucket_tokens``
+        tokens of them (thousands of Wikipedia articles; the whole split for a small corpus, so
+        there the choice is corpus-wide). Held-out documents draw from held-out documents only;
+      * the (document, start sentence) window is *dealt* rather than drawn: the bucket's windows
+        are shuffled once, and each document reads its own run of the shuffled order, its dupes
+        one after the other (see negatives.py). So a negative starts at a uniformly random
+        sentence of the bucket: a document is chosen in proportion to its sentence count, where
+        the reference picks documents uniformly. And a window is not reused until a document
+        needs more negatives, over all its dupes, than it has sentences. On the Wikipedia
+        fragment and the 14 books (seq 128), the random-next rows take 1.00 distinct windows
+        per row at dupe 1 and 0.96 at dupe 5; the reference takes 0.64 and 0.28, because it
+        reuses the sentences of short documents (benchmarks/data_pipeline.py --negatives).
+      * When 10 positions in a row hold windows of the document itself (a bucket of one or two
+        documents), the row falls back to the true continuation, labelled IsNext and counted
+        (``same_document_fallbacks``); the reference then takes B from the same document and
+        labels it random-next.
+    B is then read as in the reference: whole sentences from the start until the target length.
   - ``truncate_seq_pair`` removes the same number of tokens from the same segments as the
     reference; the front/back choice per removed token is an independent coin flip as in the
     reference, drawn as one batch of random bits.
@@ -38,28 +55,13 @@ import numpy as np
 
 from bertdist.data.masking import mask_sequence
 from data_pipeline.instance_batch import InstanceBatch
+from data_pipeline.negatives import DocumentDeal
 
 
 def derive_seed(*parts) -> int:
     """64-bit seed from any parts (blake2b of their repr: stable across processes and runs)."""
     h = hashlib.blake2b("\x1f".join(map(str, parts)).encode("utf-8"), digest_size=8)
     return int.from_bytes(h.digest(), "little")
-
-
-def unit_hash(*parts) -> float:
-    """A stable uniform number in [0, 1) for a held-out split by document hash."""
-    return derive_seed(*parts) / 2.0**64
-
-
-@dataclass(frozen=True)
-class HeldOutSplit:
-    """doc_id -> "heldout" for about ``fraction`` of the documents, chosen by a hash of the id
-    (so by document, never by runner, bundle or worker), else "train"."""
-
-    fraction: float = 0.0
-
-    def __call__(self, doc_id: str) -> str:
-        return "heldout" if self.fraction > 0 and unit_hash("heldout", doc_id) < self.fraction else "train"
 
 
 @dataclass(frozen=True)
@@ -80,29 +82,30 @@ class InstanceParams:
 
 @dataclass
 class InstanceStats:
+    """Counts of one or more documents. ``distinct_windows`` and ``max_window_reuse`` describe the
+    NSP negatives' (document, start sentence) windows, counted per document by
+    :meth:`count_windows` (two documents never share a window: they read different positions of
+    their bucket's deal, so the sums are corpus-wide counts)."""
+
     instances: int = 0
     random_next: int = 0
-    negatives_unavailable: int = 0
+    same_document_fallbacks: int = 0
     skipped_short_sentence: int = 0
+    distinct_windows: int = 0
+    max_window_reuse: int = 0
 
+    def count_windows(self, deal: DocumentDeal | None) -> None:
+        """A document's windows, after its last dupe."""
+        if deal is not None and deal.uses:
+            self.distinct_windows += len(deal.uses)
+            self.max_window_reuse = max(self.max_window_reuse, max(deal.uses.values()))
 
-def pool_windows(doc_id: str, ids: np.ndarray, bounds: np.ndarray, *, seed: int, windows_per_doc: int,
-                 max_tokens: int) -> list[tuple[int, str, np.ndarray, np.ndarray]]:
-    """Candidate NSP-negative windows of one document: (hash, doc_id, ids, bounds).
-
-    A window starts at a random sentence and runs until it holds ``max_tokens`` tokens or the
-    document ends, exactly what the reference reads from a random document. The pool keeps the
-    windows with the smallest hashes corpus-wide, so its content depends on the corpus only."""
-    n = len(bounds) - 1
-    out = []
-    b = bounds.tolist()
-    for w in range(windows_per_doc):
-        r = random.Random(derive_seed(seed, "pool", doc_id, w))
-        start = r.randrange(n)
-        end = bisect_left(b, b[start] + max_tokens, start + 1, n)
-        wb = [x - b[start] for x in b[start:end + 1]]  # a list: bisect on it is C-speed
-        out.append((derive_seed(seed, "pool-key", doc_id, w), doc_id, ids[b[start]:b[end]].copy(), wb))
-    return out
+    def add(self, other: "InstanceStats") -> None:
+        """Fold another (ended) document's or unit's counts in."""
+        for name in ("instances", "random_next", "same_document_fallbacks", "skipped_short_sentence",
+                     "distinct_windows"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.max_window_reuse = max(self.max_window_reuse, other.max_window_reuse)
 
 
 def _truncation_counts(la: int, lb: int, max_tokens: int) -> tuple[int, int]:
@@ -152,11 +155,16 @@ def create_instances(
     *,
     params: InstanceParams,
     seed: int,
-    pool: list | None = None,
+    negatives: DocumentDeal | None = None,
     continuation: np.ndarray | None = None,
     stats: InstanceStats | None = None,
 ) -> InstanceBatch:
-    """All instances of one (document, dupe) pass, masked when ``params.masking == 'static'``."""
+    """All instances of one (document, dupe) pass, masked when ``params.masking == 'static'``.
+
+    ``negatives`` is the document's run through its bucket's deal
+    (``NegativeSource.dealer(place)``), shared by its dupes in order 0, 1, ...; without it every
+    random-next row falls back to the true continuation (counted). Call
+    ``stats.count_windows(negatives)`` after the document's last dupe."""
     stats = stats if stats is not None else InstanceStats()
     rng = random.Random(derive_seed(seed, doc_id, dupe))
     p = params
@@ -197,18 +205,16 @@ def create_instances(
             next_i = e
             if p.objective == "nsp":
                 if k == 1 or rng.random() < p.nsp_random_prob:
-                    window = _pick_negative(doc_id, pool, rng)
-                    if window is None:
-                        stats.negatives_unavailable += 1
+                    dealt = None if negatives is None else negatives.next_window()
+                    if dealt is None:
+                        stats.same_document_fallbacks += 1
                         if k == 1:
                             i = e
                             continue
                         seg_b = ids[b[i + a_end]:b[e]]
                     else:
-                        _, _, wids, wb = window
-                        target_b = target - seg_a.shape[0]
-                        eb = bisect_left(wb, target_b, 1, len(wb) - 1)
-                        seg_b = wids[: wb[eb]]
+                        source, start = dealt
+                        seg_b = negatives.source.window(source, start, target - seg_a.shape[0])
                         label = 1
                         next_i = i + a_end  # the unused segments go back
                 else:
@@ -236,16 +242,6 @@ def create_instances(
     stats.instances += len(labels)
     stats.random_next += sum(1 for x in labels if x == 1)
     return _assemble(doc_id, dupe, segs_a, segs_b, labels, ids.dtype, params, seed, continuation)
-
-
-def _pick_negative(doc_id: str, pool: list | None, rng: random.Random):
-    if not pool:
-        return None
-    for _ in range(10):  # the reference's retry count for "another document"
-        w = pool[_below(rng, len(pool))]
-        if w[1] != doc_id:
-            return w
-    return None
 
 
 def _assemble(doc_id, dupe, segs_a, segs_b, labels, dtype, p: InstanceParams, seed, continuation) -> InstanceBatch:

@@ -3,21 +3,22 @@
 ``data_pipeline._native_instances`` (csrc/data_pipeline/instances.cpp, a plain pybind11
 module: no torch) is the fast twin of :func:`data_pipeline.instances.create_instances`; that
 Python code stays the readable reference and the test oracle, and the two give bitwise the same
-InstanceBatch and InstanceStats. This module loads the extension when it is built, packs the NSP
-pool into flat arrays once per pool object, derives the per-dupe seeds exactly as the reference
-does (``derive_seed``), and turns the extension's columns into an InstanceBatch.
+InstanceBatch and InstanceStats. This module loads the extension when it is built, packs a
+bucket's NegativeSource once (the extension checks it once, not per document), derives the
+per-dupe seeds exactly as the reference does (``derive_seed``), and turns the extension's
+columns into an InstanceBatch.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
-from itertools import chain
 
 import numpy as np
 
 from data_pipeline.config import INSTANCE_BUILDERS
 from data_pipeline.instance_batch import InstanceBatch
 from data_pipeline.instances import InstanceParams, InstanceStats
+from data_pipeline.negatives import NegativeSource
 
 log = logging.getLogger("data_pipeline")
 
@@ -68,42 +69,17 @@ def log_choice(builder: str, why: str) -> None:
         log.info("training instances: %s builder (%s)", builder, why)
 
 
-class _PackedPool:
-    """A pool as flat arrays + doc_id -> number; ``source`` keeps the pool object alive, so
-    the identity check of the cache cannot be fooled by a recycled id()."""
-
-    def __init__(self, pool: list | None):
-        self.source = pool
-        self.doc_number: dict = {}
-        if not pool:  # the reference's `not pool`: no negatives at all
-            self.native = None
-            return
-        wids = [np.asarray(w[2]) for w in pool]
-        dtypes = {a.dtype for a in wids}
-        if len(dtypes) != 1:
-            raise ValueError(f"NSP pool: window ids of several dtypes {sorted(map(str, dtypes))}; "
-                             "the native builder needs one (one vocab)")
-        n = len(pool)
-        id_offsets = np.zeros(n + 1, np.int64)
-        np.cumsum(np.fromiter((a.shape[0] for a in wids), np.int64, n), out=id_offsets[1:])
-        bound_offsets = np.zeros(n + 1, np.int64)
-        np.cumsum(np.fromiter((len(w[3]) for w in pool), np.int64, n), out=bound_offsets[1:])
-        bounds = np.fromiter(chain.from_iterable(w[3] for w in pool), np.int64, int(bound_offsets[-1]))
-        number = self.doc_number
-        doc = np.fromiter((number.setdefault(w[1], len(number)) for w in pool), np.int64, n)
-        self.native = _ext.NegativePool(np.concatenate(wids), id_offsets, bounds, bound_offsets, doc)
-
-
-_pool_cache: _PackedPool | None = None
-
-
-def _packed(pool) -> _PackedPool:
-    """Packed once per pool object: Beam hands the same side-input list to every document of a
-    bundle (and usually of a worker), so the cost is paid per pool, not per document."""
-    global _pool_cache
-    if _pool_cache is None or _pool_cache.source is not pool:
-        _pool_cache = _PackedPool(pool)
-    return _pool_cache
+def packed(negatives: NegativeSource | None):
+    """The extension's NegativeSource for ``negatives``, built once and kept on the object (the
+    flat arrays are shared, not copied)."""
+    if negatives is None:
+        return None
+    native = getattr(negatives, "_native", None)
+    if native is None:
+        native = negatives._native = _ext.NegativeSource(
+            np.ascontiguousarray(negatives.ids), negatives.id_offsets, negatives.bounds, negatives.bound_offsets,
+            negatives.perm)
+    return native
 
 
 def _derived_seeds(prefix_parts: tuple, n: int) -> np.ndarray:
@@ -126,16 +102,19 @@ def dupe_seeds(doc_id: str, dupe_factor: int, seed: int) -> tuple[np.ndarray, np
 
 
 def create_document_instances(doc_id: str, ids: np.ndarray, bounds: np.ndarray, dupe_factor: int, *,
-                              params: InstanceParams, seed: int, pool: list | None = None,
-                              continuation: np.ndarray | None = None,
+                              params: InstanceParams, seed: int, negatives: NegativeSource | None = None,
+                              doc_index: int = -1, continuation: np.ndarray | None = None,
                               stats: InstanceStats | None = None) -> InstanceBatch:
-    """``InstanceBatch.concat([create_instances(doc_id, ids, bounds, d, ...) for d in range(dupe_factor)])``
-    in one native call; ``stats`` gets the same counts as the reference's. ``continuation`` (the
-    vocab's '##' mask, :func:`bertdist.data.vocab.continuation_mask`) is needed for static
-    whole-word masking, as in the reference."""
+    """``InstanceBatch.concat([create_instances(doc_id, ids, bounds, d, ..., negatives=deal) for d in
+    range(dupe_factor)])`` with ``deal = negatives.dealer(doc_index)``, in one native call;
+    ``stats`` gets the same counts as the reference's after ``stats.count_windows(deal)``.
+    ``continuation`` (the vocab's '##' mask, :func:`bertdist.data.vocab.continuation_mask`) is
+    needed for static whole-word masking, as in the reference."""
     if _ext is None:
         raise RuntimeError(unavailable_reason())
-    packed = _packed(pool)
+    source = packed(negatives) if params.objective == "nsp" else None
+    if source is not None and not 0 <= doc_index < len(negatives):
+        raise ValueError(f"doc_index {doc_index}: not a document of the negative source ({len(negatives)} documents)")
     mt, rows, masks = dupe_seeds(doc_id, dupe_factor, seed)
     p = params
     out = _ext.build_document(
@@ -144,13 +123,10 @@ def create_document_instances(doc_id: str, ids: np.ndarray, bounds: np.ndarray, 
         nsp_random_prob=float(p.nsp_random_prob), masking=p.masking, masked_lm_prob=float(p.masked_lm_prob),
         max_predictions_per_seq=int(p.max_predictions_per_seq), whole_word_mask=bool(p.whole_word_mask),
         cls_id=int(p.cls_id), sep_id=int(p.sep_id), mask_id=int(p.mask_id), vocab_size=int(p.vocab_size),
-        pool=packed.native, doc_index=packed.doc_number.get(doc_id, -1),
+        negatives=source, doc_index=int(doc_index) if source is not None else -1,
         continuation=None if continuation is None else np.ascontiguousarray(continuation, dtype=np.bool_),
     )
     keys, flat, offs, num_a, nsp, mpos, mids, moffs, counts = out
     if stats is not None:
-        stats.instances += counts[0]
-        stats.random_next += counts[1]
-        stats.negatives_unavailable += counts[2]
-        stats.skipped_short_sentence += counts[3]
+        stats.add(InstanceStats(*counts))
     return InstanceBatch(keys, flat, offs, num_a, nsp, mpos, mids, moffs)

@@ -16,7 +16,7 @@ def _setup_logging() -> None:
 def run_build(args, beam_args: list[str]) -> int:
     from bertdist.config import apply_overrides, from_dict, load_yaml, to_dict
     from data_pipeline.config import DataConfig
-    from data_pipeline.pipeline import default_pipeline_args, parse_input, run
+    from data_pipeline.pipeline import EmptyBuildError, default_pipeline_args, parse_input, run
 
     _setup_logging()
     data = load_yaml(args.config) if args.config else {}
@@ -31,16 +31,55 @@ def run_build(args, beam_args: list[str]) -> int:
     user_runner = any(a.startswith("--runner") and "DirectRunner" not in a for a in beam_args)
     pipeline_args = list(beam_args) if user_runner else default_pipeline_args() + list(beam_args)
     t = time.time()
-    manifest = run(cfg, pipeline_args)
-    c = manifest["counts"]
+    try:
+        manifest = run(cfg, pipeline_args)
+    except EmptyBuildError as e:  # nothing committed; the message names the runner and what is missing
+        print(f"bertdist data build: {e}", file=sys.stderr)
+        return 1
     print(f"data build: {manifest['splits']['train']['rows']:,} train + {manifest['splits']['heldout']['rows']:,} held-out "
           f"instances in {time.time() - t:.1f}s -> {os.path.join(cfg.output, 'manifest.json')}")
-    print(f"  documents {c['documents']:,}  sentences {c['sentences']:,}  input words {c['input_words']:,}  "
-          f"tokens {c['tokens']:,}  masked {c['masked_tokens']:,}")
-    print("  Beam metrics (namespace data_pipeline):")
-    for k, v in manifest["metrics"].items():
-        print(f"    {k:<45} {v:>12,}")
+    for line in build_report(manifest):
+        print(line)
     return 0
+
+
+def _n(v) -> str:
+    """A count, or "unknown" where the runner could not report it (null in the manifest)."""
+    return "unknown" if v is None else f"{v:,}"
+
+
+def build_report(manifest: dict) -> list[str]:
+    """What `data build` prints after its first line: counts, held-out split, NSP negatives,
+    warnings, then the Beam metrics (last: nothing is printed after them)."""
+    c = manifest["counts"]
+    lines = [f"  documents {_n(c['documents'])}  sentences {_n(c['sentences'])}  input words {_n(c['input_words'])}  "
+             f"tokens {_n(c['tokens'])}  masked {_n(c['masked_tokens'])}"]
+    h = manifest["heldout"]
+    if h["fraction"] > 0:
+        lines.append(f"  held-out: {h['documents']:,} documents ({h['tokens']:,} input tokens; heldout_fraction "
+                     f"{h['fraction']}, at least {h['min_documents']} documents)")
+    else:
+        lines.append("  held-out: none (heldout_fraction 0)")
+    neg = manifest.get("negatives")
+    if neg:
+        lines.append(f"  NSP negatives, (document, start sentence) windows ({neg['buckets']['train']} train + "
+                     f"{neg['buckets']['heldout']} held-out buckets of up to {neg['bucket_tokens']:,} tokens):")
+        for split in ("train", "heldout"):
+            s = neg[split]
+            frac = "" if s["distinct_fraction"] is None else f" ({s['distinct_fraction']:.3f} per row)"
+            lines.append(f"    {split:<8} random-next rows {s['random_next']:,}  distinct windows {s['distinct_windows']:,}"
+                         f"{frac}  largest reuse {s['max_window_reuse']:,}  same-document fallbacks "
+                         f"{s['same_document_fallbacks']:,}")
+    for w in manifest.get("warnings", []):
+        lines.append(f"  WARNING: {w}")
+    if manifest["metrics"] is None:
+        lines.append(f"  Beam metrics: unknown (runner {manifest.get('runner')} reports none); input words, skips and "
+                     "repairs are recorded as null")
+    else:
+        lines.append("  Beam metrics (namespace data_pipeline):")
+        for k, v in manifest["metrics"].items():
+            lines.append(f"    {k:<45} {v:>12,}")
+    return lines
 
 
 def run_vocab(args) -> int:

@@ -322,55 +322,69 @@ bool has_dtype(const py::array& a) {
   return py::isinstance<py::array_t<V>>(a);
 }
 
-// The NSP negative pool, packed once per pool object and checked once (not once per document):
-// window w holds ids[id_offsets[w]:id_offsets[w+1]] and relative sentence bounds
-// bounds[bound_offsets[w]:bound_offsets[w+1]]; doc[w] numbers its document, so "the window
-// comes from another document" (w[1] != doc_id in Python) is doc[w] != the current doc's number.
-class NegativePool {
+// negatives.py::NegativeSource: one bucket's documents in canonical order, packed once per bucket
+// and checked once (not once per document). Document e holds ids[id_offsets[e]:id_offsets[e+1]]
+// and sentence bounds bounds[bound_offsets[e]:bound_offsets[e+1]] (from 0); its windows are its
+// sentences, numbered from offset(e) = the sentences of the documents before it; perm is the
+// bucket's shuffle of the window numbers [0, W).
+class NegativeSource {
  public:
-  NegativePool(py::array ids_in, py::array id_offsets_in, py::array bounds_in, py::array bound_offsets_in, py::array doc_in)
+  NegativeSource(py::array ids_in, py::array id_offsets_in, py::array bounds_in, py::array bound_offsets_in,
+                 py::array perm_in)
       : ids_(std::move(ids_in)), id_offsets_(std::move(id_offsets_in)), bounds_(std::move(bounds_in)),
-        bound_offsets_(std::move(bound_offsets_in)), doc_(std::move(doc_in)) {
-    check_1d_contiguous(ids_, "pool ids");
-    for (auto* a : {&id_offsets_, &bounds_, &bound_offsets_, &doc_}) {
-      const char* what = a == &id_offsets_ ? "pool id_offsets" : a == &bounds_ ? "pool bounds"
-                         : a == &bound_offsets_ ? "pool bound_offsets" : "pool doc";
+        bound_offsets_(std::move(bound_offsets_in)), perm_(std::move(perm_in)) {
+    check_1d_contiguous(ids_, "negatives ids");
+    for (auto* a : {&id_offsets_, &bounds_, &bound_offsets_, &perm_}) {
+      const char* what = a == &id_offsets_ ? "negatives id_offsets" : a == &bounds_ ? "negatives bounds"
+                         : a == &bound_offsets_ ? "negatives bound_offsets" : "negatives perm";
       check_1d_contiguous(*a, what);
       if (!has_dtype<int64_t>(*a))
         throw py::value_error(std::string(what) + ": expected dtype int64, got " + dtype_name(*a));
     }
     if (!has_dtype<uint16_t>(ids_) && !has_dtype<uint32_t>(ids_))
-      throw py::value_error("pool ids: expected dtype uint16 or uint32, got " + dtype_name(ids_));
+      throw py::value_error("negatives ids: expected dtype uint16 or uint32, got " + dtype_name(ids_));
     size_ = static_cast<int64_t>(id_offsets_.shape(0)) - 1;
-    if (size_ < 0) throw py::value_error("pool id_offsets: expected at least one entry (0), got an empty array");
+    if (size_ < 0) throw py::value_error("negatives id_offsets: expected at least one entry (0), got an empty array");
     if (bound_offsets_.shape(0) != id_offsets_.shape(0))
-      throw py::value_error("pool bound_offsets: expected " + std::to_string(size_ + 1) + " entries (windows + 1), got " +
-                            std::to_string(bound_offsets_.shape(0)));
-    if (doc_.shape(0) != size_)
-      throw py::value_error("pool doc: expected " + std::to_string(size_) + " entries (one per window), got " +
-                            std::to_string(doc_.shape(0)));
+      throw py::value_error("negatives bound_offsets: expected " + std::to_string(size_ + 1) +
+                            " entries (documents + 1), got " + std::to_string(bound_offsets_.shape(0)));
     const int64_t* io = id_offsets();
     const int64_t* bo = bound_offsets();
     const int64_t* b = bounds_data();
     if (io[0] != 0 || io[size_] != ids_.shape(0))
-      throw py::value_error("pool id_offsets: expected to run from 0 to len(ids) = " + std::to_string(ids_.shape(0)) +
-                            ", got " + std::to_string(io[0]) + " .. " + std::to_string(io[size_]));
+      throw py::value_error("negatives id_offsets: expected to run from 0 to len(ids) = " +
+                            std::to_string(ids_.shape(0)) + ", got " + std::to_string(io[0]) + " .. " +
+                            std::to_string(io[size_]));
     if (bo[0] != 0 || bo[size_] != bounds_.shape(0))
-      throw py::value_error("pool bound_offsets: expected to run from 0 to len(bounds) = " +
+      throw py::value_error("negatives bound_offsets: expected to run from 0 to len(bounds) = " +
                             std::to_string(bounds_.shape(0)) + ", got " + std::to_string(bo[0]) + " .. " +
                             std::to_string(bo[size_]));
-    for (int64_t w = 0; w < size_; w++) {
-      if (io[w + 1] < io[w] || bo[w + 1] < bo[w])
-        throw py::value_error("pool offsets: not non-decreasing at window " + std::to_string(w));
-      int64_t nb = bo[w + 1] - bo[w];
-      const int64_t* wb = b + bo[w];
-      // a window is whole sentences: bounds 0 < ... < len(window ids), at least one sentence
-      bool ok = nb >= 2 && wb[0] == 0 && wb[nb - 1] == io[w + 1] - io[w];
-      for (int64_t j = 1; ok && j < nb; j++) ok = wb[j] > wb[j - 1];
+    offsets_.assign(1, 0);
+    for (int64_t e = 0; e < size_; e++) {
+      if (io[e + 1] < io[e] || bo[e + 1] < bo[e])
+        throw py::value_error("negatives offsets: not non-decreasing at document " + std::to_string(e));
+      int64_t nb = bo[e + 1] - bo[e];
+      const int64_t* eb = b + bo[e];
+      // a document is whole sentences: bounds 0 < ... < len(document ids), at least one sentence
+      bool ok = nb >= 2 && eb[0] == 0 && eb[nb - 1] == io[e + 1] - io[e];
+      for (int64_t j = 1; ok && j < nb; j++) ok = eb[j] > eb[j - 1];
       if (!ok)
-        throw py::value_error("pool window " + std::to_string(w) +
-                              ": expected sentence bounds 0 < ... < len(window ids) = " +
-                              std::to_string(io[w + 1] - io[w]) + " (strictly increasing, >= 2 entries)");
+        throw py::value_error("negatives document " + std::to_string(e) +
+                              ": expected sentence bounds 0 < ... < len(document ids) = " +
+                              std::to_string(io[e + 1] - io[e]) + " (strictly increasing, >= 2 entries)");
+      offsets_.push_back(offsets_.back() + nb - 1);
+    }
+    const int64_t windows = offsets_.back();
+    if (perm_.shape(0) != windows)
+      throw py::value_error("negatives perm: expected a permutation of the " + std::to_string(windows) +
+                            " windows (one per sentence), got " + std::to_string(perm_.shape(0)) + " entries");
+    std::vector<bool> seen(static_cast<size_t>(windows), false);
+    const int64_t* pm = perm();
+    for (int64_t j = 0; j < windows; j++) {
+      if (pm[j] < 0 || pm[j] >= windows || seen[pm[j]])
+        throw py::value_error("negatives perm: not a permutation of [0, " + std::to_string(windows) + "): entry " +
+                              std::to_string(j) + " is " + std::to_string(pm[j]));
+      seen[pm[j]] = true;
     }
   }
 
@@ -382,7 +396,13 @@ class NegativePool {
   const int64_t* id_offsets() const { return static_cast<const int64_t*>(id_offsets_.data()); }
   const int64_t* bounds_data() const { return static_cast<const int64_t*>(bounds_.data()); }
   const int64_t* bound_offsets() const { return static_cast<const int64_t*>(bound_offsets_.data()); }
-  const int64_t* doc() const { return static_cast<const int64_t*>(doc_.data()); }
+  const int64_t* perm() const { return static_cast<const int64_t*>(perm_.data()); }
+  int64_t sentences(int64_t e) const { return offsets_[e + 1] - offsets_[e]; }
+  int64_t offset(int64_t e) const { return offsets_[e]; }
+  // the document that holds window g: bisect_right(offsets, g) - 1
+  int64_t doc_of(int64_t g) const {
+    return static_cast<int64_t>(std::upper_bound(offsets_.begin(), offsets_.end(), g) - offsets_.begin()) - 1;
+  }
 
   static std::string dtype_name(const py::array& a) { return py::str(a.dtype()).cast<std::string>(); }
   static void check_1d_contiguous(const py::array& a, const char* what) {
@@ -392,18 +412,20 @@ class NegativePool {
   }
 
  private:
-  py::array ids_, id_offsets_, bounds_, bound_offsets_, doc_;  // kept alive for the raw pointers
+  py::array ids_, id_offsets_, bounds_, bound_offsets_, perm_;  // kept alive for the raw pointers
   int64_t size_ = 0;
+  std::vector<int64_t> offsets_;  // window number of each document's first sentence, W at the end
 };
 
 // ------------------------------------------------------------------ the builder
 
 struct Stats {
-  int64_t instances = 0, random_next = 0, negatives_unavailable = 0, skipped_short_sentence = 0;
+  int64_t instances = 0, random_next = 0, same_document_fallbacks = 0, skipped_short_sentence = 0;
+  int64_t distinct_windows = 0, max_window_reuse = 0;
 };
 
 template <typename T>
-struct Span {  // a segment: a slice of the document's or of a pool window's ids
+struct Span {  // a segment: a slice of the document's or of a negative document's ids
   const T* data = nullptr;
   int64_t size = 0;
 };
@@ -526,11 +548,14 @@ class SmallestKeys {
 template <typename T>
 class DocumentBuilder {
  public:
-  DocumentBuilder(const T* ids, const int64_t* bounds, int64_t n_sentences, const Params& p, const NegativePool* pool,
+  DocumentBuilder(const T* ids, const int64_t* bounds, int64_t n_sentences, const Params& p, const NegativeSource* src,
                   int64_t doc_index, Columns<T>& out)
-      : ids_(ids), b_(bounds), n_(n_sentences), p_(p), pool_(pool), doc_index_(doc_index), out_(out) {}
+      : ids_(ids), b_(bounds), n_(n_sentences), p_(p), src_(src), doc_index_(doc_index), out_(out) {
+    if (src_ != nullptr) uses_.assign(static_cast<size_t>(src_->sentences(doc_index_)), 0);
+  }
 
   // create_instances(..., dupe) followed by _assemble, appended to `out`.
+  // The dupes share one run through the deal (DocumentDeal), so call them in order 0, 1, ...
   void dupe(uint64_t mt_seed, uint64_t row_base, uint64_t mask_seed) {
     PyRandom rng(mt_seed);
     segs_a_.clear(), segs_b_.clear(), labels_.clear();
@@ -547,9 +572,11 @@ class DocumentBuilder {
   const int64_t* b_;
   int64_t n_;
   const Params& p_;
-  const NegativePool* pool_;
+  const NegativeSource* src_;
   int64_t doc_index_;
   Columns<T>& out_;
+  int64_t cursor_ = 0;         // DocumentDeal.cursor: the next of this document's positions
+  std::vector<int64_t> uses_;  // DocumentDeal.uses: windows taken per position (all dupes)
   std::vector<Span<T>> segs_a_, segs_b_;  // segs_b_[r].size == 0: no second segment
   std::vector<int8_t> labels_;
   std::vector<double> keys_;  // scratch for the masking
@@ -576,18 +603,38 @@ class DocumentBuilder {
     }
   }
 
-  // instances.py::_pick_negative: up to 10 uniform picks for a window of another document.
-  // Returns the window index, or -1 (no pool, or only windows of this document were drawn).
-  int64_t pick_negative(PyRandom& rng) {
-    if (pool_ == nullptr || pool_->size() == 0) return -1;
-    const int64_t* doc = pool_->doc();
+  // DocumentDeal.next_window: the next window (source document, start sentence) from this
+  // document's positions of the bucket's shuffled windows, skipping its own; false after 10 own
+  // windows in a row (or without a source).
+  bool deal(int64_t& source, int64_t& start) {
+    if (src_ == nullptr) return false;
+    const int64_t s = src_->sentences(doc_index_), base = src_->offset(doc_index_);
+    const int64_t* perm = src_->perm();
     for (int t = 0; t < 10; t++) {
-      int64_t w = rng.below(pool_->size());
-      if (doc[w] != doc_index_) return w;
+      const int64_t local = cursor_ % s;
+      cursor_++;
+      const int64_t g = perm[base + local];
+      const int64_t e = src_->doc_of(g);
+      if (e != doc_index_) {
+        uses_[local]++;
+        source = e, start = g - src_->offset(e);
+        return true;
+      }
     }
-    return -1;
+    return false;
   }
 
+ public:
+  // InstanceStats.count_windows after the last dupe: distinct windows and the largest reuse.
+  void end_document() {
+    Stats& st = out_.stats;
+    for (int64_t u : uses_) {
+      st.distinct_windows += u > 0;
+      st.max_window_reuse = std::max(st.max_window_reuse, u);
+    }
+  }
+
+ private:
   void pair_segments(PyRandom& rng) {  // objectives "nsp" and "sop"
     const int64_t max_tokens = p_.max_seq_length - 3;
     const int64_t target = draw_target(rng, max_tokens);
@@ -601,19 +648,19 @@ class DocumentBuilder {
       int64_t next_i = e;
       if (p_.objective == Objective::nsp) {
         if (k == 1 || rng.random() < p_.nsp_random_prob) {  // k == 1 draws no coin (short-circuit)
-          int64_t w = pick_negative(rng);
-          if (w < 0) {
-            out_.stats.negatives_unavailable++;
+          int64_t source = -1, start = 0;
+          if (!deal(source, start)) {
+            out_.stats.same_document_fallbacks++;
             if (k == 1) {
               i = e;
               continue;
             }
             seg_b = slice(i + a_end, e);
-          } else {
-            const int64_t* wb = pool_->bounds_data() + pool_->bound_offsets()[w];
-            const int64_t nb = pool_->bound_offsets()[w + 1] - pool_->bound_offsets()[w];
-            const int64_t eb = bisect_left(wb, target - seg_a.size, 1, nb - 1);
-            seg_b = {pool_->template ids<T>() + pool_->id_offsets()[w], wb[eb]};
+          } else {  // NegativeSource.window
+            const int64_t* sb = src_->bounds_data() + src_->bound_offsets()[source];
+            const int64_t nb = src_->bound_offsets()[source + 1] - src_->bound_offsets()[source];
+            const int64_t end = bisect_left(sb, sb[start] + (target - seg_a.size), start + 1, nb - 1);
+            seg_b = {src_->template ids<T>() + src_->id_offsets()[source] + sb[start], sb[end] - sb[start]};
             label = 1;
             next_i = i + a_end;  // the unused segments go back
           }
@@ -805,7 +852,7 @@ py::array to_numpy(std::vector<V>&& v) {
   return py::array_t<V>({static_cast<py::ssize_t>(owned->size())}, {sizeof(V)}, owned->data(), free_it);
 }
 
-std::string dtype_name(const py::array& a) { return NegativePool::dtype_name(a); }
+std::string dtype_name(const py::array& a) { return NegativeSource::dtype_name(a); }
 
 void check_array(const py::array& a, const char* what, py::ssize_t ndim) {
   if (a.ndim() != ndim)
@@ -824,7 +871,7 @@ void check_dtype(const py::array& a, const char* what) {
 
 template <typename T>
 py::tuple build_typed(const py::array& ids, const py::array& bounds, const uint64_t* mt_seeds, const uint64_t* row_bases,
-                      const uint64_t* mask_seeds, int64_t dupes, const Params& p, const NegativePool* pool,
+                      const uint64_t* mask_seeds, int64_t dupes, const Params& p, const NegativeSource* src,
                       int64_t doc_index) {
   const int64_t max_id = std::numeric_limits<T>::max();
   for (auto [name, v] : {std::pair{"cls_id", p.cls_id}, std::pair{"sep_id", p.sep_id}, std::pair{"mask_id", p.mask_id}})
@@ -838,22 +885,24 @@ py::tuple build_typed(const py::array& ids, const py::array& bounds, const uint6
     const int64_t tokens = static_cast<int64_t>(ids.shape(0));
     const size_t expect = static_cast<size_t>(dupes) * static_cast<size_t>(tokens + tokens / 8 + 16);
     out.ids.reserve(expect);  // every token about once per dupe, plus the specials
-    DocumentBuilder<T> builder(static_cast<const T*>(ids.data()), static_cast<const int64_t*>(bounds.data()), n, p, pool,
+    DocumentBuilder<T> builder(static_cast<const T*>(ids.data()), static_cast<const int64_t*>(bounds.data()), n, p, src,
                                doc_index, out);
     for (int64_t d = 0; d < dupes; d++) builder.dupe(mt_seeds[d], row_bases[d], mask_seeds[d]);
+    builder.end_document();
   }
   const Stats st = out.stats;
   return py::make_tuple(to_numpy(std::move(out.keys)), to_numpy(std::move(out.ids)), to_numpy(std::move(out.ids_offsets)),
                         to_numpy(std::move(out.num_a)), to_numpy(std::move(out.nsp)), to_numpy(std::move(out.mpos)),
                         to_numpy(std::move(out.mids)), to_numpy(std::move(out.m_offsets)),
-                        py::make_tuple(st.instances, st.random_next, st.negatives_unavailable, st.skipped_short_sentence));
+                        py::make_tuple(st.instances, st.random_next, st.same_document_fallbacks, st.skipped_short_sentence,
+                                       st.distinct_windows, st.max_window_reuse));
 }
 
 py::tuple build_document(py::array ids, py::array bounds, py::array mt_seeds, py::array row_bases, py::array mask_seeds,
                          int64_t max_seq_length, double short_seq_prob, const std::string& objective,
                          double nsp_random_prob, const std::string& masking, double masked_lm_prob,
                          int64_t max_predictions_per_seq, bool whole_word_mask, int64_t cls_id, int64_t sep_id,
-                         int64_t mask_id, int64_t vocab_size, const NegativePool* pool, int64_t doc_index,
+                         int64_t mask_id, int64_t vocab_size, const NegativeSource* negatives, int64_t doc_index,
                          py::object continuation) {
   check_array(ids, "ids", 1);
   const bool u16 = has_dtype<uint16_t>(ids);
@@ -920,14 +969,23 @@ py::tuple build_document(py::array ids, py::array bounds, py::array mt_seeds, py
   if (vocab_size < 1 || vocab_size > (1LL << 32))  // larger would take numpy's 64-bit integers path
     throw py::value_error("vocab_size: expected 1 <= vocab_size <= 2**32, got " + std::to_string(vocab_size));
   p.vocab_size = static_cast<uint64_t>(vocab_size);
-  if (pool != nullptr && pool->size() > 0 && pool->wide() == u16)
-    throw py::value_error("pool ids: expected the document's dtype " + dtype_name(ids) + ", got " +
-                          py::str(pool->dtype()).cast<std::string>() + " (one vocab, one dtype)");
+  if (negatives != nullptr) {
+    if (negatives->size() > 0 && negatives->wide() == u16)
+      throw py::value_error("negatives ids: expected the document's dtype " + dtype_name(ids) + ", got " +
+                            py::str(negatives->dtype()).cast<std::string>() + " (one vocab, one dtype)");
+    if (doc_index < 0 || doc_index >= negatives->size())
+      throw py::value_error("doc_index: expected the document's place in the negative source, 0 <= doc_index < " +
+                            std::to_string(negatives->size()) + ", got " + std::to_string(doc_index));
+    if (negatives->sentences(doc_index) != nb - 1)
+      throw py::value_error("doc_index " + std::to_string(doc_index) + ": the negative source's document there has " +
+                            std::to_string(negatives->sentences(doc_index)) + " sentences, this one " +
+                            std::to_string(nb - 1) + " (not the same document)");
+  }
   const auto* seeds = static_cast<const uint64_t*>(mt_seeds.data());
   const auto* rows = static_cast<const uint64_t*>(row_bases.data());
   const auto* masks = static_cast<const uint64_t*>(mask_seeds.data());
-  if (u16) return build_typed<uint16_t>(ids, bounds, seeds, rows, masks, dupes, p, pool, doc_index);
-  return build_typed<uint32_t>(ids, bounds, seeds, rows, masks, dupes, p, pool, doc_index);
+  if (u16) return build_typed<uint16_t>(ids, bounds, seeds, rows, masks, dupes, p, negatives, doc_index);
+  return build_typed<uint32_t>(ids, bounds, seeds, rows, masks, dupes, p, negatives, doc_index);
 }
 
 // ------------------------------------------------------------------ ragged gather
@@ -967,9 +1025,9 @@ py::tuple gather_typed(const py::array& values, const int64_t* offs, int64_t n_r
 }
 
 py::tuple gather_ragged(const py::array& values, const py::array& offsets, const py::array& rows) {
-  NegativePool::check_1d_contiguous(values, "gather_ragged values");
-  NegativePool::check_1d_contiguous(offsets, "gather_ragged offsets");
-  NegativePool::check_1d_contiguous(rows, "gather_ragged rows");
+  NegativeSource::check_1d_contiguous(values, "gather_ragged values");
+  NegativeSource::check_1d_contiguous(offsets, "gather_ragged offsets");
+  NegativeSource::check_1d_contiguous(rows, "gather_ragged rows");
   if (!has_dtype<int64_t>(offsets))
     throw py::value_error("gather_ragged offsets: expected dtype int64, got " + dtype_name(offsets));
   if (!has_dtype<int64_t>(rows)) throw py::value_error("gather_ragged rows: expected dtype int64, got " + dtype_name(rows));
@@ -988,18 +1046,20 @@ py::tuple gather_ragged(const py::array& values, const py::array& offsets, const
 PYBIND11_MODULE(_native_instances, m) {
   m.doc() = "Native twin of data_pipeline.instances.create_instances (see data_pipeline/native_instances.py).";
 
-  py::class_<NegativePool>(m, "NegativePool", "The NSP negative pool packed into flat arrays (checked once).")
+  py::class_<NegativeSource>(m, "NegativeSource",
+                             "One bucket's documents and window shuffle, packed into flat arrays (checked once).")
       .def(py::init<py::array, py::array, py::array, py::array, py::array>(), py::arg("ids"), py::arg("id_offsets"),
-           py::arg("bounds"), py::arg("bound_offsets"), py::arg("doc"))
-      .def("__len__", &NegativePool::size);
+           py::arg("bounds"), py::arg("bound_offsets"), py::arg("perm"))
+      .def("__len__", &NegativeSource::size);
 
   m.def("build_document", &build_document,
         "All dupes of one document: (keys, ids, ids_offsets, num_a, nsp, mpos, mids, m_offsets, "
-        "(instances, random_next, negatives_unavailable, skipped_short_sentence)).",
+        "(instances, random_next, same_document_fallbacks, skipped_short_sentence, distinct_windows, "
+        "max_window_reuse)).",
         py::arg("ids"), py::arg("bounds"), py::arg("mt_seeds"), py::arg("row_bases"), py::arg("mask_seeds"), py::kw_only(),
         py::arg("max_seq_length"), py::arg("short_seq_prob"), py::arg("objective"), py::arg("nsp_random_prob"),
         py::arg("masking"), py::arg("masked_lm_prob"), py::arg("max_predictions_per_seq"), py::arg("whole_word_mask"),
-        py::arg("cls_id"), py::arg("sep_id"), py::arg("mask_id"), py::arg("vocab_size"), py::arg("pool").none(true),
+        py::arg("cls_id"), py::arg("sep_id"), py::arg("mask_id"), py::arg("vocab_size"), py::arg("negatives").none(true),
         py::arg("doc_index"), py::arg("continuation") = py::none());
 
   m.def("gather_ragged", &gather_ragged,

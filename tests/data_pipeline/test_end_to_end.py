@@ -32,6 +32,12 @@ def test_wiki_and_books_end_to_end(shared_data, tmp_path):
     assert man["skips"]["skipped_wiki_not_article_namespace"] == 1
     assert 0.14 < man["counts"]["masked_fraction"] < 0.16
     assert abs(man["counts"]["random_next_fraction"] - 0.5) < 0.03
+    # the held-out floor: 20 documents, not 1% of ~100; every random-next row its own window
+    assert man["heldout"]["documents"] == man["splits"]["heldout"]["documents"] == 20 and not man["warnings"]
+    for split in ("train", "heldout"):
+        neg = man["negatives"][split]
+        assert neg["random_next"] > 500 and neg["distinct_fraction"] >= 0.95, (split, neg)
+        assert neg["max_window_reuse"] <= 2 and neg["same_document_fallbacks"] == 0
     rows = [r for _, r in rec.shards]
     assert max(rows) - min(rows) <= 1
     tok, _ = load_tokenizer(vocab)
@@ -54,16 +60,28 @@ def _shard_bytes(manifest: Path) -> dict[str, bytes]:
 
 
 def test_byte_identical_across_worker_counts(tmp_path, small_vocab):
+    """1 in-process worker and 2 worker processes write the same shard bytes. The manifest records
+    the NSP negatives' diversity and the held-out split, with the small-corpus warning."""
     from data_pipeline import build_records
 
     a = build_records([f"wiki:{SAMPLES / 'wiki'}", f"books:{SAMPLES / 'books'}"], tmp_path / "a", small_vocab,
                       max_seq_length=64, dupe_factor=2, num_shards=3)
-    subprocess.run(_build_cmd(tmp_path / "b", small_vocab, 2, "multi_processing"), check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
+    r = subprocess.run(_build_cmd(tmp_path / "b", small_vocab, 2, "multi_processing"), check=True,
+                       capture_output=True, text=True, timeout=300)
     sa, sb = _shard_bytes(a), _shard_bytes(tmp_path / "b" / "manifest.json")
     assert sa.keys() == sb.keys() and len(sa) == 4
     for k in sa:
         assert sa[k] == sb[k], f"{k} differs between 1 in-process worker and 2 processes"
+    ma, mb = json.loads(a.read_text()), json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert ma["negatives"] == mb["negatives"] and ma["counts"] == mb["counts"] and ma["heldout"] == mb["heldout"]
+    neg = ma["negatives"]["train"]
+    assert neg["random_next"] == ma["counts"]["random_next"] - ma["negatives"]["heldout"]["random_next"] > 5000
+    assert neg["distinct_windows"] >= 0.99 * neg["random_next"] and neg["max_window_reuse"] <= 2
+    assert ma["negatives"]["buckets"] == {"train": 1, "heldout": 1}
+    # 31 documents, 3 of them books: 20 held-out documents would hold out most of the text
+    assert ma["heldout"]["documents"] == ma["splits"]["heldout"]["documents"] < 20 and len(ma["warnings"]) == 1
+    assert "fewer than heldout_min_documents=20" in ma["warnings"][0]
+    assert "NSP negatives, (document, start sentence) windows" in r.stdout and "WARNING: held-out split" in r.stdout
 
 
 def test_killed_run_leaves_no_valid_manifest_and_rerun_replaces(tmp_path, small_vocab):

@@ -4,9 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from data_pipeline.instances import (
-    InstanceParams, InstanceStats, _truncation_counts, create_instances, pool_windows,
-)
+from data_pipeline.instances import InstanceParams, InstanceStats, _truncation_counts, create_instances
+from data_pipeline.negatives import NegativeSource, canonical_order, placement_hash
 from data_pipeline.sharding import bucket_bits, bucket_ranks, place_bucket, shard_targets, split_by_bucket
 
 
@@ -30,15 +29,24 @@ def synthetic_docs(n_docs=60, n_sent=200, seed=0):
     return docs
 
 
+def one_bucket(docs, seed=1):
+    """All documents in one bucket, in the pipeline's canonical order: (source, place of each id)."""
+    order = canonical_order([placement_hash(d[0]) for d in docs], [d[0] for d in docs], [d[1] for d in docs])
+    source = NegativeSource.from_documents([docs[i] for i in order], seed=seed)
+    return source, {docs[i][0]: place for place, i in enumerate(order)}
+
+
 def build(docs, p, dupes=1, seed=1, continuation=None):
     from data_pipeline.instance_batch import InstanceBatch
 
-    pool = sorted((w for d in docs for w in pool_windows(*d, seed=seed, windows_per_doc=4, max_tokens=p.max_seq_length - 3)),
-                  key=lambda w: (w[0], w[1]))  # as the pipeline's Top.Smallest delivers it
-    stats = InstanceStats()
-    b = InstanceBatch.concat([create_instances(*d, k, params=p, seed=seed, pool=pool, continuation=continuation, stats=stats)
-                              for d in docs for k in range(dupes)])
-    return b, stats
+    source, place = one_bucket(docs, seed)
+    stats, parts = InstanceStats(), []
+    for d in docs:
+        deal = source.dealer(place[d[0]])
+        parts += [create_instances(*d, k, params=p, seed=seed, negatives=deal, continuation=continuation, stats=stats)
+                  for k in range(dupes)]
+        stats.count_windows(deal)
+    return InstanceBatch.concat(parts), stats
 
 
 def test_mask_rate_and_80_10_10():
@@ -69,7 +77,9 @@ def test_nsp_random_next_rate():
     b, stats = build(synthetic_docs(), params(), dupes=3)
     rate = (b.nsp == 1).mean()
     assert abs(rate - 0.5) < 0.01, rate
-    assert stats.negatives_unavailable == 0
+    # every random-next row took a window no other row took (60 x 200 windows, ~5k rows over 3 dupes)
+    assert stats.same_document_fallbacks == 0 and stats.random_next == int((b.nsp == 1).sum())
+    assert stats.distinct_windows == stats.random_next and stats.max_window_reuse == 1
 
 
 def test_whole_word_masking_never_partial():
@@ -139,7 +149,7 @@ def test_unmasked_tokens_decode_to_normalized_text(small_vocab):
     ids = np.concatenate([np.array(e.ids, np.uint16) for e in encs])
     bounds = np.concatenate([[0], np.cumsum([len(e.ids) for e in encs])])
     p = params(objective="none", short_seq_prob=0.0, max_seq_length=512, vocab_size=tok.get_vocab_size())
-    b = create_instances("d", ids, bounds, 0, params=p, seed=7, pool=None)
+    b = create_instances("d", ids, bounds, 0, params=p, seed=7)
     assert len(b) == 1 and b.num_masked() > 0
     restored = b.ids.copy()
     restored[b.mpos.astype(int)] = b.mids

@@ -1,6 +1,6 @@
 """The native instance builder (data_pipeline._native_instances) against the Python reference:
 bitwise the same InstanceBatch (every column, dtype included) and InstanceStats over objectives,
-lengths, short_seq_prob, masking, pools, id dtypes, seeds and dupe factors, on synthetic and
+lengths, short_seq_prob, masking, negative sources, id dtypes, seeds and dupe factors, on synthetic and
 real text; its RNG replicas against CPython's random and numpy's PCG64; argument errors; the
 builder choice; and byte-identical shards through the Beam transforms with either builder."""
 from __future__ import annotations
@@ -15,7 +15,8 @@ import pytest
 
 from data_pipeline import native_instances
 from data_pipeline.instance_batch import InstanceBatch
-from data_pipeline.instances import InstanceParams, InstanceStats, create_instances, pool_windows, row_keys
+from data_pipeline.instances import InstanceParams, InstanceStats, create_instances, row_keys
+from data_pipeline.negatives import NegativeSource, canonical_order, placement_hash
 
 needs_native = pytest.mark.skipif(not native_instances.available(),
                                   reason=native_instances.unavailable_reason() or "native builder not built")
@@ -49,10 +50,10 @@ def synthetic_docs(seed: int = 0, dtype=np.uint16, high: int = 30000):
     return docs
 
 
-def make_pool(docs, p: InstanceParams, seed: int) -> list:
-    """As the pipeline delivers it: every document's windows, smallest hashes first."""
-    return sorted((w for d in docs for w in pool_windows(*d, seed=seed, windows_per_doc=4, max_tokens=p.max_seq_length - 3)),
-                  key=lambda w: (w[0], w[1]))
+def make_source(docs, seed: int) -> NegativeSource:
+    """One bucket of all the documents, in the pipeline's canonical order."""
+    order = canonical_order([placement_hash(d[0]) for d in docs], [d[0] for d in docs], [d[1] for d in docs])
+    return NegativeSource.from_documents([docs[i] for i in order], seed=seed)
 
 
 def continuation_table(vocab_size: int, seed: int = 0, rate: float = 0.35) -> np.ndarray:
@@ -60,20 +61,24 @@ def continuation_table(vocab_size: int, seed: int = 0, rate: float = 0.35) -> np
     return np.random.default_rng(seed).random(vocab_size) < rate
 
 
-def assert_same(docs, p: InstanceParams, *, seed: int, dupes: int, pool=None, pool_of=None,
-                continuation: np.ndarray | None = None) -> int:
-    """Reference vs native for every document; ``pool_of(doc)`` gives a per-document pool.
+def assert_same(docs, p: InstanceParams, *, seed: int, dupes: int, source: NegativeSource | None = None,
+                source_of=None, continuation: np.ndarray | None = None) -> int:
+    """Reference vs native for every document, with the negatives of ``source`` (or of
+    ``source_of(doc)``, a per-document source); each document is found in its source by id.
     Whole-word masking takes ``continuation`` (default: a random table of the vocab's size)."""
     if p.whole_word_mask and continuation is None:
         continuation = continuation_table(p.vocab_size)
     rows = 0
     for d in docs:
-        dp = pool_of(d) if pool_of else pool
+        src = source_of(d) if source_of else source
+        place = src.doc_ids.index(d[0]) if src is not None else -1
+        deal = src.dealer(place) if src is not None and p.objective == "nsp" else None
         s_ref, s_nat = InstanceStats(), InstanceStats()
-        want = InstanceBatch.concat([create_instances(*d, k, params=p, seed=seed, pool=dp, continuation=continuation,
-                                                      stats=s_ref) for k in range(dupes)])
-        got = native_instances.create_document_instances(*d, dupes, params=p, seed=seed, pool=dp,
-                                                         continuation=continuation, stats=s_nat)
+        want = InstanceBatch.concat([create_instances(*d, k, params=p, seed=seed, negatives=deal,
+                                                      continuation=continuation, stats=s_ref) for k in range(dupes)])
+        s_ref.count_windows(deal)
+        got = native_instances.create_document_instances(*d, dupes, params=p, seed=seed, negatives=src,
+                                                         doc_index=place, continuation=continuation, stats=s_nat)
         for f in FIELDS:
             a, b = getattr(want, f), getattr(got, f)
             assert a.dtype == b.dtype, (d[0], f, a.dtype, b.dtype, p)
@@ -95,7 +100,7 @@ def test_parity_objectives_lengths_short_seq(objective, max_seq_length, masking)
     for ssp in (0.0, 0.1, 1.0):
         p = params(objective=objective, max_seq_length=max_seq_length, short_seq_prob=ssp,
                    masking=masking.removesuffix("_wwm"), whole_word_mask=masking.endswith("_wwm"))
-        assert assert_same(docs, p, seed=1, dupes=3, pool=make_pool(docs, p, 1)) > 0
+        assert assert_same(docs, p, seed=1, dupes=3, source=make_source(docs, 1)) > 0
 
 
 @needs_native
@@ -111,10 +116,10 @@ def test_parity_whole_word_masking_knobs():
         table = continuation_table(p.vocab_size, rate=rate) if p.vocab_size > 1 else np.zeros(30522, bool)
         if p.vocab_size == 1:  # every id is outside a 1-entry vocab: the table must still cover them
             p = replace(p, vocab_size=30522)
-        assert assert_same(docs, p, seed=7, dupes=2, pool=make_pool(docs, p, 7), continuation=table) > 0
+        assert assert_same(docs, p, seed=7, dupes=2, source=make_source(docs, 7), continuation=table) > 0
     docs32 = synthetic_docs(seed=2, dtype=np.uint32, high=70000)
     p = params(max_seq_length=24, whole_word_mask=True, vocab_size=70000, cls_id=66000, sep_id=66001, mask_id=66002)
-    assert_same(docs32, p, seed=3, dupes=2, pool=make_pool(docs32, p, 3))
+    assert_same(docs32, p, seed=3, dupes=2, source=make_source(docs32, 3))
     # no partially masked word in the native output: a '##' piece and the piece before it (both
     # non-special) are masked together or not at all
     table = continuation_table(30522, rate=0.5)
@@ -138,22 +143,28 @@ def test_parity_whole_word_masking_knobs():
 
 @needs_native
 @pytest.mark.parametrize("objective", ["nsp", "sop", "none"])
-@pytest.mark.parametrize("pool_kind", ["none", "empty", "same_doc", "normal"])
-def test_parity_pools(objective, pool_kind):
+@pytest.mark.parametrize("source_kind", ["none", "alone", "pair", "normal"])
+def test_parity_negative_sources(objective, source_kind):
+    """No source, a bucket of the document alone (no negative exists: every random-next row falls
+    back), of two documents (half the positions hold the document's own windows: skipped, up to
+    10 in a row), and of all of them; the deal's counts agree too."""
     docs = synthetic_docs(seed=1)
     p = params(objective=objective, max_seq_length=32)
-    stats = InstanceStats()
-    if pool_kind == "same_doc":  # every window comes from the document itself: no negative exists
-        assert_same(docs, p, seed=2, dupes=2, pool_of=lambda d: make_pool([d], p, 2))
+    partner = {d[0]: docs[(i + 1) % len(docs)] for i, d in enumerate(docs)}
+    source_of = {"none": lambda d: None, "alone": lambda d: make_source([d], 2),
+                 "pair": lambda d: make_source([d, partner[d[0]]], 2),
+                 "normal": lambda d, s=make_source(docs, 2): s}[source_kind]
+    assert_same(docs, p, seed=2, dupes=3, source_of=source_of)
+    if objective == "nsp":  # the fallback path was exercised (or not) as intended, and counted alike
+        stats = InstanceStats()
         for d in docs:
-            create_instances(*d, 0, params=p, seed=2, pool=make_pool([d], p, 2), stats=stats)
-    else:
-        pool = {"none": None, "empty": [], "normal": make_pool(docs, p, 2)}[pool_kind]
-        assert_same(docs, p, seed=2, dupes=2, pool=pool)
-        for d in docs:
-            create_instances(*d, 0, params=p, seed=2, pool=pool, stats=stats)
-    if objective == "nsp":  # the unavailable-negative path was exercised (or not) as intended
-        assert (stats.negatives_unavailable > 0) == (pool_kind != "normal")
+            src = source_of(d)
+            native_instances.create_document_instances(*d, 3, params=p, seed=2, negatives=src,
+                                                       doc_index=src.doc_ids.index(d[0]) if src else -1, stats=stats)
+        if source_kind != "pair":  # a pair with a one-sentence partner falls back now and then
+            assert (stats.same_document_fallbacks > 0) == (source_kind in ("none", "alone"))
+        assert (stats.distinct_windows > 0) == (source_kind in ("pair", "normal"))
+        assert stats.distinct_windows <= stats.random_next
 
 
 @needs_native
@@ -161,7 +172,7 @@ def test_parity_pools(objective, pool_kind):
 def test_parity_uint32_ids_and_large_vocab(objective):
     docs = synthetic_docs(seed=2, dtype=np.uint32, high=70000)
     p = params(objective=objective, max_seq_length=16, vocab_size=70000, cls_id=66000, sep_id=66001, mask_id=66002)
-    assert_same(docs, p, seed=3, dupes=3, pool=make_pool(docs, p, 3))
+    assert_same(docs, p, seed=3, dupes=3, source=make_source(docs, 3))
     assert native_instances.create_document_instances(*docs[0], 1, params=p, seed=3).ids.dtype == np.uint32
     # uint16 ids with a vocab past 65535: random ids wrap when cast, in both builders alike
     docs16 = synthetic_docs(seed=2)
@@ -174,7 +185,7 @@ def test_parity_uint32_ids_and_large_vocab(objective):
 def test_parity_seeds_and_dupe_factors(seed, dupes):
     docs = synthetic_docs(seed=3)[:6]
     p = params(max_seq_length=24, short_seq_prob=0.3)
-    assert_same(docs, p, seed=seed, dupes=dupes, pool=make_pool(docs, p, seed))
+    assert_same(docs, p, seed=seed, dupes=dupes, source=make_source(docs, seed))
 
 
 @needs_native
@@ -186,7 +197,7 @@ def test_parity_masking_and_nsp_knobs():
                dict(max_predictions_per_seq=200), dict(nsp_random_prob=0.0), dict(nsp_random_prob=1.0),
                dict(objective="sop", masked_lm_prob=0.3), dict(vocab_size=1)):
         p = params(max_seq_length=40, **kw)
-        assert_same(docs, p, seed=5, dupes=2, pool=make_pool(docs, p, 5))
+        assert_same(docs, p, seed=5, dupes=2, source=make_source(docs, 5))
 
 
 @needs_native
@@ -219,7 +230,7 @@ def test_parity_on_tokenized_books(shared_data):
     docs = []
     for book in ("shakespeare-macbeth.txt", "chesterton-thursday.txt"):
         sents = text_to_sentences((shared_data / "books" / book).read_text(encoding="utf-8"))
-        for j in range(0, len(sents), 600):  # several documents per book: more pool variety
+        for j in range(0, len(sents), 600):  # several documents per book: more negative documents
             ids, bounds = encoder.encode_document(sents[j:j + 600])
             if len(bounds) > 2:
                 docs.append((f"{book}#{j}", ids, bounds))
@@ -230,7 +241,7 @@ def test_parity_on_tokenized_books(shared_data):
                dict(objective="none", max_seq_length=512), dict(objective="nsp", max_seq_length=16, short_seq_prob=0.5),
                dict(objective="nsp", max_seq_length=128, whole_word_mask=True)):
         p = params(**kw)
-        assert assert_same(docs, p, seed=12345, dupes=2, pool=make_pool(docs, p, 12345),
+        assert assert_same(docs, p, seed=12345, dupes=2, source=make_source(docs, 12345),
                            continuation=continuation_mask(vocab)) > 100
 
 
@@ -330,7 +341,7 @@ def test_argument_errors_name_expected_and_actual():
     seeds, _, masks = native_instances.dupe_seeds("d", 2, 1)
     kw = dict(max_seq_length=32, short_seq_prob=0.1, objective="nsp", nsp_random_prob=0.5, masking="static",
               masked_lm_prob=0.15, max_predictions_per_seq=5, whole_word_mask=False, cls_id=101, sep_id=102,
-              mask_id=103, vocab_size=30522, pool=None, doc_index=-1)
+              mask_id=103, vocab_size=30522, negatives=None, doc_index=-1)
 
     def call(ids=ids, bounds=bounds, seeds=seeds, rows=seeds, masks=masks, **over):
         return ext.build_document(ids, bounds, seeds, rows, masks, **{**kw, **over})
@@ -363,15 +374,36 @@ def test_argument_errors_name_expected_and_actual():
     for over, message in cases:
         with pytest.raises(ValueError, match=message):
             call(**over)
-    w = (0, "other", ids[:9].astype(np.uint32), [0, 4, 9])
-    with pytest.raises(ValueError, match="pool ids: expected the document's dtype uint16, got uint32"):
-        call(pool=native_instances._PackedPool([w]).native)
-    with pytest.raises(ValueError, match=r"pool window 0: expected sentence bounds 0 < \.\.\. < len\(window ids\) = 9"):
-        native_instances._PackedPool([(0, "other", ids[:9], [0, 4, 8])])
-    with pytest.raises(ValueError, match="window ids of several dtypes"):
-        native_instances._PackedPool([w, (1, "x", ids[:9], [0, 9])])
-    with pytest.raises(ValueError, match="pool doc: expected 1 entries"):
-        ext.NegativePool(ids[:9], np.array([0, 9]), np.array([0, 9]), np.array([0, 2]), np.array([0, 0]))
+    other = NegativeSource.from_documents([("d", ids, bounds), ("o", ids[:9], np.array([0, 4, 9]))], seed=1)
+    native = native_instances.packed(other)
+    call(negatives=native, doc_index=0)  # valid: the document is the source's first
+    for over, message in [
+        (dict(doc_index=2), r"doc_index: expected the document's place in the negative source, 0 <= doc_index < 2, got 2"),
+        (dict(doc_index=-1), "got -1"),
+        (dict(doc_index=1), "doc_index 1: the negative source's document there has 2 sentences, this one 3"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            call(negatives=native, **over)
+    wide = NegativeSource.from_documents([("o", ids[:9].astype(np.uint32), np.array([0, 4, 9]))], seed=1)
+    with pytest.raises(ValueError, match="negatives ids: expected the document's dtype uint16, got uint32"):
+        call(negatives=native_instances.packed(wide), doc_index=0)
+    io, bo = np.array([0, 9]), np.array([0, 3])
+    with pytest.raises(ValueError,
+                       match=r"negatives document 0: expected sentence bounds 0 < \.\.\. < len\(document ids\) = 9"):
+        ext.NegativeSource(ids[:9], io, np.array([0, 4, 8]), bo, np.array([0, 1]))
+    with pytest.raises(ValueError, match=r"negatives perm: expected a permutation of the 2 windows .* got 3 entries"):
+        ext.NegativeSource(ids[:9], io, np.array([0, 4, 9]), bo, np.array([0, 1, 2]))
+    with pytest.raises(ValueError, match=r"negatives perm: not a permutation of \[0, 2\): entry 1 is 0"):
+        ext.NegativeSource(ids[:9], io, np.array([0, 4, 9]), bo, np.array([0, 0]))
+    with pytest.raises(ValueError, match="negatives bound_offsets: expected 2 entries"):
+        ext.NegativeSource(ids[:9], io, np.array([0, 4, 9]), np.array([0, 3, 3]), np.array([1, 0]))
+    with pytest.raises(ValueError, match="negatives perm: expected dtype int64, got int32"):
+        ext.NegativeSource(ids[:9], io, np.array([0, 4, 9]), bo, np.array([1, 0], np.int32))
+    with pytest.raises(ValueError, match=r"doc_index 5: not a document of the negative source \(2 documents\)"):
+        native_instances.create_document_instances("d", ids, bounds, 2, params=params(), seed=1, negatives=other,
+                                                   doc_index=5)
+    with pytest.raises(ValueError, match="document 5 is not in this bucket of 2 documents"):
+        other.dealer(5)
     with pytest.raises(ValueError, match="needs the vocab's continuation mask"):  # as the reference says too
         native_instances.create_document_instances("d", ids, bounds, 1, params=params(whole_word_mask=True), seed=1)
     with pytest.raises(ValueError, match="needs the vocab's continuation mask"):
@@ -416,18 +448,14 @@ def _shards_with(builder: str, out: Path, docs, p: InstanceParams, vocab: Path) 
     from apache_beam.options.pipeline_options import PipelineOptions
     from apache_beam.testing.test_pipeline import TestPipeline
 
-    from data_pipeline.transforms import SplitShards, WriteShards, _CreateInstancesDoFn
+    from data_pipeline.transforms import CreateInstances, SplitShards, WriteShards
     from tests.conftest import IN_PROCESS
 
     out.mkdir()
     with TestPipeline(options=PipelineOptions(IN_PROCESS)) as pipe:
-        docs_pc = pipe | beam.Create(docs)
-        pools = (docs_pc  # as CreateInstances makes them: one pool per split (all "train" here)
-                 | beam.FlatMap(lambda d: (("train", w) for w in pool_windows(
-                     *d, seed=7, windows_per_doc=4, max_tokens=p.max_seq_length - 3)))
-                 | beam.combiners.Top.SmallestPerKey(1000, key=lambda w: (w[0], w[1])))
-        (docs_pc
-         | beam.ParDo(_CreateInstancesDoFn(p, 7, 2, str(vocab), builder=builder), beam.pvalue.AsDict(pools))
+        (pipe | beam.Create(docs)
+         | CreateInstances(p, seed=7, dupe_factor=2, vocab_path=str(vocab), scratch_dir=str(out / "docs"),
+                           spill_tokens=2000, builder=builder)
          | WriteShards(str(out), {"train": SplitShards(2, expected_rows=400)}, p.vocab_size, 64, "zstd",
                        rows_per_bucket=100, spill_rows=150))
     counters = {c.key.metric.name: c.committed for c in pipe.result.metrics().query()["counters"]}
@@ -436,7 +464,7 @@ def _shards_with(builder: str, out: Path, docs, p: InstanceParams, vocab: Path) 
 
 @needs_native
 def test_transforms_write_identical_shards_with_either_builder(tmp_path, small_vocab):
-    """_CreateInstancesDoFn + WriteShards on the bundled books: the same shard bytes and counters."""
+    """CreateInstances + WriteShards on the bundled books: the same shard bytes and counters."""
     from bertdist.data.vocab import load_vocab
     from data_pipeline.pipeline import instance_params
     from data_pipeline.config import DataConfig
@@ -571,7 +599,7 @@ def test_take_is_the_same_with_and_without_the_extension(monkeypatch):
     p = params(max_seq_length=32, max_predictions_per_seq=5, vocab_size=500)
     rng = np.random.default_rng(0)
     ids = rng.integers(10, 500, size=400).astype(np.uint16)
-    batch = create_instances("d", ids, np.arange(0, 401, 20, dtype=np.int64), 0, params=p, seed=1, pool=[])
+    batch = create_instances("d", ids, np.arange(0, 401, 20, dtype=np.int64), 0, params=p, seed=1)
     fast = batch.sorted_by_key()
     monkeypatch.setattr(instance_batch, "_native_gather", None)
     slow = batch.sorted_by_key()

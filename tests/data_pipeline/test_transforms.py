@@ -114,8 +114,7 @@ def test_tokenize_instances_and_write(tmp_path, small_vocab):
         assert_that(tok | beam.Map(lambda d: (d[0], len(d[2]) - 1)), equal_to([(f"d{i}", 30) for i in range(12)]),
                     label="tok")
         inst = tok | CreateInstances(instance_params(cfg, tokens), seed=1, dupe_factor=2,
-                                     vocab_path=str(small_vocab), pool_size=100, windows_per_doc=4,
-                                     scratch_dir=str(tmp_path / "docs"), spill_tokens=500)
+                                     vocab_path=str(small_vocab), scratch_dir=str(tmp_path / "docs"), spill_tokens=500)
         assert_that(inst | "n" >> beam.MapTuple(lambda split, b: (split, len(b) > 0)),
                     equal_to([("train", True)] * 12), label="inst")
         # 40 rows per bucket: several buckets, most straddling a shard boundary; spills every 100 rows
@@ -144,7 +143,7 @@ def test_splits_share_the_transforms_and_never_mix(tmp_path, small_vocab):
 
     from bertdist.data.vocab import load_vocab
     from data_pipeline.config import DataConfig
-    from data_pipeline.instances import HeldOutSplit
+    from data_pipeline.negatives import HeldOutSplit
     from data_pipeline.pipeline import instance_params
 
     tokens = load_vocab(small_vocab)
@@ -154,15 +153,14 @@ def test_splits_share_the_transforms_and_never_mix(tmp_path, small_vocab):
     for i in range(40):
         ids = np.array([1000 + 10 * i + (j % 10) for j in range(20 * 12)], np.uint16)
         docs.append((f"doc{i}", ids, np.arange(0, 241, 12, dtype=np.int64)))
-    split_of = HeldOutSplit(0.3)
+    split_of = HeldOutSplit.from_fraction(0.3)
     want = {d[0]: split_of(d[0]) for d in docs}
     assert set(want.values()) == {"train", "heldout"}
     cfg = DataConfig(max_seq_length=48, dupe_factor=2, masking="dynamic")
     with TestPipeline(options=beam.options.pipeline_options.PipelineOptions(OPTS)) as p:
         (p | beam.Create(docs)
          | CreateInstances(instance_params(cfg, tokens), seed=3, dupe_factor=2, vocab_path=str(small_vocab),
-                           pool_size=1000, windows_per_doc=4, scratch_dir=str(tmp_path / "docs"),
-                           split_of=split_of, spill_tokens=700)
+                           scratch_dir=str(tmp_path / "docs"), heldout_fraction=0.3, spill_tokens=700)
          | WriteShards(str(tmp_path), {"train": SplitShards(3, 200), "heldout": SplitShards(2, 80)}, len(tokens), 16,
                        "zstd", rows_per_bucket=30, spill_rows=50))
     counters = {c.key.metric.name: c.committed for c in p.result.metrics().query()["counters"]}
@@ -193,3 +191,54 @@ def test_write_shards_rejects_a_split_it_was_not_given(tmp_path):
         with TestPipeline(options=beam.options.pipeline_options.PipelineOptions(OPTS)) as p:
             (p | beam.Create([("dev", batch)])
              | WriteShards(str(tmp_path), {"train": SplitShards(1, 10)}, 100, 16, "zstd"))
+
+
+def test_instances_do_not_depend_on_how_the_work_is_cut(tmp_path, small_vocab):
+    """How the spilled documents are sliced (slot_bits), how many work units there are and how
+    big the spill files are change nothing in the shards; the plan and the units' reports add up
+    to what was written. Small buckets (bucket_tokens) make several per split."""
+    import hashlib
+    import json
+
+    import pyarrow.parquet as pq
+
+    from bertdist.data.vocab import load_vocab
+    from data_pipeline.config import DataConfig
+    from data_pipeline.pipeline import instance_params
+
+    tokens = load_vocab(small_vocab)
+    rng = np.random.default_rng(5)
+    docs = []
+    for i in range(60):
+        lens = rng.integers(4, 20, size=int(rng.integers(3, 40)))
+        bounds = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        docs.append((f"doc{i}", rng.integers(1000, 2999, size=int(bounds[-1])).astype(np.uint16), bounds))
+    cfg = DataConfig(max_seq_length=48, dupe_factor=2)
+    shards = {}
+    for name, cut in (("coarse", dict(slot_bits=2, target_units=1, spill_tokens=100_000)),
+                      ("fine", dict(slot_bits=7, target_units=9, spill_tokens=400))):
+        out = tmp_path / name
+        with TestPipeline(options=beam.options.pipeline_options.PipelineOptions(OPTS)) as p:
+            (p | beam.Create(docs)
+             | CreateInstances(instance_params(cfg, tokens), seed=3, dupe_factor=2, vocab_path=str(small_vocab),
+                               scratch_dir=str(out / "docs"), report_dir=str(out / "report"), heldout_fraction=0.1,
+                               heldout_min_documents=12, bucket_tokens=4000, **cut)
+             | WriteShards(str(out), {"train": SplitShards(2, 300), "heldout": SplitShards(1, 60)}, len(tokens), 16,
+                           "zstd", rows_per_bucket=50, spill_rows=80))
+        shards[name] = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(out.glob("*.parquet"))}
+        plans = [json.loads(f.read_text()) for f in (out / "report").glob("plan-*.json")]
+        plan = plans[0]
+        assert plans and all(p == plan for p in plans)
+        units = [json.loads(f.read_text()) for f in (out / "report" / "units").glob("*.json")]
+        assert plan["documents"] == {"train": 48, "heldout": 12} and len(plan["buckets"]["train"]) > 1
+        for split, n in (("train", 2), ("heldout", 1)):
+            mine = [u for u in units if u["split"] == split]
+            rows = sum(pq.read_metadata(out / f"{split}-{i:05d}-of-{n:05d}.parquet").num_rows for i in range(n))
+            assert sum(u["documents"] for u in mine) == plan["documents"][split]
+            assert sum(u["instances"] for u in mine) == rows > 0
+            negatives = sum(u["random_next"] for u in mine)
+            assert 0.97 * negatives <= sum(u["distinct_windows"] for u in mine) <= negatives
+            assert max(u["max_window_reuse"] for u in mine) <= 2
+        if name == "fine":
+            assert len(units) > len(plan["buckets"]["train"]) + 1  # buckets were cut into several units
+    assert shards["coarse"] == shards["fine"] and len(shards["fine"]) == 3
