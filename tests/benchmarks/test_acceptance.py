@@ -3,7 +3,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow  # the whole quick acceptance in a subprocess: about 15 s
 def test_bench_quick_cpu_variant_writes_the_report(repo_root, sample_records, tmp_path):
     cmd = [sys.executable, "-m", "bertdist.cli.main", "bench", "--out", str(tmp_path),
            "--lengths-from", str(sample_records), "--steps", "1"]

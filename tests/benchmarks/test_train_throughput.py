@@ -57,6 +57,7 @@ def test_encoder_runs_on_real_tokens_only_when_unpadded(harness):
     assert rows == {"ours-optimized": 99, "ours-reference": 192, "hf-sdpa": 192}
 
 
+@pytest.mark.slow  # trains every variant: about 20 s
 def test_harness_cpu_tiny(harness, sample_records, tmp_path):
     out = tmp_path / "tt.json"
     md = tmp_path / "tt.md"

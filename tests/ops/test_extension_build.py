@@ -158,6 +158,7 @@ def _cuda_toolchain() -> str | None:
     return None if home else why
 
 
+@pytest.mark.slow  # nvcc: about 2.5 minutes
 @pytest.mark.cuda_build
 def test_cuda_sources_compile_and_link(tmp_path):
     """Compile-and-link check of csrc/*.cu with nvcc and the CUDA torch.

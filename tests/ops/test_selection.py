@@ -129,6 +129,7 @@ def test_corrupt_cache_is_moved_aside_not_lost(tmp_path):
     assert [p.read_text() for p in tmp_path.glob("kd.json.corrupt-*")] == ["{not json"]
 
 
+@pytest.mark.slow  # isolated measurement subprocesses: about 8 s
 def test_crashing_kernel_costs_only_itself_in_an_isolated_measurement():
     cases = [(c, candidates_for(c.op, "cpu", extra=[_cand("crash", "crashing_layer_norm")], include_test_only=True))
              for c in _ln_workload().cases("cpu")]
