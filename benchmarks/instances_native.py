@@ -58,7 +58,7 @@ def main() -> None:
 
     from bertdist.data.vocab import continuation_mask, load_vocab
     from data_pipeline import native_instances
-    from data_pipeline.config import DataConfig
+    from data_pipeline.config import BuildConfig
     from data_pipeline.instance_batch import InstanceBatch
     from data_pipeline.instances import InstanceStats, create_instances
     from data_pipeline.negatives import NegativeSource, canonical_order, placement_hash
@@ -67,7 +67,7 @@ def main() -> None:
     if not native_instances.available():
         sys.exit(f"native builder unavailable: {native_instances.unavailable_reason()}")
     vocab = SHARED / "vocab" / "bert-base-uncased-vocab.txt"
-    cfg = DataConfig(max_seq_length=128, dupe_factor=5, objective="nsp", masking="static", whole_word_mask=args.whole_word)
+    cfg = BuildConfig(max_seq_length=128, dupe_factor=5, objective="nsp", masking="static", whole_word_mask=args.whole_word)
     params = instance_params(cfg, load_vocab(vocab))
     continuation = continuation_mask(vocab) if args.whole_word else None
     t0 = time.perf_counter()

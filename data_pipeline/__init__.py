@@ -1,6 +1,6 @@
 """The Beam data pipeline: raw text to sharded, validated MLM/NSP training records.
 
-Entry points: :func:`data_pipeline.pipeline.run` (a DataConfig), :func:`build_records`
+Entry points: :func:`data_pipeline.pipeline.run` (a BuildConfig), :func:`build_records`
 (small corpora from Python), and ``bertdist data build`` / ``bertdist data vocab``.
 """
 

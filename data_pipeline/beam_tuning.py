@@ -1,6 +1,6 @@
 """Beam defaults we change for this pipeline, each with the measurement that justifies it.
 
-Applied when :mod:`data_pipeline.transforms` is imported: in the driver before the pipeline
+Applied when :mod:`data_pipeline.beam` is imported: in the driver before the pipeline
 runs, and in every SDK worker when it unpickles the first of our DoFns.
 """
 from __future__ import annotations

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import hashlib
 import random
-import struct
 from bisect import bisect_left
 from dataclasses import dataclass
 
@@ -337,7 +336,3 @@ def _mask_rows_wwm(flat, offs, num_a, has_b, rng: np.random.Generator, p: Instan
     moffs = np.zeros(m + 1, np.int64)
     np.cumsum(counts, out=moffs[1:])
     return out, np.concatenate(pos_parts), np.concatenate(lab_parts).astype(flat.dtype), moffs
-
-
-def encode_key(split: str, shard: int) -> bytes:
-    return struct.pack("<8sI", split.encode()[:8], shard)

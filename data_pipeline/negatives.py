@@ -1,5 +1,5 @@
 """NSP negatives with corpus-scale diversity: hash buckets of documents, and a deal of their
-windows (pure functions and small classes; the Beam wiring is in transforms.CreateInstances).
+windows (pure functions and small classes; the Beam wiring is in beam/instances.py, CreateInstances).
 
 Every document has a 64-bit *placement hash* (:func:`placement_hash`). It decides both where the
 document goes and which split it is in:

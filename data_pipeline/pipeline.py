@@ -1,19 +1,5 @@
-"""``run()``: wire sources -> sentences -> tokens -> instances -> shards, then commit atomically.
-
-The commit protocol (so a killed run never leaves a manifest pointing at partial shards):
-  1. Beam writes every shard and a ``.json`` sidecar into ``<output>/.staging-<run>/``
-     (on an object store, straight into ``<output>/shards-<run>/``: see output_dir.py).
-  2. After the pipeline finished, the driver checks that every shard is there with its
-     recorded size and that the build adds up (:func:`_verify`: the plan's documents, the
-     instance stage's unit reports and the rows written agree, and rows were written; else
-     :class:`EmptyBuildError`, naming the runner, and nothing is committed), renames the
-     staging dir to ``<output>/shards-<run>/`` and writes ``manifest.json`` through a
-     temporary file and a rename (on an object store, in one PUT). Writing the manifest is
-     the commit.
-  3. Older ``shards-*`` dirs and stale ``.staging-*`` dirs are removed afterwards.
-A run killed before step 2 leaves the previous manifest (if any) pointing at the previous,
-complete shards; a re-run replaces both cleanly.
-"""
+"""``run()``: wire sources -> sentences -> tokens -> instances -> shards, then hand the staged
+output to :func:`data_pipeline.commit.commit` (verify, then commit atomically)."""
 from __future__ import annotations
 
 import datetime as _dt
@@ -28,20 +14,20 @@ import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from bertdist.config import from_dict, to_dict
-from bertdist.data.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME
-from bertdist.data.records import record_schema
-from bertdist.data.vocab import load_vocab, special_token_ids, vocab_sha256
-from data_pipeline.config import DataConfig, InputConfig
-from data_pipeline.instance_batch import InstanceBatch
+from bertdist.data.manifest import MANIFEST_NAME
+from bertdist.data.vocab import load_vocab, special_token_ids
+from data_pipeline.config import BuildConfig, InputConfig
 from data_pipeline.instances import InstanceParams
-from data_pipeline.negatives import BuildPlan, slot_bits
+from data_pipeline.negatives import slot_bits
 from data_pipeline.native_instances import choose_builder
 from data_pipeline.output_dir import OutputDir
 from data_pipeline.tokenization import vocab_is_cased
-from data_pipeline.transforms import (
-    DIRECTORY_SUFFIX, NS, CreateInstances, ReadBertFormatText, ReadBooks, ReadJsonLines, ReadWikipediaDump,
-    SplitShards, SplitSentences, Tokenize, WriteShards, match_file_sizes, parquet_writer_options, shard_name,
-)
+from data_pipeline.beam.instances import CreateInstances
+from data_pipeline.beam.read import ReadBertFormatText, ReadBooks, ReadJsonLines, ReadWikipediaDump
+from data_pipeline.beam.shards import SplitShards, WriteShards
+from data_pipeline.beam.tokenize import SplitSentences, Tokenize
+from data_pipeline.commit import commit, query_counters
+from data_pipeline.sources import DIRECTORY_SUFFIX, match_file_sizes
 
 log = logging.getLogger("data_pipeline")
 
@@ -53,7 +39,7 @@ def default_pipeline_args() -> list[str]:
             f"--direct_num_workers={os.cpu_count() or 1}"]
 
 
-def read_source(p: beam.Pipeline, i: int, src: InputConfig, cfg: DataConfig):
+def read_source(p: beam.Pipeline, i: int, src: InputConfig, cfg: BuildConfig):
     label = f"Read{i}_{src.kind}"
     if src.kind == "wiki":
         return p | label >> ReadWikipediaDump(src.path) | f"Sentences{i}" >> SplitSentences()
@@ -66,7 +52,7 @@ def read_source(p: beam.Pipeline, i: int, src: InputConfig, cfg: DataConfig):
     raise ValueError(f"unknown source kind {src.kind!r}")
 
 
-def instance_params(cfg: DataConfig, tokens: list[str]) -> InstanceParams:
+def instance_params(cfg: BuildConfig, tokens: list[str]) -> InstanceParams:
     sp = special_token_ids(tokens)
     return InstanceParams(
         max_seq_length=cfg.max_seq_length, short_seq_prob=cfg.short_seq_prob, objective=cfg.objective,
@@ -76,7 +62,7 @@ def instance_params(cfg: DataConfig, tokens: list[str]) -> InstanceParams:
     )
 
 
-def validate(cfg: DataConfig) -> None:
+def validate(cfg: BuildConfig) -> None:
     from bertdist.config import ConfigError
 
     if not cfg.inputs:
@@ -102,13 +88,7 @@ def validate(cfg: DataConfig) -> None:
 TOKENS_PER_TEXT_BYTE = 0.24  # WordPiece tokens per byte of English prose (about 1.3 per 5.5-byte word)
 
 
-def input_sizes(cfg: DataConfig) -> dict[str, int]:
-    """{path: bytes} of every input file."""
-    return {path: size for src in cfg.inputs
-            for path, size in match_file_sizes(src.path, directory_suffix=DIRECTORY_SUFFIX[src.kind]).items()}
-
-
-def expected_tokens(cfg: DataConfig) -> int:
+def expected_tokens(cfg: BuildConfig) -> int:
     """Rough token count from the input sizes, made before the run: it only sizes the shuffle
     buckets and the spill files' slots (memory and reads), never the output."""
     tokens = 0.0
@@ -120,7 +100,7 @@ def expected_tokens(cfg: DataConfig) -> int:
     return int(tokens)
 
 
-def expected_rows(cfg: DataConfig) -> int:
+def expected_rows(cfg: BuildConfig) -> int:
     """Rough row count from the input sizes (see :func:`expected_tokens`)."""
     return int(cfg.dupe_factor * expected_tokens(cfg) / (0.9 * (cfg.max_seq_length - 3))) + 1
 
@@ -136,7 +116,7 @@ def work_units(options: PipelineOptions) -> int:
     return 32
 
 
-def build_pipeline(p: beam.Pipeline, cfg: DataConfig, staging: str, tokens: list[str], lowercase: bool) -> None:
+def build_pipeline(p: beam.Pipeline, cfg: BuildConfig, staging: str, tokens: list[str], lowercase: bool) -> None:
     docs = [read_source(p, i, src, cfg) for i, src in enumerate(cfg.inputs)]
     sentences = docs[0] if len(docs) == 1 else tuple(docs) | "AllSources" >> beam.Flatten()
     min_sents = cfg.min_sentences if cfg.objective != "none" else 1
@@ -161,44 +141,13 @@ def build_pipeline(p: beam.Pipeline, cfg: DataConfig, staging: str, tokens: list
          rows_per_bucket=cfg.shuffle_bucket_rows, spill_rows=cfg.shuffle_spill_rows, encoding=cfg.parquet_encoding))
 
 
-def _query_counters(result) -> dict[str, int] | None:
-    """The data_pipeline namespace's counters (and distributions' max and count), or None when the
-    runner reports no metrics (Beam's Dask runner raises; a runner may also report none): then
-    the counts that only metrics give are recorded as unknown, never as 0."""
-    out: dict[str, int] = {}
-    try:
-        metrics = result.metrics().query()
-        for c in metrics["counters"]:
-            if c.key.metric.namespace == NS:
-                v = c.committed if c.committed is not None else c.attempted
-                out[c.key.metric.name] = out.get(c.key.metric.name, 0) + int(v or 0)
-        for d in metrics["distributions"]:  # e.g. rows per shuffle bucket: max and count
-            v = d.committed if d.committed is not None else d.attempted
-            if d.key.metric.namespace == NS and v is not None and v.count:
-                out[f"{d.key.metric.name}_max"] = max(out.get(f"{d.key.metric.name}_max", 0), int(v.max))
-                out[f"{d.key.metric.name}_count"] = out.get(f"{d.key.metric.name}_count", 0) + int(v.count)
-    except Exception as e:  # noqa: BLE001 - any runner's failure to report is "unknown"
-        log.warning("the runner reports no Beam metrics (%s): counts that only metrics give are recorded as "
-                    "unknown (null)", e)
-        return None
-    if not out:
-        log.warning("the runner reported no data_pipeline metrics: counts that only metrics give are recorded "
-                    "as unknown (null)")
-        return None
-    return dict(sorted(out.items()))
-
-
 def runner_name(options: PipelineOptions) -> str:
     from apache_beam.options.pipeline_options import StandardOptions
 
     return str(options.view_as(StandardOptions).runner or "DirectRunner")
 
 
-class EmptyBuildError(RuntimeError):
-    """A build that would commit an empty or unverifiable dataset; the message names the runner."""
-
-
-def run(cfg: DataConfig, pipeline_args: Sequence[str] | None = None) -> dict[str, Any]:
+def run(cfg: BuildConfig, pipeline_args: Sequence[str] | None = None) -> dict[str, Any]:
     """Build the records described by ``cfg``; returns the manifest (also written to disk).
 
     ``pipeline_args`` are Beam options (``--runner=...`` etc.); None = :func:`default_pipeline_args`.
@@ -222,181 +171,9 @@ def run(cfg: DataConfig, pipeline_args: Sequence[str] | None = None) -> dict[str
     build_pipeline(p, cfg, staging, tokens, lowercase)
     result = p.run()
     result.wait_until_finish()
-    counters = _query_counters(result)
-    manifest = _commit(cfg, out, staging, final, run_id, tokens, lowercase, counters, args, time.time() - t0,
+    counters = query_counters(result)
+    manifest = commit(cfg, out, staging, final, run_id, tokens, lowercase, counters, args, time.time() - t0,
                        runner=runner_name(options))
-    return manifest
-
-
-def _write_empty_shard(path: str, vocab_size: int, cfg: DataConfig) -> dict[str, Any]:
-    import hashlib
-    import io
-
-    import pyarrow.parquet as pq
-
-    buf = io.BytesIO()
-    table = InstanceBatch.empty("uint16" if vocab_size < 65536 else "uint32").to_arrow(vocab_size)
-    pq.write_table(table, buf, row_group_size=cfg.row_group_size,
-                   **parquet_writer_options(table.schema, cfg.compression, cfg.parquet_encoding))
-    data = buf.getvalue()
-    OutputDir.write_bytes(path, data)
-    return {"path": path.rsplit("/", 1)[-1], "rows": 0, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-            "tokens": 0, "masked_tokens": 0, "random_next": 0}
-
-
-UNIT_COUNTS = ("documents", "sentences", "tokens", "instances", "random_next", "same_document_fallbacks",
-               "distinct_windows")
-
-
-def _read_report(out: OutputDir, report: str) -> tuple[BuildPlan | None, dict[str, dict[str, int]]]:
-    """The plan (every copy must be the same) and the units' counts summed per split (max for
-    max_window_reuse)."""
-    from apache_beam.io.filesystems import FileSystems
-
-    def matching(pattern: str) -> list[str]:
-        return sorted(m.path for r in FileSystems.match([f"{report}/{pattern}"]) for m in r.metadata_list)
-
-    plans = [out.read_json(p) for p in matching("plan-*.json")] if out.exists(report) else []
-    if any(p != plans[0] for p in plans):
-        raise EmptyBuildError(f"the {len(plans)} copies of the build plan under {report} differ: the workers saw "
-                              "different corpora. Nothing was committed.")
-    plan = BuildPlan.from_json(plans[0]) if plans else None
-    units: dict[str, dict[str, int]] = {s: {**dict.fromkeys(UNIT_COUNTS, 0), "max_window_reuse": 0, "units": 0}
-                                        for s in ("train", "heldout")}
-    for path in matching("units/*.json") if out.exists(f"{report}/units") else []:
-        u = out.read_json(path)
-        acc = units[u["split"]]
-        for k in UNIT_COUNTS:
-            acc[k] += u[k]
-        acc["max_window_reuse"] = max(acc["max_window_reuse"], u["max_window_reuse"])
-        acc["units"] += 1
-    return plan, units
-
-
-def _verify(cfg: DataConfig, runner: str, plan: BuildPlan | None, units: dict, rows: dict[str, int],
-            counters: dict | None) -> None:
-    """Refuse to commit an empty or unverifiable dataset: the plan (corpus totals), the units'
-    reports and the shards' sidecars come from different stages and must agree."""
-    sizes = input_sizes(cfg)
-    where = (f"runner {runner}; inputs {sum(sizes.values()):,} bytes in {len(sizes)} file(s). The tested runner is "
-             "DirectRunner; Beam's Dask runner is known to drop output branches")
-    built = sum(u["units"] for u in units.values())
-    if plan is None and built:
-        raise EmptyBuildError(f"the pipeline built {built} work units but wrote no build plan, so its output cannot "
-                              f"be verified ({where}). Nothing was committed.")
-    if plan is None or sum(plan.documents.values()) == 0:
-        skips = ("unknown: the runner reports no metrics" if counters is None else
-                 ", ".join(f"{k}={v:,}" for k, v in counters.items() if k.startswith(("skipped_", "truncated_")))
-                 or "none")
-        raise EmptyBuildError(f"no document reached the instance stage: every input was skipped, or the runner "
-                              f"dropped the stages after reading ({where}; skips: {skips}). Nothing was committed.")
-    for split in ("train", "heldout"):
-        u = units[split]
-        if u["documents"] != plan.documents[split] or u["instances"] != rows[split]:
-            raise EmptyBuildError(
-                f"{split}: the plan counted {plan.documents[split]:,} documents, the instance stage built "
-                f"{u['documents']:,} of them into {u['instances']:,} instances ({u['units']} unit reports), and "
-                f"{rows[split]:,} rows reached the shards: the runner lost work ({where}). Nothing was committed.")
-    if sum(rows.values()) == 0:
-        raise EmptyBuildError(f"{sum(plan.documents.values()):,} documents gave no instance at all ({where}). "
-                              "Nothing was committed.")
-
-
-def _negatives(units: dict, split: str) -> dict[str, Any]:
-    u = units[split]
-    return {"random_next": u["random_next"], "distinct_windows": u["distinct_windows"],
-            "distinct_fraction": round(u["distinct_windows"] / u["random_next"], 4) if u["random_next"] else None,
-            "max_window_reuse": u["max_window_reuse"], "same_document_fallbacks": u["same_document_fallbacks"]}
-
-
-def _commit(cfg, out: OutputDir, staging: str, final: str, run_id: str, tokens, lowercase, counters, args,
-            wall, runner: str = "DirectRunner") -> dict[str, Any]:
-    splits: dict[str, Any] = {}
-    totals = {"instances": 0, "tokens": 0, "masked_tokens": 0, "random_next": 0}
-    shard_stats: dict[str, list] = {}
-    for split, n in (("train", cfg.num_shards), ("heldout", cfg.heldout_num_shards)):
-        shard_stats[split] = []
-        for i in range(n):
-            name = shard_name(split, i, n)
-            shard, side = f"{staging}/{name}", f"{staging}/{name}.json"
-            if out.exists(side):
-                st = out.read_json(side)
-                if out.size(shard) != st["bytes"]:
-                    raise RuntimeError(f"{shard}: size differs from what the writer recorded")
-            else:
-                st = None  # no rows reached this shard; written below once the build is verified
-            shard_stats[split].append((name, shard, side, st))
-    rows = {s: sum(st["rows"] for *_, st in v if st) for s, v in shard_stats.items()}
-    plan, units = _read_report(out, f"{staging}/report")
-    _verify(cfg, runner, plan, units, rows, counters)
-    for w in plan.warnings:
-        log.warning("%s", w)
-    for split, n in (("train", cfg.num_shards), ("heldout", cfg.heldout_num_shards)):
-        entries = []
-        for name, shard, side, st in shard_stats[split]:
-            if st is None:  # a tiny corpus: an empty, valid shard keeps N fixed
-                st = _write_empty_shard(shard, len(tokens), cfg)
-            else:
-                out.delete([side])
-            for k in totals:
-                totals[k] += st["rows" if k == "instances" else k]
-            entries.append({"path": f"{final}/{name}", "rows": st["rows"], "bytes": st["bytes"],
-                            "sha256": st["sha256"]})
-        rows_ = [e["rows"] for e in entries]
-        splits[split] = {"rows": sum(rows_), "documents": plan.documents[split], "num_shards": n,
-                         "max_row_difference": max(rows_) - min(rows_), "shards": entries}
-    # spilled documents and rows (now in shards), the emptied part dir, the verified reports
-    out.delete_dirs([f"{staging}/{d}" for d in ("docs", "parts", "runs", "report") if out.exists(f"{staging}/{d}")])
-    out.finish(staging, final)
-    nsp_total = totals["instances"] if cfg.objective != "none" else 0
-    known = counters is not None
-    manifest = {
-        "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
-        "run_id": run_id,
-        "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "records": {
-            "max_seq_length": cfg.max_seq_length, "masking": cfg.masking, "objective": cfg.objective,
-            "whole_word_mask": cfg.whole_word_mask, "masked_lm_prob": cfg.masked_lm_prob,
-            "max_predictions_per_seq": cfg.max_predictions_per_seq,
-            "id_dtype": str(record_schema(len(tokens)).field("input_ids").type.value_type),
-            "columns": [f.name for f in record_schema(len(tokens))],
-        },
-        "vocab": {"path": os.path.abspath(cfg.vocab), "sha256": vocab_sha256(cfg.vocab), "size": len(tokens),
-                  "lowercase": lowercase},
-        "special_token_ids": special_token_ids(tokens),
-        "seed": cfg.seed,
-        "config": to_dict(cfg),
-        "splits": splits,
-        # documents, sentences and tokens come from the data (the plan), the rest from the shards;
-        # input_words, skips, repairs and metrics only from Beam metrics: null when the runner has none
-        "counts": {
-            "documents": sum(plan.documents.values()),
-            "sentences": sum(plan.sentences.values()),
-            "input_tokens": sum(plan.tokens.values()),
-            "input_words": counters.get("input_words", 0) if known else None,
-            **totals,
-            "random_next_fraction": (totals["random_next"] / nsp_total) if nsp_total else None,
-            "masked_fraction": (totals["masked_tokens"] / totals["tokens"]) if totals["tokens"] else None,
-        },
-        # NSP negatives: (document, start sentence) windows of the random-next rows (see data_pipeline.negatives)
-        "negatives": ({"train": _negatives(units, "train"), "heldout": _negatives(units, "heldout"),
-                       "buckets": {s: len(b) for s, b in plan.buckets.items()}, "bucket_tokens": plan.bucket_tokens}
-                      if cfg.objective == "nsp" else None),
-        "heldout": {"fraction": cfg.heldout_fraction, "min_documents": cfg.heldout_min_documents,
-                    "floor_max_fraction": cfg.heldout_floor_max_fraction, "documents": plan.documents["heldout"],
-                    "tokens": plan.tokens["heldout"]},
-        "warnings": list(plan.warnings),
-        "skips": {k: v for k, v in counters.items() if k.startswith(("skipped_", "truncated_"))} if known else None,
-        "repairs": ({k: v for k, v in counters.items()
-                     if k.startswith("repaired_") or k == "nsp_same_document_fallbacks"} if known else None),
-        "metrics": counters,
-        "runner": runner,
-        "beam_args": list(args),
-        "wall_seconds": round(wall, 3),
-    }
-    out.write_manifest(manifest, MANIFEST_NAME)  # the commit
-    out.remove_other_runs(keep=final)  # older outputs and dead runs' staging dirs are garbage now
     return manifest
 
 
@@ -421,13 +198,13 @@ def build_records(inputs: Sequence[str], output: str | os.PathLike, vocab: str |
     """Small-corpus helper for the demo and tests: build records, return the manifest path (a
     ``Path`` for local output, a URL string otherwise).
 
-    ``inputs``: ``KIND:PATH`` strings (see :func:`parse_input`); ``overrides``: DataConfig fields
+    ``inputs``: ``KIND:PATH`` strings (see :func:`parse_input`); ``overrides``: BuildConfig fields
     (e.g. ``max_seq_length=64, dupe_factor=1, num_shards=2``). ``in_process=True`` runs the
     DirectRunner in this process (no worker start-up cost), fine for a few MB of text.
     """
     data = {"inputs": [to_dict(parse_input(s)) for s in inputs], "output": os.fspath(output),
             "vocab": os.fspath(vocab), **overrides}
-    cfg = from_dict(DataConfig, data)
+    cfg = from_dict(BuildConfig, data)
     if pipeline_args is None and in_process:
         pipeline_args = ["--runner=DirectRunner", "--direct_running_mode=in_memory", "--direct_num_workers=1"]
     run(cfg, pipeline_args)

@@ -7,20 +7,66 @@ the same readers without Beam.
 from __future__ import annotations
 
 import bz2
+import glob
 import gzip
 import json
+import os
 import zlib
 from typing import BinaryIO, Iterator
 
 from data_pipeline.text import clean_line, clean_lines, decode_bytes
 
 
-def open_input(path: str) -> BinaryIO:
-    """Open any Beam filesystem path as a binary stream, decompressing .bz2/.gz (multistream ok)."""
-    from apache_beam.io.filesystem import CompressionTypes
-    from apache_beam.io.filesystems import FileSystems
+# which files a directory input means, per source kind
+DIRECTORY_SUFFIX = {"wiki": "*.xml*", "books": "*.txt", "jsonl": "*.jsonl*", "text": "*"}
 
-    raw = FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED)
+
+def is_local(path: str) -> bool:
+    """A path without a URL scheme (gs://, s3://, hdfs://...): read without Beam's filesystems, so
+    vocab training and the tests need no Beam."""
+    return "://" not in path
+
+
+def match_file_sizes(pattern: str, *, directory_suffix: str = "*") -> dict[str, int]:
+    """Expand a path, directory or glob, local or on any Beam filesystem: {path: size in bytes},
+    sorted by path (for stable ids). Hidden files match, as they do on Beam's filesystems."""
+    if is_local(pattern):
+        pat = os.path.join(pattern, directory_suffix) if os.path.isdir(pattern) else pattern
+        paths = glob.glob(pat, recursive=True, include_hidden=True) if glob.has_magic(pat) else [pat]
+        sizes = {p: os.path.getsize(p) for p in paths if os.path.isfile(p)}
+    else:
+        from apache_beam.io.filesystems import FileSystems
+
+        # an object-store "directory" is a prefix ending in "/": Beam's match appends "*" to it
+        sizes = {m.path: m.size_in_bytes for r in FileSystems.match([pattern]) for m in r.metadata_list}
+    if not sizes:
+        raise FileNotFoundError(f"no input files match {pattern!r}")
+    return dict(sorted(sizes.items()))
+
+
+def match_files(pattern: str, *, directory_suffix: str = "*") -> list[str]:
+    return list(match_file_sizes(pattern, directory_suffix=directory_suffix))
+
+
+def relative_ids(paths: list[str]) -> dict[str, str]:
+    """Document-id prefix per file: its path relative to the files' common directory, so ids
+    (and so the output) do not depend on where the corpus is mounted."""
+    if len(paths) == 1:
+        return {paths[0]: os.path.basename(paths[0])}
+    common = os.path.commonpath(paths) if all(p.startswith("/") for p in paths) else os.path.dirname(os.path.commonprefix(paths))
+    return {p: os.path.relpath(p, common) if common else p for p in paths}
+
+
+def open_input(path: str) -> BinaryIO:
+    """Open a local path or any Beam filesystem path as a binary stream, decompressing .bz2/.gz
+    (multistream ok)."""
+    if is_local(path):
+        raw = open(path, "rb")
+    else:
+        from apache_beam.io.filesystem import CompressionTypes
+        from apache_beam.io.filesystems import FileSystems
+
+        raw = FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED)
     if path.endswith(".bz2"):
         return bz2.BZ2File(raw)
     if path.endswith(".gz"):

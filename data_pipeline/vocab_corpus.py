@@ -8,13 +8,11 @@ from data_pipeline.config import InputConfig
 
 
 def iter_sentences(inputs: Iterable[InputConfig], max_document_chars: int = 50_000_000) -> Iterator[str]:
-    from data_pipeline.transforms import DIRECTORY_SUFFIX, match_files
-
     for src in inputs:
         if src.kind == "wiki":
             from data_pipeline.wikitext import article_paragraphs, iter_page_blobs, parse_page
 
-            for path in match_files(src.path, directory_suffix=DIRECTORY_SUFFIX["wiki"]):
+            for path in sources.match_files(src.path, directory_suffix=sources.DIRECTORY_SUFFIX["wiki"]):
                 with sources.open_input(path) as stream:
                     try:
                         for kind, blob in iter_page_blobs(stream, 64 << 20):
@@ -26,18 +24,18 @@ def iter_sentences(inputs: Iterable[InputConfig], max_document_chars: int = 50_0
                     except sources.STREAM_ERRORS:
                         continue
         elif src.kind == "books":
-            for path in match_files(src.path, directory_suffix=DIRECTORY_SUFFIX["books"]):
+            for path in sources.match_files(src.path, directory_suffix=sources.DIRECTORY_SUFFIX["books"]):
                 with sources.open_input(path) as stream:
                     text, _ = sources.read_text_document(stream, max_document_chars)
                 yield from textlib.text_to_sentences(textlib.strip_gutenberg(text)[0])
         elif src.kind == "jsonl":
-            for path in match_files(src.path, directory_suffix=DIRECTORY_SUFFIX["jsonl"]):
+            for path in sources.match_files(src.path, directory_suffix=sources.DIRECTORY_SUFFIX["jsonl"]):
                 with sources.open_input(path) as stream:
                     for a, b in sources.iter_json_lines(stream, src.text_field, src.id_field):
                         if a != "!event":
                             yield from textlib.text_to_sentences(b)
         else:
-            for path in match_files(src.path):
+            for path in sources.match_files(src.path):
                 with sources.open_input(path) as stream:
                     for a, b in sources.iter_bert_format(stream):
                         if a != "!event":

@@ -15,8 +15,9 @@ def _setup_logging() -> None:
 
 def run_build(args, beam_args: list[str]) -> int:
     from bertdist.config import apply_overrides, from_dict, load_yaml, to_dict
-    from data_pipeline.config import DataConfig
-    from data_pipeline.pipeline import EmptyBuildError, default_pipeline_args, parse_input, run
+    from data_pipeline.commit import EmptyBuildError
+    from data_pipeline.config import BuildConfig
+    from data_pipeline.pipeline import default_pipeline_args, parse_input, run
 
     _setup_logging()
     data = load_yaml(args.config) if args.config else {}
@@ -25,7 +26,7 @@ def run_build(args, beam_args: list[str]) -> int:
     for key in ("output", "vocab"):
         if getattr(args, key):
             data[key] = getattr(args, key)
-    cfg = from_dict(DataConfig, apply_overrides(DataConfig, data, args.set))
+    cfg = from_dict(BuildConfig, apply_overrides(BuildConfig, data, args.set))
     # user flags come last: Beam's parser lets a later flag win over the defaults; a different
     # runner gets only the user's flags (the DirectRunner defaults mean nothing to it)
     user_runner = any(a.startswith("--runner") and "DirectRunner" not in a for a in beam_args)
@@ -134,13 +135,13 @@ def register(sub) -> None:
         "build", help="raw text -> sharded Parquet training records + manifest (Apache Beam)",
         description="Unknown --options are passed to Beam (e.g. --direct_num_workers=4, --runner=FlinkRunner). "
                     "Default: DirectRunner, multi_processing, one worker per local core.")
-    b.add_argument("--config", help="YAML DataConfig (configs/data/*.yaml)")
+    b.add_argument("--config", help="YAML BuildConfig (configs/data/*.yaml)")
     b.add_argument("--input", action="append", default=[], metavar="[KIND:]PATH",
                    help="repeatable; KIND in wiki|books|text|jsonl, guessed from the path when omitted")
     b.add_argument("--output", help="output directory (manifest.json + shards)")
     b.add_argument("--vocab", help="vocab.txt (BERT WordPiece)")
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a DataConfig field, e.g. --set max_seq_length=512")
+                   help="override a BuildConfig field, e.g. --set max_seq_length=512")
     b.set_defaults(func=None, _data_build=True, fast_exit=True)  # see cli.main: skips 0.3 s of teardown
     _pass_unknown_options_to_beam(b)
 

@@ -161,9 +161,9 @@ def run_data(args) -> int:
         raise SubmitError(f"data config not found: {cfg}")
     cfg = cfg.resolve()
     try:
-        from data_pipeline.config import DataConfig
+        from data_pipeline.config import BuildConfig
 
-        data = apply_overrides(DataConfig, load_yaml(cfg), args.overrides)
+        data = apply_overrides(BuildConfig, load_yaml(cfg), args.overrides)
     except ConfigError as e:
         raise SubmitError(f"{cfg}: {e}") from None
     # Local inputs must exist before a job waits in the queue for them (remote URLs are the runner's business).

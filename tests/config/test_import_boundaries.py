@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 HEAVY = ("torch", "apache_beam", "deepspeed", "pyarrow")
+BOOKS = str(Path(__file__).resolve().parents[2] / "data_pipeline" / "samples" / "books")
 
 LIGHT_IMPORTS = {
     "config schema": "import bertdist.config",
@@ -20,6 +22,9 @@ LIGHT_IMPORTS = {
     "data build config": "import data_pipeline.config",
     "cluster training config": "import cluster.training",
     "CLI parser": "from bertdist.cli.main import build_parser; build_parser()",
+    # vocab training reads local files without Beam's filesystems
+    "vocab corpus": ("from data_pipeline.config import InputConfig; from data_pipeline.vocab_corpus import iter_sentences; "
+                     f"assert len(list(iter_sentences([InputConfig(kind='books', path={BOOKS!r})]))) > 1000"),
 }
 
 

@@ -8,8 +8,8 @@ from apache_beam.runners.worker import statesampler
 from data_pipeline import beam_tuning
 
 
-def test_state_sampler_period_is_shortened_once_transforms_are_imported():
-    import data_pipeline.transforms  # noqa: F401  (applies the tuning, as in every worker)
+def test_state_sampler_period_is_shortened_once_the_beam_stages_are_imported():
+    import data_pipeline.beam  # noqa: F401  (applies the tuning, as in every worker)
 
     assert statesampler.DEFAULT_SAMPLING_PERIOD_MS == 200  # Beam's own default: the reason for the tuning
     period = inspect.signature(statesampler.StateSampler.__init__).parameters["sampling_period_ms"].default

@@ -8,8 +8,8 @@ import json
 import apache_beam as beam
 import pytest
 
-from data_pipeline import transforms
-from data_pipeline.pipeline import EmptyBuildError
+from data_pipeline.beam import instances as beam_instances, shards as beam_shards
+from data_pipeline.commit import EmptyBuildError
 
 DOCS = 8
 
@@ -46,7 +46,7 @@ def test_a_build_whose_documents_are_all_skipped_fails_and_names_the_runner(tmp_
 def test_rows_lost_after_the_instance_stage_are_caught(tmp_path, small_vocab, monkeypatch):
     """A runner that drops the shard-writing branch (as Beam's Dask runner dropped an output
     branch): the instance stage reported its rows, the shards have none, nothing is committed."""
-    monkeypatch.setattr(transforms._AssembleShardDoFn, "process", lambda self, kv: iter(()))
+    monkeypatch.setattr(beam_shards._AssembleShardDoFn, "process", lambda self, kv: iter(()))
     with pytest.raises(EmptyBuildError, match=rf"train: the plan counted {DOCS} documents, the instance stage built "
                                               rf"{DOCS} of them into [1-9]\d* instances .* and 0 rows reached the "
                                               r"shards: the runner lost work \(runner DirectRunner"):
@@ -55,8 +55,8 @@ def test_rows_lost_after_the_instance_stage_are_caught(tmp_path, small_vocab, mo
 
 
 def test_a_build_without_its_plan_is_unverifiable(tmp_path, small_vocab, monkeypatch):
-    init = transforms._ToBucketsDoFn.__init__  # the plan is not written, everything else is
-    monkeypatch.setattr(transforms._ToBucketsDoFn, "__init__",
+    init = beam_instances._ToBucketsDoFn.__init__  # the plan is not written, everything else is
+    monkeypatch.setattr(beam_instances._ToBucketsDoFn, "__init__",
                         lambda self, args, bits, report_dir: init(self, args, bits, None))
     with pytest.raises(EmptyBuildError, match=r"built \d+ work units but wrote no build plan, so its output cannot be "
                                               "verified"):

@@ -59,6 +59,7 @@ def _shard_bytes(manifest: Path) -> dict[str, bytes]:
             for sp in man["splits"].values() for s in sp["shards"]}
 
 
+@pytest.mark.slow  # Beam worker processes: about 7 s
 def test_byte_identical_across_worker_counts(tmp_path, small_vocab):
     """1 in-process worker and 2 worker processes write the same shard bytes. The manifest records
     the NSP negatives' diversity and the held-out split, with the small-corpus warning."""
@@ -84,6 +85,7 @@ def test_byte_identical_across_worker_counts(tmp_path, small_vocab):
     assert "NSP negatives, (document, start sentence) windows" in r.stdout and "WARNING: held-out split" in r.stdout
 
 
+@pytest.mark.slow  # a killed CLI build and a re-run: about 8 s
 def test_killed_run_leaves_no_valid_manifest_and_rerun_replaces(tmp_path, small_vocab):
     out = tmp_path / "out"
     proc = subprocess.Popen(_build_cmd(out, small_vocab, 1, "in_memory"), stdout=subprocess.DEVNULL,
@@ -110,7 +112,7 @@ def test_byte_stream_split_shards_hold_the_same_rows(tmp_path, small_vocab):
 
     from bertdist.config import ConfigError
     from data_pipeline import build_records
-    from data_pipeline.config import DataConfig
+    from data_pipeline.config import BuildConfig
 
     inputs = [f"books:{SAMPLES / 'books'}"]
     kw = dict(max_seq_length=64, dupe_factor=1, num_shards=2, heldout_fraction=0.3)
@@ -128,4 +130,4 @@ def test_byte_stream_split_shards_hold_the_same_rows(tmp_path, small_vocab):
                          for e in meta.row_group(rg).column(c).encodings}
             assert "BYTE_STREAM_SPLIT" in encodings and not encodings & {"PLAIN_DICTIONARY", "RLE_DICTIONARY"}
     with pytest.raises(ConfigError, match=r"parquet_encoding: 'delta' is not one of \['dictionary', 'byte_stream_split'\]"):
-        DataConfig(parquet_encoding="delta")
+        BuildConfig(parquet_encoding="delta")

@@ -6,7 +6,7 @@ import pytest
 
 from data_pipeline.instances import InstanceParams, InstanceStats, _truncation_counts, create_instances
 from data_pipeline.negatives import NegativeSource, canonical_order, placement_hash
-from data_pipeline.sharding import bucket_bits, bucket_ranks, place_bucket, shard_targets, split_by_bucket
+
 
 
 def params(**kw):
@@ -157,78 +157,3 @@ def test_unmasked_tokens_decode_to_normalized_text(small_vocab):
     norm = tok.decode(tok.encode(" ".join(sentences), add_special_tokens=False).ids)
     assert text == norm
     assert text == " ".join(sentences).lower()  # uncased vocab: normalization is lower-casing
-
-
-def test_bucketed_shards_are_exact_sorted_and_deterministic():
-    """Buckets of ~rows_per_bucket rows, cut at the shard boundaries: shard sizes are
-    shard_targets, and the shards in order are all rows sorted by key, however the rows arrive."""
-    from data_pipeline.instance_batch import InstanceBatch
-
-    docs = synthetic_docs(8, 50)
-    b, _ = build(docs, params())
-    n, per_bucket = 5, 7
-    bits = bucket_bits(len(b), per_bucket)
-    assert 2 ** (bits - 1) * per_bucket < len(b) <= 2 ** bits * per_bucket
-    for order in (np.arange(len(b)), np.random.default_rng(0).permutation(len(b))):
-        pieces = {}
-        for chunk in np.array_split(order, 9):  # rows arrive in arbitrary batches
-            for bucket, rows in split_by_bucket(b.take(chunk), bits):
-                pieces.setdefault(bucket, []).append(rows)
-        counts = {k: sum(len(x) for x in v) for k, v in pieces.items()}
-        assert max(counts.values()) < 4 * per_bucket  # memory bound: a bucket is small
-        final: dict[int, list] = {}
-        for bucket in sorted(pieces, reverse=True):  # placement does not depend on bucket order either
-            for shard, rows in place_bucket(bucket, InstanceBatch.concat(pieces[bucket]), bucket_ranks(counts), n):
-                final.setdefault(shard, []).append((bucket, rows))
-        sizes = [sum(len(r) for _, r in final.get(s, [])) for s in range(n)]
-        assert sizes == shard_targets(len(b), n) and max(sizes) - min(sizes) <= 1
-        merged = InstanceBatch.concat([r for s in range(n) for _, r in sorted(final[s], key=lambda x: x[0])])
-        assert np.array_equal(merged.keys, b.sorted_by_key().keys)
-        assert np.array_equal(merged.ids, b.sorted_by_key().ids)
-
-
-def test_place_bucket_rejects_a_count_mismatch():
-    b, _ = build(synthetic_docs(2, 20), params())
-    with pytest.raises(RuntimeError, match="rows arrived"):
-        list(place_bucket(0, b, bucket_ranks({0: len(b) + 1}), 2))
-
-
-def test_bert_format_byte_ranges_read_every_document_once():
-    """Any cut of a file into byte ranges yields exactly the documents of one whole read."""
-    import io
-    import random
-
-    from data_pipeline.sources import iter_bert_format
-
-    r = random.Random(0)
-    for _ in range(300):
-        lines = []
-        for _doc in range(r.randint(0, 6)):
-            lines += [r.choice(["a b.", "  lead", "x" * r.randint(1, 30), "ü é", "\x01ctl", "\u00a0nb"])
-                      + ("\r" if r.random() < 0.1 else "") for _ in range(r.randint(1, 4))]
-            # blank after cleaning too: control characters and Unicode spaces only
-            lines += [r.choice(["", "  ", "\t", "\x01", "\u00a0", " \u3000\x7f"]) for _ in range(r.randint(1, 3))]
-        data = ("\n".join(lines) + r.choice(["", "\n"])).encode()
-        whole = [x for x in iter_bert_format(io.BytesIO(data)) if x[0] != "!event"]
-        cuts = sorted(r.sample(range(1, len(data) + 1), min(len(data), r.randint(0, 5))))
-        bounds = [0, *cuts, None]
-        got = [x for a, b in zip(bounds[:-1], bounds[1:])
-               for x in iter_bert_format(io.BytesIO(data), a, b) if x[0] != "!event"]
-        assert got == whole, (data, bounds)
-
-
-def test_bert_format_range_size_balances_small_inputs_and_caps_large_ones():
-    from data_pipeline.transforms import ReadBertFormatText
-
-    auto = ReadBertFormatText.auto_split_bytes
-    assert auto(10 << 20) == 1 << 20  # the 10 MB reference workload: 10 ranges, not 8 MB + 2 MB
-    assert auto(64 << 20) == 2 << 20
-    assert auto(10 << 30) == 8 << 20 and auto(1000) == 1 << 20
-
-
-def test_slice_equals_take_of_a_range():
-    b, _ = build(synthetic_docs(3, 30), params())
-    for lo, hi in ((0, len(b)), (3, 9), (5, 5), (len(b) - 1, len(b))):
-        s, t = b.slice(lo, hi), b.take(np.arange(lo, hi))
-        for f in ("keys", "ids", "ids_offsets", "num_a", "nsp", "mpos", "mids", "m_offsets"):
-            assert np.array_equal(getattr(s, f), getattr(t, f)), (f, lo, hi)

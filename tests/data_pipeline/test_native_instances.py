@@ -431,11 +431,11 @@ def test_builder_choice(monkeypatch):
 
 def test_config_field_is_validated():
     from bertdist.config import ConfigError, from_dict
-    from data_pipeline.config import DataConfig
+    from data_pipeline.config import BuildConfig
 
-    assert DataConfig().instance_builder == "auto"
-    assert from_dict(DataConfig, {"instance_builder": "reference"}).instance_builder == "reference"
-    for make in (lambda: from_dict(DataConfig, {"instance_builder": "fast"}), lambda: DataConfig(instance_builder="fast")):
+    assert BuildConfig().instance_builder == "auto"
+    assert from_dict(BuildConfig, {"instance_builder": "reference"}).instance_builder == "reference"
+    for make in (lambda: from_dict(BuildConfig, {"instance_builder": "fast"}), lambda: BuildConfig(instance_builder="fast")):
         with pytest.raises(ConfigError, match=r"instance_builder: 'fast' is not one of \['auto', 'native', 'reference'\]"):
             make()
 
@@ -448,7 +448,8 @@ def _shards_with(builder: str, out: Path, docs, p: InstanceParams, vocab: Path) 
     from apache_beam.options.pipeline_options import PipelineOptions
     from apache_beam.testing.test_pipeline import TestPipeline
 
-    from data_pipeline.transforms import CreateInstances, SplitShards, WriteShards
+    from data_pipeline.beam.instances import CreateInstances
+    from data_pipeline.beam.shards import SplitShards, WriteShards
     from tests.conftest import IN_PROCESS
 
     out.mkdir()
@@ -467,7 +468,7 @@ def test_transforms_write_identical_shards_with_either_builder(tmp_path, small_v
     """CreateInstances + WriteShards on the bundled books: the same shard bytes and counters."""
     from bertdist.data.vocab import load_vocab
     from data_pipeline.pipeline import instance_params
-    from data_pipeline.config import DataConfig
+    from data_pipeline.config import BuildConfig
     from data_pipeline.text import text_to_sentences
     from data_pipeline.tokenization import load_tokenizer
     from data_pipeline.wordpiece import WordPieceEncoder
@@ -478,7 +479,7 @@ def test_transforms_write_identical_shards_with_either_builder(tmp_path, small_v
     encoder = WordPieceEncoder(tok, lowercase)
     sents = text_to_sentences((SAMPLES / "books" / "shakespeare-macbeth.txt").read_text(encoding="utf-8"))[:1200]
     docs = [(f"macbeth#{j}", *encoder.encode_document(sents[j:j + 100])) for j in range(0, len(sents), 100)]
-    p = instance_params(DataConfig(max_seq_length=48), tokens)
+    p = instance_params(BuildConfig(max_seq_length=48), tokens)
     ref, ref_counts = _shards_with("reference", tmp_path / "ref", docs, p, small_vocab)
     nat, nat_counts = _shards_with("native", tmp_path / "nat", docs, p, small_vocab)
     assert len(ref) == 2 and ref.keys() == nat.keys()
@@ -488,6 +489,7 @@ def test_transforms_write_identical_shards_with_either_builder(tmp_path, small_v
     assert ref_counts["train_random_next"] == nat_counts["train_random_next"]
 
 
+@pytest.mark.slow  # four builds: about 17 s
 @needs_native
 @pytest.mark.parametrize("whole_word_mask", [False, True])
 def test_build_records_identical_with_and_without_the_extension(tmp_path, small_vocab, monkeypatch, caplog,

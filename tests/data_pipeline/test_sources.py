@@ -78,3 +78,22 @@ def test_truncated_compressed_input_keeps_the_lines_before_the_damage():
     assert len(docs) == 1 and docs[0][0] == 0
     kept = docs[0][1]
     assert kept == lines[: len(kept)] and len(kept) > 100  # everything before the damage, in order
+
+
+def test_bert_format_byte_ranges_read_every_document_once():
+    """Any cut of a file into byte ranges yields exactly the documents of one whole read."""
+    r = random.Random(0)
+    for _ in range(300):
+        lines = []
+        for _doc in range(r.randint(0, 6)):
+            lines += [r.choice(["a b.", "  lead", "x" * r.randint(1, 30), "ü é", "\x01ctl", "\u00a0nb"])
+                      + ("\r" if r.random() < 0.1 else "") for _ in range(r.randint(1, 4))]
+            # blank after cleaning too: control characters and Unicode spaces only
+            lines += [r.choice(["", "  ", "\t", "\x01", "\u00a0", " \u3000\x7f"]) for _ in range(r.randint(1, 3))]
+        data = ("\n".join(lines) + r.choice(["", "\n"])).encode()
+        whole = [x for x in iter_bert_format(io.BytesIO(data)) if x[0] != "!event"]
+        cuts = sorted(r.sample(range(1, len(data) + 1), min(len(data), r.randint(0, 5))))
+        bounds = [0, *cuts, None]
+        got = [x for a, b in zip(bounds[:-1], bounds[1:])
+               for x in iter_bert_format(io.BytesIO(data), a, b) if x[0] != "!event"]
+        assert got == whole, (data, bounds)

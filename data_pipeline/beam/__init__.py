@@ -1,0 +1,5 @@
+"""The data build's Beam transforms, one module per stage: read, tokenize, instances, shards
+(metrics and spill are shared helpers). The pure functions they call live one level up."""
+from data_pipeline import beam_tuning
+
+beam_tuning.shorten_state_sampler_period()  # see beam_tuning: up to 200 ms idle per bundle otherwise
