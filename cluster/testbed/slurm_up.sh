@@ -89,6 +89,10 @@ SlurmctldHost=$HOST(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# A requeued job waits cred_expire seconds before it may start again (slurm.conf(5); default
+# 120). The preemption tests requeue three jobs, so that wait was 6 of CI's minutes; a
+# localhost job starts in well under 10 s, well inside a credential's lifetime.
+AuthInfo=cred_expire=10
 CredType=cred/munge
 MpiDefault=none
 ProctrackType=proctrack/linuxproc
