@@ -98,6 +98,7 @@ def _data_extensions():
     # -O3 but no -march=native: the modules must run on any x86-64 machine they are copied to.
     return [
         Extension(name, [source], include_dirs=[pybind11.get_include()], language="c++",
+                  depends=sorted(str(h) for h in Path("csrc/data_pipeline").glob("*.h")),  # rebuild on a header edit
                   extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden"])
         for name, source in DATA_EXT_SOURCES.items()
     ]
