@@ -441,6 +441,7 @@ def test_no_commands_hide_in_unlabelled_blocks():
             assert not bad, f"commands in a ```{lang} block; label it ```bash:\n" + "\n".join(bad)
 
 
+@pytest.mark.slow  # every README command as a subprocess, on a workspace built first: about 22 s
 @pytest.mark.parametrize("cmd", COMMANDS, ids=[f"L{c.line}-{'_'.join(c.argv[:3])}" for c in COMMANDS])
 def test_readme_command(cmd, workspace):
     check = check_for(cmd)

@@ -250,6 +250,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two gloo rank processes: about 6 s
 def test_ranks_run_rank_zeros_choice(tmp_path):
     import torch.multiprocessing as mp
 
