@@ -156,6 +156,9 @@ def _negatives(units: dict, split: str) -> dict[str, Any]:
 
 def commit(cfg, out: OutputDir, staging: str, final: str, run_id: str, tokens, lowercase, counters, args,
             wall, runner: str = "DirectRunner") -> dict[str, Any]:
+    """Verify the staged shards against the build's own reports, move them to ``final`` and write
+    the manifest (the commit, step 2 above); returns the manifest. Raises EmptyBuildError, and
+    commits nothing, when the output is empty or does not add up."""
     splits: dict[str, Any] = {}
     totals = {"instances": 0, "tokens": 0, "masked_tokens": 0, "random_next": 0}
     shard_stats: dict[str, list] = {}

@@ -20,7 +20,6 @@ from data_pipeline.negatives import (
 )
 
 
-
 def _ragged(arrays: list, typ):
     import pyarrow as pa
 

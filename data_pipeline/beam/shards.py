@@ -15,7 +15,6 @@ from data_pipeline.config import PARQUET_ENCODINGS
 from data_pipeline.instance_batch import InstanceBatch
 
 
-
 class _HashingWriter:
     """A write-only stream that forwards to ``raw`` and keeps the sha256 and size of what passed."""
 

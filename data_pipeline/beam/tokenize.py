@@ -10,7 +10,6 @@ from data_pipeline import text as textlib
 from data_pipeline.beam.metrics import Progress, count, log
 
 
-
 class SplitSentences(beam.PTransform):
     """(doc_id, text) -> (doc_id, [sentences]) with blingfire (see data_pipeline.text)."""
 
