@@ -107,6 +107,13 @@ class InstanceStats:
         self.max_window_reuse = max(self.max_window_reuse, other.max_window_reuse)
 
 
+def expected_instances(tokens: int, dupe_factor: int, max_seq_length: int) -> int:
+    """Rough instance count for ``tokens`` document tokens: one row per (max_seq_length - 3)
+    tokens and dupe, 0.9 of that for the shorter rows (short_seq_prob, document ends). It only
+    sizes buckets (memory and reads), never the output."""
+    return int(dupe_factor * tokens / (0.9 * (max_seq_length - 3))) + 1
+
+
 def _truncation_counts(la: int, lb: int, max_tokens: int) -> tuple[int, int]:
     """Tokens the reference's truncate_seq_pair removes from (A, B): always from the longer
     segment, from B on ties."""

@@ -17,7 +17,7 @@ from bertdist.config import from_dict, to_dict
 from bertdist.data.manifest import MANIFEST_NAME
 from bertdist.data.vocab import load_vocab, special_token_ids
 from data_pipeline.config import BuildConfig, InputConfig
-from data_pipeline.instances import InstanceParams
+from data_pipeline.instances import InstanceParams, expected_instances
 from data_pipeline.negatives import slot_bits
 from data_pipeline.native_instances import choose_builder
 from data_pipeline.output_dir import OutputDir
@@ -102,7 +102,7 @@ def expected_tokens(cfg: BuildConfig) -> int:
 
 def expected_rows(cfg: BuildConfig) -> int:
     """Rough row count from the input sizes (see :func:`expected_tokens`)."""
-    return int(cfg.dupe_factor * expected_tokens(cfg) / (0.9 * (cfg.max_seq_length - 3))) + 1
+    return expected_instances(expected_tokens(cfg), cfg.dupe_factor, cfg.max_seq_length)
 
 
 def work_units(options: PipelineOptions) -> int:
@@ -126,19 +126,18 @@ def build_pipeline(p: beam.Pipeline, cfg: BuildConfig, staging: str, tokens: lis
     frac = cfg.heldout_fraction
     rows = expected_rows(cfg)
     # one branch for both splits, keyed by split: a document's split comes from a hash of its id
-    (tokenized
-     | "Instances" >> CreateInstances(
-         instance_params(cfg, tokens), seed=cfg.seed, dupe_factor=cfg.dupe_factor, vocab_path=cfg.vocab,
-         scratch_dir=f"{staging}/docs", report_dir=f"{staging}/report", heldout_fraction=frac,
-         heldout_min_documents=cfg.heldout_min_documents, heldout_floor_max_fraction=cfg.heldout_floor_max_fraction,
-         bucket_tokens=cfg.nsp_bucket_tokens,
-         slot_bits=slot_bits(expected_tokens(cfg), cfg.nsp_bucket_tokens), target_units=work_units(p.options),
-         builder=cfg.instance_builder)
-     | "Write" >> WriteShards(
-         staging, {"train": SplitShards(cfg.num_shards, round(rows * (1 - frac))),
-                   "heldout": SplitShards(cfg.heldout_num_shards, round(rows * frac))},
-         len(tokens), cfg.row_group_size, cfg.compression,
-         rows_per_bucket=cfg.shuffle_bucket_rows, spill_rows=cfg.shuffle_spill_rows, encoding=cfg.parquet_encoding))
+    built = tokenized | "Instances" >> CreateInstances(
+        instance_params(cfg, tokens), seed=cfg.seed, dupe_factor=cfg.dupe_factor, vocab_path=cfg.vocab,
+        scratch_dir=f"{staging}/docs", report_dir=f"{staging}/report", heldout_fraction=frac,
+        heldout_min_documents=cfg.heldout_min_documents, heldout_floor_max_fraction=cfg.heldout_floor_max_fraction,
+        bucket_tokens=cfg.nsp_bucket_tokens,
+        slot_bits=slot_bits(expected_tokens(cfg), cfg.nsp_bucket_tokens), target_units=work_units(p.options),
+        builder=cfg.instance_builder)
+    built["instances"] | "Write" >> WriteShards(
+        staging, {"train": SplitShards(cfg.num_shards, round(rows * (1 - frac))),
+                  "heldout": SplitShards(cfg.heldout_num_shards, round(rows * frac))},
+        len(tokens), cfg.row_group_size, cfg.compression, rows_per_bucket=cfg.shuffle_bucket_rows,
+        spill_rows=cfg.shuffle_spill_rows, encoding=cfg.parquet_encoding, expected_rows=built["expected_rows"])
 
 
 def runner_name(options: PipelineOptions) -> str:

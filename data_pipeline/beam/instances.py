@@ -13,9 +13,9 @@ import numpy as np
 from data_pipeline.beam.metrics import Progress, count
 from data_pipeline.beam.spill import BufferedSpillDoFn
 from data_pipeline.instance_batch import InstanceBatch, list_column
-from data_pipeline.instances import InstanceParams, InstanceStats, create_instances, derive_seed
+from data_pipeline.instances import InstanceParams, InstanceStats, create_instances, derive_seed, expected_instances
 from data_pipeline.negatives import (
-    HASH_SPACE, CorpusSummary, NegativeSource, buckets_of_slot, canonical_order, fraction_threshold,
+    HASH_SPACE, BuildPlan, CorpusSummary, NegativeSource, buckets_of_slot, canonical_order, fraction_threshold,
     make_plan, placement_hash, split_units,
 )
 
@@ -126,33 +126,47 @@ def _write_json(path: str, data) -> None:
         f.write(json.dumps(data, indent=1).encode())
 
 
-class _ToBucketsDoFn(beam.DoFn):
+class _PlanFn(beam.CombineFn):
+    """The spill files' corpus summaries (one small summary per file) -> the build plan
+    (:func:`data_pipeline.negatives.make_plan`), made once for the whole corpus."""
+
+    def __init__(self, plan_args: dict):
+        self.plan_args = plan_args
+
+    def create_accumulator(self) -> CorpusSummary:
+        return CorpusSummary(keep=self.plan_args["keep"], fraction_threshold=self.plan_args["fraction_threshold"])
+
+    def add_input(self, total: CorpusSummary, summary: CorpusSummary) -> CorpusSummary:
+        return total.merge(summary)
+
+    def merge_accumulators(self, totals):
+        totals = iter(totals)
+        first = next(totals)
+        for t in totals:
+            first.merge(t)
+        return first
+
+    def extract_output(self, total: CorpusSummary) -> BuildPlan:
+        return make_plan(total, **{k: v for k, v in self.plan_args.items() if k not in ("keep", "fraction_threshold")})
+
+
+def _report_plan(plan: BuildPlan, report_dir: str | None) -> BuildPlan:
+    """Writes the plan to ``report_dir/plan-<unique>.json`` (a retried bundle writes another copy:
+    the driver checks that all copies are the same and checks the units' reports against it)."""
+    if report_dir is not None:
+        import uuid
+
+        _write_json(f"{report_dir}/plan-{uuid.uuid4().hex}.json", plan.to_json())
+    return plan
+
+
+def _to_buckets(piece: dict, plan: BuildPlan, slot_bits: int):
     """Piece -> ((split, bucket), piece + the bucket's hash range and the buckets' count), for
-    every bucket whose range meets the piece's slot. The plan comes from the spill files'
-    summaries (a side input, one small summary per file), made once per DoFn instance; each
-    instance also writes it to ``report_dir/plan-<unique>.json`` (all copies are the same: the
-    driver checks them against the units' reports)."""
-
-    def __init__(self, plan_args: dict, slot_bits: int, report_dir: str | None):
-        self.plan_args, self.slot_bits, self.report_dir = plan_args, slot_bits, report_dir
-        self.plan = None
-
-    def process(self, piece, summaries):
-        if self.plan is None:
-            total = CorpusSummary(keep=self.plan_args["keep"], fraction_threshold=self.plan_args["fraction_threshold"])
-            for summary in summaries:
-                total.merge(summary)
-            self.plan = make_plan(total, **{k: v for k, v in self.plan_args.items()
-                                            if k not in ("keep", "fraction_threshold")})
-            if self.report_dir is not None:
-                import uuid
-
-                _write_json(f"{self.report_dir}/plan-{uuid.uuid4().hex}.json", self.plan.to_json())
-        plan = self.plan
-        for split, j in buckets_of_slot(plan, piece["slot"], self.slot_bits):
-            lo, hi = plan.buckets[split][j]
-            yield (split, j), {**piece, "lo": lo, "hi": hi, "buckets": plan.num_buckets(),
-                               "plan_documents": plan.documents[split]}
+    every bucket whose range meets the piece's slot."""
+    for split, j in buckets_of_slot(plan, piece["slot"], slot_bits):
+        lo, hi = plan.buckets[split][j]
+        yield (split, j), {**piece, "lo": lo, "hi": hi, "buckets": plan.num_buckets(),
+                           "plan_documents": plan.documents[split]}
 
 
 def _units(kv, target_units: int):
@@ -274,20 +288,24 @@ class _CreateInstancesDoFn(beam.DoFn):
 
 
 class CreateInstances(beam.PTransform):
-    """Tokenized documents -> (split, InstanceBatch), one batch per document (all dupes).
+    """Tokenized documents -> ``{"instances": (split, InstanceBatch) pairs, one batch per document
+    (all dupes), "expected_rows": {split: rows}, one element}``.
 
     Documents are spilled to files by placement hash (:class:`_SpillDocsDoFn`); a plan made from
     the whole corpus's totals (:func:`data_pipeline.negatives.make_plan`) says which are held
     out (``heldout_fraction`` of the hash space, at least ``heldout_min_documents`` documents
-    within ``heldout_floor_max_fraction``)
-    and cuts each split into buckets of about ``bucket_tokens`` tokens; every bucket becomes a
-    few work units, and an NSP negative comes from the document's own bucket (so held-out
-    negatives from held-out documents only). Only file references go through the runner.
+    within ``heldout_floor_max_fraction``) and cuts each split into buckets of about
+    ``bucket_tokens`` tokens; every bucket becomes a few work units, and an NSP negative comes
+    from the document's own bucket (so held-out negatives from held-out documents only). Only
+    file references go through the runner.
 
-    ``report_dir`` (optional) receives the plan (``plan-*.json``, one identical copy per
-    ToBuckets worker) and one JSON report per unit, which the driver checks before it commits.
-    ``slot_bits`` (how finely the spill files are cut) and ``target_units`` only change how the
-    work is read and spread, never the output."""
+    ``expected_rows`` estimates each split's instances from the plan's token counts (the real
+    split sizes: the held-out floor can make the held-out split many times ``heldout_fraction``),
+    for :class:`WriteShards` to size its buckets by.
+
+    ``report_dir`` (optional) receives the plan (``plan-*.json``) and one JSON report per unit,
+    which the driver checks before it commits. ``slot_bits`` (how finely the spill files are cut)
+    and ``target_units`` only change how the work is read and spread, never the output."""
 
     def __init__(self, params: InstanceParams, *, seed: int, dupe_factor: int, vocab_path: str, scratch_dir: str,
                  report_dir: str | None = None, heldout_fraction: float = 0.0, heldout_min_documents: int = 0,
@@ -310,12 +328,18 @@ class CreateInstances(beam.PTransform):
         plan_args = {"keep": keep, "fraction_threshold": threshold, "heldout_fraction": self.heldout_fraction,
                      "heldout_min_documents": self.heldout_min_documents,
                      "heldout_floor_max_fraction": self.heldout_floor_max_fraction, "bucket_tokens": self.bucket_tokens}
-        return (spilled.pieces
-                | "ToBuckets" >> beam.ParDo(_ToBucketsDoFn(plan_args, self.slot_bits, self.report_dir),
-                                            beam.pvalue.AsList(spilled.summaries))
-                | "GroupBucket" >> beam.GroupByKey()
-                | "Units" >> beam.FlatMap(_units, self.target_units)
-                | "Spread" >> beam.Reshuffle()  # units, not documents: cheap, and spreads them over workers
-                | "Create" >> beam.ParDo(_CreateInstancesDoFn(self.params, self.seed, self.dupe_factor, self.vocab_path,
-                                                              builder=self.builder, report_dir=self.report_dir,
-                                                              cache_tokens=self.bucket_tokens)))
+        plan = (spilled.summaries
+                | "Plan" >> beam.CombineGlobally(_PlanFn(plan_args)).without_defaults()
+                | "ReportPlan" >> beam.Map(_report_plan, self.report_dir))
+        dupe, seq = self.dupe_factor, self.params.max_seq_length
+        expected_rows = plan | "ExpectedRows" >> beam.Map(
+            lambda plan: {split: expected_instances(tokens, dupe, seq) for split, tokens in plan.tokens.items()})
+        instances = (spilled.pieces
+                     | "ToBuckets" >> beam.FlatMap(_to_buckets, beam.pvalue.AsSingleton(plan), self.slot_bits)
+                     | "GroupBucket" >> beam.GroupByKey()
+                     | "Units" >> beam.FlatMap(_units, self.target_units)
+                     | "Spread" >> beam.Reshuffle()  # units, not documents: cheap, and spreads them over workers
+                     | "Create" >> beam.ParDo(_CreateInstancesDoFn(
+                         self.params, self.seed, self.dupe_factor, self.vocab_path, builder=self.builder,
+                         report_dir=self.report_dir, cache_tokens=self.bucket_tokens)))
+        return {"instances": instances, "expected_rows": expected_rows}

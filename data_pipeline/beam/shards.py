@@ -50,8 +50,17 @@ class _SpillRunsDoFn(BufferedSpillDoFn):
     shuffle, so neither the workers nor the runner hold more than a buffer of them. File names
     are unique per attempt: a retried bundle's files are simply never referenced."""
 
-    def __init__(self, runs_dir: str, vocab_size: int, bits: dict[str, int], spill_rows: int):
-        self.runs_dir, self.vocab_size, self.bits, self.limit = runs_dir, vocab_size, bits, spill_rows
+    def __init__(self, runs_dir: str, vocab_size: int, expected_rows: dict[str, int], rows_per_bucket: int,
+                 spill_rows: int):
+        self.runs_dir, self.vocab_size, self.limit = runs_dir, vocab_size, spill_rows
+        self.estimate, self.rows_per_bucket = expected_rows, rows_per_bucket
+        self.bits = _bucket_bits(expected_rows, rows_per_bucket)
+
+    def process(self, item, expected_rows=None):
+        if expected_rows is not None:  # from the data, the same on every worker: it wins
+            self.bits = _bucket_bits({s: expected_rows.get(s, n) for s, n in self.estimate.items()},
+                                     self.rows_per_bucket)
+        yield from super().process(item)
 
     def size_of(self, item) -> int:
         return len(item[1])
@@ -80,6 +89,11 @@ class _SpillRunsDoFn(BufferedSpillDoFn):
             count(f"{split}_spill_files")
         for i, (key, rows) in enumerate(pieces):
             yield (key, {"path": path, "batch": i, "rows": len(rows)})
+
+
+def _bucket_bits(expected_rows: dict[str, int], rows_per_bucket: int) -> dict[str, int]:
+    """Key bits per split for buckets of about ``rows_per_bucket`` rows."""
+    return {s: sharding.bucket_bits(n, rows_per_bucket) for s, n in expected_rows.items()}
 
 
 def read_run_pieces(metas: list[dict]) -> InstanceBatch:
@@ -186,19 +200,21 @@ class WriteShards(beam.PTransform):
     rows sorted by key (see :mod:`data_pipeline.sharding`); each shard also gets a ``.json``
     sidecar with size, sha256 and counts. Workers hold one bucket (about ``rows_per_bucket``
     rows) at a time, never a shard. All splits share the transforms, keyed by split.
-    ``encoding``: BuildConfig.parquet_encoding."""
+    ``encoding``: BuildConfig.parquet_encoding.
+
+    The bucket count comes from an estimate, so bucketing needs no extra pass over the rows:
+    ``expected_rows`` (optional), a one-element PCollection {split: rows} estimated from the data
+    (CreateInstances' build plan), else each SplitShards' estimate made before the run. The
+    manifest records the real bucket sizes."""
 
     def __init__(self, staging: str, splits: dict[str, SplitShards], vocab_size: int, row_group_size: int,
                  compression: str, *, rows_per_bucket: int = 16384, spill_rows: int = 32768,
-                 encoding: str = "dictionary"):
+                 encoding: str = "dictionary", expected_rows=None):
         super().__init__()
         self.staging, self.splits = staging, dict(splits)
         self.vocab_size, self.row_group_size, self.compression = vocab_size, row_group_size, compression
-        self.encoding = encoding
-        # the bucket count comes from an estimate made before the run, so bucketing needs no
-        # extra pass over the rows; the manifest records the real bucket sizes
-        self.bits = {s: sharding.bucket_bits(v.expected_rows, rows_per_bucket) for s, v in self.splits.items()}
-        self.spill_rows = spill_rows
+        self.encoding, self.expected_rows = encoding, expected_rows
+        self.rows_per_bucket, self.spill_rows = rows_per_bucket, spill_rows
 
     def expand(self, batches):
         num_shards = {s: v.num_shards for s, v in self.splits.items()}
@@ -210,8 +226,11 @@ class WriteShards(beam.PTransform):
             return (((split, s), bucket, rows)
                     for s, rows in sharding.place_bucket(bucket, batch, ranks[split], num_shards[split]))
 
-        runs = batches | "Spill" >> beam.ParDo(_SpillRunsDoFn(f"{self.staging}/runs", self.vocab_size, self.bits,
-                                                              self.spill_rows))
+        estimate = {s: v.expected_rows for s, v in self.splits.items()}
+        side = () if self.expected_rows is None else (beam.pvalue.AsSingleton(self.expected_rows, default_value=None),)
+        runs = batches | "Spill" >> beam.ParDo(
+            _SpillRunsDoFn(f"{self.staging}/runs", self.vocab_size, estimate, self.rows_per_bucket, self.spill_rows),
+            *side)
         ranks = (runs | "BucketRows" >> beam.Map(lambda kv: (kv[0], kv[1]["rows"]))
                  | "CountPerBucket" >> beam.CombinePerKey(sum)
                  | "BySplit" >> beam.MapTuple(lambda key, n: (key[0], (key[1], n)))

@@ -55,9 +55,8 @@ def test_rows_lost_after_the_instance_stage_are_caught(tmp_path, small_vocab, mo
 
 
 def test_a_build_without_its_plan_is_unverifiable(tmp_path, small_vocab, monkeypatch):
-    init = beam_instances._ToBucketsDoFn.__init__  # the plan is not written, everything else is
-    monkeypatch.setattr(beam_instances._ToBucketsDoFn, "__init__",
-                        lambda self, args, bits, report_dir: init(self, args, bits, None))
+    report = beam_instances._report_plan  # the plan is not written, everything else is
+    monkeypatch.setattr(beam_instances, "_report_plan", lambda plan, report_dir: report(plan, None))
     with pytest.raises(EmptyBuildError, match=r"built \d+ work units but wrote no build plan, so its output cannot be "
                                               "verified"):
         _build(tmp_path, small_vocab)

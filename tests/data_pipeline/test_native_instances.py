@@ -454,9 +454,10 @@ def _shards_with(builder: str, out: Path, docs, p: InstanceParams, vocab: Path) 
 
     out.mkdir()
     with TestPipeline(options=PipelineOptions(IN_PROCESS)) as pipe:
-        (pipe | beam.Create(docs)
-         | CreateInstances(p, seed=7, dupe_factor=2, vocab_path=str(vocab), scratch_dir=str(out / "docs"),
-                           spill_tokens=2000, builder=builder)
+        built = pipe | beam.Create(docs) | CreateInstances(
+            p, seed=7, dupe_factor=2, vocab_path=str(vocab), scratch_dir=str(out / "docs"), spill_tokens=2000,
+            builder=builder)
+        (built["instances"]
          | WriteShards(str(out), {"train": SplitShards(2, expected_rows=400)}, p.vocab_size, 64, "zstd",
                        rows_per_bucket=100, spill_rows=150))
     counters = {c.key.metric.name: c.committed for c in pipe.result.metrics().query()["counters"]}

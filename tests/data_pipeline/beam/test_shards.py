@@ -31,8 +31,9 @@ def test_tokenize_instances_and_write(tmp_path, small_vocab):
         tok = p | beam.Create(docs) | Tokenize(str(small_vocab))
         assert_that(tok | beam.Map(lambda d: (d[0], len(d[2]) - 1)), equal_to([(f"d{i}", 30) for i in range(12)]),
                     label="tok")
-        inst = tok | CreateInstances(instance_params(cfg, tokens), seed=1, dupe_factor=2,
-                                     vocab_path=str(small_vocab), scratch_dir=str(tmp_path / "docs"), spill_tokens=500)
+        inst = (tok | CreateInstances(instance_params(cfg, tokens), seed=1, dupe_factor=2,
+                                      vocab_path=str(small_vocab), scratch_dir=str(tmp_path / "docs"),
+                                      spill_tokens=500))["instances"]
         assert_that(inst | "n" >> beam.MapTuple(lambda split, b: (split, len(b) > 0)),
                     equal_to([("train", True)] * 12), label="inst")
         kept = tmp_path / "kept"  # every instance batch, to check the shards' order against
