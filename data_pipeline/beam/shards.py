@@ -55,11 +55,14 @@ class _SpillRunsDoFn(BufferedSpillDoFn):
         self.runs_dir, self.vocab_size, self.limit = runs_dir, vocab_size, spill_rows
         self.estimate, self.rows_per_bucket = expected_rows, rows_per_bucket
         self.bits = _bucket_bits(expected_rows, rows_per_bucket)
+        self.sized_from_data = False
 
     def process(self, item, expected_rows=None):
-        if expected_rows is not None:  # from the data, the same on every worker: it wins
+        # from the data, the same on every worker: it wins (sized once, not per element)
+        if expected_rows is not None and not self.sized_from_data:
             self.bits = _bucket_bits({s: expected_rows.get(s, n) for s, n in self.estimate.items()},
                                      self.rows_per_bucket)
+            self.sized_from_data = True
         yield from super().process(item)
 
     def size_of(self, item) -> int:
