@@ -85,22 +85,51 @@ def test_byte_identical_across_worker_counts(tmp_path, small_vocab):
     assert "NSP negatives, (document, start sentence) windows" in r.stdout and "WARNING: held-out split" in r.stdout
 
 
+# Runs the CLI build in a child that stops for good at one step of the commit, so the test kills
+# it at that exact point instead of racing a polling loop against a build that may already be done.
+_HANG_AT = """
+import pathlib, sys, time
+from data_pipeline import commit, output_dir, pipeline
+step, flag = sys.argv[1], pathlib.Path(sys.argv[2])
+def hang():
+    flag.touch()
+    time.sleep(600)
+if step == "before_commit":  # every shard staged, nothing committed
+    def stop(*a, **k):
+        hang()
+    pipeline.commit = stop
+else:  # the staging dir is renamed to shards-<run>/, manifest.json not yet written
+    finish = output_dir.OutputDir.finish
+    def stop(self, *a):
+        finish(self, *a)
+        hang()
+    output_dir.OutputDir.finish = stop
+sys.argv = ["bertdist", *sys.argv[3:]]
+from bertdist.cli.main import run
+run()
+"""
+
+
 @pytest.mark.slow  # a killed CLI build and a re-run: about 8 s
-def test_killed_run_leaves_no_valid_manifest_and_rerun_replaces(tmp_path, small_vocab):
-    out = tmp_path / "out"
-    proc = subprocess.Popen(_build_cmd(out, small_vocab, 1, "in_memory"), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+@pytest.mark.parametrize("step", ["before_commit", "after_shard_rename"])
+def test_killed_run_leaves_no_valid_manifest_and_rerun_replaces(tmp_path, small_vocab, step):
+    out, flag = tmp_path / "out", tmp_path / "stopped"
+    cmd = _build_cmd(out, small_vocab, 1, "in_memory")
+    proc = subprocess.Popen([sys.executable, "-c", _HANG_AT, step, str(flag), *cmd[3:]],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 120
-    while time.time() < deadline and not any(out.glob(".staging-*/*.parquet")):
-        time.sleep(0.05)  # kill as soon as shards are being written
+    while time.time() < deadline and not flag.exists() and proc.poll() is None:
+        time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    assert flag.exists(), f"the build never reached {step} (exit code {proc.returncode})"
+    staged = list(out.glob(".staging-*/*.parquet")) + list(out.glob("shards-*/*.parquet"))
+    assert staged, "the killed run wrote no shards, so this test checks nothing"
     assert not (out / "manifest.json").exists()
     with pytest.raises(RecordsError, match="manifest not found"):
         open_records(out)
-    # a full re-run commits, and removes the dead run's staging directory
-    subprocess.run(_build_cmd(out, small_vocab, 1, "in_memory"), check=True, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL, timeout=300)
+    # a full re-run commits, and removes the dead run's staging or shard directory
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
     assert open_records(out).num_rows > 0
     assert not list(out.glob(".staging-*")) and len(list(out.glob("shards-*"))) == 1
 
