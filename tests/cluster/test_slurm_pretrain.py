@@ -104,7 +104,8 @@ PREEMPT = {
 def test_preempted_pretraining_resumes_from_checkpoint(slurm_cluster, tmp_path, records, how):
     """Preempted mid-run, the job comes back (same id, restart 1), resumes from the last checkpoint
     and finishes every step, losing at most one checkpoint interval; on the SIGTERM path, none."""
-    steps, every = 40, 5
+    # 0.07 s a step on CI: 115 steps after the first checkpoint leave ~8 s for the preemption to land mid-run
+    steps, every = 120, 5
     run = tmp_path / "run"
     job_id = _submit(run, records, steps, every)
     deadline = time.monotonic() + 300
