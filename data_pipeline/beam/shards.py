@@ -54,15 +54,13 @@ class _SpillRunsDoFn(BufferedSpillDoFn):
                  spill_rows: int):
         self.runs_dir, self.vocab_size, self.limit = runs_dir, vocab_size, spill_rows
         self.estimate, self.rows_per_bucket = expected_rows, rows_per_bucket
-        self.bits = _bucket_bits(expected_rows, rows_per_bucket)
-        self.sized_from_data = False
+        self.bits = None  # sized on the first element, once the side input is there
 
     def process(self, item, expected_rows=None):
-        # from the data, the same on every worker: it wins (sized once, not per element)
-        if expected_rows is not None and not self.sized_from_data:
-            self.bits = _bucket_bits({s: expected_rows.get(s, n) for s, n in self.estimate.items()},
-                                     self.rows_per_bucket)
-            self.sized_from_data = True
+        if self.bits is None:  # the data's estimate (the same on every worker) wins over the pre-run one
+            rows = expected_rows or {}
+            self.bits = {s: sharding.bucket_bits(rows.get(s, n), self.rows_per_bucket)
+                         for s, n in self.estimate.items()}
         yield from super().process(item)
 
     def size_of(self, item) -> int:
@@ -92,11 +90,6 @@ class _SpillRunsDoFn(BufferedSpillDoFn):
             count(f"{split}_spill_files")
         for i, (key, rows) in enumerate(pieces):
             yield (key, {"path": path, "batch": i, "rows": len(rows)})
-
-
-def _bucket_bits(expected_rows: dict[str, int], rows_per_bucket: int) -> dict[str, int]:
-    """Key bits per split for buckets of about ``rows_per_bucket`` rows."""
-    return {s: sharding.bucket_bits(n, rows_per_bucket) for s, n in expected_rows.items()}
 
 
 def read_run_pieces(metas: list[dict]) -> InstanceBatch:
