@@ -146,4 +146,19 @@ def detect() -> DeviceProfile:
         peak_tflops={})
 
 
-__all__ = ["DeviceProfile", "PROFILES", "by_name", "detect", "toolkit_version"]
+def for_device_type(device_type: str) -> DeviceProfile:
+    """This machine's profile for ``device_type``: ``detect()`` when it is of that type; a CUDA
+    profile with no visible device on a machine without a GPU; the host as a CPU profile."""
+    if device_type not in DEVICE_TYPES:
+        raise ValueError(f"unknown device type {device_type!r}; types are {', '.join(DEVICE_TYPES)}")
+    here = detect()
+    if here.type == device_type:
+        return here
+    if device_type == "cuda":
+        return here.with_(type="cuda", name="no CUDA device", capability=(0, 0), memory_gib=0.0, visible_count=0,
+                          bf16_supported=False, peak_tflops={})
+    return here.with_(type="cpu", name="cpu", capability=None, memory_gib=_host_memory_gib(), visible_count=1,
+                      bf16_supported=True, peak_tflops={})
+
+
+__all__ = ["DeviceProfile", "PROFILES", "by_name", "detect", "for_device_type", "toolkit_version"]

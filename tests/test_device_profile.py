@@ -58,3 +58,15 @@ def test_detect_reads_this_machine_once():
         assert p.type == "cuda" and p.capability == torch.cuda.get_device_capability(0)
     else:
         assert p.type == "cpu" and p.capability is None and p.visible_count == 1
+
+
+def test_for_device_type_gives_a_cuda_profile_without_devices_on_a_cpu_machine():
+    import torch
+
+    cuda = dp.for_device_type("cuda")
+    assert cuda.type == "cuda" and cuda.capability is not None
+    if not torch.cuda.is_available():
+        assert cuda.visible_count == 0 and cuda.name == "no CUDA device"
+    assert dp.for_device_type("cpu").type == "cpu"
+    with pytest.raises(ValueError, match="unknown device type 'tpu'; types are cuda, cpu"):
+        dp.for_device_type("tpu")

@@ -2,7 +2,8 @@
 
 A ``Candidate`` names an implementation of one op by import path (``"module:attr"``), so a
 fresh process (the isolated measurement, a test) can load it, plus an optional support check
-(``"module:attr"``, ``check(case) -> reason or None``). ``Case`` is one decision: an op, a
+(``"module:attr"``, ``check(case, profile) -> reason or None``; ``profile``: the
+``DeviceProfile`` the case runs on, so the CUDA branch is decided for a named device without one). ``Case`` is one decision: an op, a
 dtype, dropout on or off, and the shape it is measured at.
 
 Every op's first candidate is its *baseline*: what ``kernels: reference`` runs on that device
@@ -17,7 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from bertdist.device_profile import DeviceProfile
 
 OPS = ("layer_norm", "bias_dropout_add_layer_norm", "attention", "varlen_attention")
 BASELINE = "torch"
@@ -71,9 +75,9 @@ class Candidate:
     def load(self) -> Callable:
         return _resolve(self.target)
 
-    def unsupported(self, case: Case) -> str | None:
-        """Why this candidate cannot run ``case`` (None: it can)."""
-        return _resolve(self.check)(case) if self.check else None
+    def unsupported(self, case: Case, profile: "DeviceProfile | None" = None) -> str | None:
+        """Why this candidate cannot run ``case`` on ``profile`` (None: it can; default: this machine)."""
+        return _resolve(self.check)(case, profile_for(case, profile)) if self.check else None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -94,14 +98,21 @@ def _resolve(ref: str):
 # ---------------------------------------------------------------- support checks (by import path)
 
 
-def _cuda_only(case: Case) -> str | None:
+def profile_for(case: Case, profile: "DeviceProfile | None" = None) -> "DeviceProfile":
+    """``profile``, or this machine's for the case's device type when None."""
+    from bertdist.device_profile import for_device_type
+
+    return profile if profile is not None else for_device_type(case.device_type)
+
+
+def _cuda_only(case: Case, profile: "DeviceProfile | None" = None) -> str | None:
     return None if case.device_type == "cuda" else f"CUDA only (this is {case.device_type})"
 
 
-def fused_unsupported(case: Case) -> str | None:
+def fused_unsupported(case: Case, profile: "DeviceProfile | None" = None) -> str | None:
     from bertdist.ops import fused
 
-    ok, why = fused.availability(case.op, case.device_type)
+    ok, why = fused.availability(case.op, profile_for(case, profile))
     if not ok:
         return why
     if case.device_type == "cuda" and case.op in ("attention", "varlen_attention") and case.head_dim not in (32, 64, 128):
@@ -111,7 +122,7 @@ def fused_unsupported(case: Case) -> str | None:
     return None
 
 
-def emulated_unsupported(case: Case) -> str | None:
+def emulated_unsupported(case: Case, profile: "DeviceProfile | None" = None) -> str | None:
     """The emulated CUDA kernels: CPU tensors, and the CUDA kernels' own limits."""
     from bertdist.ops import emulated
 
@@ -125,11 +136,11 @@ def emulated_unsupported(case: Case) -> str | None:
     return None
 
 
-def sdpa_backend_unsupported(case: Case) -> str | None:
+def sdpa_backend_unsupported(case: Case, profile: "DeviceProfile | None" = None) -> str | None:
     return _cuda_only(case)
 
 
-def varlen_attn_case_unsupported(case: Case) -> str | None:
+def varlen_attn_case_unsupported(case: Case, profile: "DeviceProfile | None" = None) -> str | None:
     from bertdist.ops import torch_native
 
     if case.dropout:
@@ -149,11 +160,18 @@ _NATIVE = "bertdist.ops.torch_native"
 _CHECKS = "bertdist.ops.candidates"
 
 
+# The torch-native function of each op (dispatch.TORCH_NATIVE holds the same ones).
+_NATIVE_BASELINES = {"layer_norm": "layer_norm", "bias_dropout_add_layer_norm": "bias_dropout_add_layer_norm",
+                     "attention": "sdpa_attention", "varlen_attention": "varlen_attention"}
+
+
 def baseline_target(op: str, device_type: str) -> str:
     """What ``kernels: reference`` runs for ``op`` on ``device_type``: torch-native on CUDA; on
     CPU the functions of reference.py (SDPA with an additive mask, the per-sequence varlen loop)."""
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; ops are {', '.join(OPS)}")
     if device_type == "cuda":
-        return f"{_NATIVE}:{op}"
+        return f"{_NATIVE}:{_NATIVE_BASELINES[op]}"
     return f"bertdist.ops.reference:reference_{op}"
 
 

@@ -24,17 +24,24 @@ construction for) a ``KernelSet`` and calls its four functions. ``mode`` is the 
 
 ``kernel_status()`` reports, per op, whether the fused version is usable and why not, for
 ``bertdist info``.
+
+Every device decision here takes a ``DeviceProfile`` (``bertdist.device_profile``; default:
+``detect()``, this machine's), so the CUDA branch runs, and is tested, for a named GPU on a
+machine without one.
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib
 import warnings
-from typing import Callable, Literal
+from typing import TYPE_CHECKING, Callable, Literal
 
 import torch
 
 from bertdist.ops import reference, torch_native
+
+if TYPE_CHECKING:
+    from bertdist.device_profile import DeviceProfile
 
 KernelMode = Literal["reference", "fused", "auto", "emulated"]
 OP_NAMES = ("layer_norm", "bias_dropout_add_layer_norm", "attention", "varlen_attention")
@@ -90,14 +97,14 @@ def _fused_module():
         return None, f"bertdist.ops.fused unavailable: {type(e).__name__}: {e}"
 
 
-def kernel_status(device_type: str = "cpu") -> list[OpStatus]:
-    """Per op: can the fused kernel run on ``device_type``, and if not, why."""
+def kernel_status(device_type: str = "cpu", profile: "DeviceProfile | None" = None) -> list[OpStatus]:
+    """Per op: can the fused kernel run on ``device_type`` (on ``profile`` when given), and if not, why."""
     mod, why = _fused_module()
     if mod is None:
         return [OpStatus(op, False, why) for op in OP_NAMES]
     out = []
     for op in OP_NAMES:
-        ok, reason = mod.availability(op, device_type)
+        ok, reason = mod.availability(op, profile if profile is not None else device_type)
         out.append(OpStatus(op, ok, reason))
     return out
 
@@ -189,12 +196,14 @@ def kernel_set_from_plan(plan, device_type: str = "cuda") -> KernelSet:
     return KernelSet(**funcs, sources=sources, plan=plan)
 
 
-def default_workload(model_config, device_type: str):
+def default_workload(model_config, device_type: str, profile: "DeviceProfile | None" = None):
     """What a model built without a plan decides for: batch 32 x seq 128 (or its max
     positions), the device's low-precision dtype and fp32, the model's dropout."""
+    from bertdist.device_profile import for_device_type
     from bertdist.ops.selection import Workload
 
-    low = "bfloat16" if device_type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float16"
+    profile = profile or for_device_type(device_type)
+    low = "bfloat16" if profile.type == "cuda" and profile.bf16_supported else "float16"
     return Workload(batch=32, seq=min(128, model_config.max_position_embeddings), hidden=model_config.hidden_size,
                     heads=model_config.num_attention_heads, dtypes=(low, "float32"),
                     hidden_dropout=model_config.hidden_dropout_prob,
@@ -209,16 +218,17 @@ def _distributed_world() -> int:
 
 
 def auto_kernels(workload, device: torch.device, *, cache=None, log: Callable[[str], None] | None = None,
-                 agree: bool = True) -> KernelSet:
-    """``kernels: auto`` for ``workload`` on ``device``: the agreed, measured plan (rank 0
-    decides and broadcasts), or torch-native with a warning when the decision fails."""
+                 agree: bool = True, profile: "DeviceProfile | None" = None, measurer=None) -> KernelSet:
+    """``kernels: auto`` for ``workload`` on ``device`` (described by ``profile``): the agreed,
+    measured plan (rank 0 decides and broadcasts), or torch-native with a warning when the
+    decision fails. ``measurer``: see ``selection.decide``."""
     from bertdist.ops import selection
     from bertdist.ops.decision_cache import DecisionCache
 
     cache = DecisionCache() if cache is None else cache
 
     def make():
-        return selection.decide(workload, device, cache=cache or None)
+        return selection.decide(workload, device, cache=cache or None, profile=profile, measurer=measurer)
 
     try:
         plan = selection.agree_plan(make, device) if agree else make()
@@ -226,15 +236,23 @@ def auto_kernels(workload, device: torch.device, *, cache=None, log: Callable[[s
         warnings.warn(f"kernels=auto: could not decide the kernels on {device} ({type(e).__name__}: {e}); "
                       "running torch-native kernels (kernels=reference)", RuntimeWarning, stacklevel=2)
         return reference_set(device.type)
+    try:
+        kernels = kernel_set_from_plan(plan, device.type)
+    except Exception as e:  # noqa: BLE001 - a chosen kernel that does not load: same on every rank
+        warnings.warn(f"kernels=auto: a chosen kernel could not be loaded on {device} ({type(e).__name__}: {e}); "
+                      "running torch-native kernels (kernels=reference)", RuntimeWarning, stacklevel=2)
+        return reference_set(device.type)
     if _rank() == 0:
         selection.log_once(plan, log)
-    return kernel_set_from_plan(plan, device.type)
+    return kernels
 
 
-def resolve_kernels(mode: KernelMode, device_type: str = "cpu", *, model_config=None) -> KernelSet:
-    """The KernelSet for ``mode`` on ``device_type``. ``model_config`` (a BertConfig) lets
-    ``auto`` on CUDA decide for ``default_workload``; without it, or in a multi-process job
-    (use the trainer's agreed plan there), ``auto`` runs torch-native."""
+def resolve_kernels(mode: KernelMode, device_type: str = "cpu", *, model_config=None,
+                    profile: "DeviceProfile | None" = None) -> KernelSet:
+    """The KernelSet for ``mode`` on ``device_type`` (described by ``profile``; default: this
+    machine's). ``model_config`` (a BertConfig) lets ``auto`` on CUDA decide for
+    ``default_workload``; without it, or in a multi-process job (use the trainer's agreed plan
+    there), ``auto`` runs torch-native."""
     if mode == "reference":
         return reference_set(device_type)
     if mode == "emulated":
@@ -250,8 +268,9 @@ def resolve_kernels(mode: KernelMode, device_type: str = "cpu", *, model_config=
                           RuntimeWarning, stacklevel=2)
             return reference_set(device_type)
         device = torch.device("cuda", torch.cuda.current_device())
-        return auto_kernels(default_workload(model_config, device_type), device, agree=False)
-    status = {s.op: s for s in kernel_status(device_type)}
+        return auto_kernels(default_workload(model_config, device_type, profile), device, agree=False,
+                            profile=profile)
+    status = {s.op: s for s in kernel_status(device_type, profile)}
     bad = [f"{s.op}: {s.reason}" for s in status.values() if not s.usable]
     if bad:
         raise RuntimeError(f"kernels=fused requested on {device_type} but: " + "; ".join(bad))
@@ -261,17 +280,19 @@ def resolve_kernels(mode: KernelMode, device_type: str = "cpu", *, model_config=
 
 def kernels_for_run(mode: KernelMode, model_config, device: torch.device, *, micro_batch: int, seq: int,
                     precision: str, autocast: bool = False, log: Callable[[str], None] | None = None,
-                    run_dir: str | None = None, cache=None) -> KernelSet:
+                    run_dir: str | None = None, cache=None, profile: "DeviceProfile | None" = None,
+                    measurer=None) -> KernelSet:
     """The KernelSet of a training run, the same on every rank. ``auto`` on CUDA: decided on
     rank 0 for this run's micro batch, sequence length and precision, broadcast, logged once,
-    and copied to ``run_dir/kernel_decisions.json`` (rank 0)."""
+    and copied to ``run_dir/kernel_decisions.json`` (rank 0). ``profile``: the device
+    (default: this machine's); ``measurer``: see ``selection.decide``."""
     if mode != "auto" or device.type not in MEASURED_DEVICE_TYPES:
-        return resolve_kernels(mode, device.type)
+        return resolve_kernels(mode, device.type, profile=profile)
     from bertdist.ops import selection
 
     workload = selection.Workload.for_model(model_config, batch=micro_batch, seq=seq, precision=precision,
                                             autocast=autocast)
-    kernels = auto_kernels(workload, device, cache=cache, log=log)
+    kernels = auto_kernels(workload, device, cache=cache, log=log, profile=profile, measurer=measurer)
     if run_dir is not None and kernels.plan is not None and _rank() == 0:
         selection.plan_copy(kernels.plan, run_dir)
     return kernels

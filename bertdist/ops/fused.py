@@ -14,8 +14,8 @@ generator's Philox state the way torch's own dropout does: valid under CUDA-grap
 dropout forward returns the pair it used as an int64 ``rng_state`` [2] tensor (empty when
 p == 0); autograd saves it and the backward regenerates the mask from it instead of storing it.
 
-``availability(op, device_type)`` says whether an op can run fused on a device type, and why
-not; ``bertdist.ops.dispatch`` uses it to pick kernels.
+``availability(op, device)`` says whether an op can run fused on a device (a ``DeviceProfile``
+or a device type, meaning this machine's), and why not; ``bertdist.ops.dispatch`` uses it to pick kernels.
 
 The ops are defined by ``define_ops(namespace, extension)``: here once as ``torch.ops.bertdist``
 over ``bertdist._C``, and by ``bertdist.ops.emulated`` as ``torch.ops.bertdist_emu`` over
@@ -26,12 +26,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from types import ModuleType
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch import Tensor
 
 from bertdist.ops import _extension
+
+if TYPE_CHECKING:
+    from bertdist.device_profile import DeviceProfile
 
 OPS = ("layer_norm", "bias_dropout_add_layer_norm", "attention", "varlen_attention")
 MIN_CUDA_CAPABILITY = (8, 0)
@@ -44,26 +47,34 @@ def _C():
     return ext
 
 
-def availability(op: str, device_type: str) -> tuple[bool, str]:
-    """(usable, reason) for running ``op`` fused on ``device_type`` ("cpu" or "cuda")."""
+def availability(op: str, device: "str | DeviceProfile") -> tuple[bool, str]:
+    """(usable, reason) for running ``op`` fused on ``device``: a ``DeviceProfile``, or a device
+    type ("cpu", "cuda") meaning this machine's (``device_profile.detect()``)."""
     if op not in OPS:
         return False, f"no fused op named {op!r} (have {', '.join(OPS)})"
+    if isinstance(device, str) and device not in ("cpu", "cuda"):
+        return False, f"no fused kernels for device type {device!r}"
+    profile = _profile(device)
     ext, why = _extension.load()
     if ext is None:
         return False, why
-    if device_type == "cpu":
+    if profile.type == "cpu":
         return True, f"C++ CPU kernels (kernels=fused selects them; auto keeps torch's CPU ops), {why}"
-    if device_type != "cuda":
-        return False, f"no fused kernels for device type {device_type!r}"
     info = ext.build_info()
     if not info["with_cuda"]:
         return False, f"{why} has no CUDA kernels ({info['note']})"
-    if not torch.cuda.is_available():
+    if profile.visible_count == 0:
         return False, f"CUDA kernels built ({info['cuda_archs']}) but no CUDA device is visible"
-    cap = torch.cuda.get_device_capability()
+    cap = profile.capability
     if cap < MIN_CUDA_CAPABILITY:
-        return False, f"CUDA kernels need sm_80+, device is sm_{cap[0]}{cap[1]}"
-    return True, f"CUDA kernels ({info['cuda_archs']}), {why}"
+        return False, f"CUDA kernels need sm_80+, device {profile.name} is sm_{cap[0]}{cap[1]}"
+    return True, f"CUDA kernels ({info['cuda_archs']}) on {profile.name} (sm_{cap[0]}{cap[1]}), {why}"
+
+
+def _profile(device: "str | DeviceProfile") -> "DeviceProfile":
+    from bertdist.device_profile import DeviceProfile, for_device_type
+
+    return device if isinstance(device, DeviceProfile) else for_device_type(device)
 
 
 @torch.compiler.disable

@@ -45,6 +45,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from bertdist.device_profile import DeviceProfile, for_device_type
 from bertdist.ops import reference
 from bertdist.ops.candidates import BASELINE, OPS, Candidate, Case, candidates_for
 
@@ -243,10 +244,21 @@ def build_id() -> str:
     return h.hexdigest()[:16]
 
 
-def environment(device: torch.device) -> dict:
+def _cudnn_version() -> str:
+    try:
+        return str(torch.backends.cudnn.version())
+    except Exception as e:  # noqa: BLE001 - a torch without cuDNN: the environment says so
+        return f"none ({type(e).__name__})"
+
+
+def environment(device: torch.device, profile: DeviceProfile | None = None) -> dict:
+    """What a cached decision is valid for. On CUDA the device is ``profile``'s (default: this machine's)."""
+    if device.type == "cuda":
+        profile = profile or for_device_type("cuda")
+        return {"device": profile.name, "torch": profile.torch_version, "cuda": profile.torch_cuda or "none",
+                "cudnn": _cudnn_version(), "build": build_id(), "selection": SELECTION_VERSION}
     return {"device": device_name(device), "torch": torch.__version__, "cuda": torch.version.cuda or "none",
-            "cudnn": str(torch.backends.cudnn.version() if device.type == "cuda" else "n/a"),
-            "build": build_id(), "selection": SELECTION_VERSION}
+            "cudnn": "n/a", "build": build_id(), "selection": SELECTION_VERSION}
 
 
 # ---------------------------------------------------------------- problems
@@ -427,8 +439,9 @@ def _first_line(e: BaseException) -> str:
 
 
 def decide_case(case: Case, candidates: list[Candidate], device: torch.device, *, timer: Timer = default_timer,
-                on_start: Callable[[Candidate], None] | None = None) -> Decision:
-    """Measure every candidate of ``case`` (the baseline first) and choose."""
+                on_start: Callable[[Candidate], None] | None = None, profile: DeviceProfile | None = None) -> Decision:
+    """Measure every candidate of ``case`` (the baseline first) on ``device`` (described by
+    ``profile``; default: this machine's) and choose."""
     if candidates[0].name != BASELINE:
         raise ValueError(f"the first candidate must be the baseline {BASELINE!r}, got {candidates[0].name!r}")
     dtype = DTYPES[case.dtype]
@@ -442,7 +455,7 @@ def decide_case(case: Case, candidates: list[Candidate], device: torch.device, *
             on_start(cand)
         m = Measurement(cand.name, cand.family, "passed")
         results.append(m)
-        why = cand.unsupported(case)
+        why = cand.unsupported(case, profile)
         if why:
             m.status, m.reason = "unsupported", why
             continue
@@ -514,10 +527,10 @@ def choose(results: list[Measurement]) -> str:
 
 def measure(cases: list[tuple[Case, list[Candidate]]], device: torch.device, *, timer: Timer = default_timer,
             on_start: Callable[[Case, Candidate], None] | None = None,
-            on_done: Callable[[Decision], None] | None = None) -> list[Decision]:
+            on_done: Callable[[Decision], None] | None = None, profile: DeviceProfile | None = None) -> list[Decision]:
     out = []
     for case, cands in cases:
-        d = decide_case(case, cands, device, timer=timer,
+        d = decide_case(case, cands, device, timer=timer, profile=profile,
                         on_start=(lambda c, case=case: on_start(case, c)) if on_start else None)
         out.append(d)
         if on_done is not None:
@@ -532,6 +545,8 @@ def _child_main(spec_path: str, out_path: str) -> int:
     device = torch.device(spec["device"])
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
+    p = spec.get("profile")
+    profile = DeviceProfile(**{**p, "capability": tuple(p["capability"]) if p["capability"] else None}) if p else None
     cases = [(Case(**c["case"]), [Candidate.from_dict(x) for x in c["candidates"]]) for c in spec["cases"]]
     with open(out_path, "a", buffering=1) as f:
         def emit(obj):
@@ -541,7 +556,7 @@ def _child_main(spec_path: str, out_path: str) -> int:
 
         try:
             measure(cases, device, on_start=lambda case, c: emit({"start": case.key, "candidate": c.name}),
-                    on_done=lambda d: emit({"decision": d.to_dict()}))
+                    on_done=lambda d: emit({"decision": d.to_dict()}), profile=profile)
         except DeviceUnusable as e:
             emit({"unusable": e.candidate, "error": e.error})
             return 3
@@ -549,7 +564,7 @@ def _child_main(spec_path: str, out_path: str) -> int:
 
 
 def measure_isolated(cases: list[tuple[Case, list[Candidate]]], device: torch.device, *,
-                     timeout_s: float = 900.0) -> list[Decision]:
+                     timeout_s: float = 900.0, profile: DeviceProfile | None = None) -> list[Decision]:
     """``measure`` in child processes: a candidate that kills the child or the CUDA context is
     recorded as an error and excluded, and the remaining cases are measured again without it."""
     done: dict[str, Decision] = {}
@@ -561,7 +576,8 @@ def measure_isolated(cases: list[tuple[Case, list[Candidate]]], device: torch.de
             break
         with tempfile.TemporaryDirectory(prefix="bertdist_select_") as tmp:
             spec, out = Path(tmp) / "spec.json", Path(tmp) / "events.jsonl"
-            spec.write_text(json.dumps({"device": str(device), "sys_path": sys.path, "cases": [
+            spec.write_text(json.dumps({"device": str(device), "sys_path": sys.path,
+                                        "profile": profile.to_dict() if profile else None, "cases": [
                 {"case": dataclasses.asdict(case), "candidates": [c.to_dict() for c in cands]} for case, cands in todo]}))
             cmd = [sys.executable, "-c", "import sys; from bertdist.ops.selection import _child_main; "
                    "sys.exit(_child_main(sys.argv[1], sys.argv[2]))", str(spec), str(out)]
@@ -608,14 +624,47 @@ def measure_isolated(cases: list[tuple[Case, list[Candidate]]], device: torch.de
 # ---------------------------------------------------------------- plans
 
 
+# (cases with their candidates, device, profile) -> one Decision per case: how ``decide`` measures.
+Measurer = Callable[[list[tuple[Case, list[Candidate]]], torch.device, DeviceProfile], list[Decision]]
+
+
+def survey(workload: Workload, profile: DeviceProfile, *, extra: Iterable[Candidate] = (),
+           include_test_only: bool = False) -> list[tuple[Case, list[tuple[Candidate, str | None]]]]:
+    """The cases ``auto`` decides for ``workload`` on ``profile``, each with its candidates and
+    why one cannot run there (None: it will be measured). Measures nothing."""
+    extra = list(extra)
+    return [(case, [(c, c.unsupported(case, profile))
+                    for c in candidates_for(case.op, profile.type, include_test_only=include_test_only, extra=extra)])
+            for case in workload.cases(profile.type)]
+
+
+def _warn_without_fused_cuda(profile: DeviceProfile, cands: Iterable[Candidate]) -> None:
+    """On CUDA, one warning when our fused kernels cannot take part (e.g. a build without CUDA kernels)."""
+    if profile.type != "cuda" or not any(c.family == "fused" for c in cands):
+        return
+    from bertdist.ops import fused
+
+    ok, why = fused.availability("layer_norm", profile)
+    if not ok:
+        warnings.warn(f"kernels=auto: bertdist's fused CUDA kernels cannot run on {profile.name}: {why}; "
+                      "choosing among torch's kernels", RuntimeWarning, stacklevel=3)
+
+
 def decide(workload: Workload, device: torch.device, *, cache=None, timer: Timer | None = None,
-           isolate: bool | None = None, extra: Iterable[Candidate] = (), include_test_only: bool = False) -> KernelPlan:
-    """The plan for ``workload`` on ``device``: cached decisions where the cache holds them for
-    this environment and the same candidates, measured ones otherwise (then cached)."""
-    env = environment(device)
+           isolate: bool | None = None, extra: Iterable[Candidate] = (), include_test_only: bool = False,
+           profile: DeviceProfile | None = None, measurer: Measurer | None = None) -> KernelPlan:
+    """The plan for ``workload`` on ``device`` (described by ``profile``; default: this
+    machine's): cached decisions where the cache holds them for this environment and the same
+    candidates, measured ones otherwise (then cached). ``measurer`` replaces the measurement
+    (default: in child processes on CUDA, ``isolate``; in this process with ``timer`` otherwise)."""
+    profile = profile or for_device_type(device.type)
+    if profile.type != device.type:
+        raise ValueError(f"device {device} is {device.type} but the profile {profile.name!r} is {profile.type}")
+    env = environment(device, profile)
     extra = list(extra)
     wanted = [(case, candidates_for(case.op, device.type, include_test_only=include_test_only, extra=extra))
               for case in workload.cases(device.type)]
+    _warn_without_fused_cuda(profile, (c for _, cands in wanted for c in cands))
     cached = cache.load(env) if cache is not None else {}
     decisions: dict[str, Decision] = {}
     todo = []
@@ -627,12 +676,21 @@ def decide(workload: Workload, device: torch.device, *, cache=None, timer: Timer
             todo.append((case, cands))
     if todo:
         isolate = device.type == "cuda" if isolate is None else isolate
-        if timer is not None and isolate:
+        if measurer is not None:
+            if timer is not None:
+                raise ValueError("give a measurer or a timer, not both")
+            measured = measurer(todo, device, profile)
+        elif timer is not None and isolate:
             raise ValueError("a custom timer runs in this process only (isolate=False)")
-        measured = (measure_isolated(todo, device) if isolate else
-                    measure(todo, device, timer=timer or default_timer))
+        else:
+            measured = (measure_isolated(todo, device, profile=profile) if isolate else
+                        measure(todo, device, timer=timer or default_timer, profile=profile))
         for d in measured:
             decisions[d.case.key] = d
+        missing = [case.key for case, _ in todo if case.key not in decisions]
+        if missing:
+            raise RuntimeError(f"kernel measurement decided {len(todo) - len(missing)} of {len(todo)} cases; "
+                               f"undecided: {'; '.join(missing)}")
         if cache is not None:
             cache.store(env, {d.case.key: d.to_dict() for d in measured})
     chosen: dict[str, dict] = {}
@@ -684,5 +742,5 @@ def plan_copy(plan: KernelPlan, run_dir: str | os.PathLike) -> Path:
     return path
 
 
-__all__ = ["OPS", "Workload", "Measurement", "Decision", "KernelPlan", "decide", "decide_case", "agree_plan",
-           "measure", "measure_isolated", "log_once", "plan_copy", "environment", "choose", "MIN_GAIN"]
+__all__ = ["OPS", "Workload", "Measurement", "Decision", "KernelPlan", "Measurer", "decide", "decide_case", "survey",
+           "agree_plan", "measure", "measure_isolated", "log_once", "plan_copy", "environment", "choose", "MIN_GAIN"]
