@@ -57,15 +57,15 @@ def main() -> None:
     args = ap.parse_args()
 
     from bertdist.data.vocab import continuation_mask, load_vocab
-    from data_pipeline import native_instances
+    from data_pipeline import instance_native
     from data_pipeline.config import BuildConfig
+    from data_pipeline.instance_algorithm import InstanceStats, create_instances
     from data_pipeline.instance_batch import InstanceBatch
-    from data_pipeline.instances import InstanceStats, create_instances
     from data_pipeline.negatives import NegativeSource, canonical_order, placement_hash
     from data_pipeline.pipeline import instance_params
 
-    if not native_instances.available():
-        sys.exit(f"native builder unavailable: {native_instances.unavailable_reason()}")
+    if not instance_native.available():
+        sys.exit(f"native builder unavailable: {instance_native.unavailable_reason()}")
     vocab = SHARED / "vocab" / "bert-base-uncased-vocab.txt"
     cfg = BuildConfig(max_seq_length=128, dupe_factor=5, objective="nsp", masking="static", whole_word_mask=args.whole_word)
     params = instance_params(cfg, load_vocab(vocab))
@@ -91,9 +91,9 @@ def main() -> None:
 
     def native():
         stats = InstanceStats()
-        out = [native_instances.create_document_instances(*d, cfg.dupe_factor, params=params, seed=cfg.seed,
-                                                          negatives=source, doc_index=place, continuation=continuation,
-                                                          stats=stats) for place, d in enumerate(docs)]
+        out = [instance_native.create_document_instances(*d, cfg.dupe_factor, params=params, seed=cfg.seed,
+                                                         negatives=source, doc_index=place, continuation=continuation,
+                                                         stats=stats) for place, d in enumerate(docs)]
         return out, stats
 
     results = {}

@@ -1,5 +1,9 @@
-"""Training instances from tokenized documents: google-research/bert create_pretraining_data.py
-semantics, made deterministic per document and vectorised where the reference loops.
+"""The instance algorithm as pure functions: tokenized documents to MLM/NSP training instances.
+
+google-research/bert create_pretraining_data.py semantics, made deterministic per document and
+vectorised where the reference loops. The Beam transform that runs it is
+:mod:`data_pipeline.beam.instance_transform`; its C++ twin is reached through
+:mod:`data_pipeline.instance_native`.
 
 A tokenized document is ``(doc_id, ids, bounds)``: all its token ids concatenated and the
 sentence boundaries (``ids[bounds[i]:bounds[i+1]]`` is sentence i), so segments are slices.
@@ -45,7 +49,6 @@ Differences from the reference, on purpose:
 """
 from __future__ import annotations
 
-import hashlib
 import random
 from bisect import bisect_left
 from dataclasses import dataclass
@@ -55,12 +58,7 @@ import numpy as np
 from bertdist.data.masking import mask_sequence
 from data_pipeline.instance_batch import InstanceBatch
 from data_pipeline.negatives import DocumentDeal
-
-
-def derive_seed(*parts) -> int:
-    """64-bit seed from any parts (blake2b of their repr: stable across processes and runs)."""
-    h = hashlib.blake2b("\x1f".join(map(str, parts)).encode("utf-8"), digest_size=8)
-    return int.from_bytes(h.digest(), "little")
+from data_pipeline.seeds import derive_seed
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""A columnar batch of training instances (numpy), the unit that flows through the shuffle.
+"""The columnar batch of training instances (numpy), the unit that flows through the shuffle.
 
 Moving thousands of instances as one element of flat arrays instead of one Python object each
 keeps Beam's per-element cost (pickling, shuffling) off the hot path. The columns map 1:1 onto

@@ -1,7 +1,7 @@
-"""The native instance builder: all dupes of one document in one C++ call.
+"""The native bridge of the instance algorithm: all dupes of one document in one C++ call.
 
 ``data_pipeline._native_instances`` (csrc/data_pipeline/instances.cpp, a plain pybind11
-module: no torch) is the fast twin of :func:`data_pipeline.instances.create_instances`; that
+module: no torch) is the fast twin of :func:`data_pipeline.instance_algorithm.create_instances`; that
 Python code stays the readable reference and the test oracle, and the two give bitwise the same
 InstanceBatch and InstanceStats. This module loads the extension when it is built, packs a
 bucket's NegativeSource once (the extension checks it once, not per document), derives the
@@ -16,8 +16,8 @@ import logging
 import numpy as np
 
 from data_pipeline.config import INSTANCE_BUILDERS
+from data_pipeline.instance_algorithm import InstanceParams, InstanceStats
 from data_pipeline.instance_batch import InstanceBatch
-from data_pipeline.instances import InstanceParams, InstanceStats
 from data_pipeline.negatives import NegativeSource
 
 log = logging.getLogger("data_pipeline")

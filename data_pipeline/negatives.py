@@ -1,5 +1,6 @@
-"""NSP negatives with corpus-scale diversity: hash buckets of documents, and a deal of their
-windows (pure functions and small classes; the Beam wiring is in beam/instances.py, CreateInstances).
+"""NSP negatives and the build plan as pure functions: hash buckets of documents, and a deal of their windows.
+
+Pure functions and small classes; the Beam wiring is in beam/instance_transform.py (CreateInstances).
 
 Every document has a 64-bit *placement hash* (:func:`placement_hash`). It decides both where the
 document goes and which split it is in:
@@ -39,14 +40,14 @@ from typing import Sequence
 
 import numpy as np
 
+from data_pipeline.seeds import derive_seed
+
 HASH_SPACE = 1 << 64
 NEGATIVE_TRIES = 10  # the reference's retries for "a document other than this one"
 
 
 def placement_hash(doc_id: str) -> int:
     """The document's 64-bit hash: its split and its bucket (the held-out split's hash since v1)."""
-    from data_pipeline.instances import derive_seed
-
     return derive_seed("heldout", doc_id)
 
 

@@ -17,12 +17,12 @@ from bertdist.config import from_dict, to_dict
 from bertdist.data.manifest import MANIFEST_NAME
 from bertdist.data.vocab import load_vocab, special_token_ids
 from data_pipeline.config import BuildConfig, InputConfig
-from data_pipeline.instances import InstanceParams, expected_instances
+from data_pipeline.instance_algorithm import InstanceParams, expected_instances
+from data_pipeline.instance_native import choose_builder
 from data_pipeline.negatives import slot_bits
-from data_pipeline.native_instances import choose_builder
 from data_pipeline.output_dir import OutputDir
 from data_pipeline.tokenization import vocab_is_cased
-from data_pipeline.beam.instances import CreateInstances
+from data_pipeline.beam.instance_transform import CreateInstances
 from data_pipeline.beam.read import ReadBertFormatText, ReadBooks, ReadJsonLines, ReadWikipediaDump
 from data_pipeline.beam.shards import SplitShards, WriteShards
 from data_pipeline.beam.tokenize import SplitSentences, Tokenize

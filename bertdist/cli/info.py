@@ -31,12 +31,12 @@ def collect() -> dict:
             {"op": s.op, "fused_usable": s.usable, "reason": s.reason, "active_under_auto": active[s.op]}
             for s in kernel_status(dt)
         ]
-    from data_pipeline import native_instances, wordpiece
+    from data_pipeline import instance_native, wordpiece
 
     from bertdist.ops.decision_cache import DecisionCache
 
     data_native = {  # the data pipeline's C++ twins (plain pybind11 modules, no torch)
-        "instance_builder": native_instances.unavailable_reason() or "native (data_pipeline._native_instances)",
+        "instance_builder": instance_native.unavailable_reason() or "native (data_pipeline._native_instances)",
         "wordpiece_encoder": wordpiece.native_unavailable_reason() or "native (data_pipeline._native_wordpiece)",
     }
     return {

@@ -2,7 +2,7 @@
 
 Two vectorised implementations follow these rules for speed, and their tests replay their random
 draws through the functions here and demand the same positions and ids (tests/data/test_masking.py):
-the pipeline's static masking (``data_pipeline/instances.py``, and its C++ twin) and the trainer
+the pipeline's static masking (``data_pipeline/instance_algorithm.py``, and its C++ twin) and the trainer
 loader's dynamic masking (``bertdist/train/masking.py``). The pipeline's whole-word masking calls
 :func:`mask_sequence` itself.
 

@@ -1,4 +1,4 @@
-// Native twin of data_pipeline/instances.py::create_instances (no torch: Beam workers load it).
+// Native twin of data_pipeline/instance_algorithm.py::create_instances (no torch: Beam workers load it).
 //
 // One call builds every dupe of one tokenized document and returns the columns of
 // InstanceBatch.concat([create_instances(..., d) for d in range(dupe_factor)]) plus the
@@ -721,7 +721,7 @@ py::tuple build_document(py::array ids, py::array bounds, py::array mt_seeds, py
 }  // namespace
 
 PYBIND11_MODULE(_native_instances, m) {
-  m.doc() = "Native twin of data_pipeline.instances.create_instances (see data_pipeline/native_instances.py).";
+  m.doc() = "Native twin of data_pipeline.instance_algorithm.create_instances (see data_pipeline/instance_native.py).";
 
   py::class_<NegativeSource>(m, "NegativeSource",
                              "One bucket's documents and window shuffle, packed into flat arrays (checked once).")

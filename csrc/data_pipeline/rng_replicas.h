@@ -1,10 +1,10 @@
 // CPython's and numpy's random number generators, replicated draw for draw.
 //
 // The native instance builder (instances.cpp) must give bitwise the output of
-// data_pipeline/instances.py, so it replays that code's random draws exactly: CPython's
+// data_pipeline/instance_algorithm.py, so it replays that code's random draws exactly: CPython's
 // random.Random (MT19937, as Modules/_randommodule.c seeds and runs it) for the segment
 // choices, numpy's PCG64 Generator (seeded through SeedSequence) for the masking. Each piece
-// names the Python it mirrors; tests/data_pipeline/test_native_instances.py checks them.
+// names the Python it mirrors; tests/data_pipeline/test_instance_native.py checks them.
 #pragma once
 
 #include <algorithm>

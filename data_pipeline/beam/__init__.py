@@ -1,4 +1,4 @@
-"""The data build's Beam transforms, one module per stage: read, tokenize, instances, shards
+"""The data build's Beam transforms, one module per stage: read, tokenize, instance_transform, shards
 (metrics and spill are shared helpers). The pure functions they call live one level up."""
 from data_pipeline import beam_tuning
 

@@ -1,6 +1,8 @@
-"""Tokenized documents to MLM/NSP instances: documents are spilled to files, grouped into NSP
-buckets by a build plan (see data_pipeline.negatives), cut into work units, and built by the
-instance builder (Python or native)."""
+"""The Beam transform for instances (CreateInstances): tokenized documents to MLM/NSP instances.
+
+Documents are spilled to files, grouped into NSP buckets by a build plan (see
+data_pipeline.negatives), cut into work units, and built by the instance builder
+(data_pipeline.instance_algorithm, or its native bridge data_pipeline.instance_native)."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,12 +14,13 @@ import numpy as np
 
 from data_pipeline.beam.metrics import Progress, count
 from data_pipeline.beam.spill import BufferedSpillDoFn
+from data_pipeline.instance_algorithm import InstanceParams, InstanceStats, create_instances, expected_instances
 from data_pipeline.instance_batch import InstanceBatch, list_column
-from data_pipeline.instances import InstanceParams, InstanceStats, create_instances, derive_seed, expected_instances
 from data_pipeline.negatives import (
     HASH_SPACE, BuildPlan, CorpusSummary, NegativeSource, buckets_of_slot, canonical_order, fraction_threshold,
     make_plan, placement_hash, split_units,
 )
+from data_pipeline.seeds import derive_seed
 
 
 def _ragged(arrays: list, typ):
@@ -191,7 +194,7 @@ class _CreateInstancesDoFn(beam.DoFn):
     """A work unit (see :func:`_units`) -> (split, InstanceBatch) per document, all dupes, and a
     small JSON report of the unit's counts under ``report_dir/units`` (the driver checks them
     against the plan and the shards). ``builder`` is the config's ``instance_builder``: the native
-    builder (data_pipeline.native_instances, bitwise the same output) when it is built, else the
+    builder (data_pipeline.instance_native, bitwise the same output) when it is built, else the
     Python reference (see ``choose_builder``)."""
 
     def __init__(self, params: InstanceParams, seed: int, dupe_factor: int, vocab_path: str,
@@ -202,12 +205,12 @@ class _CreateInstancesDoFn(beam.DoFn):
 
     def setup(self):
         from bertdist.data.vocab import continuation_mask
-        from data_pipeline import native_instances
+        from data_pipeline import instance_native
 
         self.continuation = continuation_mask(self.vocab_path) if self.params.whole_word_mask else None
-        chosen, why = native_instances.choose_builder(self.builder)
-        native_instances.log_choice(chosen, why)
-        self.native = native_instances.create_document_instances if chosen == "native" else None
+        chosen, why = instance_native.choose_builder(self.builder)
+        instance_native.log_choice(chosen, why)
+        self.native = instance_native.create_document_instances if chosen == "native" else None
         self.progress = Progress("documents turned into instances")
         # the last buckets read, newest last, while they hold at most cache_tokens tokens (a worker
         # gets units of the train and the held-out bucket in turn: one entry would read each again)

@@ -123,7 +123,7 @@ def test_loader_dynamic_mask_equals_oracle(wwm):
 def test_pipeline_static_mask_equals_oracle():
     """The pipeline's token-level ``_mask_rows`` (and so its bitwise-identical native twin) draws one
     key per token (the visiting order), then one uniform and one id per chosen position."""
-    from data_pipeline.instances import InstanceParams, _mask_rows
+    from data_pipeline.instance_algorithm import InstanceParams, _mask_rows
 
     rng = np.random.default_rng(5)
     m = 40

@@ -8,7 +8,7 @@ import json
 import apache_beam as beam
 import pytest
 
-from data_pipeline.beam import instances as beam_instances, shards as beam_shards
+from data_pipeline.beam import instance_transform, shards as beam_shards
 from data_pipeline.commit import EmptyBuildError
 
 DOCS = 8
@@ -55,8 +55,8 @@ def test_rows_lost_after_the_instance_stage_are_caught(tmp_path, small_vocab, mo
 
 
 def test_a_build_without_its_plan_is_unverifiable(tmp_path, small_vocab, monkeypatch):
-    report = beam_instances._report_plan  # the plan is not written, everything else is
-    monkeypatch.setattr(beam_instances, "_report_plan", lambda plan, report_dir: report(plan, None))
+    report = instance_transform._report_plan  # the plan is not written, everything else is
+    monkeypatch.setattr(instance_transform, "_report_plan", lambda plan, report_dir: report(plan, None))
     with pytest.raises(EmptyBuildError, match=r"built \d+ work units but wrote no build plan, so its output cannot be "
                                               "verified"):
         _build(tmp_path, small_vocab)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from data_pipeline.instances import InstanceParams, InstanceStats, _truncation_counts, create_instances
+from data_pipeline.instance_algorithm import InstanceParams, InstanceStats, _truncation_counts, create_instances
 from data_pipeline.negatives import NegativeSource, canonical_order, placement_hash
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tests.data_pipeline.test_instances import build, params, synthetic_docs
+from tests.data_pipeline.test_instance_algorithm import build, params, synthetic_docs
 
 
 def test_slice_equals_take_of_a_range():

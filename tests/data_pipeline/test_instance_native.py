@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_pipeline import native_instances
+from data_pipeline import instance_native
+from data_pipeline.instance_algorithm import InstanceParams, InstanceStats, create_instances, row_keys
 from data_pipeline.instance_batch import InstanceBatch
-from data_pipeline.instances import InstanceParams, InstanceStats, create_instances, row_keys
 from data_pipeline.negatives import NegativeSource, canonical_order, placement_hash
 
-needs_native = pytest.mark.skipif(not native_instances.available(),
-                                  reason=native_instances.unavailable_reason() or "native builder not built")
+needs_native = pytest.mark.skipif(not instance_native.available(),
+                                  reason=instance_native.unavailable_reason() or "native builder not built")
 
 FIELDS = ("keys", "ids", "ids_offsets", "num_a", "nsp", "mpos", "mids", "m_offsets")
 
@@ -77,8 +77,8 @@ def assert_same(docs, p: InstanceParams, *, seed: int, dupes: int, source: Negat
         want = InstanceBatch.concat([create_instances(*d, k, params=p, seed=seed, negatives=deal,
                                                       continuation=continuation, stats=s_ref) for k in range(dupes)])
         s_ref.count_windows(deal)
-        got = native_instances.create_document_instances(*d, dupes, params=p, seed=seed, negatives=src,
-                                                         doc_index=place, continuation=continuation, stats=s_nat)
+        got = instance_native.create_document_instances(*d, dupes, params=p, seed=seed, negatives=src,
+                                                        doc_index=place, continuation=continuation, stats=s_nat)
         for f in FIELDS:
             a, b = getattr(want, f), getattr(got, f)
             assert a.dtype == b.dtype, (d[0], f, a.dtype, b.dtype, p)
@@ -126,7 +126,7 @@ def test_parity_whole_word_masking_knobs():
     p = params(max_seq_length=64, whole_word_mask=True)
     words = 0
     for d in docs:
-        b = native_instances.create_document_instances(*d, 2, params=p, seed=9, continuation=table)
+        b = instance_native.create_document_instances(*d, 2, params=p, seed=9, continuation=table)
         for r in range(len(b)):
             s, e, ms, me = b.ids_offsets[r], b.ids_offsets[r + 1], b.m_offsets[r], b.m_offsets[r + 1]
             pos = b.mpos[ms:me].astype(np.int64)
@@ -159,8 +159,8 @@ def test_parity_negative_sources(objective, source_kind):
         stats = InstanceStats()
         for d in docs:
             src = source_of(d)
-            native_instances.create_document_instances(*d, 3, params=p, seed=2, negatives=src,
-                                                       doc_index=src.doc_ids.index(d[0]) if src else -1, stats=stats)
+            instance_native.create_document_instances(*d, 3, params=p, seed=2, negatives=src,
+                                                      doc_index=src.doc_ids.index(d[0]) if src else -1, stats=stats)
         if source_kind != "pair":  # a pair with a one-sentence partner falls back now and then
             assert (stats.same_document_fallbacks > 0) == (source_kind in ("none", "alone"))
         assert (stats.distinct_windows > 0) == (source_kind in ("pair", "normal"))
@@ -173,7 +173,7 @@ def test_parity_uint32_ids_and_large_vocab(objective):
     docs = synthetic_docs(seed=2, dtype=np.uint32, high=70000)
     p = params(objective=objective, max_seq_length=16, vocab_size=70000, cls_id=66000, sep_id=66001, mask_id=66002)
     assert_same(docs, p, seed=3, dupes=3, source=make_source(docs, 3))
-    assert native_instances.create_document_instances(*docs[0], 1, params=p, seed=3).ids.dtype == np.uint32
+    assert instance_native.create_document_instances(*docs[0], 1, params=p, seed=3).ids.dtype == np.uint32
     # uint16 ids with a vocab past 65535: random ids wrap when cast, in both builders alike
     docs16 = synthetic_docs(seed=2)
     assert_same(docs16, replace(p, cls_id=101, sep_id=102, mask_id=103), seed=3, dupes=2)
@@ -207,7 +207,7 @@ def test_empty_result_has_the_reference_dtypes():
     for dtype in (np.uint16, np.uint32):
         d = doc("x", [1], rng, dtype)
         stats = InstanceStats()
-        got = native_instances.create_document_instances(*d, 3, params=params(objective="sop"), seed=1, stats=stats)
+        got = instance_native.create_document_instances(*d, 3, params=params(objective="sop"), seed=1, stats=stats)
         assert len(got) == 0 and stats.skipped_short_sentence == 3
         want = InstanceBatch.empty(dtype)
         for f in FIELDS:
@@ -261,7 +261,7 @@ def test_mt19937_replica_matches_cpython(seed):
             want.append(float(r.getrandbits(op).bit_count()))
         else:
             want.append(float(int(r.random() * -op)))
-    assert native_instances._ext.testing.mt_draws(seed, ops) == want
+    assert instance_native._ext.testing.mt_draws(seed, ops) == want
 
 
 @needs_native
@@ -269,7 +269,7 @@ def test_mt19937_replica_matches_cpython(seed):
 def test_pcg64_seeding_matches_numpy(seed):
     """np.random.PCG64(seed): SeedSequence's hashing, then pcg64_set_seed."""
     st = np.random.PCG64(seed).state["state"]
-    assert native_instances._ext.testing.pcg64_state(seed) == (st["state"], st["inc"])
+    assert instance_native._ext.testing.pcg64_state(seed) == (st["state"], st["inc"])
 
 
 @needs_native
@@ -280,15 +280,15 @@ def test_pcg64_replica_matches_numpy(seed, high):
     for n_doubles, n_ints in ((0, 1), (1, 3), (7, 10), (100, 1001)):
         g = np.random.Generator(np.random.PCG64(seed))
         want_d, want_i = g.random(n_doubles), g.integers(0, high, size=n_ints)
-        got_d, got_i = native_instances._ext.testing.pcg_draws(seed, n_doubles, high, n_ints)
+        got_d, got_i = instance_native._ext.testing.pcg_draws(seed, n_doubles, high, n_ints)
         assert np.array_equal(np.array(got_d), want_d) and np.array_equal(np.array(got_i, np.int64), want_i)
 
 
 def test_dupe_seeds_equal_derive_seed():
-    from data_pipeline.instances import derive_seed
+    from data_pipeline.seeds import derive_seed
 
     for seed, doc_id in ((12345, "books:a.txt"), (0, "wiki:1#part2"), (2**64 - 1, "é\x1f")):
-        mt, rows, masks = native_instances.dupe_seeds(doc_id, 4, seed)
+        mt, rows, masks = instance_native.dupe_seeds(doc_id, 4, seed)
         assert mt.dtype == rows.dtype == masks.dtype == np.uint64
         assert mt.tolist() == [derive_seed(seed, doc_id, k) for k in range(4)]
         assert rows.tolist() == [derive_seed(seed, "row", doc_id, k) for k in range(4)]
@@ -297,7 +297,7 @@ def test_dupe_seeds_equal_derive_seed():
 
 @needs_native
 def test_row_keys_bisect_and_budget_replicas():
-    t = native_instances._ext.testing
+    t = instance_native._ext.testing
     for base in (0, 1, 98765, 2**64 - 1):
         assert np.array_equal(t.row_keys(base, 300), row_keys(base, 300))
     a = [0, 3, 3, 7, 10, 10, 15]
@@ -316,7 +316,7 @@ def test_smallest_keys_selection_with_ties():
     """The per-row selection equals "stable argsort, first `budget`, ascending" even with tied
     keys (which random doubles never produce): keys from a few values force every path, the
     prefilter's fallback, crowded histogram buckets and the tie handling."""
-    t = native_instances._ext.testing
+    t = instance_native._ext.testing
     rng = np.random.default_rng(0)
     for trial in range(3000):
         end = int(rng.integers(3, 200))
@@ -335,10 +335,10 @@ def test_smallest_keys_selection_with_ties():
 
 @needs_native
 def test_argument_errors_name_expected_and_actual():
-    ext = native_instances._ext
+    ext = instance_native._ext
     rng = np.random.default_rng(0)
     _, ids, bounds = doc("d", [4, 5, 6], rng)
-    seeds, _, masks = native_instances.dupe_seeds("d", 2, 1)
+    seeds, _, masks = instance_native.dupe_seeds("d", 2, 1)
     kw = dict(max_seq_length=32, short_seq_prob=0.1, objective="nsp", nsp_random_prob=0.5, masking="static",
               masked_lm_prob=0.15, max_predictions_per_seq=5, whole_word_mask=False, cls_id=101, sep_id=102,
               mask_id=103, vocab_size=30522, negatives=None, doc_index=-1)
@@ -375,7 +375,7 @@ def test_argument_errors_name_expected_and_actual():
         with pytest.raises(ValueError, match=message):
             call(**over)
     other = NegativeSource.from_documents([("d", ids, bounds), ("o", ids[:9], np.array([0, 4, 9]))], seed=1)
-    native = native_instances.packed(other)
+    native = instance_native.packed(other)
     call(negatives=native, doc_index=0)  # valid: the document is the source's first
     for over, message in [
         (dict(doc_index=2), r"doc_index: expected the document's place in the negative source, 0 <= doc_index < 2, got 2"),
@@ -386,7 +386,7 @@ def test_argument_errors_name_expected_and_actual():
             call(negatives=native, **over)
     wide = NegativeSource.from_documents([("o", ids[:9].astype(np.uint32), np.array([0, 4, 9]))], seed=1)
     with pytest.raises(ValueError, match="negatives ids: expected the document's dtype uint16, got uint32"):
-        call(negatives=native_instances.packed(wide), doc_index=0)
+        call(negatives=instance_native.packed(wide), doc_index=0)
     io, bo = np.array([0, 9]), np.array([0, 3])
     with pytest.raises(ValueError,
                        match=r"negatives document 0: expected sentence bounds 0 < \.\.\. < len\(document ids\) = 9"):
@@ -400,33 +400,33 @@ def test_argument_errors_name_expected_and_actual():
     with pytest.raises(ValueError, match="negatives perm: expected dtype int64, got int32"):
         ext.NegativeSource(ids[:9], io, np.array([0, 4, 9]), bo, np.array([1, 0], np.int32))
     with pytest.raises(ValueError, match=r"doc_index 5: not a document of the negative source \(2 documents\)"):
-        native_instances.create_document_instances("d", ids, bounds, 2, params=params(), seed=1, negatives=other,
-                                                   doc_index=5)
+        instance_native.create_document_instances("d", ids, bounds, 2, params=params(), seed=1, negatives=other,
+                                                  doc_index=5)
     with pytest.raises(ValueError, match="document 5 is not in this bucket of 2 documents"):
         other.dealer(5)
     with pytest.raises(ValueError, match="needs the vocab's continuation mask"):  # as the reference says too
-        native_instances.create_document_instances("d", ids, bounds, 1, params=params(whole_word_mask=True), seed=1)
+        instance_native.create_document_instances("d", ids, bounds, 1, params=params(whole_word_mask=True), seed=1)
     with pytest.raises(ValueError, match="needs the vocab's continuation mask"):
         create_instances("d", ids, bounds, 0, params=params(whole_word_mask=True), seed=1)
 
 
 def test_builder_choice(monkeypatch):
     p = params()
-    assert native_instances.choose_builder("reference")[0] == "reference"
+    assert instance_native.choose_builder("reference")[0] == "reference"
     with pytest.raises(ValueError, match="not one of"):
-        native_instances.choose_builder("fast")
-    if native_instances.available():
-        assert native_instances.choose_builder("auto")[0] == "native"
-        assert native_instances.choose_builder("native")[0] == "native"
+        instance_native.choose_builder("fast")
+    if instance_native.available():
+        assert instance_native.choose_builder("auto")[0] == "native"
+        assert instance_native.choose_builder("native")[0] == "native"
     # the extension missing: auto falls back and says why, native is an error
-    monkeypatch.setattr(native_instances, "_ext", None)
-    monkeypatch.setattr(native_instances, "_UNAVAILABLE", "the extension data_pipeline._native_instances is not built (test)")
-    chosen, why = native_instances.choose_builder("auto")
+    monkeypatch.setattr(instance_native, "_ext", None)
+    monkeypatch.setattr(instance_native, "_UNAVAILABLE", "the extension data_pipeline._native_instances is not built (test)")
+    chosen, why = instance_native.choose_builder("auto")
     assert chosen == "reference" and "not built" in why
     with pytest.raises(ValueError, match="instance_builder=native, but the extension .* is not built"):
-        native_instances.choose_builder("native")
+        instance_native.choose_builder("native")
     with pytest.raises(RuntimeError, match="not built"):
-        native_instances.create_document_instances("d", np.zeros(3, np.uint16), np.array([0, 3]), 1, params=p, seed=1)
+        instance_native.create_document_instances("d", np.zeros(3, np.uint16), np.array([0, 3]), 1, params=p, seed=1)
 
 
 def test_config_field_is_validated():
@@ -448,7 +448,7 @@ def _shards_with(builder: str, out: Path, docs, p: InstanceParams, vocab: Path) 
     from apache_beam.options.pipeline_options import PipelineOptions
     from apache_beam.testing.test_pipeline import TestPipeline
 
-    from data_pipeline.beam.instances import CreateInstances
+    from data_pipeline.beam.instance_transform import CreateInstances
     from data_pipeline.beam.shards import SplitShards, WriteShards
     from tests.conftest import IN_PROCESS
 
@@ -514,10 +514,10 @@ def test_build_records_identical_with_and_without_the_extension(tmp_path, small_
                                          whole_word_mask=whole_word_mask))
 
     caplog.set_level(logging.INFO, logger="data_pipeline")
-    monkeypatch.setattr(native_instances, "_logged", set())
+    monkeypatch.setattr(instance_native, "_logged", set())
     native = build(tmp_path / "native")
-    monkeypatch.setattr(native_instances, "_ext", None)
-    monkeypatch.setattr(native_instances, "_UNAVAILABLE", "hidden by the test")
+    monkeypatch.setattr(instance_native, "_ext", None)
+    monkeypatch.setattr(instance_native, "_UNAVAILABLE", "hidden by the test")
     reference = build(tmp_path / "reference")
     said = [r.getMessage() for r in caplog.records if "training instances:" in r.getMessage()]
     assert any("native builder" in m for m in said) and any("reference builder" in m and "hidden" in m for m in said)
@@ -539,8 +539,8 @@ def test_config_instance_builder_reaches_the_pipeline(tmp_path, small_vocab, cap
                   num_shards=1, instance_builder="reference")
     said = [r.getMessage() for r in caplog.records if "training instances:" in r.getMessage()]
     assert said and all("reference builder (instance_builder=reference)" in m for m in said)
-    monkeypatch.setattr(native_instances, "_ext", None)  # as if the extension were not built
-    monkeypatch.setattr(native_instances, "_UNAVAILABLE", "the extension is not built (test)")
+    monkeypatch.setattr(instance_native, "_ext", None)  # as if the extension were not built
+    monkeypatch.setattr(instance_native, "_UNAVAILABLE", "the extension is not built (test)")
     with pytest.raises(ValueError, match="instance_builder=native, but the extension is not built"):
         build_records([f"books:{SAMPLES / 'books'}"], tmp_path / "native", small_vocab, max_seq_length=64,
                       num_shards=1, instance_builder="native")

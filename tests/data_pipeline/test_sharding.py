@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from data_pipeline.sharding import bucket_bits, bucket_ranks, place_bucket, shard_targets, split_by_bucket
-from tests.data_pipeline.test_instances import build, params, synthetic_docs
+from tests.data_pipeline.test_instance_algorithm import build, params, synthetic_docs
 
 
 def test_bucketed_shards_are_exact_sorted_and_deterministic():

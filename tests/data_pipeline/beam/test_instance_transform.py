@@ -1,11 +1,11 @@
-"""data_pipeline.beam.instances: splits never mix, and the output does not depend on how the work is cut."""
+"""data_pipeline.beam.instance_transform: splits never mix, and the output does not depend on how the work is cut."""
 from __future__ import annotations
 
 import apache_beam as beam
 import numpy as np
 from apache_beam.testing.test_pipeline import TestPipeline
 
-from data_pipeline.beam.instances import CreateInstances
+from data_pipeline.beam.instance_transform import CreateInstances
 from data_pipeline.beam.shards import SplitShards, WriteShards
 from tests.data_pipeline.beam._util import OPTS
 

@@ -10,7 +10,7 @@ import numpy as np
 from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
-from data_pipeline.beam.instances import CreateInstances
+from data_pipeline.beam.instance_transform import CreateInstances
 from data_pipeline.beam.shards import SplitShards, WriteShards
 from data_pipeline.beam.tokenize import Tokenize
 from data_pipeline.instance_batch import InstanceBatch
