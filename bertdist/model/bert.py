@@ -67,6 +67,9 @@ class Unpadded:
 
     @classmethod
     def from_mask(cls, attention_mask: torch.Tensor) -> "Unpadded":
+        """Derived from the mask on the device: the right-padding check, the token index (its
+        size) and ``max_seqlen`` each read the device (3 host syncs). The trainer's batches carry
+        these instead (``from_packing``)."""
         b, s = attention_mask.shape
         lengths = attention_mask.sum(dim=1, dtype=torch.int32)
         # Real tokens must be a prefix of each row (BERT batches are right-padded): no 0 before a 1.
@@ -75,6 +78,12 @@ class Unpadded:
         cu = torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
         index = attention_mask.reshape(-1).nonzero(as_tuple=False).squeeze(1)
         return cls(index, cu, int(lengths.max()), b, s)
+
+    @classmethod
+    def from_packing(cls, token_index: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, batch: int,
+                     seq: int) -> "Unpadded":
+        """From what the loader computed on the host when it collated the batch: no host sync."""
+        return cls(token_index, cu_seqlens, host_int(max_seqlen), batch, seq)
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """[B, S, ...] -> [T, ...] real tokens only."""
@@ -215,17 +224,27 @@ class BertModel(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
+        *,
+        token_index: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: "int | torch.Tensor | None" = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (sequence_output [B, S, hidden], pooled [B, hidden]).
 
         With ``config.unpad`` and a padding mask, the encoder runs on the packed real tokens only
         (varlen attention); embeddings, and so token types and positions, are computed before
-        packing, and the output is scattered back (zeros at padding) for the heads."""
+        packing, and the output is scattered back (zeros at padding) for the heads.
+        ``token_index``, ``cu_seqlens`` and ``max_seqlen`` (a host int): the packing of the
+        batch, as the trainer's loader ships it (see ``bertdist.train.loader``); without them
+        the packing is derived from the mask, at the price of host syncs."""
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         h = self.embeddings(input_ids, token_type_ids)
         if attention_mask is not None and self.config.unpad:
-            unpadded = Unpadded.from_mask(attention_mask)
+            if token_index is not None and cu_seqlens is not None and max_seqlen is not None:
+                unpadded = Unpadded.from_packing(token_index, cu_seqlens, max_seqlen, *input_ids.shape)
+            else:
+                unpadded = Unpadded.from_mask(attention_mask)
             h = unpadded.unpack(self.encoder(unpadded.pack(h), unpadded))
         else:
             h = self.encoder(h, None if attention_mask is None else attention_mask.bool())
@@ -294,15 +313,26 @@ class BertForPreTraining(nn.Module):
         token_type_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         next_sentence_label: torch.Tensor | None = None,
+        *,
+        masked_positions: torch.Tensor | None = None,
+        token_index: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: "int | torch.Tensor | None" = None,
     ) -> PreTrainingOutput:
-        seq, pooled = self.bert(input_ids, attention_mask, token_type_ids)
+        """``masked_positions``: the flat positions in [B * S] where ``labels`` is not
+        IGNORE_INDEX, ascending (the loader ships them); without them the sparse head finds them
+        on the device (one host sync, for their count). ``token_index``, ``cu_seqlens``,
+        ``max_seqlen``: see ``BertModel.forward``."""
+        seq, pooled = self.bert(input_ids, attention_mask, token_type_ids, token_index=token_index,
+                                cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         mlm_labels = labels
         if labels is not None and self.config.sparse_mlm_head:
             # Gather the masked positions before the vocab projection, as the original BERT does:
             # the [N, hidden] x [hidden, V] GEMM replaces a [B*S, hidden] x [hidden, V] one.
-            keep = labels.reshape(-1) != IGNORE_INDEX
-            seq = seq.reshape(-1, seq.shape[-1])[keep]
-            mlm_labels = labels.reshape(-1)[keep]
+            if masked_positions is None:
+                masked_positions = (labels.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
+            seq = seq.reshape(-1, seq.shape[-1]).index_select(0, masked_positions)
+            mlm_labels = labels.reshape(-1).index_select(0, masked_positions)
         logits = self.cls.predictions(seq)
         nsp_logits = self.cls.seq_relationship(pooled)
         out = PreTrainingOutput(logits, nsp_logits, mlm_labels=mlm_labels)
@@ -339,6 +369,11 @@ def init_weights(module: nn.Module, std: float) -> None:
     elif isinstance(module, nn.LayerNorm):
         nn.init.ones_(module.weight)
         nn.init.zeros_(module.bias)
+
+
+def host_int(value: "int | torch.Tensor") -> int:
+    """An int given as an int or a one-element tensor (a device tensor costs a host sync)."""
+    return int(value.item()) if isinstance(value, torch.Tensor) else int(value)
 
 
 def _default_device_type() -> str:

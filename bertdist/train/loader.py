@@ -16,6 +16,12 @@ consumed, is all a resume needs: the masking RNG of each micro-batch is
 derived from ``(seed, epoch, position, rank slice)``, so batches are neither
 replayed nor skipped, and masks after a resume equal the uninterrupted run's.
 
+Packing. Each batch also carries what the unpadded encoder and the sparse MLM head would
+otherwise read back from the device: ``token_index`` (the flat position in [B * S] of each real
+token), ``cu_seqlens`` (int32 [B + 1]), ``max_seqlen`` (a 0-d host tensor; ``batch_to_device``
+hands it to the model as an int) and ``masked_positions`` (the flat positions with a label,
+ascending). The loader knows them when it collates; computed on the device they cost host syncs.
+
 Memory: one or two windows of shards are held as flat numpy arrays (the
 columns of the parquet shards, zero-copy where possible).
 """
@@ -30,6 +36,7 @@ import numpy as np
 import torch
 
 from bertdist.config import ConfigError
+from bertdist.model.config import IGNORE_INDEX
 from bertdist.train.config import LoaderConfig
 from bertdist.train.masking import SpecialIds, dynamic_mask, pad_rows, special_ids_from_manifest, static_labels
 
@@ -203,6 +210,7 @@ class PretrainingLoader:
             "attention_mask": torch.from_numpy(attention),
             "token_type_ids": torch.from_numpy(token_type),
             "labels": torch.from_numpy(labels),
+            **packing(attention, lens, labels),
         }
         if self.has_nsp:
             nsp = np.concatenate([w.nsp[r] for w, r in parts])
@@ -244,6 +252,28 @@ class PretrainingLoader:
             batches = self.micro_batches(state)
             yield (pin_batches(batches) if self.pin_device is not None else batches), nxt
             state = nxt
+
+
+# Batch entries the model takes as host ints; ``batch_to_device`` reads them from their host tensor.
+HOST_INTS = ("max_seqlen",)
+
+
+def packing(attention: np.ndarray, lens: np.ndarray, labels: np.ndarray) -> dict[str, torch.Tensor]:
+    """The packing of a right-padded [B, S] batch whose rows hold ``lens`` real tokens (see the
+    module docstring)."""
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    return {
+        "token_index": torch.from_numpy(np.flatnonzero(attention.reshape(-1)).astype(np.int64)),
+        "cu_seqlens": torch.from_numpy(cu),
+        "max_seqlen": torch.tensor(int(lens.max()) if len(lens) else 0, dtype=torch.int64),
+        "masked_positions": torch.from_numpy(np.flatnonzero(labels.reshape(-1) != IGNORE_INDEX).astype(np.int64)),
+    }
+
+
+def batch_to_device(mb: dict[str, torch.Tensor], device: torch.device) -> dict:
+    """The batch as the model takes it on ``device``: tensors copied asynchronously, ``HOST_INTS``
+    read from their host tensors (no device sync)."""
+    return {k: int(v) if k in HOST_INTS else v.to(device, non_blocking=True) for k, v in mb.items()}
 
 
 def pin_batches(batches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
@@ -318,5 +348,5 @@ def eval_batches(source: RecordSource, cfg: LoaderConfig, continuation: np.ndarr
     return out
 
 
-__all__ = ["LoaderState", "PretrainingLoader", "RecordSource", "SpecialIds", "eval_batches",
-           "open_training_records"]
+__all__ = ["HOST_INTS", "LoaderState", "PretrainingLoader", "RecordSource", "SpecialIds", "batch_to_device",
+           "eval_batches", "open_training_records", "packing"]

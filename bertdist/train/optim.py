@@ -2,12 +2,14 @@
 
 ``implementation``:
 - ``auto`` on CUDA: AdamW is ``torch.optim.AdamW(fused=True)``, torch's own fused CUDA kernel
-  (nothing to compile); LAMB is DeepSpeed's FusedLamb where its CUDA op can load (prebuilt, or
-  JIT-buildable: ninja and nvcc on the node), else our PyTorch ``Lamb`` with a warning.
-- ``fused``: DeepSpeed's FusedLamb / FusedAdam (adam_w_mode), an error naming what is missing
-  when their op can neither be loaded nor built. DeepSpeed compiles these ops at first use
-  unless it was installed with them prebuilt (``DS_BUILD_FUSED_LAMB=1 DS_BUILD_FUSED_ADAM=1``).
+  (nothing to compile); LAMB is DeepSpeed's FusedLamb once its CUDA op has loaded (prebuilt,
+  or JIT-built before the optimizer is made), else our PyTorch ``Lamb`` with a warning naming
+  the cause (no ninja or nvcc, a toolkit DeepSpeed refuses for torch's CUDA, a failed build).
+- ``fused``: DeepSpeed's FusedLamb / FusedAdam (adam_w_mode), an error naming the cause when
+  their op can neither be loaded nor built. DeepSpeed compiles these ops at first use unless
+  it was installed with them prebuilt (``DS_BUILD_FUSED_LAMB=1 DS_BUILD_FUSED_ADAM=1``).
 - ``torch`` (and ``auto`` on CPU): our ``Lamb`` / ``torch.optim.AdamW``.
+``optimizer_choice`` says which, and why, for a ``DeviceProfile`` (``pretrain --plan`` prints it).
 Biases and LayerNorm weights get no weight decay (``no_decay``), as in BERT.
 
 Schedules (``warmup_then_decay``): linear warmup from 0 to the peak over
@@ -17,20 +19,49 @@ recipe: 6e-3 (phase 1) / 4e-3 (phase 2), poly decay with power 0.5.
 """
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
 
 from bertdist.config import ConfigError
+from bertdist.device_profile import DeviceProfile, for_device_type
 from bertdist.train.config import OptimizerConfig, ScheduleConfig
 from bertdist.train.lamb import Lamb
 
 _DS_OPS = {"lamb": "fused_lamb", "adamw": "fused_adam"}
+FUSED_LAMB = "deepspeed.ops.lamb.FusedLamb"
+FUSED_ADAM = "deepspeed.ops.adam.FusedAdam"
+TORCH_LAMB = "bertdist.train.lamb.Lamb"
+TORCH_ADAMW = "torch.optim.AdamW"
+TORCH_FUSED_ADAMW = "torch.optim.AdamW(fused=True)"
 
 
-def deepspeed_fused_status(name: str) -> tuple[bool, str]:
-    """(usable, why) for DeepSpeed's fused optimizer op of ``name`` ("lamb" | "adamw") on this node."""
+def toolkit_refused(profile: DeviceProfile) -> str | None:
+    """Why DeepSpeed's JIT build refuses ``profile``'s CUDA toolkit for its torch (its
+    ``assert_no_cuda_mismatch``: same major.minor, or both in its table of compatible minor
+    versions, or DS_SKIP_CUDA_CHECK=1), or None."""
+    if profile.toolkit is None or profile.torch_cuda is None:
+        return None
+    have, want = (".".join(v.split(".")[:2]) for v in (profile.toolkit, profile.torch_cuda))
+    if have == want or os.environ.get("DS_SKIP_CUDA_CHECK", "0") == "1":
+        return None
+    from deepspeed.ops.op_builder.builder import cuda_minor_mismatch_ok
+
+    major = int(have.split(".")[0])
+    if have in cuda_minor_mismatch_ok.get(major, ()) and want in cuda_minor_mismatch_ok.get(major, ()):
+        return None
+    return (f"the CUDA toolkit {have} differs from torch's CUDA {want}, a pair DeepSpeed's JIT build refuses "
+            f"(its compatible minor versions cover CUDA {', '.join(map(str, sorted(cuda_minor_mismatch_ok)))}; "
+            "DS_SKIP_CUDA_CHECK=1 overrides)")
+
+
+def deepspeed_fused_status(name: str, profile: DeviceProfile | None = None) -> tuple[bool, str]:
+    """(ready, why) for DeepSpeed's fused optimizer op of ``name`` ("lamb" | "adamw") on
+    ``profile`` (default: this machine's CUDA device), without building it: prebuilt, or
+    what its first-use JIT build needs (ninja, a toolkit DeepSpeed accepts for torch's CUDA)."""
     op = _DS_OPS[name]
+    profile = profile or for_device_type("cuda")
     try:
         from deepspeed.git_version_info import installed_ops
     except Exception as e:  # noqa: BLE001 - deepspeed missing or broken
@@ -39,19 +70,71 @@ def deepspeed_fused_status(name: str) -> tuple[bool, str]:
         return True, f"DeepSpeed {op} prebuilt"
     from torch.utils.cpp_extension import is_ninja_available
 
-    from bertdist.ops._build_config import find_cuda_home
-
     missing = []
     if not is_ninja_available():
         missing.append("ninja")
-    home, why = find_cuda_home()
-    if home is None:
-        missing.append(f"nvcc ({why})")
+    if profile.toolkit is None:
+        missing.append("nvcc (no CUDA toolkit found: PATH, CUDA_HOME)")
     if missing:
         return False, (f"DeepSpeed's {op} op is not prebuilt and its first-use JIT build needs "
                        f"{' and '.join(missing)} on this node; install DeepSpeed with DS_BUILD_{op.upper()}=1 "
                        "or put a CUDA toolkit matching torch.version.cuda on PATH / CUDA_HOME")
-    return True, f"DeepSpeed {op} JIT-built at first use (ninja and nvcc found)"
+    refused = toolkit_refused(profile)
+    if refused:
+        return False, (f"DeepSpeed's {op} op is not prebuilt and cannot be JIT-built: {refused}; install DeepSpeed "
+                       f"with DS_BUILD_{op.upper()}=1 where the toolkit matches, or use a toolkit {profile.torch_cuda}")
+    return True, f"DeepSpeed {op} JIT-built (ninja, CUDA toolkit {profile.toolkit} for torch's CUDA {profile.torch_cuda})"
+
+
+def _ds_op_builder(name: str):
+    from deepspeed.ops.op_builder import FusedAdamBuilder, FusedLambBuilder
+
+    return {"lamb": FusedLambBuilder, "adamw": FusedAdamBuilder}[name]()
+
+
+def build_deepspeed_op(name: str) -> tuple[bool, str]:
+    """Load (prebuilt) or JIT-build DeepSpeed's op for ``name`` now; (False, the cause) when it fails.
+    The optimizer's constructor then reuses the loaded op."""
+    op = _DS_OPS[name]
+    try:
+        _ds_op_builder(name).load(verbose=False)
+    except Exception as e:  # noqa: BLE001 - any build or load failure means: not usable here
+        lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+        return False, f"DeepSpeed's {op} op failed to build or load: {type(e).__name__}: {lines[-1] if lines else ''}"
+    return True, f"DeepSpeed {op} loaded"
+
+
+def optimizer_choice(cfg: OptimizerConfig, profile: DeviceProfile, *, build: bool = False) -> tuple[str, str]:
+    """(implementation, why) of the optimizer ``build_optimizer`` constructs on ``profile``.
+    ``build``: try DeepSpeed's op now (a run does); without it (``--plan``) the choice is what
+    the profile predicts, and a build failing at the start of the run still falls back."""
+    if cfg.name not in _DS_OPS:
+        raise ConfigError(f"optimizer.name: {cfg.name!r} is not one of {sorted(_DS_OPS)}")
+    impl, lamb = cfg.implementation, cfg.name == "lamb"
+    plain = TORCH_LAMB if lamb else TORCH_ADAMW
+    if impl == "fused" and not profile.is_cuda:
+        raise ConfigError(f"optimizer.implementation=fused needs CUDA; this process runs on {profile.type}. "
+                          "Use implementation: torch (or auto).")
+    if impl == "torch":
+        return plain, "optimizer.implementation=torch"
+    if not profile.is_cuda:
+        return plain, f"implementation {impl} on {profile.type}: DeepSpeed's fused optimizers are CUDA-only"
+    if impl == "auto" and not lamb:
+        return TORCH_FUSED_ADAMW, "auto on CUDA: torch's own fused AdamW kernel (nothing to build)"
+    fused = FUSED_LAMB if lamb else FUSED_ADAM
+    ok, why = deepspeed_fused_status(cfg.name, profile)
+    if ok and build:
+        if profile.visible_count == 0:
+            ok, why = False, f"no CUDA device is visible to build DeepSpeed's {_DS_OPS[cfg.name]} op for"
+        else:
+            ok, why = build_deepspeed_op(cfg.name)
+    if ok:
+        later = "" if build else ("; a run builds it first and falls back to bertdist's Lamb if that fails"
+                                  if impl == "auto" else "; a run fails up front if the build fails")
+        return fused, f"{impl} on CUDA: {why}{later}"
+    if impl == "fused":
+        raise ConfigError(f"optimizer.implementation=fused: {why} (or use implementation: auto)")
+    return TORCH_LAMB, f"auto on CUDA: {why}; bertdist's PyTorch Lamb instead (same math, slower)"
 
 
 def param_groups(model: torch.nn.Module, cfg: OptimizerConfig) -> list[dict]:
@@ -67,33 +150,25 @@ def param_groups(model: torch.nn.Module, cfg: OptimizerConfig) -> list[dict]:
     ]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device_type: str) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device_type: str,
+                    profile: DeviceProfile | None = None) -> torch.optim.Optimizer:
+    """The optimizer ``optimizer_choice`` picks on ``profile`` (default: this machine's
+    ``device_type`` device), DeepSpeed's op built first; a fallback is warned about, naming why."""
+    profile = profile or for_device_type(device_type)
+    choice, why = optimizer_choice(cfg, profile, build=True)
+    if cfg.implementation == "auto" and profile.is_cuda and choice == TORCH_LAMB:
+        warnings.warn(f"optimizer lamb on CUDA: {why}", RuntimeWarning, stacklevel=2)
     groups = param_groups(model, cfg)
-    impl = cfg.implementation
-    if impl == "fused" and device_type != "cuda":
-        raise ConfigError(f"optimizer.implementation=fused needs CUDA; this process runs on {device_type}. "
-                          "Use implementation: torch (or auto).")
-    if cfg.name not in _DS_OPS:
-        raise ConfigError(f"optimizer.name: {cfg.name!r} is not one of {sorted(_DS_OPS)}")
     betas = tuple(cfg.betas)
-    use_ds = impl == "fused" or (impl == "auto" and device_type == "cuda" and cfg.name == "lamb")
-    if use_ds:
-        ok, why = deepspeed_fused_status(cfg.name)
-        if not ok and impl == "fused":
-            raise ConfigError(f"optimizer.implementation=fused: {why} (or use implementation: auto)")
-        if not ok:
-            warnings.warn(f"optimizer lamb on CUDA: {why}; using bertdist's PyTorch Lamb (slower, same math)",
-                          RuntimeWarning, stacklevel=2)
-            use_ds = False
-    if cfg.name == "lamb":
-        if use_ds:
-            from deepspeed.ops.lamb import FusedLamb
+    if choice == FUSED_LAMB:
+        from deepspeed.ops.lamb import FusedLamb
 
-            return FusedLamb(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                             max_coeff=cfg.lamb_max_coeff, min_coeff=cfg.lamb_min_coeff)
+        return FusedLamb(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                         max_coeff=cfg.lamb_max_coeff, min_coeff=cfg.lamb_min_coeff)
+    if choice == TORCH_LAMB:
         return Lamb(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
                     max_coeff=cfg.lamb_max_coeff, min_coeff=cfg.lamb_min_coeff)
-    if use_ds:
+    if choice == FUSED_ADAM:
         from deepspeed.ops.adam import FusedAdam
 
         return FusedAdam(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
@@ -101,7 +176,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device_type: s
     # torch's fused AdamW on CUDA: one kernel for all tensors, no build step (params may still be
     # on the CPU here; DeepSpeed moves them, and the step dispatches on their device).
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                             fused=impl == "auto" and device_type == "cuda")
+                             fused=choice == TORCH_FUSED_ADAMW)
 
 
 class WarmupDecay:

@@ -3,7 +3,9 @@
 Everything logged is summed on the device in named slots of one float64 tensor (``DeviceSums``)
 and all-reduced once per step: no host sync per micro-batch, one collective, and NCCL reduces
 only device tensors. The step's sums also carry the non-finite and SIGTERM flags, so every rank
-takes the same decision at the same step.
+takes the same decision at the same step. That all-reduce is the step's only host sync: the
+batches carry their packing (``loader.batch_to_device``), so the model reads no data-dependent
+size from the device, and the non-finite check waits for the step's sums.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from bertdist.model import IGNORE_INDEX, BertConfig, train_flops_per_sequence
+from bertdist.train.loader import batch_to_device
 
 
 class NonFiniteLossError(RuntimeError):
@@ -29,11 +32,6 @@ class DeviceSums:
 
     def add(self, name: str, value) -> None:
         self.values[self._index[name]] += value
-
-    def slot(self, name: str) -> torch.Tensor:
-        """A view of one slot (for a collective on that value alone)."""
-        i = self._index[name]
-        return self.values[i:i + 1]
 
     def all_reduce(self) -> dict[str, float]:
         import torch.distributed as dist
@@ -108,15 +106,13 @@ def _accumulate(r: StepRunner, sums: DeviceSums, out, mb: dict[str, torch.Tensor
     sums.add("nonfinite", (~torch.isfinite(lv)).double())
 
 
-def _refuse_nonfinite(sums: DeviceSums, step: int, precision: str) -> None:
-    """Without a loss scaler nothing undoes a NaN update: decide before the step is applied."""
-    import torch.distributed as dist
-
-    flag = sums.slot("nonfinite").clone()
-    dist.all_reduce(flag)
-    if flag.item() > 0:
+def _refuse_nonfinite(totals: dict[str, float], step: int, precision: str) -> None:
+    """Without a loss scaler nothing undoes a NaN update. The flag is read from the step's one
+    all-reduce (reading it before the update would stall the device once more per step), and
+    every rank raises at the same step, before the update is logged or saved."""
+    if totals["nonfinite"] > 0:
         raise NonFiniteLossError(
-            f"non-finite loss at step {step} ({precision}); the update was not applied. Try a lower "
+            f"non-finite loss at step {step} ({precision}); the update was not saved. Try a lower "
             f"optimizer.lr or a longer warmup, a smaller deepspeed.gradient_clipping, fp32 instead of bf16, "
             f"and check the records; then restart from the last good checkpoint with --resume auto")
 
@@ -132,18 +128,18 @@ def train_step(r: StepRunner, micro_batches: list[dict[str, torch.Tensor]], step
     own_gn = float("nan")
     for i, mb in enumerate(micro_batches):
         last = i == r.grad_accum - 1
-        mb = {k: v.to(r.device, non_blocking=True) for k, v in mb.items()}
+        mb = batch_to_device(mb, r.device)
         out = engine(**mb)
         with torch.no_grad():
             _accumulate(r, sums, out, mb)
-        if r.precision != "fp16" and last:
-            _refuse_nonfinite(sums, step, r.precision)
         engine.backward(out.loss)
         if last and r.own_grad_norm:  # gradients are reduced by now
             own_gn = torch.sqrt(sum((p.grad.detach().float() ** 2).sum() for p in r.params if p.grad is not None))
         engine.step()
     sums.add("stop", 1.0 if stop_requested else 0.0)
     totals = sums.all_reduce()
+    if r.precision != "fp16":
+        _refuse_nonfinite(totals, step, r.precision)
     gn = engine.get_global_grad_norm()
     return StepResult(totals, lr, float(gn) if gn is not None else float(own_gn),
                       engine.skipped_steps - skipped_before)
@@ -176,7 +172,7 @@ def evaluate(engine, batches: list[dict[str, torch.Tensor]], device: torch.devic
     engine.eval()
     sums = DeviceSums(EVAL_FIELDS, device)
     for mb in batches:
-        mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
+        mb = batch_to_device(mb, device)
         out = engine(**mb)
         logits = out.prediction_logits.float()
         sums.add("mlm_loss_sum", F.cross_entropy(logits.reshape(-1, logits.shape[-1]), out.mlm_labels.reshape(-1),

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from bertdist.config import ConfigError
+from bertdist.device_profile import by_name
 from bertdist.train.config import OptimizerConfig, ScheduleConfig
 from bertdist.train.lamb import Lamb
 from bertdist.train.optim import WarmupDecay, build_optimizer, build_scheduler, param_groups
@@ -124,7 +125,7 @@ def test_gpu_optimizer_selection_never_depends_on_a_silent_jit_build(monkeypatch
     assert not build_optimizer(model, OptimizerConfig(name="adamw"), "cpu").defaults["fused"]
 
     missing = (False, "DeepSpeed's fused_lamb op is not prebuilt and its first-use JIT build needs nvcc")
-    monkeypatch.setattr(optim, "deepspeed_fused_status", lambda name: missing)
+    monkeypatch.setattr(optim, "deepspeed_fused_status", lambda name, profile=None: missing)
     with pytest.warns(RuntimeWarning, match="needs nvcc.*PyTorch Lamb"):
         assert isinstance(build_optimizer(model, OptimizerConfig(name="lamb"), "cuda"), Lamb)
     with pytest.raises(ConfigError, match="implementation=fused: DeepSpeed's fused_lamb .* needs nvcc"):
@@ -135,13 +136,100 @@ def test_deepspeed_fused_status_names_ninja_and_nvcc(monkeypatch):
     import deepspeed.git_version_info as info
     import torch.utils.cpp_extension as ce
 
-    from bertdist.ops import _build_config
     from bertdist.train.optim import deepspeed_fused_status
 
     monkeypatch.setitem(info.installed_ops, "fused_lamb", False)
     monkeypatch.setattr(ce, "is_ninja_available", lambda: False)
-    monkeypatch.setattr(_build_config, "find_cuda_home", lambda: (None, "nvcc not found on PATH and CUDA_HOME unset"))
-    ok, why = deepspeed_fused_status("lamb")
-    assert not ok and "ninja and nvcc (nvcc not found" in why and "DS_BUILD_FUSED_LAMB=1" in why
+    no_toolkit = by_name("h100").with_(toolkit=None)
+    ok, why = deepspeed_fused_status("lamb", no_toolkit)
+    assert not ok and "ninja and nvcc (no CUDA toolkit found" in why and "DS_BUILD_FUSED_LAMB=1" in why
     monkeypatch.setitem(info.installed_ops, "fused_lamb", True)
-    assert deepspeed_fused_status("lamb") == (True, "DeepSpeed fused_lamb prebuilt")
+    assert deepspeed_fused_status("lamb", no_toolkit) == (True, "DeepSpeed fused_lamb prebuilt")
+
+
+# ---------------------------------------------------------------- FusedLamb only once it has been built
+
+
+def _tiny_model():
+    from bertdist.model import BertConfig, BertForPreTraining
+
+    return BertForPreTraining(BertConfig.from_preset("tiny", vocab_size=100, kernels="reference"), device_type="cpu")
+
+
+def _jit_buildable(monkeypatch, profile):
+    """A node where DeepSpeed's ops are not prebuilt but ninja and a toolkit are there, so FusedLamb
+    would be JIT-built; the machine detected as ``profile``."""
+    import deepspeed.git_version_info as info
+    import torch.utils.cpp_extension as ce
+
+    from bertdist import device_profile
+
+    monkeypatch.setitem(info.installed_ops, "fused_lamb", False)
+    monkeypatch.setitem(info.installed_ops, "fused_adam", False)
+    monkeypatch.setattr(ce, "is_ninja_available", lambda: True)
+    monkeypatch.setattr(device_profile, "detect", lambda: profile)
+
+
+def _failing_build(monkeypatch, builder_name):
+    """DeepSpeed's op builder raising its CUDA mismatch error when FusedLamb/FusedAdam load the op."""
+    import deepspeed.ops.op_builder as ob
+    from deepspeed.ops.op_builder.builder import CUDAMismatchException
+
+    calls = []
+
+    def load(self, verbose=False):
+        calls.append(type(self).__name__)
+        raise CUDAMismatchException(">- DeepSpeed Op Builder: Installed CUDA version 13.1 does not match the version "
+                                    "torch was compiled with 13.0, unable to compile cuda/cpp extensions without a "
+                                    "matching cuda version.")
+    monkeypatch.setattr(getattr(ob, builder_name), "load", load)
+    return calls
+
+
+def test_lamb_falls_back_to_pytorch_lamb_when_the_fusedlamb_build_fails(monkeypatch):
+    _jit_buildable(monkeypatch, by_name("h100"))
+    calls = _failing_build(monkeypatch, "FusedLambBuilder")
+    model = _tiny_model()
+    with pytest.warns(RuntimeWarning) as record:
+        opt = build_optimizer(model, OptimizerConfig(name="lamb"), "cuda")
+    assert type(opt) is Lamb and calls  # the build was tried, and its failure caught
+    (w,) = record.list
+    msg = str(w.message)
+    assert "fused_lamb op failed to build or load: CUDAMismatchException" in msg
+    assert "13.1 does not match the version torch was compiled with 13.0" in msg and "PyTorch Lamb" in msg
+    with pytest.raises(ConfigError, match="implementation=fused: DeepSpeed's fused_adam op failed .*13.1"):
+        _failing_build(monkeypatch, "FusedAdamBuilder")
+        build_optimizer(model, OptimizerConfig(name="adamw", implementation="fused"), "cuda")
+
+
+def test_optimizer_choice_per_profile_without_building(monkeypatch):
+    import deepspeed.ops.op_builder as ob
+
+    from bertdist.train.optim import optimizer_choice
+
+    h100 = by_name("h100")
+    _jit_buildable(monkeypatch, h100)
+    monkeypatch.setattr(ob.FusedLambBuilder, "load", lambda self, verbose=False: pytest.fail("built"))
+    lamb, adamw = OptimizerConfig(name="lamb"), OptimizerConfig(name="adamw")
+    impl, why = optimizer_choice(lamb, h100)
+    assert impl == "deepspeed.ops.lamb.FusedLamb" and "toolkit 13.0 for torch's CUDA 13.0" in why
+    assert "falls back to bertdist's Lamb" in why
+    assert optimizer_choice(adamw, h100)[0] == "torch.optim.AdamW(fused=True)"
+    assert optimizer_choice(OptimizerConfig(name="adamw", implementation="fused"), h100)[0] == \
+        "deepspeed.ops.adam.FusedAdam"
+    assert optimizer_choice(lamb, by_name("cpu")) == (
+        "bertdist.train.lamb.Lamb", "implementation auto on cpu: DeepSpeed's fused optimizers are CUDA-only")
+    assert optimizer_choice(OptimizerConfig(name="lamb", implementation="torch"), h100)[0] == "bertdist.train.lamb.Lamb"
+    # A node whose toolkit DeepSpeed refuses for torch's CUDA 13.0 (its table stops at CUDA 12).
+    impl, why = optimizer_choice(lamb, h100.with_(toolkit="13.1"))
+    assert impl == "bertdist.train.lamb.Lamb"
+    assert "toolkit 13.1 differs from torch's CUDA 13.0" in why and "DS_SKIP_CUDA_CHECK=1" in why
+    monkeypatch.setenv("DS_SKIP_CUDA_CHECK", "1")
+    assert optimizer_choice(lamb, h100.with_(toolkit="13.1"))[0] == "deepspeed.ops.lamb.FusedLamb"
+    monkeypatch.delenv("DS_SKIP_CUDA_CHECK")
+    # CUDA 12 minor versions DeepSpeed accepts as compatible.
+    assert optimizer_choice(lamb, h100.with_(toolkit="12.4", torch_cuda="12.8"))[0] == "deepspeed.ops.lamb.FusedLamb"
+    with pytest.raises(ConfigError, match="fused needs CUDA; this process runs on cpu"):
+        optimizer_choice(OptimizerConfig(name="lamb", implementation="fused"), by_name("cpu"))
+    with pytest.raises(ConfigError, match="implementation=fused: .*toolkit 13.1 differs"):
+        optimizer_choice(OptimizerConfig(name="lamb", implementation="fused"), h100.with_(toolkit="13.1"))

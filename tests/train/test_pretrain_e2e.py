@@ -117,7 +117,7 @@ def test_nonfinite_loss_on_one_rank_aborts_all_before_the_update(tmp_path, train
     res = run_pretrain(2, args, faults=["--nan-loss-on-rank", "1", "--nan-loss-from-call", "3"])
     out = res.stdout + res.stderr
     assert "training aborted: non-finite loss at step 3" in out, out[-4000:]
-    assert "the update was not applied" in out and "--resume auto" in out
+    assert "the update was not saved" in out and "--resume auto" in out
     assert [r["step"] for r in metrics(tmp_path)] == [1, 2]  # both ranks stopped at the same step
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000002"
 

@@ -47,7 +47,7 @@ def test_a_nonfinite_loss_stops_before_the_update(group, tmp_path, train_records
         with torch.no_grad():
             engine.module.cls.seq_relationship.bias.fill_(float("nan"))
 
-    with pytest.raises(NonFiniteLossError, match="non-finite loss at step 1 \\(fp32\\); the update was not applied"):
+    with pytest.raises(NonFiniteLossError, match="non-finite loss at step 1 \\(fp32\\); the update was not saved"):
         run_steps(tiny_cfg(tmp_path, train_records, small_vocab), train_records, 1, fault=poison)
 
 
