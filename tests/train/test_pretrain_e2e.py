@@ -111,7 +111,7 @@ def test_sigterm_checkpoints_and_exits_cleanly(launcher, tmp_path, train_records
         assert "SignalException" in chunk[:4000], chunk[:4000]
 
 
-def test_nonfinite_loss_on_one_rank_aborts_all_before_the_update(tmp_path, train_records, small_vocab):
+def test_nonfinite_loss_on_one_rank_aborts_all_before_the_update_is_saved(tmp_path, train_records, small_vocab):
     args = tiny_args(tmp_path, train_records, small_vocab, "checkpoint.every_steps=2", "eval.at_start=false",
                      "eval.every_steps=0")
     res = run_pretrain(2, args, faults=["--nan-loss-on-rank", "1", "--nan-loss-from-call", "3"])

@@ -40,7 +40,7 @@ def test_activation_checkpointing_changes_memory_not_results(group, tmp_path, tr
     assert "forward" in vars(layer)  # routed through the checkpoint function, from outside the model
 
 
-def test_a_nonfinite_loss_stops_before_the_update(group, tmp_path, train_records, small_vocab):
+def test_a_nonfinite_loss_stops_the_run_before_the_update_is_saved(group, tmp_path, train_records, small_vocab):
     from bertdist.train.step import NonFiniteLossError
 
     def poison(engine):
