@@ -12,6 +12,10 @@ alike. Per parameter tensor ``p`` with gradient ``g``, at step ``t``:
 
 Gradient clipping is not done here: DeepSpeed clips the global norm before
 ``step`` (``gradient_clipping``), as for FusedLamb.
+
+``step`` updates all tensors of a group (per device) with ``torch._foreach_*`` ops and picks the
+trust ratio with ``torch.where``: no host read of a device value, so on CUDA a step never waits
+for the GPU (an ``if`` on the norms would, once per tensor). The step count is a CPU tensor.
 """
 from __future__ import annotations
 
@@ -38,37 +42,51 @@ class Lamb(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            b1, b2 = group["betas"]
+            by_device: dict[torch.device, list[torch.Tensor]] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                g = p.grad.float()
-                if g.is_sparse:
+                if p.grad.is_sparse:
                     raise RuntimeError("Lamb does not support sparse gradients")
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-                state["step"] += 1
-                t = state["step"].item()
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                m.mul_(b1).add_(g, alpha=1 - b1)
-                v.mul_(b2).addcmul_(g, g, value=1 - b2)
-                if group["bias_correction"]:
-                    m_hat, v_hat = m / (1 - b1**t), v / (1 - b2**t)
-                else:
-                    m_hat, v_hat = m, v
-                w = p.float()
-                update = m_hat / (v_hat.sqrt() + group["eps"])
-                if group["weight_decay"]:
-                    update.add_(w, alpha=group["weight_decay"])
-                w_norm, u_norm = w.norm(), update.norm()
-                if w_norm > 0 and u_norm > 0:
-                    trust = (w_norm / u_norm).clamp(group["min_coeff"], group["max_coeff"])
-                else:
-                    trust = torch.ones((), dtype=torch.float32)
-                w.add_(update * trust, alpha=-group["lr"])
-                if w is not p:  # p was bf16/fp16: write the update back in its own dtype
-                    p.copy_(w)
+                by_device.setdefault(p.device, []).append(p)
+            for params in by_device.values():
+                self._update(group, params)
         return loss
+
+    def _update(self, group: dict, params: list[torch.Tensor]) -> None:
+        """One LAMB step of ``params`` (one device), each with its own bias correction and trust ratio."""
+        b1, b2 = group["betas"]
+        ms, vs, bc1, bc2 = [], [], [], []
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+            state["step"] += 1
+            t = state["step"].item()  # a CPU tensor: no device sync
+            ms.append(state["exp_avg"])
+            vs.append(state["exp_avg_sq"])
+            bc1.append(1 - b1**t if group["bias_correction"] else 1.0)
+            bc2.append(1 - b2**t if group["bias_correction"] else 1.0)
+        grads = [p.grad.float() for p in params]
+        torch._foreach_mul_(ms, b1)
+        torch._foreach_add_(ms, grads, alpha=1 - b1)
+        torch._foreach_mul_(vs, b2)
+        torch._foreach_addcmul_(vs, grads, grads, value=1 - b2)
+        denom = torch._foreach_div(vs, bc2)
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, group["eps"])
+        update = torch._foreach_div(ms, bc1)
+        torch._foreach_div_(update, denom)
+        ws = [p.float() for p in params]  # p itself when fp32
+        if group["weight_decay"]:
+            torch._foreach_add_(update, ws, alpha=group["weight_decay"])
+        w_norm, u_norm = torch.stack(torch._foreach_norm(ws)), torch.stack(torch._foreach_norm(update))
+        ratio = (w_norm / u_norm).clamp(group["min_coeff"], group["max_coeff"])
+        trust = torch.where((w_norm > 0) & (u_norm > 0), ratio, torch.ones_like(ratio))
+        torch._foreach_mul_(update, list(trust.unbind()))
+        torch._foreach_add_(ws, update, alpha=-group["lr"])
+        low = [(p, w) for p, w in zip(params, ws) if w is not p]  # bf16/fp16 params: write back in their dtype
+        if low:
+            torch._foreach_copy_([p for p, _ in low], [w for _, w in low])

@@ -233,3 +233,104 @@ def test_optimizer_choice_per_profile_without_building(monkeypatch):
         optimizer_choice(OptimizerConfig(name="lamb", implementation="fused"), by_name("cpu"))
     with pytest.raises(ConfigError, match="implementation=fused: .*toolkit 13.1 differs"):
         optimizer_choice(OptimizerConfig(name="lamb", implementation="fused"), h100.with_(toolkit="13.1"))
+
+
+# ---------------------------------------------------------------- Lamb.step: foreach, no host sync, same numbers
+
+
+class _PerTensorLamb(Lamb):
+    """The per-tensor LAMB loop (an ``if`` on the norms per tensor), kept as the oracle of the foreach step."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad.float()
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+                state["step"] += 1
+                t = state["step"].item()
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m.mul_(b1).add_(g, alpha=1 - b1)
+                v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                if group["bias_correction"]:
+                    m_hat, v_hat = m / (1 - b1**t), v / (1 - b2**t)
+                else:
+                    m_hat, v_hat = m, v
+                w = p.float()
+                update = m_hat / (v_hat.sqrt() + group["eps"])
+                if group["weight_decay"]:
+                    update.add_(w, alpha=group["weight_decay"])
+                w_norm, u_norm = w.norm(), update.norm()
+                if w_norm > 0 and u_norm > 0:
+                    trust = (w_norm / u_norm).clamp(group["min_coeff"], group["max_coeff"])
+                else:
+                    trust = torch.ones((), dtype=torch.float32)
+                w.add_(update * trust, alpha=-group["lr"])
+                if w is not p:
+                    p.copy_(w)
+
+
+@pytest.mark.parametrize("bias_correction", [True, False])
+def test_foreach_lamb_step_equals_the_per_tensor_loop_bit_for_bit(bias_correction):
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(17, 5), (5,), (3, 4, 2), (8,), (6,), (1,)]
+
+    def params():
+        g = torch.Generator().manual_seed(7)
+        ps = [torch.nn.Parameter(torch.randn(s, generator=g) * 10 ** float(torch.randint(-3, 3, (1,), generator=g)))
+              for s in shapes]
+        ps[3].data.zero_()  # ||w|| = 0: trust ratio 1
+        ps[5].data = ps[5].data.to(torch.bfloat16)  # low-precision parameter, written back in its dtype
+        return ps
+
+    a, b = params(), params()
+    groups = lambda ps: [{"params": ps[:3], "weight_decay": 0.01}, {"params": ps[3:], "weight_decay": 0.0}]  # noqa: E731
+    kw = dict(lr=0.01, betas=(0.9, 0.999), eps=1e-6, bias_correction=bias_correction, max_coeff=10.0, min_coeff=0.01)
+    new, old = Lamb(groups(a), **kw), _PerTensorLamb(groups(b), **kw)
+    for step in range(5):
+        grads = [torch.randn(s, generator=gen) for s in shapes]
+        grads[4].zero_()  # ||u|| = 0 without weight decay: trust ratio 1
+        for i, (pa, pb, g) in enumerate(zip(a, b, grads)):
+            skip = i == 2 and step == 1  # a tensor without a gradient this step keeps its own step count
+            pa.grad = None if skip else g.to(pa.dtype).clone()
+            pb.grad = None if skip else g.to(pb.dtype).clone()
+        new.step()
+        old.step()
+        for pa, pb in zip(a, b):
+            assert pa.dtype == pb.dtype and torch.equal(pa, pb)
+            sa, sb = new.state[pa], old.state[pb]
+            assert torch.equal(sa["exp_avg"], sb["exp_avg"]) and torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"])
+            assert torch.equal(sa["step"], sb["step"])
+    assert new.state[a[2]]["step"].item() == 4 and new.state[a[0]]["step"].item() == 5
+
+
+def test_lamb_step_reads_no_device_value(monkeypatch):
+    """The step reads no tensor on the host except the CPU step counts (a CUDA step never waits)."""
+    reads = []
+    real_item, real_bool = torch.Tensor.item, torch.Tensor.__bool__
+
+    def item(t):
+        reads.append(("item", t.device.type, t.dim()))
+        return real_item(t)
+
+    def as_bool(t):
+        reads.append(("bool", t.device.type, t.dim()))
+        return real_bool(t)
+
+    ps = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]
+    opt = Lamb(ps, lr=0.1)
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    monkeypatch.setattr(torch.Tensor, "item", item)
+    monkeypatch.setattr(torch.Tensor, "__bool__", as_bool)
+    opt.step()
+    monkeypatch.undo()
+    assert reads == [("item", "cpu", 0)] * len(ps)  # only each tensor's step count
+    assert all(opt.state[p]["step"].device.type == "cpu" for p in ps)
