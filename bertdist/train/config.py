@@ -93,7 +93,7 @@ class DeepSpeedConfig:
     initial_scale_power: int = 16
     loss_scale_window: int = 1000
     hysteresis: int = 2
-    min_loss_scale: float = 1.0
+    min_loss_scale: int = 1  # the floor of the dynamic scale; DeepSpeed's schema takes an integer >= 1
     activation_checkpointing: Literal["none", "torch", "deepspeed"] = "none"
     ds_config: Optional[str] = None  # user JSON merged into the generated one; conflicts are errors
     dist_backend: Optional[str] = None  # None: nccl on CUDA, gloo on CPU
@@ -101,6 +101,9 @@ class DeepSpeedConfig:
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"deepspeed.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if self.min_loss_scale < 1:
+            raise ConfigError(f"deepspeed.min_loss_scale must be an integer >= 1 (DeepSpeed's fp16.min_loss_scale), "
+                              f"got {self.min_loss_scale}")
 
 
 @dataclasses.dataclass

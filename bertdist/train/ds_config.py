@@ -15,6 +15,7 @@ from typing import Any
 
 from bertdist.config import ConfigError
 from bertdist.train.config import TrainConfig
+from bertdist.train.precision import ds_precision_sections
 
 # Where each generated DeepSpeed key comes from in our config (for conflict messages).
 _SOURCE = {
@@ -23,8 +24,12 @@ _SOURCE = {
     "gradient_accumulation_steps": "data.global_batch_size / (micro x world)",
     "gradient_clipping": "deepspeed.gradient_clipping",
     "zero_optimization.stage": "deepspeed.zero_stage",
-    "bf16.enabled": "deepspeed.precision",
+    "bf16.enabled": "deepspeed.precision (bf16 runs under torch_autocast over fp32 weights)",
     "fp16.enabled": "deepspeed.precision",
+    "torch_autocast.enabled": "deepspeed.precision",
+    "torch_autocast.dtype": "deepspeed.precision",
+    "torch_autocast.lower_precision_safe_modules": "deepspeed.precision (gradients reduced in fp32)",
+    "communication_data_type": "deepspeed.precision (gradients reduced in fp32)",
     "fp16.initial_scale_power": "deepspeed.initial_scale_power",
     "fp16.loss_scale_window": "deepspeed.loss_scale_window",
     "fp16.hysteresis": "deepspeed.hysteresis",
@@ -47,20 +52,14 @@ def generate_ds_config(cfg: TrainConfig, world_size: int, grad_accum: int) -> di
         "zero_optimization": {"stage": d.zero_stage},
         # Our optimizers are plain torch ones (AdamW) or DeepSpeed's; LAMB is refused with ZeRO (config.py).
         "zero_allow_untested_optimizer": True,
-        "bf16": {"enabled": d.precision == "bf16"},
-        "fp16": {"enabled": d.precision == "fp16"},
         "steps_per_print": 2**31 - 1,  # our own logging replaces DeepSpeed's
         "wall_clock_breakdown": False,
-        # ZeRO-3 must gather the full weights into mp_rank_00_model_states.pt for export.
+        # What each precision stores, computes, accumulates and communicates: precision.py.
+        **ds_precision_sections(d.precision, initial_scale_power=d.initial_scale_power,
+                                loss_scale_window=d.loss_scale_window, hysteresis=d.hysteresis,
+                                min_loss_scale=d.min_loss_scale),
     }
-    if d.precision == "fp16":
-        out["fp16"].update(
-            loss_scale=0,  # 0 = dynamic
-            initial_scale_power=d.initial_scale_power,
-            loss_scale_window=d.loss_scale_window,
-            hysteresis=d.hysteresis,
-            min_loss_scale=d.min_loss_scale,
-        )
+    # ZeRO-3 must gather the full weights into mp_rank_00_model_states.pt for export.
     if d.zero_stage == 3:
         out["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     if d.activation_checkpointing == "deepspeed":

@@ -13,6 +13,7 @@ from typing import Literal
 from bertdist.config import ConfigError, to_dict
 from bertdist.train.checkpoint import latest_tag, read_checkpoint_state, resolve_checkpoint
 from bertdist.train.config import TrainConfig
+from bertdist.train.precision import precision_policy
 from bertdist.train.state import TrainerState
 
 # Model fields that change the weights' shapes; a resume with any of them changed is refused.
@@ -27,7 +28,7 @@ class RestorePlan:
     tag: str | None = None
     saved: TrainerState | None = None
     # The checkpoint was written by another world size and its optimizer state is partitioned
-    # per rank (ZeRO, or bf16's fp32 master shards): it must be loaded as a universal checkpoint.
+    # per rank (ZeRO 1-3): it must be loaded as a universal checkpoint.
     universal: bool = False
 
 
@@ -52,12 +53,22 @@ def check_compatible(saved: TrainerState, cfg: TrainConfig, what: str) -> None:
             if theirs != ours:
                 problems.append(f"{'optimizer' if key == 'lr' else 'schedule'}.{key}: checkpoint {theirs!r}, "
                                 f"config {ours!r}")
+    if _bf16_weights(saved) and (what == "resume" or cfg.checkpoint.init_load_optimizer):
+        problems.append("precision: the checkpoint holds bf16 weights and DeepSpeed's bf16 optimizer wrapper state; "
+                        "bertdist's bf16 trains fp32 weights under autocast (bertdist/train/precision.py), which "
+                        "cannot load that optimizer state (checkpoint.init_from with init_load_optimizer=false "
+                        "loads the weights)")
     if problems:
         raise ConfigError(
             f"cannot {what} from this checkpoint, the config is incompatible:\n  " + "\n  ".join(problems)
             + ("\n(to change these, start a new phase from the checkpoint with checkpoint.init_from instead of "
                "--resume)" if what == "resume" else "")
         )
+
+
+def _bf16_weights(saved: TrainerState) -> bool:
+    """A bf16 checkpoint from DeepSpeed's bf16 mode: bf16 weights, fp32 masters in the optimizer wrapper."""
+    return saved.precision == "bf16" and saved.weights is None
 
 
 def _read_state(load_dir: Path, tag: str) -> TrainerState:
@@ -91,7 +102,7 @@ def plan_restore(cfg: TrainConfig, resume: str | None, world_size: int) -> Resto
         plan = RestorePlan("init", load_dir, tag, saved)
     loads_optimizer = plan.mode == "resume" or (plan.mode == "init" and cfg.checkpoint.init_load_optimizer)
     if plan.saved is not None and plan.saved.world_size != world_size and loads_optimizer:
-        universal = plan.saved.zero_stage > 0 or plan.saved.precision == "bf16"
+        universal = plan.saved.zero_stage > 0
         plan = dataclasses.replace(plan, universal=universal)
     return plan
 
@@ -102,6 +113,7 @@ def new_state(cfg: TrainConfig, world_size: int, grad_accum: int) -> TrainerStat
         step=0, phase=cfg.phase, phases=[{"phase": cfg.phase, "init_from": None, "init_step": None}],
         loader={"epoch": 0, "position": 0}, world_size=world_size, model=to_dict(cfg.model),
         optimizer=cfg.optimizer.name, zero_stage=cfg.deepspeed.zero_stage, precision=cfg.deepspeed.precision,
+        weights=precision_policy(cfg.deepspeed.precision).weights,
         seed=cfg.seed, micro_batch_size=cfg.data.micro_batch_size, global_batch_size=cfg.data.global_batch_size,
         grad_accum=grad_accum, schedule={"lr": cfg.optimizer.lr, **to_dict(cfg.schedule)})
 

@@ -36,6 +36,9 @@ class TrainerState:
     grad_accum: int | None = None
     schedule: dict[str, Any] | None = None  # {"lr": peak lr, **ScheduleConfig}
     imported_from: str | None = None  # the HF directory imported weights came from
+    # dtype of the module's weights ("fp32", "fp16"; precision.py); None in checkpoints that predate it,
+    # where bf16 meant DeepSpeed's bf16 weights with fp32 master copies in its optimizer wrapper
+    weights: str | None = None
     format: int = STATE_FORMAT
 
     def to_dict(self) -> dict[str, Any]:

@@ -108,6 +108,7 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None) -> TrainResult:
     from bertdist.train.engine import build_engine, save_ds_config
     from bertdist.train.loader import LoaderState, PretrainingLoader
     from bertdist.train.metrics import RunLogger, device_peak_flops
+    from bertdist.train.precision import autocast_dtype, engine_reports_grad_norm
     from bertdist.train.restore import new_state, plan_restore, restore
     from bertdist.train.step import StepRunner
 
@@ -127,7 +128,8 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None) -> TrainResult:
     # kernels: auto on CUDA: rank 0 measures (or reads its cache) for this run's shapes and broadcasts the
     # plan, so every rank runs the same kernels; a copy goes to run_dir. Before seeding: it may use the RNG.
     kernels = kernels_for_run(cfg.model.kernels, cfg.model, device, micro_batch=cfg.data.micro_batch_size,
-                              seq=cfg.data.max_seq_length, precision=cfg.deepspeed.precision, run_dir=str(run_dir))
+                              seq=cfg.data.max_seq_length, precision=cfg.deepspeed.precision,
+                              autocast=autocast_dtype(cfg.deepspeed.precision) is not None, run_dir=str(run_dir))
     built = build_engine(cfg, plan, world, grad_accum, device.type, kernels)
     engine = built.engine
     if rank == 0:
@@ -152,7 +154,7 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None) -> TrainResult:
                                    "dropped_per_epoch": loader.dropped_per_epoch, "loader": state.loader},
                tensorboard=False)
     runner = StepRunner(engine, device, grad_accum, cfg.deepspeed.precision, cfg.model,
-                        own_grad_norm=cfg.deepspeed.zero_stage == 0 and cfg.deepspeed.precision == "fp32")
+                        own_grad_norm=not engine_reports_grad_norm(cfg.deepspeed.precision, cfg.deepspeed.zero_stage))
     session = _Session(cfg, engine, ckpt, log, eval_set, device, world, state)
     stop = _Stop()
     if cfg.checkpoint.save_on_sigterm:
@@ -227,7 +229,8 @@ class _Session:
                 raise NonFiniteLossError(
                     f"{consecutive_bad} consecutive steps with non-finite loss or gradient overflow (fp16 loss "
                     f"scale now {scale}) at step {step}. Try bf16 instead of fp16, a lower optimizer.lr or a "
-                    f"longer warmup, a lower deepspeed.min_loss_scale or initial_scale_power, and check the "
+                    f"longer warmup, a lower deepspeed.initial_scale_power (min_loss_scale is an integer >= 1, "
+                    f"now {cfg.deepspeed.min_loss_scale}), and check the "
                     f"records; restart from the last good checkpoint with --resume auto")
             if res.sums["stop"] > 0:
                 self.stopped_by = "sigterm"

@@ -64,7 +64,9 @@ def test_generated_deepspeed_config_covers_precision_zero_and_checkpointing():
     base = load_train_config(REPO / "configs/pretrain/bert-base-phase1.yaml")
     bf = generate_ds_config(base, 8, check_batch_sizes(base.data, 8))
     assert bf["gradient_accumulation_steps"] == 65536 // (256 * 8)
-    assert bf["bf16"]["enabled"] and not bf["fp16"]["enabled"]
+    # bf16: autocast over fp32 weights, fp32 gradients and all-reduce (precision.py)
+    assert bf["torch_autocast"]["enabled"] and not bf["bf16"]["enabled"] and not bf["fp16"]["enabled"]
+    assert bf["communication_data_type"] == "fp32"
 
 
 def test_user_ds_config_merge_and_conflicts(tmp_path):

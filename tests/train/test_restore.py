@@ -98,9 +98,10 @@ def test_plan_fresh_resume_and_new_phase(tmp_path):
 
 
 def test_plan_needs_universal_loading_only_for_partitioned_state(tmp_path):
-    # saved by 2 ranks; resumed on 1: ZeRO shards (and bf16's fp32 master shards) must be re-partitioned
+    # saved by 2 ranks; resumed on 1: ZeRO shards must be re-partitioned; bf16 at ZeRO 0 keeps whole
+    # fp32 weights and optimizer state on every rank, as fp32 does
     for overrides, universal in ((["optimizer.name=adamw", "deepspeed.zero_stage=2"], True),
-                                 (["deepspeed.zero_stage=0", "deepspeed.precision=bf16"], True),
+                                 (["deepspeed.zero_stage=0", "deepspeed.precision=bf16"], False),
                                  (["deepspeed.zero_stage=0", "deepspeed.precision=fp32"], False)):
         cfg = _cfg(tmp_path / "_".join(overrides), *overrides)
         _write_checkpoint(Path(cfg.checkpoint_dir), _saved(cfg))
@@ -113,6 +114,24 @@ def test_plan_needs_universal_loading_only_for_partitioned_state(tmp_path):
         cfg = _cfg(tmp_path / f"dst{load_opt}", "optimizer.name=adamw", "deepspeed.zero_stage=2",
                    f"checkpoint.init_from={src.checkpoint_dir}", f"checkpoint.init_load_optimizer={load_opt}")
         assert plan_restore(cfg, None, 1).universal is universal
+
+
+def test_bf16_checkpoint_with_bf16_weights_loads_only_its_weights(tmp_path):
+    # A bf16 checkpoint without "weights" was written by DeepSpeed's bf16 mode: bf16 weights and an
+    # optimizer wrapper's state, which the fp32-weight optimizer cannot load.
+    cfg = _cfg(tmp_path / "a", "deepspeed.precision=bf16")
+    assert new_state(cfg, 1, 1).weights == "fp32"
+    _write_checkpoint(Path(cfg.checkpoint_dir), _saved(cfg, weights=None))
+    with pytest.raises(ConfigError, match="bf16 weights and DeepSpeed's bf16 optimizer wrapper state"):
+        plan_restore(cfg, "auto", 2)
+    for load_opt, ok in (("true", False), ("false", True)):
+        dst = _cfg(tmp_path / f"b{load_opt}", "deepspeed.precision=bf16", f"checkpoint.init_from={cfg.checkpoint_dir}",
+                   f"checkpoint.init_load_optimizer={load_opt}")
+        if ok:
+            assert plan_restore(dst, None, 2).mode == "init"
+        else:
+            with pytest.raises(ConfigError, match="init_load_optimizer=false"):
+                plan_restore(dst, None, 2)
 
 
 def test_broken_checkpoints_are_refused_with_the_path(tmp_path):
