@@ -12,8 +12,14 @@
 Two more, independent extensions, ``data_pipeline._native_instances`` and
 ``data_pipeline._native_wordpiece`` (csrc/data_pipeline/), are plain pybind11 modules without
 torch (Beam workers must not import torch). They are built first, by setuptools' own
-build_extension, each in its own try: a failure costs only that module (the data pipeline then
-uses its Python reference) and never stops the other nor ``bertdist._C``, nor the reverse.
+build_extension. Where a C++ compiler exists, a failed build of either is an error of the whole
+install (data_pipeline/native_build.py: BERTDIST_DATA_NATIVE=optional turns it into a fall back
+to the module's Python reference); without a compiler they are skipped and the Python reference
+runs. Neither ever stops ``bertdist._C``, nor the reverse.
+
+BERTDIST_EXTENSIONS=data builds only the two data modules, in build/data-only/: the wheel that a
+Beam job stages for its SDK workers (``pip wheel --no-deps --no-build-isolation .``), which
+never import torch.
 
 ``bertdist._C_emu`` (the CUDA kernels compiled by the host compiler for the SIMT emulator in
 csrc/emu, so that they run in CI without a GPU) is built last, in its own try and its own
@@ -31,9 +37,22 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext as PlainBuildExt
 
 ROOT = Path(__file__).resolve().parent
-_spec = importlib.util.spec_from_file_location("_bertdist_build_config", ROOT / "bertdist" / "ops" / "_build_config.py")
-bc = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bc)
+
+
+def _load_by_path(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bc = _load_by_path("_bertdist_build_config", ROOT / "bertdist" / "ops" / "_build_config.py")
+native_build = _load_by_path("_bertdist_native_build", ROOT / "data_pipeline" / "native_build.py")
+DATA_NATIVE_REQUIRED, DATA_NATIVE_WHY = native_build.native_required()
+# "all" (the default) or "data": only the torch-free data modules (the Beam workers' wheel)
+EXTENSIONS = os.environ.get("BERTDIST_EXTENSIONS", "all")
+if EXTENSIONS not in ("all", "data"):
+    raise SystemExit(f"BERTDIST_EXTENSIONS={EXTENSIONS!r} is not one of ['all', 'data']")
 
 GEN_DIR = ROOT / "build" / "bertdist_generated"
 
@@ -92,9 +111,17 @@ def _data_extensions():
     try:
         import pybind11
     except ImportError as e:
+        if DATA_NATIVE_REQUIRED:
+            raise RuntimeError(f"pybind11 not importable ({e}), and {', '.join(DATA_EXT_SOURCES)} must be built: "
+                               f"{DATA_NATIVE_WHY} (BERTDIST_DATA_NATIVE=optional falls back to the Python reference)")
         _log(f"pybind11 not importable ({e}); {', '.join(DATA_EXT_SOURCES)} not built "
              "(the data pipeline uses its Python reference)")
         return []
+    if native_build.cxx_compiler() is None and not DATA_NATIVE_REQUIRED:
+        _log(f"{', '.join(DATA_EXT_SOURCES)} not built: {DATA_NATIVE_WHY} (the data pipeline uses its Python reference)")
+        return []
+    _log(f"{', '.join(DATA_EXT_SOURCES)}: {'a failed build is an error' if DATA_NATIVE_REQUIRED else 'optional'} "
+         f"({DATA_NATIVE_WHY})")
     # -O3 but no -march=native: the modules must run on any x86-64 machine they are copied to.
     return [
         Extension(name, [source], include_dirs=[pybind11.get_include()], language="c++",
@@ -105,18 +132,22 @@ def _data_extensions():
 
 
 def _build_data_extension(cmd, ext) -> bool:
-    """Build ``ext`` with setuptools' plain build_extension (no torch flags); False on failure."""
+    """Build ``ext`` with setuptools' plain build_extension (no torch flags); False on a failure
+    that the policy allows (no compiler, or BERTDIST_DATA_NATIVE=optional), else raise."""
     try:
         PlainBuildExt.build_extension(cmd, ext)
         return True
     except Exception as e:  # compiler/linker errors surface as various exception types
         _log(f"{ext.name} build failed: {type(e).__name__}: {e}\n{traceback.format_exc()}")
-        _log(f"{ext.name} NOT built: the data pipeline falls back to its Python reference for it (auto mode)")
+        if DATA_NATIVE_REQUIRED:
+            raise RuntimeError(f"{ext.name} failed to build and must: {DATA_NATIVE_WHY} "
+                               "(BERTDIST_DATA_NATIVE=optional falls back to the Python reference)") from e
+        _log(f"{ext.name} NOT built ({DATA_NATIVE_WHY}): the data pipeline falls back to its Python reference for it")
         return False
 
 
 DATA_EXTS = _data_extensions()
-EXT, CPU_FALLBACK, CE = _extensions()
+EXT, CPU_FALLBACK, CE = _extensions() if EXTENSIONS == "all" else (None, None, None)
 
 
 def _emu_extension(ce):
@@ -203,7 +234,7 @@ if EXT is not None:
 else:
 
     class BuildExt(PlainBuildExt):
-        """No torch: only the data extension, still never fatal."""
+        """No torch, or BERTDIST_EXTENSIONS=data: only the data extensions."""
 
         def build_extensions(self):
             self.extensions = _split_data_extension(self)
@@ -211,4 +242,7 @@ else:
     build_ext_cmd = BuildExt
 
 ext_modules = DATA_EXTS + ([EXT] if EXT is not None else []) + ([EMU_EXT] if EMU_EXT is not None else [])
-setup(ext_modules=ext_modules, cmdclass={"build_ext": build_ext_cmd} if ext_modules else {})
+# a data-only build has its own build folder: build/lib of a full build holds bertdist._C, which
+# would otherwise go into the wheel
+options = {"build": {"build_base": str(ROOT / "build" / "data-only")}} if EXTENSIONS == "data" else {}
+setup(ext_modules=ext_modules, cmdclass={"build_ext": build_ext_cmd} if ext_modules else {}, options=options)

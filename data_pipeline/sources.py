@@ -14,7 +14,8 @@ import os
 import zlib
 from typing import BinaryIO, Iterator
 
-from data_pipeline.text import clean_line, clean_lines, decode_bytes
+from data_pipeline.decoding import decode_document, decode_strict
+from data_pipeline.text import clean_line, clean_lines
 
 
 # which files a directory input means, per source kind
@@ -78,16 +79,24 @@ def open_input(path: str) -> BinaryIO:
 STREAM_ERRORS = (EOFError, OSError, zlib.error, ValueError)
 
 
-def read_text_document(stream: BinaryIO, max_chars: int) -> tuple[str, list[str]]:
-    """A whole small-to-large document (a book). Returns (text, events)."""
+def decoded_event(encoding: str) -> str:
+    """The counter of documents (or lines) decoded from ``encoding`` (the manifest's "encodings")."""
+    return f"decoded_{encoding}"
+
+
+def read_text_document(stream: BinaryIO, max_chars: int) -> tuple[str | None, list[str]]:
+    """A whole small-to-large document (a book). Returns (text, events); text is None when the
+    file cannot be read or decoded with confidence (see data_pipeline.decoding)."""
     events = []
     try:
         data = stream.read(max_chars * 4 + 1)  # utf-8 is at most 4 bytes per char
     except STREAM_ERRORS:
-        return "", ["skipped_unreadable_file"]
-    text, repaired = decode_bytes(data)
-    if repaired:
-        events.append("repaired_non_utf8")
+        return None, ["skipped_unreadable_file"]
+    decoded = decode_document(data)
+    if decoded is None:
+        return None, ["skipped_undecodable_document"]
+    text = decoded.text
+    events.append(decoded_event(decoded.encoding))
     if len(text) > max_chars:
         text = text[:max_chars]
         events.append("repaired_truncated_enormous_document")
@@ -108,7 +117,8 @@ def _line_before_is_blank(stream: BinaryIO, pos: int, chunk: int = 1 << 16) -> b
         cut = tail.rfind(b"\n", 0, len(tail) - 1)  # the newline that ends the line before
         if cut >= 0 or lo == 0:
             line = tail[cut + 1:]
-            return not clean_line(decode_bytes(line)[0])
+            text, enc = decode_text_line(line)
+            return enc != "undecodable" and not clean_line(text)
         end = lo
 
 
@@ -135,21 +145,32 @@ def _read_lines(stream: BinaryIO, size: int) -> tuple[list[bytes], bool]:
     return raws, False
 
 
-def _clean_lines(lines: list[bytes]) -> tuple[list[str], int]:
-    """``clean_line(decode_bytes(line))`` of every line (each ends with "\n" but maybe the
-    last), and how many lines needed a UTF-8 repair. A block of valid UTF-8 is decoded and
-    cleaned whole (``clean_lines``), at a fraction of the per-line calls."""
+def decode_text_line(raw: bytes) -> tuple[str, str | None]:
+    """One line of BERT-format text: (text, encoding when it was not UTF-8). Each line on its
+    own, so that the result does not depend on how a file is cut into ranges; a line that cannot
+    be decoded with confidence is ("", "undecodable"): skipped and counted, never a document break."""
+    text = decode_strict(raw)
+    if text is not None:
+        return text, None
+    decoded = decode_document(raw)
+    return (decoded.text, decoded.encoding) if decoded is not None else ("", "undecodable")
+
+
+def _clean_lines(lines: list[bytes]) -> tuple[list[str | None], list[str]]:
+    """``clean_line(decode_text_line(line))`` of every line (each ends with "\n" but maybe the
+    last; None for an undecodable one), and the encodings of the lines that were not UTF-8. A block of valid UTF-8 is decoded
+    and cleaned whole (``clean_lines``), at a fraction of the per-line calls."""
     block = b"".join(lines)
-    try:
-        text = block.decode("utf-8")
-    except UnicodeDecodeError:  # rare: repair line by line, so every repaired line is counted
-        out, repaired = [], 0
+    text = decode_strict(block)
+    if text is None:  # rare: line by line, so every line decoded otherwise is counted
+        out, encodings = [], []
         for raw in lines:
-            line, bad = decode_bytes(raw)
-            repaired += bad
-            out.append(clean_line(line))
-        return out, repaired
-    return clean_lines(text)[:len(lines)], 0
+            line, enc = decode_text_line(raw)
+            if enc is not None:
+                encodings.append(enc)
+            out.append(None if enc == "undecodable" else clean_line(line))
+        return out, encodings
+    return clean_lines(text)[:len(lines)], []
 
 
 def iter_bert_format(stream: BinaryIO, start: int = 0, end: int | None = None, *, block_bytes: int = 1 << 20
@@ -160,6 +181,7 @@ def iter_bert_format(stream: BinaryIO, start: int = 0, end: int | None = None, *
     that does not depend on the split. ``start > 0`` needs a seekable stream. Lines are read and
     cleaned in blocks of about ``block_bytes`` (whole lines)."""
     sents: list[str] = []
+    in_doc = False
     doc_at = pos = 0
     prev_blank = True
     if start > 0:
@@ -184,23 +206,25 @@ def iter_bert_format(stream: BinaryIO, start: int = 0, end: int | None = None, *
             size, past_end = past_end, min(2 * past_end, block_bytes)
         raws, damaged = _read_lines(stream, size)
         if raws:
-            lines, repaired = _clean_lines(raws)
-            for _ in range(repaired):
-                yield ("!event", "repaired_non_utf8")
+            lines, encodings = _clean_lines(raws)
+            for enc in encodings:
+                yield ("!event", "skipped_undecodable_line" if enc == "undecodable" else decoded_event(enc))
             for raw, line in zip(raws, lines):
-                if line:
-                    if not sents:
+                if line or line is None:  # None: an undecodable line, of its document but no sentence
+                    if not in_doc:
                         if not prev_blank:  # the tail of a document that started before ``start``
                             pos += len(raw)
                             continue
                         if end is not None and pos >= end:
                             return
-                        doc_at = pos
-                    sents.append(line)
-                elif sents:
-                    yield (doc_at, sents)
-                    sents = []
-                prev_blank = not line
+                        doc_at, in_doc = pos, True
+                    if line:
+                        sents.append(line)
+                elif in_doc:
+                    if sents:
+                        yield (doc_at, sents)
+                    sents, in_doc = [], False
+                prev_blank = line == ""
                 pos += len(raw)
         elif not damaged:
             break
@@ -218,9 +242,12 @@ def iter_json_lines(stream: BinaryIO, text_field: str, id_field: str) -> Iterato
             lineno += 1
             if not raw.strip():
                 continue
-            line, repaired = decode_bytes(raw)
-            if repaired:
-                yield ("!event", "repaired_non_utf8")
+            decoded = decode_document(raw)
+            if decoded is None:
+                yield ("!event", "skipped_undecodable_json_line")
+                continue
+            line = decoded.text
+            yield ("!event", decoded_event(decoded.encoding))
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError:
