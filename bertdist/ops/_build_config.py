@@ -21,9 +21,16 @@ CUDA_SOURCES = ("cuda_layer_norm.cu", "cuda_attention.cu")
 EXT_NAME = "bertdist._C"
 
 # BERTDIST_CUDA_ARCHS uses TORCH_CUDA_ARCH_LIST's syntax: "8.0;9.0+PTX" (the default) means
-# SASS for sm_80 and sm_90 plus PTX for compute_90, which later GPUs JIT-compile.
+# SASS for sm_80 and sm_90 plus PTX for compute_90, which later GPUs JIT-compile. An "a" suffix
+# (9.0a, 10.0a) targets one GPU's architecture-specific features (wgmma, tcgen05), "f" (10.0f,
+# CUDA 12.9+) the family. Unset, TORCH_CUDA_ARCH_LIST is used when set, else the default.
 ARCH_ENV = "BERTDIST_CUDA_ARCHS"
+TORCH_ARCH_ENV = "TORCH_CUDA_ARCH_LIST"
 DEFAULT_ARCHS = "8.0;9.0+PTX"
+_ARCH_ITEM = re.compile(r"(\d+)\.(\d)([af]?)(\+PTX)?")
+# TORCH_CUDA_ARCH_LIST's names for the architectures the kernels take (sm_80+), as torch expands them.
+_NAMED_ARCHS = {"Ampere": "8.0;8.6+PTX", "Ampere+Tegra": "8.7", "Ada": "8.9+PTX", "Hopper": "9.0+PTX",
+                "Blackwell": "10.0;10.3;12.0;12.1+PTX", "Blackwell+Tegra": "11.0"}
 # BERTDIST_CUDA=0 forces a CPU-only build; 1 makes a failing CUDA build an error.
 CUDA_ENV = "BERTDIST_CUDA"
 
@@ -60,22 +67,36 @@ def find_cuda_home() -> tuple[str | None, str]:
     return home, f"from {nvcc}"
 
 
+def arch_spec() -> tuple[str, str]:
+    """(arch list, where it came from): BERTDIST_CUDA_ARCHS, else TORCH_CUDA_ARCH_LIST, else the default."""
+    for var in (ARCH_ENV, TORCH_ARCH_ENV):
+        value = (os.environ.get(var) or "").strip()
+        if value:
+            return value, var
+    return DEFAULT_ARCHS, "default"
+
+
 def arch_flags(spec: str | None = None) -> tuple[list[str], str]:
-    """nvcc -gencode flags and a short label for BERTDIST_CUDA_ARCHS."""
-    spec = spec or os.environ.get(ARCH_ENV) or DEFAULT_ARCHS
+    """nvcc -gencode flags and a short label for an arch list (default: ``arch_spec()``)."""
+    source = "argument"
+    if spec is None:
+        spec, source = arch_spec()
     flags, labels = [], []
-    for item in re.split(r"[;\s,]+", spec.strip()):
-        if not item:
-            continue
-        ptx = item.endswith("+PTX")
-        num = item.removesuffix("+PTX").replace(".", "")
-        if not num.isdigit():
-            raise ValueError(f"{ARCH_ENV}: bad arch {item!r} in {spec!r} (expected e.g. 8.0;9.0+PTX)")
+    items = [i for i in re.split(r"[;\s,]+", spec.strip()) if i]
+    for item in [x for i in items for x in _NAMED_ARCHS.get(i, i).split(";")]:
+        m = _ARCH_ITEM.fullmatch(item)
+        if not m:
+            where = f"{source}={spec!r}" if source in (ARCH_ENV, TORCH_ARCH_ENV) else repr(spec)
+            raise ValueError(f"{where}: bad arch {item!r} (expected major.minor with an optional a or f suffix "
+                             f"and +PTX, e.g. 8.0;9.0a;10.0f;9.0+PTX, or one of {', '.join(_NAMED_ARCHS)})")
+        num = f"{m.group(1)}{m.group(2)}{m.group(3)}"
         flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
         labels.append(f"sm_{num}")
-        if ptx:
+        if m.group(4):
             flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
             labels.append(f"compute_{num}")
+    if not flags:
+        raise ValueError(f"{source}: no architecture in {spec!r}")
     return flags, ",".join(labels)
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -148,6 +149,32 @@ def test_arch_flags_and_cuda_home_discovery(tmp_path, monkeypatch):
     monkeypatch.delenv("CUDA_PATH", raising=False)
     monkeypatch.setenv("PATH", str(wrapper.parent))
     assert bc.find_cuda_home()[0] == str(home)
+
+
+def test_arch_suffixes_and_torch_cuda_arch_list(monkeypatch):
+    flags, label = bc.arch_flags("9.0a;10.0a+PTX;10.0f")
+    assert flags == [
+        "-gencode=arch=compute_90a,code=sm_90a",
+        "-gencode=arch=compute_100a,code=sm_100a",
+        "-gencode=arch=compute_100a,code=compute_100a",
+        "-gencode=arch=compute_100f,code=sm_100f",
+    ]
+    assert label == "sm_90a,sm_100a,compute_100a,sm_100f"
+    assert bc.arch_flags("8.0 Hopper")[1] == "sm_80,sm_90,compute_90"  # spaces and torch's names
+    for bad in ("9.0b", "9", "sm_90", "9.0+ptx", "Kepler"):
+        with pytest.raises(ValueError, match=re.escape(f"bad arch '{bad}'")):
+            bc.arch_flags(bad)
+    # Unset, BERTDIST_CUDA_ARCHS falls back to TORCH_CUDA_ARCH_LIST, then to the default.
+    monkeypatch.delenv(bc.ARCH_ENV, raising=False)
+    monkeypatch.delenv(bc.TORCH_ARCH_ENV, raising=False)
+    assert bc.arch_spec() == (bc.DEFAULT_ARCHS, "default")
+    monkeypatch.setenv(bc.TORCH_ARCH_ENV, "9.0a")
+    assert bc.arch_spec() == ("9.0a", "TORCH_CUDA_ARCH_LIST") and bc.arch_flags()[1] == "sm_90a"
+    monkeypatch.setenv(bc.ARCH_ENV, "8.0")
+    assert bc.arch_spec() == ("8.0", "BERTDIST_CUDA_ARCHS") and bc.arch_flags()[1] == "sm_80"
+    monkeypatch.setenv(bc.ARCH_ENV, "8.0;x")
+    with pytest.raises(ValueError, match=r"BERTDIST_CUDA_ARCHS='8.0;x': bad arch 'x'"):
+        bc.arch_flags()
 
 
 def _cuda_toolchain() -> str | None:
