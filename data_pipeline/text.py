@@ -1,4 +1,4 @@
-"""Pure text functions: decoding, cleaning, Project Gutenberg stripping, sentence splitting.
+"""Pure text functions: cleaning, Project Gutenberg stripping, sentence splitting.
 
 Sentence segmentation uses **blingfire** (Microsoft's finite-state tokenizer, maintained, on
 PyPI with wheels): it splits ~10 MB/s on one core, about 100x faster than pysbd's rule engine,
@@ -20,14 +20,6 @@ _SPACE_CHARS = r" \t\u00a0\u2000-\u200b\u3000"
 _RUNS = re.compile(rf"[{_CONTROL_CHARS}\t\u00a0\u2000-\u200b\u3000][{_CONTROL_CHARS}{_SPACE_CHARS}]*"
                     rf"| [{_CONTROL_CHARS}{_SPACE_CHARS}]+")
 _BLANK_LINES = re.compile(r"\n\s*\n")
-
-
-def decode_bytes(data: bytes) -> tuple[str, bool]:
-    """UTF-8 decode; invalid bytes become U+FFFD (then dropped by cleaning). Returns (text, repaired)."""
-    try:
-        return data.decode("utf-8"), False
-    except UnicodeDecodeError:
-        return data.decode("utf-8", errors="replace").replace("\ufffd", " "), True
 
 
 def _normalize(text: str) -> str:

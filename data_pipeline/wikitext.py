@@ -21,7 +21,8 @@ from typing import BinaryIO, Iterator
 import mwparserfromhell
 from mwparserfromhell import nodes
 
-from data_pipeline.text import clean_line, decode_bytes
+from data_pipeline.decoding import decode_document
+from data_pipeline.text import clean_line
 
 DROP_TAGS = frozenset({
     "ref", "references", "table", "gallery", "math", "chem", "ce", "timeline", "imagemap", "score",
@@ -86,11 +87,15 @@ def iter_page_blobs(stream: BinaryIO, max_page_bytes: int) -> Iterator[tuple[str
         yield ("malformed", b"")  # the stream ended inside a page (truncated file)
 
 
-def parse_page(blob: bytes) -> tuple[Page | None, bool]:
-    """One ``<page>`` element -> Page (None if malformed). Returns (page, utf8_repaired)."""
-    text, repaired = decode_bytes(blob)
+def parse_page(blob: bytes) -> tuple[Page | None, str | None]:
+    """One ``<page>`` element -> Page (None if malformed or undecodable). Returns (page, the
+    encoding it was decoded from: "utf_8", another that was detected, or None: undecodable)."""
+    decoded = decode_document(blob)
+    if decoded is None:
+        return None, None
+    repaired = decoded.encoding
     try:
-        el = ET.fromstring(text)
+        el = ET.fromstring(decoded.text)
     except ET.ParseError:
         return None, repaired
     ns_text = el.findtext("ns")

@@ -1,6 +1,7 @@
 """Beam readers, one composite PTransform per input kind (Wikipedia XML dumps, books, BERT-format
 text, JSON lines): (doc_id, text) or (doc_id, [sentences]) per document. Parse DoFns count
-every skipped or repaired input (``skipped_*``, ``repaired_*``); nothing is dropped silently."""
+every skipped or repaired input (``skipped_*``, ``repaired_*``) and the documents per source
+encoding (``decoded_<codec>``: data_pipeline.decoding); nothing is dropped silently."""
 from __future__ import annotations
 
 import apache_beam as beam
@@ -40,9 +41,11 @@ class _ParseWikiPage(beam.DoFn):
         if self.progress is None:
             self.progress = Progress("wiki pages parsed")
         self.progress.tick()
-        page, repaired = parse_page(blob)
-        if repaired:
-            event("repaired_non_utf8", "wiki page")
+        page, encoding = parse_page(blob)
+        if encoding is None:
+            event("skipped_undecodable_document", f"wiki page {blob[:120]!r}")
+            return
+        count(sources.decoded_event(encoding))
         if page is None:
             event("skipped_wiki_malformed_page", blob[:120].decode("utf-8", "replace"))
             return
@@ -91,6 +94,8 @@ class _ReadBook(beam.DoFn):
             text, events = sources.read_text_document(stream, self.max_chars)
         for e in events:
             event(e, path)
+        if text is None:
+            return
         text, stripped = textlib.strip_gutenberg(text)
         if stripped:
             count("repaired_gutenberg_boilerplate_stripped")
