@@ -27,6 +27,9 @@ class OutputDir:
     def __init__(self, url: str):
         self.url = url.rstrip("/") or url  # "/" stays "/"
         self.local = FileSystems.get_scheme(self.url) in (None, "file")
+        if self.local and FileSystems.get_scheme(self.url) is None:
+            # workers run elsewhere (another folder, another machine): never a launcher-relative path
+            self.url = os.path.abspath(self.url)
 
     def join(self, *parts: str) -> str:
         return FileSystems.join(self.url, *parts)
@@ -39,6 +42,19 @@ class OutputDir:
         staging = Path(self.url) / f"{STAGING_PREFIX}{run_id}"
         staging.mkdir(parents=True)
         return str(staging), final
+
+    def stage_vocab(self, vocab: str, run_id: str) -> str:
+        """Copy the (launcher-local) vocab beside the run's output and return the copy's path:
+        every worker writes the output, so every worker can read it there, on any runner. It
+        lies in a ``.staging-`` folder of its own, which the commit's sweep of other runs' folders
+        removes, as it removes a failed run's."""
+        folder = self.join(f"{STAGING_PREFIX}{run_id}-vocab")
+        if self.local:
+            os.makedirs(folder)
+        path = FileSystems.join(folder, "vocab.txt")
+        with open(vocab, "rb") as f:
+            self.write_bytes(path, f.read())
+        return path
 
     # ---- files the driver reads and writes at commit time (small) ----
     @staticmethod

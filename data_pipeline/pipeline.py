@@ -2,6 +2,7 @@
 output to :func:`data_pipeline.commit.commit` (verify, then commit atomically)."""
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import logging
 import os
@@ -163,11 +164,13 @@ def run(cfg: BuildConfig, pipeline_args: Sequence[str] | None = None) -> dict[st
     builder, why = choose_builder(cfg.instance_builder)
     log.info("training instances: %s builder (%s)", builder, why)  # every run; workers log once per process
     staging, final = out.prepare(run_id)
+    # workers read a copy of the vocab beside the output, never the launcher's path
+    worker_cfg = dataclasses.replace(cfg, vocab=out.stage_vocab(cfg.vocab, run_id))
     args = list(default_pipeline_args() if pipeline_args is None else pipeline_args)
     options = PipelineOptions(args)
     log.info("data build: %d input(s) -> %s (run %s), Beam args %s", len(cfg.inputs), out.url, run_id, args)
     p = beam.Pipeline(options=options)
-    build_pipeline(p, cfg, staging, tokens, lowercase)
+    build_pipeline(p, worker_cfg, staging, tokens, lowercase)
     result = p.run()
     result.wait_until_finish()
     counters = query_counters(result)

@@ -32,6 +32,8 @@ def match_file_sizes(pattern: str, *, directory_suffix: str = "*") -> dict[str, 
     """Expand a path, directory or glob, local or on any Beam filesystem: {path: size in bytes},
     sorted by path (for stable ids). Hidden files match, as they do on Beam's filesystems."""
     if is_local(pattern):
+        # absolute: the paths go to workers, whose working folder is not the launcher's
+        pattern = os.path.abspath(pattern)
         pat = os.path.join(pattern, directory_suffix) if os.path.isdir(pattern) else pattern
         paths = glob.glob(pat, recursive=True, include_hidden=True) if glob.has_magic(pat) else [pat]
         sizes = {p: os.path.getsize(p) for p in paths if os.path.isfile(p)}

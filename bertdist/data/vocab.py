@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 from functools import lru_cache
 
@@ -10,9 +11,22 @@ import numpy as np
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 
+def _read_bytes(path: str | os.PathLike) -> bytes:
+    """A local path, or a URL on any Beam filesystem (gs://, s3://, ...): a Beam worker reads the
+    vocab that the build staged beside its output."""
+    p = os.fspath(path)
+    if "://" not in p:
+        with open(p, "rb") as f:
+            return f.read()
+    from apache_beam.io.filesystems import FileSystems
+
+    with FileSystems.open(p) as f:
+        return f.read()
+
+
 def load_vocab(path: str | os.PathLike) -> list[str]:
-    with open(path, encoding="utf-8") as f:
-        tokens = [line.rstrip("\n") for line in f]
+    # text mode's universal newlines, as a local open() reads it
+    tokens = [line.rstrip("\n") for line in io.TextIOWrapper(io.BytesIO(_read_bytes(path)), encoding="utf-8")]
     while tokens and tokens[-1] == "":
         tokens.pop()
     return tokens
@@ -46,4 +60,5 @@ def continuation_mask(path: str | os.PathLike) -> np.ndarray:
     Whole-word masking derives word starts from this (a position starts a word unless its
     token is a continuation)."""
     p = os.fspath(path)
-    return _continuation_mask_cached(p, os.path.getmtime(p))
+    # a URL names one run's staged copy, never rewritten: its path alone keys the cache
+    return _continuation_mask_cached(p, os.path.getmtime(p) if "://" not in p else 0.0)
