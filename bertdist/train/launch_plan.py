@@ -1,0 +1,150 @@
+"""``bertdist pretrain RECIPE --plan``: what a run would do, decided for a world size and a device
+profile, without starting it (no process group, no GPU, no data read).
+
+``launch_plan`` returns a JSON-able dict: the resolved config, the batch arithmetic, the DeepSpeed
+JSON, the optimizer and why, the precision of each tensor class, the kernel cases that
+``kernels: auto`` will decide with their candidates, and the memory estimate of ``memory.py``.
+``format_launch_plan`` prints it for a person.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from bertdist.config import to_dict
+from bertdist.train.config import TrainConfig, check_batch_sizes
+from bertdist.train.memory import GIB, estimate_memory
+from bertdist.train.precision import precision_policy
+
+
+def _vocab_size(cfg: TrainConfig) -> tuple[int, str]:
+    """The vocab size the run would use (the vocab file's), or the config's when the file is absent."""
+    path = Path(cfg.data.vocab_file) if cfg.data.vocab_file else None
+    if path is not None and path.is_file():
+        from bertdist.data import load_vocab
+
+        return len(load_vocab(str(path))), f"from {path}"
+    where = f"{path} not found" if path is not None else "data.vocab_file not set"
+    return cfg.model.vocab_size, f"model.vocab_size ({where}; the run takes the vocab file's size)"
+
+
+def optimizer_choice(cfg: TrainConfig, profile) -> dict[str, str]:
+    """The optimizer ``build_optimizer`` would construct on ``profile``, and why, predicted
+    without building DeepSpeed's op (``bertdist.train.optim.optimizer_choice``)."""
+    from bertdist.train.optim import optimizer_choice as choose
+
+    implementation, why = choose(cfg.optimizer, profile)
+    return {"implementation": implementation, "why": why}
+
+
+def kernel_cases(cfg: TrainConfig, profile) -> dict[str, Any]:
+    """The (op, dtype, dropout) cases ``kernels: auto`` decides for this run on ``profile``, each
+    with its candidates and, for those that cannot run it there, why."""
+    mode = cfg.model.kernels
+    if mode != "auto":
+        return {"mode": mode, "decides": False, "why": f"kernels={mode} fixes every op", "cases": []}
+    if not profile.is_cuda:
+        return {"mode": mode, "decides": False, "cases": [],
+                "why": f"auto on {profile.type}: the reference kernels (nothing is measured off CUDA)"}
+    from bertdist.ops.candidates import candidates_for
+    from bertdist.ops.selection import Workload
+
+    workload = Workload.for_model(cfg.model, batch=cfg.data.micro_batch_size, seq=cfg.data.max_seq_length,
+                                  precision=cfg.deepspeed.precision,
+                                  autocast=precision_policy(cfg.deepspeed.precision).compute != "fp32")
+    cases = []
+    for case in workload.cases("cuda"):
+        cands = []
+        for c in candidates_for(case.op, "cuda"):
+            try:
+                reason = c.unsupported(case, profile)
+            except Exception as e:  # noqa: BLE001 - a broken check is reported, not fatal to a plan
+                reason = f"support check failed: {type(e).__name__}: {e}"
+            cands.append({"name": c.name, "family": c.family, "unsupported": reason})
+        cases.append({"op": case.op, "dtype": case.dtype, "dropout": case.p if case.dropout else 0.0,
+                      "shape": f"b{case.batch} s{case.seq} h{case.hidden} n{case.heads}", "candidates": cands})
+    return {"mode": mode, "decides": True, "why": "measured on rank 0 at the first start (then cached), "
+            "broadcast to every rank", "cases": cases}
+
+
+def launch_plan(cfg: TrainConfig, world_size: int, profile) -> dict[str, Any]:
+    """Everything ``format_launch_plan`` prints. Raises ConfigError (with every number) when
+    ``world_size`` does not divide the global batch into micro-batches."""
+    import dataclasses
+
+    from bertdist.train.ds_config import build_ds_config
+
+    if world_size <= 0:
+        from bertdist.config import ConfigError
+
+        raise ConfigError(f"--world-size must be positive, got {world_size}")
+    accum = check_batch_sizes(cfg.data, world_size)
+    vocab, vocab_note = _vocab_size(cfg)
+    cfg = dataclasses.replace(cfg, model=cfg.model.with_vocab(vocab))
+    d = cfg.deepspeed
+    ds = build_ds_config(cfg, world_size, accum)
+    mem = estimate_memory(cfg.model, micro_batch=cfg.data.micro_batch_size, seq=cfg.data.max_seq_length,
+                          precision=d.precision, zero_stage=d.zero_stage, world_size=world_size,
+                          max_predictions=cfg.data.max_predictions_per_seq,
+                          sparse_mlm_head=cfg.model.sparse_mlm_head)
+    memory = mem.to_dict()
+    memory["device_memory_gib"] = profile.memory_gib or None
+    memory["activation_checkpointing"] = d.activation_checkpointing
+    memory["formula"] = ("weights + fp32 masters (fp16) + bf16 autocast copies (bf16) + gradients + 2 fp32 "
+                         "moments, partitioned by ZeRO; activations per layer s*b*h*(16e+2) + a*s^2*b*(2e+1) "
+                         "(e = bytes per activation element), x layers, + MLM head logits; checkpointed: layer "
+                         "inputs + one layer (bertdist/train/memory.py)")
+    return {
+        "recipe_config": to_dict(cfg),
+        "vocab_size": {"value": vocab, "source": vocab_note},
+        "device_profile": profile.to_dict(),
+        "world_size": world_size,
+        "batch": {"global": cfg.data.global_batch_size, "micro": cfg.data.micro_batch_size,
+                  "grad_accum": accum, "world_size": world_size},
+        "ds_config": ds,
+        "optimizer": {"name": cfg.optimizer.name, **optimizer_choice(cfg, profile)},
+        "precision": precision_policy(d.precision, profile.type).to_dict(),
+        "kernels": kernel_cases(cfg, profile),
+        "memory": memory,
+    }
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def format_launch_plan(plan: dict[str, Any]) -> str:
+    b, p, o, m, k = plan["batch"], plan["precision"], plan["optimizer"], plan["memory"], plan["kernels"]
+    prof = plan["device_profile"]
+    import yaml
+
+    lines = [f"bertdist pretrain --plan: world size {plan['world_size']} on {prof['name']} ({prof['type']})", "",
+             "resolved config:",
+             *("  " + ln for ln in yaml.safe_dump(plan["recipe_config"], sort_keys=False).splitlines()),
+             f"  (vocab size {plan['vocab_size']['value']}: {plan['vocab_size']['source']})", "",
+             f"batch: global {b['global']} = micro {b['micro']} x accumulation {b['grad_accum']} x world "
+             f"{b['world_size']}", "",
+             f"optimizer: {o['name']} -> {o['implementation']} ({o['why']})", "",
+             f"precision {p['precision']}: weights {p['weights']}, master weights {p['master_weights']}, compute "
+             f"{p['compute']}, gradient accumulation {p['grad_accumulation']}, communication {p['communication']}, "
+             f"loss scaling {p['loss_scaling']} ({p['how']})", "",
+             f"kernels: {k['mode']}: {k['why']}"]
+    for c in k["cases"]:
+        runs = [x["name"] for x in c["candidates"] if not x["unsupported"]]
+        cannot = [f"{x['name']} ({x['unsupported']})" for x in c["candidates"] if x["unsupported"]]
+        lines.append(f"  {c['op']} {c['dtype']} dropout {c['dropout']:g} {c['shape']}: candidates "
+                     f"{', '.join(runs) or 'none'}" + (f"; cannot run: {'; '.join(cannot)}" if cannot else ""))
+    dev = f" of {m['device_memory_gib']} GiB" if m["device_memory_gib"] else ""
+    lines += ["", f"memory per GPU (estimate{dev}; {m['parameters']:,} parameters):",
+              f"  weights {_gib(m['weights'])}, fp32 masters {_gib(m['master_weights'])}, autocast copies "
+              f"{_gib(m['autocast_copies'])}, gradients {_gib(m['gradients'])}, optimizer state "
+              f"{_gib(m['optimizer_state'])}",
+              f"  activations at micro-batch {b['micro']}: {_gib(m['activations'])} without activation "
+              f"checkpointing (attention probabilities {_gib(m['attention_probs_per_layer'])} per layer of it), "
+              f"{_gib(m['activations_checkpointed'])} with it",
+              f"  total: {m['total_gib']} GiB without, {m['total_checkpointed_gib']} GiB with activation "
+              f"checkpointing (this recipe: {m['activation_checkpointing']})",
+              f"  formula: {m['formula']}",
+              "", "DeepSpeed config:", json.dumps(plan["ds_config"], indent=2)]
+    return "\n".join(lines)

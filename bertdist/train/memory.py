@@ -1,0 +1,93 @@
+"""An estimate of one GPU's memory for a pretraining config, from the model config alone.
+
+No torch import: ``bertdist pretrain --plan`` prints it for a device the machine may not have.
+
+Per GPU, with P parameters, N data-parallel ranks and ZeRO stage z (a term divided by N where
+that stage partitions it):
+
+- weights: P x (4 for fp32 and bf16, whose weights are fp32; 2 for fp16), / N at z = 3;
+- fp32 master weights: P x 4 for fp16 only (bf16 and fp32 update the weights themselves), / N at z >= 1;
+- bf16 weight copies: P x 2 for bf16, which autocast makes once per forward and keeps until the backward;
+- gradients: P x (4, or 2 for fp16), / N at z >= 2;
+- optimizer state: LAMB and AdamW keep two fp32 moments, P x 8, / N at z >= 1;
+- activations kept for the backward of one micro-batch of b sequences of length s, hidden h,
+  a heads, L layers, e bytes per activation element (2 under bf16/fp16, 4 in fp32), one byte
+  per dropout-mask element, after Korthikanti et al. 2022 ("Reducing Activation Recomputation
+  in Large Transformer Models", section 4.1; 34sbh + 5as^2b at e = 2):
+      per layer  s*b*h*(16e + 2) + a*s^2*b*(2e + 1)
+  The a*s^2*b term is the attention probabilities and their dropout mask; flash-style attention
+  (our fused kernels, SDPA's flash and memory-efficient backends) keeps O(s) per head instead,
+  so it is reported separately. Plus the MLM head: the b x m predicted positions' logits over
+  the vocabulary V and their gradient, in fp32 (m = max_predictions_per_seq with the sparse
+  head, s without);
+- with activation checkpointing of every layer: the L layer inputs (s*b*h*e each) plus one
+  layer's activations, rebuilt during its backward.
+
+Not included: the CUDA context and libraries (about 0.5-1 GiB), allocator fragmentation,
+communication buffers and temporaries such as the largest matmul's workspace.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+GIB = 2**30
+
+
+def bert_parameter_count(m) -> int:
+    """Parameters of ``BertForPreTraining`` for a ``BertConfig`` (the MLM decoder tied to the embeddings)."""
+    h, f, v = m.hidden_size, m.intermediate_size, m.vocab_size
+    embeddings = (v + m.max_position_embeddings + m.type_vocab_size) * h + 2 * h
+    layer = (4 * h * h + 4 * h) + 2 * h + (h * f + f) + (f * h + h) + 2 * h
+    pooler = h * h + h
+    mlm_head = (h * h + h) + 2 * h + v  # transform, its LayerNorm, the decoder bias
+    nsp_head = 2 * h + 2
+    return embeddings + m.num_hidden_layers * layer + pooler + mlm_head + nsp_head
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    parameters: int
+    weights: int  # bytes, per GPU
+    master_weights: int
+    autocast_copies: int
+    gradients: int
+    optimizer_state: int
+    activations_per_layer: int  # without the attention-probability term
+    attention_probs_per_layer: int  # the a*s^2*b term (0 with flash-style attention)
+    mlm_head_activations: int
+    activations: int  # all layers + head, attention probabilities included
+    activations_checkpointed: int
+    total: int  # weights + masters + autocast copies + gradients + optimizer state + activations
+    total_checkpointed: int
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["total_gib"] = round(self.total / GIB, 2)
+        d["total_checkpointed_gib"] = round(self.total_checkpointed / GIB, 2)
+        return d
+
+
+def estimate_memory(model, *, micro_batch: int, seq: int, precision: str, zero_stage: int, world_size: int,
+                    max_predictions: int | None, sparse_mlm_head: bool = True) -> MemoryEstimate:
+    """``model``: a ``BertConfig``. Bytes per GPU by the formulas in this module's docstring."""
+    p = bert_parameter_count(model)
+    n = max(1, world_size)
+    weight_bytes = 2 if precision == "fp16" else 4
+    weights = p * weight_bytes // (n if zero_stage == 3 else 1)
+    masters = p * 4 // (n if zero_stage >= 1 else 1) if precision == "fp16" else 0
+    copies = p * 2 if precision == "bf16" else 0
+    grads = p * weight_bytes // (n if zero_stage >= 2 else 1)
+    opt = p * 8 // (n if zero_stage >= 1 else 1)
+
+    e = 4 if precision == "fp32" else 2
+    b, s, h, a, L = micro_batch, seq, model.hidden_size, model.num_attention_heads, model.num_hidden_layers
+    per_layer = s * b * h * (16 * e + 2)
+    probs = a * s * s * b * (2 * e + 1)
+    m = (max_predictions or math.ceil(0.15 * s)) if sparse_mlm_head else s
+    head = 2 * b * m * model.vocab_size * 4 + b * m * h * e * 2
+    activations = L * (per_layer + probs) + head
+    checkpointed = L * s * b * h * e + per_layer + probs + head
+    states = weights + masters + copies + grads + opt
+    return MemoryEstimate(p, weights, masters, copies, grads, opt, per_layer, probs, head, activations, checkpointed,
+                          states + activations, states + checkpointed)
