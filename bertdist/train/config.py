@@ -203,7 +203,12 @@ def check_batch_sizes(data: LoaderConfig, world_size: int) -> int:
     per_step = data.micro_batch_size * world_size
     if data.global_batch_size % per_step:
         lo = (data.global_batch_size // per_step) * per_step
-        hint = f"; nearest valid global batch sizes: {lo or per_step} or {lo + per_step}"
+        hint = (f"; nearest valid global batch sizes: {lo} or {lo + per_step}" if lo
+                else f"; the smallest valid global batch size is {per_step}")
+        fits = [m for m in range(data.micro_batch_size - 1, 0, -1) if data.global_batch_size % (m * world_size) == 0]
+        if fits:
+            hint += (f"; or micro_batch_size {fits[0]} (accumulation "
+                     f"{data.global_batch_size // (fits[0] * world_size)})")
         raise ConfigError(
             f"global_batch_size {data.global_batch_size} is not divisible by micro_batch_size "
             f"{data.micro_batch_size} x world_size {world_size} = {per_step} "

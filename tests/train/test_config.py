@@ -43,6 +43,12 @@ def test_indivisible_batch_sizes_name_the_numbers():
     msg = str(e.value)
     assert "50" in msg and "16" in msg and "3" in msg and "48" in msg and "1.042" in msg
     assert check_batch_sizes(load_train_config(REPO / "configs/pretrain/tiny.yaml").data, 2) == 1
+    # more ranks than the global batch has micro-batches: the smallest valid size, and a micro batch that fits
+    paper = load_train_config(REPO / "configs/pretrain/bert-base-paper.yaml").data  # global 256, micro 32
+    with pytest.raises(ConfigError) as e:
+        check_batch_sizes(paper, 64)
+    assert "smallest valid global batch size is 2048" in str(e.value) and "micro_batch_size 4 (accumulation 1)" \
+        in str(e.value)
 
 
 def test_lamb_with_zero_is_refused():
