@@ -31,13 +31,17 @@ def collect() -> dict:
             {"op": s.op, "fused_usable": s.usable, "reason": s.reason, "active_under_auto": active[s.op]}
             for s in kernel_status(dt)
         ]
-    from data_pipeline import instance_native, wordpiece
+    from data_pipeline import instance_native, native_build, wordpiece
 
     from bertdist.ops.decision_cache import DecisionCache
 
-    data_native = {  # the data pipeline's C++ twins (plain pybind11 modules, no torch)
-        "instance_builder": instance_native.unavailable_reason() or "native (data_pipeline._native_instances)",
-        "wordpiece_encoder": wordpiece.native_unavailable_reason() or "native (data_pipeline._native_wordpiece)",
+    required, why = native_build.native_required()
+    data_native = {  # the data pipeline's C++ twins (plain pybind11 modules, no torch): which one runs
+        "instance_builder": ("native (data_pipeline._native_instances)" if instance_native.available() else
+                             f"Python reference ({instance_native.unavailable_reason()})"),
+        "wordpiece_encoder": ("native (data_pipeline._native_wordpiece)" if wordpiece.native_available() else
+                              f"Python reference ({wordpiece.native_unavailable_reason()})"),
+        "native_build": f"{'a failed build is an error' if required else 'optional'}: {why}",
     }
     return {
         "data_pipeline": data_native,
@@ -88,7 +92,7 @@ def run(args) -> int:
     print("devices:")
     for d in info["devices"]:
         print(f"  {d}")
-    print("data pipeline (the Python reference runs where a native module is missing):")
+    print("data pipeline (native module, or the Python reference where it is missing):")
     for k, v in info["data_pipeline"].items():
         print(f"  {k:<18} {v}")
     for dt, rows in info["kernels"].items():

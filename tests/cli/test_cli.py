@@ -36,7 +36,11 @@ def test_info_reports_versions_and_true_kernel_status():
     from data_pipeline import instance_native, wordpiece
 
     for key, built in (("instance_builder", instance_native.available()), ("wordpiece_encoder", wordpiece.native_available())):
-        assert info["data_pipeline"][key].startswith("native") == built, info["data_pipeline"]
+        assert info["data_pipeline"][key].startswith("native" if built else "Python reference"), info["data_pipeline"]
+    from data_pipeline import native_build
+
+    required, why = native_build.native_required()
+    assert info["data_pipeline"]["native_build"] == f"{'a failed build is an error' if required else 'optional'}: {why}"
 
 
 def test_model_summary_base_prints_published_count():
