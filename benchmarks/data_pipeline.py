@@ -1,33 +1,44 @@
-"""Data pipeline throughput and memory benchmark (not a test).
+"""Data pipeline benchmark (not a test): our build and the reference, side by side.
 
 Workload (the reference figure in ../shared/data/README.md): the 14 Gutenberg books split into
 sentences (blingfire) in BERT format, max_seq_length 128, dupe_factor 5, masked_lm_prob 0.15,
-max_predictions_per_seq 20, uncased BERT vocab. Runs ``bertdist data build`` on the DirectRunner
-(multi_processing) and reports input words/s per core, wall time, and peak RSS per process
-(driver/runner and each SDK worker), for the corpus at 1x and 5x.
+max_predictions_per_seq 20, uncased BERT vocab, at 1x and 5x (the books repeated).
 
-    .venv/bin/python benchmarks/data_pipeline.py [--workers N] [--scales 1,5] [--json out.json]
-    .venv/bin/python benchmarks/data_pipeline.py --mode in_memory   # one process, one core
+The default mode runs, on the same input file and interleaved (one repeat = the reference, then
+each of our configurations), with ``--repeats`` repeats per input scale:
+
+- the reference: NVIDIA's PyTorch port of google-research's create_pretraining_data.py
+  (``--reference``, default ../shared/reference/nvidia-bert-create-pretraining-data/; used from
+  there, never copied), in a process of its own, one core. Timed: ``create_training_instances``
+  (read, tokenize, make every instance in memory), not its HDF5 writing (h5py is stubbed), so the
+  ratio is conservative: our wall time includes writing Parquet, the manifest and the commit;
+- ours: ``bertdist data build`` on the DirectRunner, 1 worker (``in_memory``, one process) and 2
+  workers (``multi_processing``), with dedup off and on (``dedup.enabled``).
+
+It reports input words/s per core (the reference uses one) and, per repeat, ours / reference;
+the summary gives each ratio's median and its range over the repeats.
+
+    .venv/bin/python benchmarks/data_pipeline.py [--scales 1,5] [--repeats 3] [--workers 1,2] \
+        [--dedup off,on] [--json out.json] [--markdown results.md]
 
 NSP negative diversity against the reference, on the same input (``--negatives``): the shared
 corpus (the Wikipedia fragment's articles and the 14 books, parsed and split into sentences by
 this pipeline) written once in BERT format; ``bertdist data build`` on it (no held-out split,
-seq 128, the given dupe factors) and NVIDIA's PyTorch port of google-research's
-create_pretraining_data.py (DeepLearningExamples, PyTorch/LanguageModeling/BERT; a copy outside
-this project, with its tokenization.py beside it) on the same file, same settings. For each:
+seq 128, the given dupe factors) and the reference on the same file, same settings. For each:
 random-next rows, distinct (document, start sentence) windows of their B segments, the largest
 reuse and the same-document fallbacks. The reference is instrumented from outside, unchanged: its
 ``create_instances_from_document`` is wrapped so that ``all_documents`` records the first
 sentence read from every random document (``random_document[random_start]``).
 
-    .venv/bin/python benchmarks/data_pipeline.py --negatives --reference /tmp/reference/create_pretraining_data.py \
-        [--dupes 1,5] [--json out.json]
+    .venv/bin/python benchmarks/data_pipeline.py --negatives [--dupes 1,5] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,7 +50,8 @@ import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("BERTDIST_SHARED_DATA", REPO.parent / "shared" / "data"))
-REFERENCE_WORDS_PER_S = 59_000
+REFERENCE = REPO.parent / "shared" / "reference" / "nvidia-bert-create-pretraining-data" / "create_pretraining_data.py"
+VOCAB = SHARED / "vocab" / "bert-base-uncased-vocab.txt"
 
 
 def make_bert_format(out: Path, scale: int) -> int:
@@ -57,11 +69,12 @@ def make_bert_format(out: Path, scale: int) -> int:
     return len(body.split()) * scale
 
 
-def run_once(inp: Path, outdir: Path, workers: int, mode: str) -> dict:
+def run_once(inp: Path, outdir: Path, workers: int, mode: str, extra_sets: tuple[str, ...] = ()) -> dict:
     cmd = [sys.executable, "-m", "bertdist.cli.main", "data", "build", "--input", f"text:{inp}",
-           "--vocab", str(SHARED / "vocab" / "bert-base-uncased-vocab.txt"), "--output", str(outdir),
+           "--vocab", str(VOCAB), "--output", str(outdir),
            "--set", "max_seq_length=128", "--set", "dupe_factor=5", "--set", "masked_lm_prob=0.15",
            "--set", "max_predictions_per_seq=20", "--set", "num_shards=8",
+           *(a for kv in extra_sets for a in ("--set", kv)),
            "--runner=DirectRunner", f"--direct_running_mode={mode}", f"--direct_num_workers={workers}"]
     log = outdir.parent / f"{outdir.name}.log"
     peak: dict[int, tuple[str, int]] = {}
@@ -146,10 +159,9 @@ def window_stats(windows: list, fallbacks: int) -> dict:
             "max_window_reuse": max(uses.values(), default=0), "same_document_fallbacks": fallbacks}
 
 
-def run_reference_negatives(reference: Path, inp: Path, dupe_factor: int, seed: int = 12345) -> dict:
-    """NVIDIA's create_pretraining_data.py (unchanged) on ``inp``, with its random documents recorded."""
+def load_reference(reference: Path):
+    """NVIDIA's create_pretraining_data.py, unchanged, loaded from where it lies."""
     import importlib.util
-    import random
     import types
 
     sys.path.insert(0, str(reference.parent))  # its tokenization.py
@@ -159,6 +171,42 @@ def run_reference_negatives(reference: Path, inp: Path, dupe_factor: int, seed: 
     spec = importlib.util.spec_from_file_location("reference_cpd", reference)
     ref = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ref)
+    return ref
+
+
+def reference_timing(reference: Path, inp: Path, dupe_factor: int = 5, seed: int = 12345) -> dict:
+    """In this process (started for it alone): the reference's create_training_instances on
+    ``inp`` with the benchmark's settings; seconds, instances and this process's peak RSS."""
+    import random
+    import resource
+
+    ref = load_reference(reference)
+    tokenizer = ref.BertTokenizer(str(VOCAB), do_lower_case=True)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    cpu0 = usage.ru_utime + usage.ru_stime
+    t0 = time.perf_counter()
+    instances = ref.create_training_instances([str(inp)], tokenizer, 128, dupe_factor, 0.1, 0.15, 20,
+                                              random.Random(seed))
+    seconds = time.perf_counter() - t0
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {"seconds": round(seconds, 2), "cpu_s": round(usage.ru_utime + usage.ru_stime - cpu0, 2),
+            "instances": len(instances),
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
+
+
+def run_reference(reference: Path, inp: Path) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--reference-timing", str(inp), "--reference", str(reference)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"reference failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def run_reference_negatives(reference: Path, inp: Path, dupe_factor: int, seed: int = 12345) -> dict:
+    """NVIDIA's create_pretraining_data.py (unchanged) on ``inp``, with its random documents recorded."""
+    import random
+
+    ref = load_reference(reference)
     windows: list = []
     fallbacks = [0]
 
@@ -199,7 +247,7 @@ def run_reference_negatives(reference: Path, inp: Path, dupe_factor: int, seed: 
         return original(rec, document_index, *args)
 
     ref.create_instances_from_document = wrapped
-    tokenizer = ref.BertTokenizer(str(SHARED / "vocab" / "bert-base-uncased-vocab.txt"), do_lower_case=True)
+    tokenizer = ref.BertTokenizer(str(VOCAB), do_lower_case=True)
     t0 = time.time()
     instances = ref.create_training_instances([str(inp)], tokenizer, 128, dupe_factor, 0.1, 0.15, 20,
                                               random.Random(seed))
@@ -245,39 +293,116 @@ def negatives_main(args) -> int:
     return 0
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--negatives", action="store_true",
-                    help="compare NSP negative diversity with the reference (needs --reference)")
-    ap.add_argument("--reference", help="path to NVIDIA's create_pretraining_data.py (a copy outside the project)")
-    ap.add_argument("--dupes", default="1", help="--negatives: dupe factors to compare")
-    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--mode", choices=("multi_processing", "in_memory"), default="multi_processing",
-                    help="in_memory: the whole pipeline in one process on one core (--workers is 1)")
-    ap.add_argument("--scales", default="1,5")
-    ap.add_argument("--json", help="also write the results here")
-    args = ap.parse_args()
-    if args.negatives:
-        if not args.reference:
-            ap.error("--negatives needs --reference PATH")
-        return negatives_main(args)
-    if args.mode == "in_memory":
-        args.workers = 1
-    results = []
+def spread(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    return {"median": round(statistics.median(xs), 2), "min": round(xs[0], 2), "max": round(xs[-1], 2), "n": len(xs)}
+
+
+def compare_main(args) -> int:
+    """The reference and our configurations, interleaved, ``args.repeats`` times per scale."""
+    reference = Path(args.reference).resolve()
+    configs = [(w, d) for w in (int(x) for x in args.workers.split(",")) for d in args.dedup.split(",")]
+    runs, summary = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for scale in (int(s) for s in args.scales.split(",")):
             inp = Path(tmp) / f"books_x{scale}.txt"
             words = make_bert_format(inp, scale)
-            r = run_once(inp, Path(tmp) / f"out_x{scale}", args.workers, args.mode)
-            r.update(scale=scale, workers=args.workers, mode=args.mode, input_words=words,
-                     words_per_s_per_core=round(words / r["wall_s"] / args.workers),
-                     words_per_cpu_s=round(words / r["cpu_s"]) if r["cpu_s"] else None)
-            r["x_reference_per_core"] = round(r["words_per_s_per_core"] / REFERENCE_WORDS_PER_S, 2)
-            results.append(r)
-            print(json.dumps(r), flush=True)
+            ratios: dict[tuple[int, str], list[float]] = {c: [] for c in configs}
+            cpu_ratios: dict[tuple[int, str], list[float]] = {c: [] for c in configs}
+            for rep in range(args.repeats):
+                ref = run_reference(reference, inp)
+                ref_rate = words / ref["seconds"]
+                row = {"scale": scale, "repeat": rep, "input_words": words, "reference": ref,
+                       "reference_words_per_s": round(ref_rate), "ours": [],
+                       "load_average": [round(x, 2) for x in os.getloadavg()]}
+                for workers, dedup in configs:
+                    mode = "in_memory" if workers == 1 else "multi_processing"
+                    out = Path(tmp) / f"out_x{scale}_w{workers}_{dedup}"
+                    r = run_once(inp, out, workers, mode, (f"dedup.enabled={'true' if dedup == 'on' else 'false'}",))
+                    shutil.rmtree(out, ignore_errors=True)
+                    per_core = words / r["wall_s"] / workers
+                    ratio = per_core / ref_rate
+                    ratios[(workers, dedup)].append(ratio)
+                    # CPU seconds: less moved than wall time by other jobs on a shared machine
+                    cpu_ratio = ref["cpu_s"] / r["cpu_s"]
+                    cpu_ratios[(workers, dedup)].append(cpu_ratio)
+                    r.update(workers=workers, dedup=dedup, mode=mode, words_per_s_per_core=round(per_core),
+                             x_reference_per_core=round(ratio, 2), x_reference_per_cpu_s=round(cpu_ratio, 2))
+                    row["ours"].append(r)
+                runs.append(row)
+                print(json.dumps(row), flush=True)
+            for (workers, dedup), xs in ratios.items():
+                walls = [o["wall_s"] for row in runs if row["scale"] == scale
+                         for o in row["ours"] if (o["workers"], o["dedup"]) == (workers, dedup)]
+                ref_s = [row["reference"]["seconds"] for row in runs if row["scale"] == scale]
+                summary.append({"scale": scale, "workers": workers, "dedup": dedup, "x_reference_per_core": spread(xs),
+                                "x_reference_per_cpu_s": spread(cpu_ratios[(workers, dedup)]),
+                                "ours_wall_s": spread(walls), "reference_s": spread(ref_s)})
+    for s_ in summary:
+        print(json.dumps(s_), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps({"runs": runs, "summary": summary}, indent=2) + "\n")
+    if args.markdown:
+        write_markdown(Path(args.markdown), runs, summary, args)
     return 0
+
+
+def write_markdown(path: Path, runs: list, summary: list, args) -> None:
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--short", "--", "data_pipeline", "csrc/data_pipeline", "bertdist/data"],
+                           capture_output=True, text=True, cwd=REPO).stdout.strip()
+    lines = [f"# Data pipeline vs the reference, side by side (CPU), {time.strftime('%Y-%m-%d', time.gmtime())}", "",
+             f"- **Device**: 2-core CPU VM ({os.cpu_count()} logical cores), no GPU; load average at the end "
+             f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}.",
+             f"- **Date**: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
+             f"- **Code**: `{head}`" + (" plus uncommitted changes in the data pipeline's files:\n  `"
+                                        + "`, `".join(line.strip() for line in dirty.splitlines()) + "`" if dirty else "") + ".",
+             f"- **Command**: `.venv/bin/python benchmarks/data_pipeline.py --scales {args.scales} --repeats {args.repeats} "
+             f"--workers {args.workers} --dedup {args.dedup} --markdown {path.as_posix()}`",
+             "- **Workload**: the 14 shared books in BERT format x scale, seq 128, dupe 5, masked_lm_prob 0.15, "
+             "20 predictions per sequence, uncased BERT vocab; ours also 8 train shards, the held-out split and the "
+             "manifest. Each repeat runs the reference, then each of our configurations, on the same file.",
+             "- **Reference**: NVIDIA's port of google-research's create_pretraining_data.py, unchanged, in its own "
+             "process on one core; timed: `create_training_instances` (no HDF5 writing). Ours: the wall time of the "
+             "whole `bertdist data build` process. Ratio = our input words/s per core / the reference's words/s, "
+             "per repeat. The CPU-second ratio (the reference's CPU time / ours, all our processes together) "
+             "is the steadier one when other jobs share the machine.", "",
+             "## Summary: ours / reference, per core (median, range over the repeats)", "",
+             "| input | our workers | dedup | x reference per core: median (min–max) | our wall s: median (min–max) "
+             "| x reference per CPU second: median (min–max) | reference s: median (min–max) | repeats |",
+             "|---|---|---|---|---|---|---|---|"]
+    for s_ in summary:
+        x, c, w, r = s_["x_reference_per_core"], s_["x_reference_per_cpu_s"], s_["ours_wall_s"], s_["reference_s"]
+        lines.append(f"| {s_['scale']}x | {s_['workers']} | {s_['dedup']} | **{x['median']}** ({x['min']}–{x['max']}) "
+                     f"| {w['median']} ({w['min']}–{w['max']}) | {c['median']} ({c['min']}–{c['max']}) "
+                     f"| {r['median']} ({r['min']}–{r['max']}) | {x['n']} |")
+    lines += ["", "## Raw runs (one JSON line per repeat)", "", "```"]
+    lines += [json.dumps(row) for row in runs]
+    lines += ["```", ""]
+    path.write_text("\n".join(lines))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--negatives", action="store_true",
+                    help="compare NSP negative diversity with the reference (needs --reference)")
+    ap.add_argument("--reference", default=str(REFERENCE),
+                    help="NVIDIA's create_pretraining_data.py, with its tokenization.py beside it (used from there)")
+    ap.add_argument("--reference-timing", metavar="INPUT", help=argparse.SUPPRESS)  # the reference's own process
+    ap.add_argument("--dupes", default="1", help="--negatives: dupe factors to compare")
+    ap.add_argument("--workers", default="1,2", help="our worker counts (1: in_memory, one process)")
+    ap.add_argument("--dedup", default="off,on", help="our dedup settings (dedup.enabled)")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats per scale")
+    ap.add_argument("--scales", default="1,5")
+    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--markdown", help="write a results file here (benchmarks/results/...)")
+    args = ap.parse_args()
+    if args.reference_timing:
+        print(json.dumps(reference_timing(Path(args.reference), Path(args.reference_timing))))
+        return 0
+    if args.negatives:
+        return negatives_main(args)
+    return compare_main(args)
 
 
 if __name__ == "__main__":
