@@ -8,7 +8,9 @@ Variants (``--variants``; default: all on CUDA, ours-optimized, ours-reference a
   ours-torch       the same model with kernels=reference: torch-native ops only (on CUDA: SDPA on
                    the re-padded sequences with dropout, varlen_attn without); on CPU the same as
                    ours-optimized, so not a CPU default
-  ours-reference   bertdist, padded encoder, sparse MLM head, kernels=reference
+  ours-reference   bertdist, padded encoder, sparse MLM head, kernels=reference (what the shipped
+                   recipes run: unpad false)
+  ours-reference-compile  the same under torch.compile, as the trainer's ``model.compile: true`` runs it
   hf-sdpa          transformers.BertForPreTraining, attn_implementation="sdpa" (dense MLM head)
   hf-sdpa-compile  the same under torch.compile (skipped, with the reason, if compiling fails)
 
@@ -78,8 +80,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bertdist.model import IGNORE_INDEX  # noqa: E402
+from bertdist.train.loader import batch_to_device, packing  # noqa: E402
 
-VARIANTS = ("ours-optimized", "ours-torch", "ours-reference", "hf-sdpa", "hf-sdpa-compile")
+VARIANTS = ("ours-optimized", "ours-torch", "ours-reference", "ours-reference-compile", "hf-sdpa", "hf-sdpa-compile")
 CPU_DEFAULT_VARIANTS = ("ours-optimized", "ours-reference", "hf-sdpa")
 BASELINE = "hf-sdpa"
 SHORT_SEQ_PROB = 0.1  # BERT's create_pretraining_data default
@@ -187,11 +190,12 @@ def build_variant(name: str, cfg, device: torch.device, compile_ours: bool, *, b
     from bertdist.model import BertForPreTraining
 
     if name.startswith("ours-"):
-        unpad, mode = OURS[name]
+        base = name.removesuffix("-compile")
+        unpad, mode = OURS[base]
         vcfg = dataclasses.replace(cfg, unpad=unpad, sparse_mlm_head=True, kernels=mode)
-        kernels = ours_kernels(name, vcfg, device, batch, seq, precision)
+        kernels = ours_kernels(base, vcfg, device, batch, seq, precision)
         raw = BertForPreTraining(vcfg, device_type=device.type, kernels=kernels).to(device).train()
-        compiled = name == "ours-optimized" and compile_ours
+        compiled = name.endswith("-compile") or (name == "ours-optimized" and compile_ours)
         info = {"impl": "bertdist", "unpad": vcfg.unpad, "sparse_mlm_head": vcfg.sparse_mlm_head,
                 "kernels": dict(raw.bert.kernels.sources), "compile": compiled}
         plan = raw.bert.kernels.plan
@@ -240,6 +244,12 @@ def make_step(model: torch.nn.Module, device: torch.device, precision: str, lr: 
         return loss.detach()
 
     return step
+
+
+def with_packing(b: "Batch") -> dict[str, torch.Tensor]:
+    """The batch with the packing the trainer's loader ships (bertdist.train.loader.packing)."""
+    t = b.tensors
+    return {**t, **packing(t["attention_mask"].numpy(), np.asarray(b.lengths), t["labels"].numpy())}
 
 
 def encoder_rows(raw: torch.nn.Module, data: dict, hidden: int) -> int:
@@ -322,7 +332,7 @@ def prime_code_paths(name: str, cfg, device: torch.device, precision: str) -> No
 
 def run_variant(name: str, cfg, batches: list[Batch], device: torch.device, precision: str, steps: int,
                 warmup: int, compile_ours: bool, flops_per_batch: list[float], peak_flops: float) -> dict:
-    on_dev = [{k: v.to(device) for k, v in b.tensors.items()} for b in batches]
+    on_dev = [batch_to_device(with_packing(b) if name.startswith("ours-") else b.tensors, device) for b in batches]
     if device.type == "cpu":
         prime_code_paths(name, cfg, device, precision)
     with PeakMemory(device) as mem:
@@ -410,7 +420,7 @@ def loss_curve(manifest: str, cfg, steps: int, batch: int, device: torch.device,
         for _ in range(steps):
             (data,) = loader.micro_batches(state)
             state = loader.advance(state)
-            data = {k: v.to(device) for k, v in data.items()}
+            data = batch_to_device(data, device)
             losses.append(float(step(data)))
         curves[name] = {"loss": losses, **{k: info[k] for k in ("unpad", "kernels", "compile")}}
         del model, raw, step
@@ -503,7 +513,7 @@ def measure(name: str, args, cfg, batches, device, precision, steps, warmup, flo
     except torch.OutOfMemoryError as e:
         return {"skipped": f"out of memory ({str(e).splitlines()[0][:120]})"}
     except Exception as e:  # noqa: BLE001 - only compile failures are tolerated, reported with the reason
-        if not (name == "hf-sdpa-compile" or (name == "ours-optimized" and args.compile)):
+        if not (name.endswith("-compile") or (name == "ours-optimized" and args.compile)):
             raise
         first = str(e).splitlines()[0][:160] if str(e) else ""
         return {"skipped": f"torch.compile failed: {type(e).__name__}: {first}"}
