@@ -135,3 +135,21 @@ def test_build_on_an_object_store_commits_by_manifest_and_matches_local_output(m
     tops = {o.split("/")[2] for o in _objects(memstore)}
     assert tops == {"manifest.json", run_dir2}
     shutil.rmtree(memstore / "bucket")
+
+
+def test_the_vocab_is_staged_beside_the_output_and_read_through_beam(memstore, small_vocab):
+    from bertdist.data.vocab import continuation_mask, load_vocab
+    from data_pipeline.output_dir import OutputDir
+
+    staged = OutputDir("memstore://bucket/out").stage_vocab(str(small_vocab), "run1")
+    assert staged == "memstore://bucket/out/.staging-run1-vocab/vocab.txt"
+    assert (memstore / "bucket/out/.staging-run1-vocab/vocab.txt").read_bytes() == small_vocab.read_bytes()
+    assert load_vocab(staged) == load_vocab(small_vocab)
+    assert (continuation_mask(staged) == continuation_mask(small_vocab)).all()
+
+
+def test_a_relative_local_output_is_made_absolute(tmp_path, monkeypatch):
+    from data_pipeline.output_dir import OutputDir
+
+    monkeypatch.chdir(tmp_path)
+    assert OutputDir("runs/records/").url == str(tmp_path / "runs" / "records")
