@@ -1,40 +1,118 @@
-"""`bertdist bench` on CPU: the quick variant of the GPU acceptance runs end to end and writes its report."""
+"""`bertdist bench`: its verdicts can fail, a failing stage is a row of the report, and on CPU the
+quick variant times `bertdist pretrain` itself and writes the report."""
+import importlib.util
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+REPO = Path(__file__).resolve().parents[2]
 
-@pytest.mark.slow  # the whole quick acceptance in a subprocess: about 15 s
-def test_bench_quick_cpu_variant_writes_the_report(repo_root, sample_records, tmp_path):
-    cmd = [sys.executable, "-m", "bertdist.cli.main", "bench", "--out", str(tmp_path),
-           "--lengths-from", str(sample_records), "--steps", "1"]
-    r = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=600,
-                       env={**__import__("os").environ, "BERTDIST_CACHE_DIR": str(tmp_path / "user_cache")})
-    assert r.returncode == 0, r.stderr[-3000:]
+
+@pytest.fixture(scope="module")
+def acceptance():
+    spec = importlib.util.spec_from_file_location("acceptance_under_test", REPO / "benchmarks" / "acceptance.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+CPU_ENV = {"device_type": "cpu", "device": "CPU (test)"}
+
+
+def _auto_ref(acceptance, auto_s, reference_s):
+    return {"recipe": "bert-large-phase1.yaml", "repeats": len(auto_s), "runs": [],
+            "scaled": "scaled: test", **acceptance.compare_auto_reference(auto_s, reference_s)}
+
+
+def test_auto_slower_than_reference_beyond_the_spread_is_not_met(acceptance):
+    slower = _auto_ref(acceptance, [0.130, 0.128, 0.131], [0.100, 0.101, 0.099])
+    assert slower["verdict"] == "NOT met"
+    assert slower["auto_slower_by_s"] == pytest.approx(0.030) and slower["spread_s"] == pytest.approx(0.003)
+    rows = acceptance.targets(CPU_ENV, [], slower)
+    (row,) = [r for r in rows if r[0].startswith("kernels: auto never slower")]
+    assert row[2] == "NOT met" and "130.0 ms vs reference 100.0 ms" in row[1]
+    assert acceptance.exit_status({"targets": rows}) == 1
+    # within the spread, or faster: met
+    assert acceptance.compare_auto_reference([0.102, 0.099, 0.104], [0.100, 0.101, 0.097])["verdict"] == "met"
+    assert acceptance.compare_auto_reference([0.090], [0.100])["verdict"] == "met"
+    assert acceptance.compare_auto_reference([], [0.100])["verdict"].startswith("NOT met")
+
+
+def test_report_says_not_met_and_shows_failed_rows(acceptance):
+    recipes = [{"recipe": "tiny.yaml", "status": "failed", "error": "exit 1: ConfigError: boom",
+                "scaled": "scaled: test", "command": "bertdist pretrain tiny.yaml"}]
+    report = {"environment": {**CPU_ENV, "date": "2026-01-01", "python": "3", "torch": "t", "cuda": "none",
+                              "cudnn": "n/a", "deepspeed": "d", "transformers": "t", "bertdist": "b"},
+              "command": "bertdist bench", "budget_s": 10.0, "seconds": 1.0, "stage_seconds": {},
+              "skipped_stages": [], "failed_stages": [], "throughput": [], "tests": None, "kernels": None,
+              "decisions": None, "recipes": recipes,
+              "auto_vs_reference": _auto_ref(acceptance, [0.2], [0.1])}
+    report["targets"] = acceptance.targets(report["environment"], [], report["auto_vs_reference"], recipes)
+    text = acceptance.markdown(report)
+    assert "| NOT met |" in text and "FAILED: exit 1: ConfigError: boom" in text
+    assert acceptance.exit_status(report) == 1
+
+
+def test_a_stage_that_raises_becomes_a_failed_row(acceptance):
+    report = {}
+
+    def broken():
+        raise RuntimeError("variant exploded")
+
+    assert acceptance.guarded(report, "throughput", broken) is None
+    assert report["failed_stages"] == ["throughput: RuntimeError: variant exploded"]
+    assert acceptance.exit_status(report) == 1
+
+
+def test_pytest_collecting_nothing_is_a_failure(acceptance):
+    assert acceptance.exit_status({"tests": {"returncode": 5}, "targets": []}) == 1
+    assert acceptance.exit_status({"tests": {"returncode": 0}, "targets": [("t", "m", "met")]}) == 0
+
+
+def test_recipe_run_that_fails_is_a_row_not_an_exception(acceptance, tmp_path):
+    scale = acceptance.RecipeScale(steps=2, skip_steps=1, model_preset="tiny", micro_batch=2)
+    row = acceptance.run_recipe(REPO / "configs" / "pretrain" / "tiny.yaml", str(tmp_path / "missing.json"),
+                                str(tmp_path / "vocab.txt"), tmp_path, scale, timeout=120)
+    assert row["status"] == "failed" and row["error"].startswith("exit ") and "vocab.txt" in row["error"]
+    assert "data.global_batch_size=2" in row["command"] and "max_steps=2" in row["command"]
+
+
+@pytest.mark.slow  # bertdist pretrain 6 recipes + 6 auto/reference runs + the throughput variants: minutes
+def test_bench_quick_cpu_variant_times_the_trainer_and_writes_the_report(repo_root, tmp_path):
+    cmd = [sys.executable, "-m", "bertdist.cli.main", "bench", "--out", str(tmp_path), "--steps", "1",
+           "--recipes", "tiny.yaml,bert-large-phase1.yaml", "--recipe-steps", "3", "--repeats", "2",
+           "--variants", "ours-reference,hf-sdpa", "--skip", "kernels"]
+    r = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=1200,
+                       env={**os.environ, "BERTDIST_CACHE_DIR": str(tmp_path / "user_cache")})
     (md,) = tmp_path.glob("acceptance_*.md")
     (js,) = tmp_path.glob("acceptance_*.json")
     text, rep = md.read_text(), json.loads(js.read_text())
+    assert r.returncode == rep["exit_status"], r.stderr[-3000:]
     env = rep["environment"]
     assert env["device_type"] == "cpu" and env["date"] and env["torch"] and "git" in env["bertdist"]
     assert "bench" in rep["command"] and "quick CPU variant" in text
-    # GPU tests: run, and skipped without CUDA (pytest's own summary)
     assert rep["tests"]["returncode"] == 0 and "skipped" in rep["tests"]["summary"]
-    # kernel benchmark, with varlen_attn reported as not applicable on CPU
-    assert any(row["impl"] == "varlen_attn" and "n/a" in row.get("note", "") for row in rep["kernels"]["rows"])
-    # the measured choice, exercised with the C++ CPU kernels as candidates
-    (dec,) = rep["decisions"]
-    assert dec["preset"] == "mini" and "CHOSEN" in dec["table"] and "fused" in dec["table"]
-    assert rep["auto_vs_reference"] and all(d["choice_ms"] <= d["torch_ms"] for d in rep["auto_vs_reference"])
-    # training throughput side by side, lengths from the real shards, ratios to HF
-    (run,) = rep["throughput"]
-    assert set(run["variants"]) == {"ours-optimized", "ours-reference", "hf-sdpa"} and not run["skipped"]
-    assert str(sample_records) in run["lengths"]["source"]
-    for v in run["variants"].values():
-        assert v["seq_per_s"] > 0 and v["real_tokens_per_s"] > 0 and 0 < v["mfu"] < 1 and v["peak_mem_bytes"] > 0
-    assert "| mini b2 s64 | fp32 | hf-sdpa |" in text and "1.00x" in text
-    verdicts = dict((t[0], t[2]) for t in rep["targets"])
-    assert verdicts["kernels: auto never slower than reference, per op (measured in the same run)"] == "met"
+    # bertdist pretrain itself, with each recipe's settings and the trainer's metrics
+    rows = {row["recipe"]: row for row in rep["recipes"]}
+    assert set(rows) == {"tiny.yaml", "bert-large-phase1.yaml"}
+    for row in rows.values():
+        assert row["status"] == "ok", row
+        assert row["seq_per_s"] > 0 and row["tokens_per_s"] > 0 and row["steps_run"] == 3
+    assert rows["bert-large-phase1.yaml"]["optimizer"] == "lamb" and rows["bert-large-phase1.yaml"]["seq"] == 128
+    assert rows["bert-large-phase1.yaml"]["kernels"] == "auto" and "model preset tiny" in text
+    # auto vs reference: a fresh measurement of whole steps, interleaved, with its spread
+    ar = rep["auto_vs_reference"]
+    assert [x["kernels"] for x in ar["runs"]] == ["auto", "reference", "reference", "auto"]
+    assert len(ar["auto_s"]) == len(ar["reference_s"]) == 2 and ar["spread_s"] >= 0
+    verdicts = {t[0]: t[2] for t in rep["targets"]}
+    (label,) = [k for k in verdicts if k.startswith("kernels: auto never slower")]
+    assert verdicts[label] in ("met", "NOT met") and "whole training steps" in label
     assert any(v.startswith("n/a") for v in verdicts.values())  # no GPU claim from a CPU run
+    (run,) = rep["throughput"]
+    assert set(run["variants"]) == {"ours-reference", "hf-sdpa"} and not run["skipped"]
     assert not (tmp_path / "user_cache").exists()  # the bench measured into its own cache, not the user's
