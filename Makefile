@@ -13,7 +13,7 @@ JOBS ?= $(shell nproc)
 
 venv: $(STAMP)
 
-# torch 2.14.1 (CUDA 13.0 build) is pinned in requirements.lock: see README "Why this torch".
+# torch 2.14.1 (CUDA 13.0 build) is pinned in requirements.lock: see docs/kernels-and-gpus.md.
 # deepspeed is built from its sdist against the installed torch, so it goes in after, without
 # build isolation (an isolated build would pull a second torch into the build env). Its CPU
 # shared-memory all-reduce op is compiled here, ahead of time: left to JIT, every CPU rank
@@ -55,13 +55,13 @@ slurm:
 demo: venv
 	$(PY) -m bertdist.demo --out demo_out
 
-# The one-command GPU acceptance (README "On a GPU"): a report under benchmarks/results/.
+# The one-command GPU acceptance (docs/kernels-and-gpus.md): a report under benchmarks/results/.
 # Without CUDA it runs the quick CPU variant.
 gpu-acceptance: venv
 	$(PY) -m bertdist.cli.main bench
 
-# The CUDA kernels run on the CPU by the SIMT emulator (csrc/emu; README "The model and the
-# kernels"). EMU_CSRC and EMU_BUILD let the mutation tests build from a mutated copy of csrc/.
+# The CUDA kernels run on the CPU by the SIMT emulator (csrc/emu; docs/kernels-and-gpus.md,
+# "The CUDA kernels without a GPU"). EMU_CSRC and EMU_BUILD let the mutation tests build from a mutated copy of csrc/.
 # These targets need the venv only when there is none yet: their builds are incremental on
 # their own (bertdist/ops/_emu_build.py), and a stale stamp must not reinstall the package.
 EMU_CSRC ?= csrc

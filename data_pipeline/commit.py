@@ -17,6 +17,7 @@ complete shards; a re-run replaces both cleanly.
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import logging
 import os
 from typing import Any
@@ -147,6 +148,69 @@ def verify(cfg: BuildConfig, runner: str, plan: BuildPlan | None, units: dict, r
                               "Nothing was committed.")
 
 
+REMOVED_PAIRS_NAME = "dedup_removed_pairs.jsonl"
+DEDUP_COUNTS = ("exact_documents_removed", "exact_words_removed", "exact_clusters", "near_documents_removed",
+                "near_words_removed", "near_clusters")
+
+
+def _per_source(counters: dict[str, int], kind: str) -> dict[str, dict[str, int]]:
+    """Counters ``<kind>:<source>:<what>`` -> {source: {what: n}}."""
+    out: dict[str, dict[str, int]] = {}
+    for name, v in counters.items():
+        k, _, rest = name.partition(":")
+        if k == kind and ":" in rest:
+            source, _, what = rest.partition(":")
+            out.setdefault(source, {})[what] = v
+    return out
+
+
+def _report_files(out: OutputDir, folder: str) -> list[dict]:
+    from apache_beam.io.filesystems import FileSystems
+
+    if not out.exists(folder):
+        return []
+    paths = sorted(m.path for r in FileSystems.match([f"{folder}/*.json"]) for m in r.metadata_list)
+    return [out.read_json(p) for p in paths]
+
+
+def cleaning_sections(cfg: BuildConfig, out: OutputDir, staging: str, final: str, counters: dict | None
+                      ) -> dict[str, Any]:
+    """The manifest's "encodings", "quality" and "dedup" sections, from the counters and the
+    examples the build wrote under ``<staging>/report``; writes the sample of removed duplicate
+    pairs into the run's folder (``REMOVED_PAIRS_NAME``, one JSON object a line). Counts are
+    null when the runner reports no metrics."""
+    from data_pipeline.dedup import bands_and_rows
+    from data_pipeline.pipeline import source_label
+
+    known = counters is not None
+    dropped = _per_source(counters, "filtered") if known else {}
+    dropped_words = _per_source(counters, "filtered_words") if known else {}
+    removed = _per_source(counters, "dedup") if known else {}
+    examples: dict[str, dict[str, list]] = {}
+    for f in _report_files(out, f"{staging}/report/quality"):
+        examples.setdefault(f["source"], {})[f["rule"]] = f["examples"]
+    pairs = [row for f in _report_files(out, f"{staging}/report/dedup") for row in f["pairs"]]
+    if pairs:
+        out.write_bytes(f"{staging}/{REMOVED_PAIRS_NAME}",
+                        "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in pairs).encode("utf-8"))
+    quality, dedup = {}, {}
+    for i, src in enumerate(cfg.inputs):
+        name = source_label(i, src)
+        q, d = cfg.source_quality(i), cfg.source_dedup(i)
+        quality[name] = {"path": src.path, "enabled": q.enabled,
+                         "documents_dropped": dict(sorted(dropped.get(name, {}).items())) if known else None,
+                         "words_dropped": dict(sorted(dropped_words.get(name, {}).items())) if known else None,
+                         "examples": examples.get(name, {})}
+        bands, rows = bands_and_rows(d.threshold, d.num_perm)
+        dedup[name] = {"path": src.path, "enabled": d.enabled, "near": d.near, "threshold": d.threshold,
+                       "ngram": d.ngram, "bands": bands, "rows": rows,
+                       **({k: removed.get(name, {}).get(k, 0) for k in DEDUP_COUNTS} if known
+                          else dict.fromkeys(DEDUP_COUNTS))}
+    encodings = ({k[len("decoded_"):]: v for k, v in counters.items() if k.startswith("decoded_")} if known else None)
+    return {"encodings": encodings, "quality": quality,
+            "dedup": {"sources": dedup, "removed_pairs_sample": f"{final}/{REMOVED_PAIRS_NAME}" if pairs else None}}
+
+
 def _negatives(units: dict, split: str) -> dict[str, Any]:
     u = units[split]
     return {"random_next": u["random_next"], "distinct_windows": u["distinct_windows"],
@@ -177,6 +241,7 @@ def commit(cfg, out: OutputDir, staging: str, final: str, run_id: str, tokens, l
     rows = {s: sum(st["rows"] for *_, st in v if st) for s, v in shard_stats.items()}
     plan, units = read_report(out, f"{staging}/report")
     verify(cfg, runner, plan, units, rows, counters)
+    cleaning = cleaning_sections(cfg, out, staging, final, counters)
     for w in plan.warnings:
         log.warning("%s", w)
     for split, n in (("train", cfg.num_shards), ("heldout", cfg.heldout_num_shards)):
@@ -235,6 +300,9 @@ def commit(cfg, out: OutputDir, staging: str, final: str, run_id: str, tokens, l
                     "floor_max_fraction": cfg.heldout_floor_max_fraction, "documents": plan.documents["heldout"],
                     "tokens": plan.tokens["heldout"]},
         "warnings": list(plan.warnings),
+        # per source: documents decoded from each encoding, dropped by each quality rule, and
+        # removed as duplicates (a sample of the removed pairs is in the run's folder)
+        **cleaning,
         "skips": {k: v for k, v in counters.items() if k.startswith(("skipped_", "truncated_"))} if known else None,
         "repairs": ({k: v for k, v in counters.items()
                      if k.startswith("repaired_") or k == "nsp_same_document_fallbacks"} if known else None),

@@ -12,13 +12,57 @@ PARQUET_ENCODINGS = get_args(ParquetEncoding)
 
 
 @dataclass
+class QualityConfig:
+    """Document quality rules (data_pipeline.quality; Gopher and C4 style). A document failing
+    one is dropped and counted (manifest "quality": per source and rule, with a few examples).
+    The defaults keep every Wikipedia article and book in ../shared/data, whose extremes are:
+    54 words, letters 0.85 of non-space characters, mean word length 4.2-6.5, 0.005 symbols per
+    word, 3.3% repeated lines (the Bible), 6.3% repeated paragraphs (Macbeth's stage directions)."""
+
+    enabled: bool = True
+    min_words: int = 50
+    max_replacement_fraction: float = 0.001  # U+FFFD per character
+    max_control_fraction: float = 0.001  # control characters (not tab, newline) per character
+    min_letter_fraction: float = 0.5  # letters per non-whitespace character
+    min_mean_word_length: float = 3.0
+    max_mean_word_length: float = 10.0
+    max_symbol_word_ratio: float = 0.1  # "#", "...", "|", bullets per word
+    max_duplicate_line_fraction: float = 0.3
+    max_duplicate_line_char_fraction: float = 0.2
+    max_duplicate_paragraph_fraction: float = 0.3
+    max_duplicate_paragraph_char_fraction: float = 0.2
+
+
+@dataclass
+class DedupConfig:
+    """Duplicate removal within a source, before instances are made (data_pipeline.dedup):
+    exact duplicates by a hash of the normalized text, near-duplicates by MinHash over word
+    n-grams with LSH banding. One document of each cluster is kept: the one with the smallest
+    content hash, so the output does not depend on input order or worker count."""
+
+    enabled: bool = True
+    near: bool = True  # False: exact duplicates only
+    threshold: float = 0.8  # Jaccard similarity of word n-gram sets above which two documents are duplicates
+    ngram: int = 5
+    num_perm: int = 128  # MinHash signature length (one-permutation bins); LSH bands x rows come from it and threshold
+    seed: int = 1
+    # a bucket larger than this (many documents sharing one band) compares each document with this
+    # many neighbours in hash order, not with all: linear work in a bucket of boilerplate copies
+    max_bucket_comparisons: int = 64
+    sample_pairs: int = 50  # removed (kept, dropped) pairs per source written beside the manifest
+
+
+@dataclass
 class InputConfig:
-    """One source. ``path`` is a file, directory (books), or glob on any Beam filesystem."""
+    """One source. ``path`` is a file, directory (books), or glob on any Beam filesystem.
+    ``quality`` and ``dedup`` override the build's sections for this source (None: the build's)."""
 
     kind: SourceKind
     path: str
     text_field: str = "text"  # jsonl only
     id_field: str = ""  # jsonl only; "" = use file name + line number
+    quality: Optional[QualityConfig] = None
+    dedup: Optional[DedupConfig] = None
 
 
 @dataclass
@@ -49,6 +93,9 @@ class BuildConfig:
     # error when it is not
     instance_builder: InstanceBuilder = "auto"
     # --- documents ---
+    # defaults for every source (an input's own section replaces them for that input)
+    quality: QualityConfig = field(default_factory=QualityConfig)
+    dedup: DedupConfig = field(default_factory=DedupConfig)
     min_sentences: int = 2  # for nsp/sop; shorter documents are skipped and counted
     max_document_chars: int = 50_000_000  # larger documents are truncated (counted)
     max_document_sentences: int = 20_000  # larger documents are split into parts (counted)
@@ -71,10 +118,16 @@ class BuildConfig:
     compression: str = "zstd"
     # how the shards' integer columns are encoded: "dictionary" is Parquet's default, which every
     # reader knows. "byte_stream_split" (no dictionary) made the 10 MB benchmark build about 8%
-    # faster on one core and its shards 12% smaller (README), but needs a reader that implements BYTE_STREAM_SPLIT
+    # faster on one core and its shards 12% smaller in one measurement, but needs a reader that implements BYTE_STREAM_SPLIT
     # for integer columns (Parquet format PARQUET-2414, 2024; merged into Arrow C++ in February
     # 2024 as apache/arrow GH-39978); older readers may reject the shards
     parquet_encoding: ParquetEncoding = "dictionary"
+
+    def source_quality(self, i: int) -> QualityConfig:
+        return self.inputs[i].quality or self.quality
+
+    def source_dedup(self, i: int) -> DedupConfig:
+        return self.inputs[i].dedup or self.dedup
 
     def __post_init__(self):
         # from_dict checks the Literal fields; this also catches a BuildConfig built in code

@@ -24,6 +24,8 @@ from data_pipeline.negatives import slot_bits
 from data_pipeline.output_dir import OutputDir
 from data_pipeline.tokenization import vocab_is_cased
 from data_pipeline.beam.instance_transform import CreateInstances
+from data_pipeline.beam.dedup import Deduplicate
+from data_pipeline.beam.filters import FilterQuality
 from data_pipeline.beam.read import ReadBertFormatText, ReadBooks, ReadJsonLines, ReadWikipediaDump
 from data_pipeline.beam.shards import SplitShards, WriteShards
 from data_pipeline.beam.tokenize import SplitSentences, Tokenize
@@ -40,17 +42,28 @@ def default_pipeline_args() -> list[str]:
             f"--direct_num_workers={os.cpu_count() or 1}"]
 
 
-def read_source(p: beam.Pipeline, i: int, src: InputConfig, cfg: BuildConfig):
+def source_label(i: int, src: InputConfig) -> str:
+    """A source's name in counters, the manifest and the report files: its index and kind."""
+    return f"{i}-{src.kind}"
+
+
+def read_source(p: beam.Pipeline, i: int, src: InputConfig, cfg: BuildConfig, report_dir: str | None = None):
+    """One input -> (doc_id, [sentences]): read, quality-filtered and deduplicated (per source)."""
     label = f"Read{i}_{src.kind}"
     if src.kind == "wiki":
-        return p | label >> ReadWikipediaDump(src.path) | f"Sentences{i}" >> SplitSentences()
-    if src.kind == "books":
-        return p | label >> ReadBooks(src.path, cfg.max_document_chars) | f"Sentences{i}" >> SplitSentences()
-    if src.kind == "jsonl":
-        return p | label >> ReadJsonLines(src.path, src.text_field, src.id_field) | f"Sentences{i}" >> SplitSentences()
-    if src.kind == "text":
-        return p | label >> ReadBertFormatText(src.path)
-    raise ValueError(f"unknown source kind {src.kind!r}")
+        docs = p | label >> ReadWikipediaDump(src.path)
+    elif src.kind == "books":
+        docs = p | label >> ReadBooks(src.path, cfg.max_document_chars)
+    elif src.kind == "jsonl":
+        docs = p | label >> ReadJsonLines(src.path, src.text_field, src.id_field)
+    elif src.kind == "text":
+        docs = p | label >> ReadBertFormatText(src.path)
+    else:
+        raise ValueError(f"unknown source kind {src.kind!r}")
+    name = source_label(i, src)
+    docs = (docs | f"Quality{i}" >> FilterQuality(name, cfg.source_quality(i), report_dir)
+            | f"Dedup{i}" >> Deduplicate(name, cfg.source_dedup(i), report_dir))
+    return docs if src.kind == "text" else docs | f"Sentences{i}" >> SplitSentences()
 
 
 def instance_params(cfg: BuildConfig, tokens: list[str]) -> InstanceParams:
@@ -118,7 +131,7 @@ def work_units(options: PipelineOptions) -> int:
 
 
 def build_pipeline(p: beam.Pipeline, cfg: BuildConfig, staging: str, tokens: list[str], lowercase: bool) -> None:
-    docs = [read_source(p, i, src, cfg) for i, src in enumerate(cfg.inputs)]
+    docs = [read_source(p, i, src, cfg, f"{staging}/report") for i, src in enumerate(cfg.inputs)]
     sentences = docs[0] if len(docs) == 1 else tuple(docs) | "AllSources" >> beam.Flatten()
     min_sents = cfg.min_sentences if cfg.objective != "none" else 1
     tokenized = sentences | "Tokenize" >> Tokenize(

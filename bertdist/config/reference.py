@@ -29,7 +29,7 @@ SCHEMAS = (
     ("Fine-tuning", "bertdist.finetune.config:FinetuneConfig", "configs/finetune/*.yaml",
      "`bertdist finetune TASK --config CONFIG --set key.path=value`"),
     ("Cluster resources", "cluster.spec:Resources", "options of `bertdist submit`",
-     "`bertdist submit ... --nodes N --gpus-per-node G ...` (one option per key, `-` for `_`)"),
+     "`bertdist submit pretrain ... --nodes N --gpus-per-node G` (one option per key, `-` for `_`)"),
 )
 
 
@@ -55,7 +55,8 @@ def field_comments(cls: type) -> dict[str, str]:
                 and head not in out:
             above, k = [], no - 1
             while k >= 1 and lines[k - 1].strip().startswith("#"):
-                above.insert(0, comments.get(k, ""))
+                if not comments.get(k, "").startswith("---"):  # "# --- section ---" heads a group, not a field
+                    above.insert(0, comments.get(k, ""))
                 k -= 1
             out[head] = " ".join([*above, *([comments[no]] if no in comments else [])]).strip()
     return out
@@ -121,8 +122,21 @@ def sections(cls: type, prefix: str = "") -> list[tuple[str, type]]:
     out = [(prefix, cls)]
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
-            out.extend(sections(hints[f.name], f"{prefix}{f.name}."))
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            out.extend(sections(tp, f"{prefix}{f.name}."))
+        elif typing.get_origin(tp) is list and dataclasses.is_dataclass(item := typing.get_args(tp)[0]):
+            out.extend(sections(item, f"{prefix}{f.name}[]."))  # each list item is one of these
+    return out
+
+
+def all_rows(cls: type) -> list[tuple[str, str, str, str]]:
+    """Every key of the schema, list items' keys (``inputs[].kind``) included."""
+    out = []
+    for prefix, section in sections(cls):
+        hints = typing.get_type_hints(section)
+        out += [r for r in rows(section, prefix)
+                if not dataclasses.is_dataclass(hints.get(r[0][len(prefix):].split(".")[0]))]
     return out
 
 

@@ -9,7 +9,7 @@ the signatures of their twins in ``reference.py``. ``kernels: emulated`` gives t
 
 They exist to test the CUDA code where no GPU is: they are orders of magnitude slower than
 any other kernel set. What the emulator checks and what it cannot: ``csrc/emu/emu.h`` and the
-README ("The model and the kernels").
+docs/kernels-and-gpus.md ("The CUDA kernels without a GPU").
 
 The extension is ``bertdist._C_emu`` (built by ``pip install -e .`` where a C++ compiler and the
 CUDA headers exist), or the build that ``BERTDIST_EMU_EXT`` names by path: ``make emu-test`` and

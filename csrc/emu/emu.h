@@ -30,7 +30,7 @@
 // - Errors surface as CUDA does: the launch records an error that cudaGetLastError returns,
 //   and cudaGetErrorString gives the emulator's message.
 //
-// What it cannot do (see README, "The model and the kernels"):
+// What it cannot do (see docs/kernels-and-gpus.md, "The CUDA kernels without a GPU"):
 // - performance, occupancy, bank conflicts; register counts (DeviceProps::kernel_max_threads
 //   stands in for them, one value for every kernel);
 // - concurrency between blocks (they run one at a time) and between streams;

@@ -1,13 +1,25 @@
-"""Every command line the README shows, checked from the README's own text (never copied here).
+"""Every command line README.md and the pages of docs/ show, checked from their own text (never
+copied here).
 
 Each command in a shell code block (line continuations joined, `;` splits) must match an entry of
 CHECKS, else the test fails. An entry either
-- runs the command verbatim with bash (cheap: seconds, no GPU, no scheduler), in README order, in a
-  directory shaped like the repo root (configs/ and data_pipeline/ linked in), so later lines use
-  what earlier ones wrote, and then checks what it printed or wrote; or
+- runs the command verbatim with bash (cheap: seconds, no GPU, no scheduler), in page order
+  (README.md first, then DOC_ORDER), in one directory shaped like the repo root (configs/ copied,
+  data_pipeline/ linked in), so later lines use what earlier ones wrote, and then checks what it
+  printed or wrote; or
 - for commands too slow for this file or needing a GPU cluster or SLURM: parses the exact argv with
   the real parsers (bertdist's, torchrun's, `make -n`), validates the dotted overrides against the
   config schema, and checks the files it names; `where` says what runs it for real.
+
+Skipping a block. A shell block that can neither run here nor be checked that way (it needs a GPU,
+a cluster such as a Dataflow project, or runs longer than 10 minutes) carries the marker line
+
+    <!-- not run in tests: REASON -->
+
+directly above its opening fence. REASON starts with one of SKIP_REASONS ("GPU", "cluster",
+"longer than 10 minutes"), then says what exactly, e.g. `<!-- not run in tests: cluster (a
+Dataflow project and a bucket) -->`. Its commands are reported as skipped with that reason; a
+marker with another reason, or not above a shell block, fails the test.
 """
 from __future__ import annotations
 
@@ -29,53 +41,72 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
+DOCS = REPO / "docs"
+# The docs pages in the order a user follows them; their commands run after README.md's, in this order.
+DOC_ORDER = ("data.md", "pretraining.md", "fine-tuning.md", "scaling-out.md", "kernels-and-gpus.md",
+             "troubleshooting.md", "benchmarks.md", "design.md", "config-reference.md")
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
+SKIP_MARKER = re.compile(r"^<!-- not run in tests: (.+?) -->$")
+SKIP_REASONS = ("GPU", "cluster", "longer than 10 minutes")
 # Published BertModel (with pooler) parameter counts (HF bert-base/large-uncased): the summary must agree.
 PUBLISHED_PARAMS = {"base": "109,482,240", "large": "335,141,888"}
 
 
+def doc_pages() -> list[Path]:
+    """README.md, then the docs pages in DOC_ORDER, then any other page of docs/ by name."""
+    pages = sorted(DOCS.glob("*.md"), key=lambda p: (DOC_ORDER.index(p.name) if p.name in DOC_ORDER else len(DOC_ORDER),
+                                                    p.name))
+    return [README, *pages]
+
+
 @dataclass(frozen=True)
 class ReadmeCommand:
-    text: str  # as the README prints it: continuations joined, trailing comment dropped
+    text: str  # as the page prints it: continuations joined, trailing comment dropped
     argv: tuple[str, ...]
-    line: int  # README line where it starts
+    line: int  # line of the page where it starts
+    page: str = "README.md"  # relative to the repository
+    skip: str = ""  # the reason of the block's "not run in tests" marker
 
     def startswith(self, *prefix: str) -> bool:
         return self.argv[: len(prefix)] == prefix
 
     def __str__(self) -> str:
-        return f"README.md:{self.line}: {self.text}"
+        return f"{self.page}:{self.line}: {self.text}"
 
 
-def _commands_in(logical: str, line: int) -> list[ReadmeCommand]:
-    text = re.sub(r"(^|\s)#.*$", "", logical).strip()  # shell comment (README commands quote no '#')
+def _commands_in(logical: str, line: int, page: str, skip: str) -> list[ReadmeCommand]:
+    text = re.sub(r"(^|\s)#.*$", "", logical).strip()  # shell comment (the pages' commands quote no '#')
     out = []
     for segment in re.split(r"\s*(?:;|&&)\s*", text):
         if segment:
-            out.append(ReadmeCommand(segment, tuple(shlex.split(segment)), line))
+            out.append(ReadmeCommand(segment, tuple(shlex.split(segment)), line, page, skip))
     return out
 
 
-def readme_blocks(text: str) -> list[tuple[str, int, list[str]]]:
-    """(language, first line number, lines) of every fenced code block."""
+def readme_blocks(text: str, page: str = "README.md") -> list[tuple[str, int, list[str], str]]:
+    """(language, first line number, lines, skip reason) of every fenced code block; the skip
+    reason is the text of a "not run in tests" marker on the line above the fence, else ""."""
     blocks, current = [], None
-    for no, line in enumerate(text.splitlines(), 1):
+    lines_of = text.splitlines()
+    for no, line in enumerate(lines_of, 1):
         m = re.match(r"^```\s*(\S*)\s*$", line)
         if m and current is None:
-            current = (m.group(1).lower(), no + 1, [])
+            above = SKIP_MARKER.match(lines_of[no - 2].strip()) if no >= 2 else None
+            current = (m.group(1).lower(), no + 1, [], above.group(1) if above else "")
         elif line.startswith("```") and current is not None:
             blocks.append(current)
             current = None
         elif current is not None:
             current[2].append(line)
-    assert current is None, f"README.md: code block opened at line {current[1] - 1} is never closed"
+    assert current is None, f"{page}: code block opened at line {current[1] - 1} is never closed"
     return blocks
 
 
-def readme_commands(text: str | None = None) -> list[ReadmeCommand]:
+def readme_commands(text: str | None = None, page: str = "README.md") -> list[ReadmeCommand]:
+    """The commands of one page (README.md by default): every line of its shell blocks."""
     text = README.read_text(encoding="utf-8") if text is None else text
     commands = []
-    for lang, first, lines in readme_blocks(text):
+    for lang, first, lines, skip in readme_blocks(text, page):
         if lang not in SHELL_LANGS:
             continue
         i = 0
@@ -84,9 +115,15 @@ def readme_commands(text: str | None = None) -> list[ReadmeCommand]:
             while logical.rstrip().endswith("\\") and i + 1 < len(lines):
                 i += 1
                 logical = logical.rstrip()[:-1].rstrip() + " " + lines[i].strip()
-            commands.extend(_commands_in(logical, first + start))
+            commands.extend(_commands_in(logical, first + start, page, skip))
             i += 1
     return commands
+
+
+def all_commands() -> list[ReadmeCommand]:
+    """Every page's commands, README.md first, in the order the workspace runs them."""
+    return [c for page in doc_pages()
+            for c in readme_commands(page.read_text(encoding="utf-8"), page.relative_to(REPO).as_posix())]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,7 +131,7 @@ def readme_commands(text: str | None = None) -> list[ReadmeCommand]:
 
 
 class Workspace:
-    """The README's working directory: configs/ and data_pipeline/ as in the repo; runs/ is written."""
+    """The pages' working directory: configs/ and data_pipeline/ as in the repo; runs/ is written."""
 
     def __init__(self, root: Path):
         self.root = root
@@ -148,8 +185,9 @@ def overrides_of(argv) -> dict[str, str]:
 
 
 def readme_preset_table() -> dict[str, str]:
-    """preset -> parameter count, from the README's preset table."""
-    rows = re.findall(r"^\|\s*(tiny|mini|base|large)\s*\|(?:[^|\n]*\|){4}\s*([\d,]+)\s*\|", README.read_text(), re.M)
+    """preset -> parameter count, from the preset table of the pages (docs/pretraining.md)."""
+    text = "\n".join(p.read_text(encoding="utf-8") for p in doc_pages())
+    rows = re.findall(r"^\|\s*(tiny|mini|base|large)\s*\|(?:[^|\n]*\|){4}\s*([\d,]+)\s*\|", text, re.M)
     return dict(rows)
 
 
@@ -184,7 +222,7 @@ def check_model_summary(cmd, r, ws):
     m = re.search(r"^\s*BertModel \(with pooler\)\s+([\d,]+)$", r.stdout, re.M)
     assert m, r.stdout
     table = readme_preset_table()
-    assert m.group(1) == table[preset], f"summary says {m.group(1)}, the README's preset table {table[preset]}"
+    assert m.group(1) == table[preset], f"summary says {m.group(1)}, the docs' preset table {table[preset]}"
     if preset in PUBLISHED_PARAMS:
         assert m.group(1) == PUBLISHED_PARAMS[preset]
     if seq:
@@ -261,8 +299,9 @@ def _pretrain_config(cmd: ReadmeCommand, ws: Workspace, world_size: int):
     assert args.command == "pretrain", cmd
     overrides = list(args.overrides)
     if "..." in overrides:
-        # "..." stands for the overrides of the README's previous pretrain line (the same run).
-        prev = [c for c in readme_commands() if c.line < cmd.line and is_pretrain(c) and "..." not in c.argv]
+        # "..." stands for the overrides of the previous pretrain line (the same run), in page order.
+        ordered = all_commands()
+        prev = [c for c in ordered[: ordered.index(cmd)] if is_pretrain(c) and "..." not in c.argv]
         assert prev, f"{cmd}: '...' but no earlier pretrain line to take the overrides from"
         given, earlier = overrides_of(overrides), parse_bertdist(bertdist_argv(prev[-1])).overrides
         if "run_dir" in given:
@@ -300,15 +339,15 @@ def check_pretrain(cmd, ws):
 
 def _run_dirs() -> set[str]:
     dirs = set()
-    for c in readme_commands():
-        if is_pretrain(c):
+    for c in all_commands():
+        if is_pretrain(c) and not c.skip:
             dirs.add(overrides_of(parse_bertdist(bertdist_argv(c)).overrides).get("run_dir"))
     return dirs - {None}
 
 
 def check_export(cmd, ws):
     args = parse_bertdist(bertdist_argv(cmd))
-    assert args.source in _run_dirs(), f"{cmd}: exports {args.source}, not a run the README's pretrain lines write"
+    assert args.source in _run_dirs(), f"{cmd}: exports {args.source}, not a run the pages' pretrain lines write"
 
 
 def check_import_hf(cmd, ws):
@@ -323,8 +362,8 @@ def check_finetune(cmd, ws):
 
     args = parse_bertdist(bertdist_argv(cmd))
     assert args.task in TASKS, f"{cmd}: unknown task {args.task}"
-    exports = [parse_bertdist(bertdist_argv(c)).out for c in readme_commands() if c.startswith("bertdist", "export")]
-    assert args.checkpoint in exports, f"{cmd}: fine-tunes {args.checkpoint}, which no README export line writes"
+    exports = [parse_bertdist(bertdist_argv(c)).out for c in all_commands() if c.startswith("bertdist", "export")]
+    assert args.checkpoint in exports, f"{cmd}: fine-tunes {args.checkpoint}, which no export line of the pages writes"
     # The same overrides the CLI builds, validated against the schema.
     load_config(FinetuneConfig, args.config, [f"task={args.task}", f"checkpoint={args.checkpoint}",
                                               f"data={args.data}", f"output_dir={args.out}", *args.set])
@@ -357,7 +396,9 @@ def check_make(cmd, ws):
     target = cmd.argv[1]
     r = subprocess.run(["make", "-n", target], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, f"{cmd}: make -n {target}: {r.stderr}"
-    expect = {"demo": "-m bertdist.demo", "test": "-m pytest", "gpu-acceptance": "bertdist.cli.main bench"}[target]
+    expect = {"demo": "-m bertdist.demo", "test": "-m pytest", "gpu-acceptance": "bertdist.cli.main bench",
+              "emu-check": "_emu_build driver", "emu-test": "-m pytest", "emu-sanitize": "--sanitize",
+              "emu-mutate": "mutate.py"}[target]
     assert expect in r.stdout, f"make {target} does not run {expect}:\n{r.stdout}"
 
 
@@ -388,6 +429,10 @@ CHECKS = [
     Check(("make", "demo"), None, check_make, "make demo (about 3 min after set-up)"),
     Check(("make", "test"), None, check_make, "make test (the suite this file is part of)"),
     Check(("make", "gpu-acceptance"), None, check_make, "a GPU machine; its CPU variant: tests/benchmarks/test_acceptance.py"),
+    Check(("make", "emu-check"), None, check_make, "make emu-test; tests/emu/test_kernel_checks.py"),
+    Check(("make", "emu-test"), None, check_make, "tests/emu (make test runs them)"),
+    Check(("make", "emu-sanitize"), None, check_make, "by hand: an ASan + UBSan build, about 2 minutes"),
+    Check(("make", "emu-mutate"), None, check_make, "tests/emu/test_mutations.py (three mutants); the full set by hand"),
     Check(("bertdist", "bench"), None, check_bench, "tests/benchmarks/test_acceptance.py (quick CPU variant); a GPU"),
     Check(("pip", "install"), None, check_pip_install, "tests/test_wheel_install.py (wheel into a fresh venv)"),
     Check(("bertdist", "info"), check_info),
@@ -410,40 +455,77 @@ def check_for(cmd: ReadmeCommand) -> Check | None:
     return max(matches, key=lambda c: len(c.prefix)) if matches else None
 
 
-COMMANDS = readme_commands()
+COMMANDS = all_commands()
+RUN = [c for c in COMMANDS if not c.skip]  # run or parse-checked here
+SKIPPED = [c for c in COMMANDS if c.skip]  # in a block marked "not run in tests"
+
+
+def _generated_sections_removed(text: str) -> str:
+    """A page without its generated sections (error messages quote commands as the code says them)."""
+    return re.sub(r"<!-- BEGIN [^>]*-->.*?<!-- END [^>]*-->", "", text, flags=re.S)
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> Workspace:
-    """Runs every cheap README command once, in README order, in a repo-shaped directory."""
+    """Runs every cheap command once, in page order, in a repo-shaped directory. configs/ is a copy:
+    a Kubernetes job must find its config under the work directory its pods mount."""
     ws = Workspace(tmp_path_factory.mktemp("readme"))
-    for name in ("configs", "data_pipeline"):
-        (ws.root / name).symlink_to(REPO / name)
-    for cmd in COMMANDS:
+    shutil.copytree(REPO / "configs", ws.root / "configs")
+    (ws.root / "data_pipeline").symlink_to(REPO / "data_pipeline")
+    for cmd in RUN:
         check = check_for(cmd)
         if check and check.runs_here(cmd):
             ws.results[cmd] = ws.run(cmd)
     return ws
 
 
-def test_readme_has_commands_and_each_has_a_check():
-    assert len(COMMANDS) >= 10, COMMANDS
-    missing = [str(c) for c in COMMANDS if check_for(c) is None]
-    assert not missing, "README commands no test checks (add a Check):\n" + "\n".join(missing)
+def test_pages_have_commands_and_each_has_a_check():
+    assert len(readme_commands()) >= 5 and len(COMMANDS) >= 30, COMMANDS
+    assert {c.page for c in COMMANDS} >= {"README.md", "docs/data.md", "docs/pretraining.md", "docs/scaling-out.md"}
+    missing = [str(c) for c in RUN if check_for(c) is None]
+    assert not missing, "commands no test checks (add a Check, or mark the block as not run):\n" + "\n".join(missing)
+
+
+def test_skip_markers_state_an_allowed_reason_above_a_shell_block():
+    bad = []
+    for page in doc_pages():
+        name = page.relative_to(REPO).as_posix()
+        lines = page.read_text(encoding="utf-8").splitlines()
+        for no, line in enumerate(lines, 1):
+            m = SKIP_MARKER.match(line.strip())
+            if "not run in tests" in line and not m:
+                bad.append(f"{name}:{no}: malformed marker {line.strip()!r}")
+            elif m:
+                fence = re.match(r"^```\s*(\S*)\s*$", lines[no]) if no < len(lines) else None
+                if not fence or fence.group(1).lower() not in SHELL_LANGS:
+                    bad.append(f"{name}:{no}: the marker is not directly above a shell block")
+                if not m.group(1).startswith(SKIP_REASONS):
+                    bad.append(f"{name}:{no}: reason {m.group(1)!r} does not start with one of {SKIP_REASONS}")
+    assert not bad, "\n".join(bad)
+
+
+def test_skip_markers_are_read():
+    text = "x\n<!-- not run in tests: GPU (an H100) -->\n```bash\nbertdist bench\n```\n```bash\nbertdist info\n```\n"
+    cmds = readme_commands(text, "t.md")
+    assert [(c.text, c.skip) for c in cmds] == [("bertdist bench", "GPU (an H100)"), ("bertdist info", "")]
 
 
 def test_no_commands_hide_in_unlabelled_blocks():
     # Commands in a block without a shell language would escape this file; the diagram block has none.
     starts = ("bertdist ", "make ", "torchrun ", "deepspeed ", "python ", "pip ")
-    for lang, first, lines in readme_blocks(README.read_text(encoding="utf-8")):
-        if lang not in SHELL_LANGS:
-            bad = [f"README.md:{first + i}: {l}" for i, l in enumerate(lines) if l.strip().startswith(starts)]
-            assert not bad, f"commands in a ```{lang} block; label it ```bash:\n" + "\n".join(bad)
+    for page in doc_pages():
+        name = page.relative_to(REPO).as_posix()
+        for lang, first, lines, _ in readme_blocks(page.read_text(encoding="utf-8"), name):
+            if lang not in SHELL_LANGS:
+                bad = [f"{name}:{first + i}: {l}" for i, l in enumerate(lines) if l.strip().startswith(starts)]
+                assert not bad, f"commands in a ```{lang} block; label it ```bash:\n" + "\n".join(bad)
 
 
-@pytest.mark.slow  # every README command as a subprocess, on a workspace built first: about 22 s
-@pytest.mark.parametrize("cmd", COMMANDS, ids=[f"L{c.line}-{'_'.join(c.argv[:3])}" for c in COMMANDS])
+@pytest.mark.slow  # every command of the pages as a subprocess, on a workspace built first: about 60 s
+@pytest.mark.parametrize("cmd", COMMANDS, ids=[f"{Path(c.page).stem}-L{c.line}-{'_'.join(c.argv[:3])}" for c in COMMANDS])
 def test_readme_command(cmd, workspace):
+    if cmd.skip:
+        pytest.skip(f"{cmd.page}:{cmd.line}: not run in tests: {cmd.skip}")
     check = check_for(cmd)
     assert check is not None, f"{cmd}: no check"
     if check.runs_here(cmd):
@@ -457,7 +539,7 @@ def test_readme_command(cmd, workspace):
 @pytest.mark.shared
 def test_readme_finetune_data_is_the_task_layout(shared_data):
     """The data directory the README's finetune line names holds the task's train and dev TSVs."""
-    lines = [c for c in COMMANDS if c.startswith("bertdist", "finetune")]
+    lines = [c for c in readme_commands() if c.startswith("bertdist", "finetune")]
     assert lines
     for cmd in lines:
         args = parse_bertdist(bertdist_argv(cmd))
@@ -480,27 +562,28 @@ def _leaf_commands() -> list[str]:
 
 
 @pytest.mark.parametrize("leaf", _leaf_commands())
-def test_every_cli_command_has_a_readme_example(leaf):
+def test_every_cli_command_has_an_example_in_the_pages(leaf):
     words = tuple(leaf.split())
-    assert any(bertdist_argv(c)[: len(words)] == list(words) for c in COMMANDS if c.argv[0] in ("bertdist", "torchrun")), \
-        f"README shows no `bertdist {leaf}` example"
+    assert any(bertdist_argv(c)[: len(words)] == list(words) for c in RUN if c.argv[0] in ("bertdist", "torchrun")), \
+        f"neither README.md nor docs/ shows a `bertdist {leaf}` example that a test checks"
 
 
 def test_inline_bertdist_spans_name_real_commands_and_options():
     """Prose spans such as `bertdist submit pretrain ... --nodes N` name commands and options that exist."""
     from bertdist.cli.main import build_parser
 
-    spans = re.findall(r"`(bertdist [^`]+)`", README.read_text(encoding="utf-8"))
-    assert spans
-    for span in spans:
+    spans = [(page.relative_to(REPO).as_posix(), span) for page in doc_pages()
+             for span in re.findall(r"`(bertdist [^`]+)`", _generated_sections_removed(page.read_text(encoding="utf-8")))]
+    assert len(spans) > 5
+    for page, span in spans:
         parser, words = build_parser(), shlex.split(span)[1:]
         while words:
             subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
             if not subs or words[0].startswith("-") or words[0] == "...":
                 break
-            assert words[0] in subs[0].choices, f"`{span}`: no command {words[0]!r}"
+            assert words[0] in subs[0].choices, f"{page}: `{span}`: no command {words[0]!r}"
             parser, words = subs[0].choices[words[0]], words[1:]
         known = {s for a in parser._actions for s in a.option_strings}
         for w in words:
             if w.startswith("--"):
-                assert w.split("=", 1)[0] in known, f"`{span}`: {parser.prog} has no option {w}"
+                assert w.split("=", 1)[0] in known, f"{page}: `{span}`: {parser.prog} has no option {w}"

@@ -1,0 +1,58 @@
+"""docs/benchmarks.md's figures are benchmarks/figures.py's output, read from the results files."""
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PAGE = REPO / "docs" / "benchmarks.md"
+REGENERATE = "python benchmarks/figures.py --write docs/benchmarks.md"
+
+
+def figures():
+    spec = importlib.util.spec_from_file_location("benchmark_figures", REPO / "benchmarks" / "figures.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_page_holds_the_current_figures():
+    f = figures()
+    page = PAGE.read_text(encoding="utf-8")
+    assert f.BEGIN in page and f.END in page
+    assert f.splice(page, f.render_section()) == page, f"docs/benchmarks.md is stale: run `{REGENERATE}` and commit it"
+
+
+def test_every_linked_results_file_exists_and_every_table_row_links_one():
+    page = PAGE.read_text(encoding="utf-8")
+    section = page.split(figures().BEGIN, 1)[1]
+    links = re.findall(r"\]\(\.\./benchmarks/results/([^)]+)\)", section)
+    assert links
+    for name in links:
+        assert (REPO / "benchmarks" / "results" / name).is_file(), name
+    rows = [l for l in section.splitlines() if l.startswith("| ") and not l.startswith("| ---")]
+    data_rows = [r for r in rows if "raw results" not in r]
+    assert data_rows and all("../benchmarks/results/" in r for r in data_rows)
+
+
+def test_a_figure_missing_from_its_file_is_an_error(monkeypatch, tmp_path):
+    f = figures()
+    monkeypatch.setattr(f, "RESULTS", tmp_path)
+    (tmp_path / "model_cpu_2026-11-22.md").write_text("# no raw lines here\n")
+    with pytest.raises(f.MissingFigure, match="no JSON lines"):
+        f.model_table()
+
+
+def test_the_median_is_computed_from_the_raw_runs(monkeypatch, tmp_path):
+    f = figures()
+    monkeypatch.setattr(f, "RESULTS", tmp_path)
+    runs = [1.0, 3.0, 2.0]
+    lines = [f'main {{"scale": 1, "workers": 1, "mode": "in_memory", "wall_s": {w}, "peak_rss_worker_mb": []}}' for w in runs]
+    lines += [f'main {{"scale": {s}, "workers": 2, "wall_s": 4.0, "peak_rss_worker_mb": [300, 2]}}' for s in (1, 5, 10, 20)]
+    (tmp_path / "data_pipeline_cpu_2026-11-24.md").write_text("\n".join(lines) + "\n")
+    table = "\n".join(f.data_build_table())
+    assert f"2.00 s median of 3 runs: {f.REFERENCE_1X_S / 2.0:.1f}x" in table
+    assert "peak RSS per worker 300 MB" in table

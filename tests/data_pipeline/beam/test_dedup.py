@@ -1,0 +1,130 @@
+"""data_pipeline.beam.dedup: exact and near duplicates removed under TestPipeline, one kept per
+cluster by a stable rule, counted, sampled, whatever the input order; and a build's shards with
+duplicates do not depend on the input order or the worker count."""
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import apache_beam as beam
+import pytest
+from apache_beam.testing.test_pipeline import TestPipeline
+from apache_beam.testing.util import assert_that, equal_to
+
+from data_pipeline import dedup
+from data_pipeline.beam.dedup import Deduplicate
+from data_pipeline.config import DedupConfig
+from tests.conftest import REPO
+from tests.data_pipeline.beam._util import OPTS
+
+VOCAB = ("river bridge winter flood morning committee account hall grey old long agreed repair before arrived "
+         "discussion town market bell tower stone road field harvest mill baker sheep church lane").split()
+
+
+def prose(r: random.Random, sentences: int) -> str:
+    return " ".join(" ".join(r.choice(VOCAB) for _ in range(r.randint(8, 16))).capitalize() + "."
+                    for _ in range(sentences))
+
+
+def edited(r: random.Random, text: str, fraction: float) -> str:
+    words = text.split()
+    for i in r.sample(range(len(words)), int(len(words) * fraction)):
+        words[i] = r.choice(VOCAB) + "x"
+    return " ".join(words)
+
+
+def corpus(seed: int = 0) -> tuple[list[tuple[str, str]], set[str]]:
+    """Unique documents, exact copies (case and spacing changed), and near copies (1% of words
+    edited); returns the documents and the ids the stable rule keeps."""
+    r = random.Random(seed)
+    base = {f"doc{i:02d}": prose(r, 30) for i in range(12)}
+    docs = dict(base)
+    docs["doc01copy"] = base["doc01"].upper().replace(" ", "  ")  # exact: same normalized words
+    docs["doc00b"] = base["doc00"] + "\n"
+    docs["near02"] = edited(r, base["doc02"], 0.01)
+    docs["near03"] = edited(r, base["doc03"], 0.01)
+    docs["near03b"] = edited(r, base["doc03"], 0.01)
+    h = {k: dedup.content_hash(dedup.word_hashes(v)) for k, v in docs.items()}
+    keep = set(base) - {"doc02", "doc03"} | {min(("doc02", "near02"), key=h.get),
+                                              min(("doc03", "near03", "near03b"), key=h.get)}
+    return sorted(docs.items()), keep
+
+
+def test_duplicates_removed_and_counted(tmp_path):
+    docs, keep = corpus()
+    r = random.Random(1)
+    r.shuffle(docs)
+    with TestPipeline(options=beam.options.pipeline_options.PipelineOptions(OPTS)) as p:
+        out = p | beam.Create(docs) | Deduplicate("0-test", DedupConfig(), str(tmp_path))
+        assert_that(out | beam.Keys(), equal_to(sorted(keep)))
+    counters = {c.key.metric.name: c.committed for c in p.result.metrics().query()["counters"]}
+    assert counters["dedup:0-test:exact_documents_removed"] == 2 and counters["dedup:0-test:exact_clusters"] == 2
+    assert counters["dedup:0-test:near_documents_removed"] == 3 and counters["dedup:0-test:near_clusters"] == 2
+    assert counters["dedup:0-test:near_words_removed"] > 3 * 200
+    sample = json.loads((tmp_path / "dedup" / "0-test.json").read_text())
+    kinds = sorted((row["kind"], row["removed"]) for row in sample["pairs"])
+    assert [k for k, _ in kinds] == ["exact", "exact", "near", "near", "near"]
+    assert {row["removed"] for row in sample["pairs"]}.isdisjoint(keep)
+    assert all(row["kept"] in keep and row["kept_text"] for row in sample["pairs"] if row["kind"] == "near")
+
+
+def test_exact_only_and_off():
+    docs, _ = corpus()
+    with TestPipeline(options=beam.options.pipeline_options.PipelineOptions(OPTS)) as p:
+        exact = p | "A" >> beam.Create(docs) | "ExactOnly" >> Deduplicate("0", DedupConfig(near=False))
+        assert_that(exact | "CountA" >> beam.combiners.Count.Globally(), equal_to([len(docs) - 2]), label="exact")
+        off = p | "B" >> beam.Create(docs) | "Off" >> Deduplicate("1", DedupConfig(enabled=False))
+        assert_that(off | "CountB" >> beam.combiners.Count.Globally(), equal_to([len(docs)]), label="off")
+
+
+def _build(out, jsonl, vocab, workers: int) -> tuple[dict[str, bytes], dict]:
+    """``bertdist data build`` of one JSON-lines file whose documents are named by their "id"."""
+    config = out.parent / f"{out.name}.yaml"
+    config.write_text(json.dumps({"inputs": [{"kind": "jsonl", "path": str(jsonl), "id_field": "id"}],
+                                  "max_seq_length": 64, "dupe_factor": 1, "num_shards": 2, "heldout_fraction": 0.1}))
+    mode = "in_memory" if workers == 1 else "multi_processing"
+    cmd = [sys.executable, "-m", "bertdist.cli.main", "data", "build", "--config", str(config), "--vocab", str(vocab),
+           "--output", str(out), "--runner=DirectRunner", f"--direct_running_mode={mode}",
+           f"--direct_num_workers={workers}"]
+    subprocess.run(cmd, check=True, cwd=REPO, capture_output=True)
+    man = json.loads((out / "manifest.json").read_text())
+    shards = {e["path"].rsplit("/", 1)[-1]: (out / e["path"]).read_bytes()
+              for s in man["splits"].values() for e in s["shards"]}
+    return shards, man
+
+
+def test_the_kept_documents_and_the_sample_do_not_depend_on_input_order(tmp_path):
+    docs, keep = corpus(5)
+    outs = []
+    for seed in (1, 2, 3):
+        rows = list(docs)
+        random.Random(seed).shuffle(rows)
+        report = tmp_path / str(seed)
+        with TestPipeline(options=beam.options.pipeline_options.PipelineOptions(OPTS)) as p:
+            out = p | beam.Create(rows) | Deduplicate("0-test", DedupConfig(), str(report))
+            assert_that(out, equal_to([d for d in docs if d[0] in keep]))
+        outs.append((report / "dedup" / "0-test.json").read_bytes())
+    assert outs[0] == outs[1] == outs[2]
+
+
+@pytest.mark.slow
+def test_shards_with_duplicates_do_not_depend_on_input_order_or_worker_count(tmp_path, small_vocab):
+    docs, keep = corpus(3)
+    for name, seed in (("a", None), ("b", 7)):
+        rows = list(docs)
+        if seed is not None:
+            random.Random(seed).shuffle(rows)
+        (tmp_path / name).mkdir()
+        with open(tmp_path / name / "docs.jsonl", "w") as f:  # one file name: ids carry it
+            for doc_id, text in rows:
+                f.write(json.dumps({"id": doc_id, "text": text}) + "\n")
+    a, man = _build(tmp_path / "out_a", tmp_path / "a" / "docs.jsonl", small_vocab, 1)
+    b, _ = _build(tmp_path / "out_b", tmp_path / "b" / "docs.jsonl", small_vocab, 2)
+    assert a == b
+    d = man["dedup"]["sources"]["0-jsonl"]
+    assert d["exact_documents_removed"] == 2 and d["near_documents_removed"] == 3
+    assert man["counts"]["documents"] == len(keep)
+    pairs = [json.loads(line) for line in (tmp_path / "out_a" / man["dedup"]["removed_pairs_sample"]).open()]
+    assert len(pairs) == 5 and {p["removed"] for p in pairs}.isdisjoint(keep)
