@@ -44,6 +44,7 @@ class DistillConfig:
     label_batch_size: int = 128
 
     baseline: Literal["none", "direct"] = "none"  # direct: also fine-tune the same student on the labelled rows alone
+    direct_epochs: float | None = None  # passes of the direct baseline over its (fewer) rows; None: train.epochs
     bench_repeats: int = 5  # timed repeats for latency and throughput in the report
     bench_seq_length: int = 128
     train: FinetuneConfig = dataclasses.field(default_factory=_student_train_defaults)

@@ -1,0 +1,112 @@
+"""The teacher: a fine-tuned task model directory (ours from `finetune` with ``save_model``, or any
+Hugging Face ``BertFor<Task>`` directory), loaded once, in eval mode; bf16 on a GPU.
+
+Its identity (weights sha256, vocab sha256, casing) is what a pseudo-label set records and what a
+student run checks before it reuses one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from bertdist.export.hf import HF_INDEX_FILES, HF_WEIGHT_FILES, ExportError, is_hf_dir, read_hf_dir
+from bertdist.export.tokenizer import vocab_sha256
+from bertdist.finetune.errors import DataError
+from bertdist.finetune.heads import HF_ARCHITECTURE, BertForTask
+from bertdist.model import BertConfig
+
+
+class TeacherError(DataError):
+    """A teacher directory that is not a fine-tuned model for the task; the message names the file."""
+
+
+@dataclasses.dataclass
+class Teacher:
+    path: Path
+    model: BertForTask  # eval mode, on `device`
+    config: BertConfig
+    head_state: dict[str, torch.Tensor]  # the task head's tensors (classifier.* or qa_outputs.*)
+    backbone_state: dict[str, torch.Tensor]  # BertForPreTraining layout (bert.*, cls.*)
+    vocab_file: Path
+    do_lower_case: bool
+    weights_sha256: str
+    device: torch.device
+    dtype: torch.dtype
+
+    def identity(self) -> dict:
+        """What a pseudo-label set made by this teacher records about it."""
+        return {"path": str(self.path), "weights_sha256": self.weights_sha256,
+                "vocab_sha256": vocab_sha256(self.vocab_file), "do_lower_case": self.do_lower_case}
+
+
+def weights_sha256(model_dir: Path) -> str:
+    """sha256 over the directory's weight file(s), in name order."""
+    files = [model_dir / n for n in HF_WEIGHT_FILES if (model_dir / n).is_file()]
+    if not files:
+        for n in HF_INDEX_FILES:
+            if (model_dir / n).is_file():
+                shards = sorted(set(json.loads((model_dir / n).read_text())["weight_map"].values()))
+                files = [model_dir / s for s in shards]
+                break
+    h = hashlib.sha256()
+    for f in files:
+        with f.open("rb") as fh:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def _line_of(path: Path, key: str) -> int:
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if f'"{key}"' in line:
+            return i
+    return 1
+
+
+def head_keys(kind: str) -> tuple[str, ...]:
+    return ("qa_outputs.weight", "qa_outputs.bias") if kind == "span" else ("classifier.weight", "classifier.bias")
+
+
+def load_teacher(path: str | Path, task: str, kind: str, num_labels: int, *, device: torch.device,
+                 precision: str = "auto", kernels: str = "auto") -> Teacher:
+    """The task model at ``path`` for a runner of head ``kind`` with ``num_labels`` outputs."""
+    p = Path(path)
+    if not is_hf_dir(p):
+        raise TeacherError(f"{p}: not a task model directory (no config.json with model.safetensors or "
+                           f"pytorch_model.bin); make one with `bertdist finetune ... --set save_model=true`")
+    conf_path = p / "config.json"
+    hf = json.loads(conf_path.read_text())
+    want = HF_ARCHITECTURE[kind]
+    archs = hf.get("architectures") or []
+    if want not in archs:
+        raise TeacherError(f"{conf_path}:{_line_of(conf_path, 'architectures')}: architectures {archs} is not a "
+                           f"{task} task model (expected {want})")
+    try:
+        ck = read_hf_dir(p, kernels=kernels)
+    except ExportError as e:
+        raise TeacherError(str(e)) from None
+    keys = head_keys(kind)
+    head = {k: ck.raw_state_dict[k] for k in keys if k in ck.raw_state_dict}
+    if len(head) != len(keys):
+        raise TeacherError(f"{p}: {want} in config.json but the weights lack the task head "
+                           f"{[k for k in keys if k not in head]}: not a fine-tuned task model")
+    out_dim = 2 if kind == "span" else (1 if kind == "regression" else num_labels)
+    if head[keys[0]].shape[0] != out_dim:
+        n = hf.get("num_labels", len(hf.get("id2label") or {}))
+        raise TeacherError(f"{conf_path}:{_line_of(conf_path, 'id2label')}: the teacher's head has "
+                           f"{head[keys[0]].shape[0]} outputs (num_labels {n}); {task} needs {out_dim}")
+    model = BertForTask(ck.config, kind, num_labels, device_type=device.type)
+    model.load_backbone(ck.state_dict)
+    model.load_state_dict({**model.state_dict(), **{k: v.float() for k, v in head.items()}})
+    dtype = torch.float32
+    if device.type == "cuda" and precision in ("auto", "bf16"):
+        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    model.to(device=device, dtype=dtype).eval()
+    for prm in model.parameters():
+        prm.requires_grad_(False)
+    return Teacher(p, model, ck.config, head, ck.state_dict, Path(ck.vocab_file), bool(ck.do_lower_case),
+                   weights_sha256(p), device, dtype)

@@ -1,0 +1,358 @@
+"""Task distillation: the fine-tuning loop with the distillation losses.
+
+``run_distill(cfg)``:
+
+1. loads the teacher (eval mode; bf16 on a GPU) and the task's runner, tokenizer and dev set;
+2. makes the pseudo-label set (``pseudolabel.run_labelling``) unless a finished one for the same
+   teacher and tokenizer is there, and refuses one made by another;
+3. labels the task's own train rows with the teacher in memory (they keep their gold labels);
+4. trains the student (``student.plan_student``) on all rows with ``losses`` (KL + alpha x gold,
+   optional TinyBERT terms), DeepSpeed data parallel when asked, evaluating on dev after each pass
+   and keeping the best (early stopping after ``patience`` passes without a better score);
+5. with ``baseline: direct``, trains the same student on the labelled rows alone (gold loss);
+6. exports the student as a Hugging Face task directory and writes ``report.json``/``report.md``.
+
+Data loading, prediction, scoring and export are the fine-tuning modules' own.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from bertdist.config import save_config
+from bertdist.distill import losses
+from bertdist.distill.config import DistillConfig
+from bertdist.distill.pseudolabel import check_label_set, load_label_rows, read_manifest, run_labelling
+from bertdist.distill.student import StudentPlan, plan_student
+from bertdist.distill.teacher import Teacher, load_teacher
+from bertdist.export.tokenizer import bert_tokenizer
+from bertdist.finetune.errors import DataError
+from bertdist.finetune.tasks import canonical_task, dump_json, make_runner
+from bertdist.finetune.train import _device, _dist, collate, evaluate, param_groups, predict, seed_everything
+from bertdist.model import IGNORE_INDEX
+
+INPUT_KEYS = ("input_ids", "token_type_ids", "attention_mask")
+
+
+# ---------------------------------------------------------------- rows and batches
+def normalise_rows(rows: list[dict], kind: str) -> list[dict]:
+    """Give every row the same keys (gold labels ``IGNORE_INDEX``/NaN where absent; a loss mask on
+    token rows), so that labelled and pseudo-labelled rows share batches."""
+    out = []
+    for f in rows:
+        g = {k: f[k] for k in INPUT_KEYS}
+        g["teacher"] = f["teacher"]
+        n = len(f["input_ids"])
+        if kind == "classification":
+            g["labels"] = int(f.get("labels", IGNORE_INDEX))
+        elif kind == "regression":
+            g["labels"] = float(f.get("labels", float("nan")))
+        elif kind == "token":
+            g["labels"] = list(f.get("labels", [IGNORE_INDEX] * n))
+            g["loss_mask"] = list(f["loss_mask"]) if "loss_mask" in f else [int(x != IGNORE_INDEX) for x in g["labels"]]
+        elif kind == "span":
+            g["start_positions"] = int(f.get("start_positions", IGNORE_INDEX))
+            g["end_positions"] = int(f.get("end_positions", IGNORE_INDEX))
+        out.append(g)
+    return out
+
+
+def distill_collate(features: list[dict]) -> dict[str, torch.Tensor]:
+    """The fine-tuning collate for inputs and gold labels; teacher logits (and the token loss mask)
+    padded to the batch's width."""
+    batch = collate([{k: v for k, v in f.items() if k not in ("teacher", "loss_mask")} for f in features])
+    width = batch["input_ids"].shape[1]
+    t0 = np.asarray(features[0]["teacher"])
+    if t0.ndim == 2:  # per position: [S, C]
+        arr = np.zeros((len(features), width, t0.shape[1]), dtype=np.float32)
+        for i, f in enumerate(features):
+            arr[i, :len(f["teacher"])] = f["teacher"]
+        batch["teacher"] = torch.from_numpy(arr)
+    else:
+        batch["teacher"] = torch.from_numpy(np.stack([np.asarray(f["teacher"], dtype=np.float32).reshape(-1)
+                                                      for f in features]))
+    if "loss_mask" in features[0]:
+        batch["loss_mask"] = torch.tensor([f["loss_mask"] + [0] * (width - len(f["loss_mask"])) for f in features])
+    return batch
+
+
+def distill_loss(kind: str, logits: torch.Tensor, batch: dict, temperature: float, alpha: float) -> torch.Tensor:
+    t = batch["teacher"]
+    if kind == "classification":
+        return losses.classification_loss(logits, t, batch["labels"], temperature, alpha)
+    if kind == "regression":
+        return losses.regression_loss(logits, t.reshape(-1), batch["labels"], alpha)
+    if kind == "token":
+        return losses.token_loss(logits, t, batch["loss_mask"] * batch["attention_mask"], batch["labels"], temperature, alpha)
+    if kind == "span":
+        return losses.span_loss(logits, t, batch["attention_mask"], batch["start_positions"], batch["end_positions"],
+                                temperature, alpha)
+    raise DataError(f"task head {kind!r} has no distillation loss")
+
+
+def gold_loss(kind: str, logits: torch.Tensor, batch: dict) -> torch.Tensor:
+    """Plain fine-tuning on gold labels (the direct baseline): the distillation loss with alpha 1 and no teacher term."""
+    if kind == "regression":
+        return losses.regression_loss(logits, batch["labels"].nan_to_num(0.0), None, 0.0)
+    if kind == "span":
+        return losses._masked_ce(logits[..., 0].float().masked_fill(~batch["attention_mask"].bool(), float("-inf")),
+                                 batch["start_positions"]) / 2 + \
+            losses._masked_ce(logits[..., 1].float().masked_fill(~batch["attention_mask"].bool(), float("-inf")),
+                              batch["end_positions"]) / 2
+    return losses._masked_ce(logits, batch["labels"])
+
+
+# ---------------------------------------------------------------- one training run
+def train_student(cfg: DistillConfig, runner, plan: StudentPlan, rows: list[dict], eval_sets, seed: int,
+                  mode: str = "distill", teacher: Teacher | None = None) -> dict:
+    """Train a fresh student built from ``plan`` on ``rows``; return the best dev result (with its state)."""
+    fcfg = cfg.finetune_config()
+    if mode == "direct" and cfg.direct_epochs is not None:
+        fcfg = dataclasses.replace(fcfg, epochs=cfg.direct_epochs)
+    seed_everything(seed)
+    device = _device(fcfg)
+    model = plan.build(runner.kind, runner.num_labels, device.type, kernels=fcfg.kernels,
+                       hidden_dropout_prob=fcfg.hidden_dropout_prob).to(device)
+    intermediate = mode == "distill" and (cfg.hidden_weight > 0 or cfg.attention_weight > 0)
+    extra: list[torch.nn.Parameter] = []
+    if intermediate:
+        if teacher is None:
+            raise DataError("the TinyBERT intermediate losses need the teacher at training time")
+        layer_map = losses.check_layer_map(cfg.layer_map or plan.teacher_layers or losses.default_layer_map(
+            plan.config.num_hidden_layers, teacher.config.num_hidden_layers), plan.config.num_hidden_layers,
+            teacher.config.num_hidden_layers)
+        from bertdist.distill.capture import LayerCapture
+
+        projection = losses.HiddenProjection(plan.config.hidden_size, teacher.config.hidden_size).to(device)
+        extra = list(projection.parameters())
+        s_cap = LayerCapture(model.bert, cfg.attention_weight > 0)
+        t_cap = LayerCapture(teacher.model.bert, cfg.attention_weight > 0)
+    rank, world = _dist()
+    if fcfg.batch_size % world:
+        raise DataError(f"batch_size {fcfg.batch_size} is not divisible by the {world} processes")
+    micro = fcfg.batch_size // world
+    steps_per_epoch = math.ceil(len(rows) / fcfg.batch_size)
+    total = fcfg.max_steps if fcfg.max_steps is not None else max(1, math.ceil(steps_per_epoch * fcfg.epochs))
+    warmup = int(fcfg.warmup_ratio * total)
+    groups = param_groups(model, fcfg, fcfg.learning_rate)
+    if extra:
+        groups.append({"params": extra, "lr": fcfg.learning_rate, "weight_decay": 0.0})
+    opt = torch.optim.AdamW(groups, lr=fcfg.learning_rate, eps=fcfg.adam_epsilon)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: (s + 1) / max(1, warmup) if s < warmup else max(0.0, (total - s) / max(1, total - warmup)))
+    engine = None
+    if fcfg.deepspeed:
+        import deepspeed
+
+        ds_cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
+                  "gradient_clipping": fcfg.max_grad_norm, "zero_optimization": {"stage": fcfg.zero_stage},
+                  "zero_allow_untested_optimizer": True, "bf16": {"enabled": fcfg.precision == "bf16"},
+                  "steps_per_print": 10 ** 9}
+        engine, opt, _, sched = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds_cfg)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc=f"{mode} {plan.spec} seed={seed}", disable=not fcfg.progress or rank != 0,
+               dynamic_ncols=True)
+    g = torch.Generator().manual_seed(seed)
+    step, epoch, history, best, stale = 0, 0, [], None, 0
+    t0 = time.time()
+    while step < total:
+        order = torch.randperm(len(rows), generator=g).tolist()
+        if world > 1:  # equal counts per rank; rank batches together form the single-process batch
+            order = order[:len(order) - len(order) % world][rank::world]
+        model.train()
+        for i in range(0, len(order), micro):
+            batch = {k: v.to(device) for k, v in distill_collate([rows[j] for j in order[i:i + micro]]).items()}
+            inputs = {k: batch[k] for k in INPUT_KEYS}
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=fcfg.precision == "bf16" and engine is None):
+                if intermediate:
+                    s_cap.clear()
+                    t_cap.clear()
+                logits, _ = (engine or model)(inputs)
+                if mode == "distill":
+                    loss = distill_loss(runner.kind, logits, batch, cfg.temperature, cfg.alpha)
+                else:
+                    loss = gold_loss(runner.kind, logits, batch)
+                if intermediate:
+                    with torch.no_grad():
+                        teacher.model(inputs)
+                    if cfg.hidden_weight > 0:
+                        loss = loss + cfg.hidden_weight * losses.hidden_mse(
+                            s_cap.hidden, t_cap.hidden, layer_map, batch["attention_mask"], projection)
+                    if cfg.attention_weight > 0:
+                        loss = loss + cfg.attention_weight * losses.attention_kl(
+                            s_cap.probs(batch["attention_mask"]), t_cap.probs(batch["attention_mask"]), layer_map,
+                            batch["attention_mask"])
+            if engine is not None:
+                engine.backward(loss)
+                engine.step()
+            else:
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_([p for grp in groups for p in grp["params"]], fcfg.max_grad_norm)
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+            step += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.4f}")
+            if step >= total:
+                break
+        epoch += 1
+        result = evaluate(model, runner, eval_sets, fcfg, device)
+        result.update(epoch=epoch, step=step)
+        history.append({k: v for k, v in result.items() if k != "_rows"})
+        if best is None or result["score"] > best["score"]:
+            best, stale = result, 0
+            best["_state"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        else:
+            stale += 1
+            if cfg.patience is not None and stale >= cfg.patience:
+                break
+    bar.close()
+    if intermediate:
+        s_cap.remove()
+        t_cap.remove()
+    best.update(train_seconds=time.time() - t0, history=history, steps=step, mode=mode, seed=seed,
+                train_rows=len(rows))
+    return best
+
+
+# ---------------------------------------------------------------- the run
+def prepare(cfg: DistillConfig):
+    """Teacher, runner and dev sets for ``cfg`` (the teacher's tokenizer is the data tokenizer)."""
+    task = canonical_task(cfg.task)
+    fcfg = cfg.finetune_config()
+    device = _device(fcfg)
+    # The runner needs a tokenizer before the head kind is known; read the teacher's vocab first.
+    from bertdist.export.hf import ExportError
+    from bertdist.export.tokenizer import infer_do_lower_case, read_tokenizer_casing
+
+    tdir = Path(cfg.teacher)
+    vocab = tdir / "vocab.txt"
+    if not vocab.is_file():
+        from bertdist.distill.teacher import TeacherError
+
+        raise TeacherError(f"{tdir}: no vocab.txt: not a task model directory (`bertdist finetune ... --set save_model=true` "
+                           "writes one)")
+    lower = read_tokenizer_casing(tdir)
+    tok = bert_tokenizer(vocab, infer_do_lower_case(vocab) if lower is None else lower)
+    runner = make_runner(task, cfg.data, tok, fcfg)
+    try:
+        teacher = load_teacher(tdir, task, runner.kind, runner.num_labels, device=device, precision=fcfg.precision,
+                               kernels=fcfg.kernels)
+    except ExportError as e:
+        raise DataError(str(e)) from None
+    return task, fcfg, device, runner, teacher
+
+
+def pseudo_labels(cfg: DistillConfig, task: str, fcfg, runner, teacher: Teacher) -> tuple[list[dict], dict]:
+    """The pseudo-label rows: a finished set is reused (after checking its teacher and tokenizer),
+    anything else is (re)labelled, resuming where a killed job stopped."""
+    labels_dir = Path(cfg.labels_dir or Path(cfg.output_dir) / "pseudo_labels")
+    if (labels_dir / "manifest.json").is_file():
+        manifest = read_manifest(labels_dir)
+        check_label_set(manifest, labels_dir, task, teacher, fcfg)
+        if cfg.unlabeled and [Path(s["path"]).resolve() for s in manifest["sources"]] != [Path(p).resolve() for p in cfg.unlabeled]:
+            raise DataError(f"{labels_dir}/manifest.json: labels the sources {[s['path'] for s in manifest['sources']]}, "
+                            f"but --unlabeled names {list(cfg.unlabeled)}; give another labels_dir")
+        manifest["reused"] = True
+    else:
+        manifest = run_labelling(task, runner, teacher, fcfg, list(cfg.unlabeled), labels_dir, shard_rows=cfg.shard_rows,
+                                 batch_size=cfg.label_batch_size, progress=fcfg.progress)
+        if _dist()[0] != 0:
+            manifest = read_manifest(labels_dir) if (labels_dir / "manifest.json").is_file() else manifest
+        manifest["reused"] = False
+    rows = load_label_rows(labels_dir, manifest) if "shards" in manifest else []
+    return rows, {"dir": str(labels_dir), **{k: manifest[k] for k in ("rows", "num_shards", "sources", "reused")}}
+
+
+def run_distill(cfg: DistillConfig) -> dict:
+    """Distil, write the student, the report and metrics; return the report dict."""
+    fcfg0 = cfg.finetune_config()
+    if fcfg0.deepspeed:
+        import deepspeed
+
+        from bertdist.train.distributed import prepare_environment
+
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            prepare_environment()
+            deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    task, fcfg, device, runner, teacher = prepare(cfg)
+    rank, _ = _dist()
+    out = Path(cfg.output_dir)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out / "config.yaml")
+    plan = plan_student(cfg.student, teacher, runner.kind)
+    eval_sets = runner.eval_sets()
+    rows, label_info = pseudo_labels(cfg, task, fcfg, runner, teacher)
+    labelled = label_train_rows(runner, teacher, fcfg) if cfg.use_labelled_rows else []
+    train_rows = normalise_rows(labelled + rows, runner.kind)
+    if not train_rows:
+        raise DataError(f"nothing to train on: {cfg.data} has no train rows and no pseudo-labels were made")
+
+    teacher_eval = evaluate(teacher.model, runner, eval_sets, dataclasses.replace(fcfg, precision="fp32"), device)
+    best = train_student(cfg, runner, plan, train_rows, eval_sets, cfg.train.seed, "distill", teacher)
+    direct = None
+    if cfg.baseline == "direct":
+        gold = normalise_rows(labelled or label_train_rows(runner, teacher, fcfg), runner.kind)
+        direct = train_student(cfg, runner, plan, gold, eval_sets, cfg.train.seed, "direct")
+    report = None
+    if rank == 0:
+        from bertdist.distill.report import build_report, write_report
+
+        student_dir = _export(out / "model", plan, best["_state"], runner, teacher, fcfg)
+        direct_dir = _export(out / "direct_model", plan, direct["_state"], runner, teacher, fcfg) if direct else None
+        report = build_report(cfg, runner, teacher, plan, teacher_eval, best, direct, student_dir, direct_dir,
+                              label_info, len(labelled), device)
+        for name, rows_ in best["_rows"].items():
+            dump_json(out / "predictions" / f"{name}.json", rows_)
+        write_report(out, report)
+    return report
+
+
+def label_train_rows(runner, teacher: Teacher, fcfg) -> list[dict]:
+    """The task's own train rows with the teacher's logits beside their gold labels."""
+    try:
+        feats = runner.train_features()
+    except DataError:
+        return []  # a task directory without train rows: pseudo-labels only
+    logits = predict(teacher.model, feats, dataclasses.replace(fcfg, precision="fp32"), teacher.device)
+    out = []
+    for f, lg in zip(feats, logits):
+        g = dict(f)
+        g["teacher"] = np.asarray(lg, dtype=np.float32)
+        if runner.kind == "token":
+            g["loss_mask"] = [int(x != IGNORE_INDEX) for x in f["labels"]]
+        out.append(g)
+    return out
+
+
+def _export(out_dir: Path, plan: StudentPlan, state: dict, runner, teacher: Teacher, fcfg) -> Path:
+    from bertdist.finetune.export_task import write_task_model
+
+    model = plan.build(runner.kind, runner.num_labels, "cpu", kernels="reference")
+    model.load_state_dict(state)
+    w = SimpleNamespace(config=plan.config, vocab_file=teacher.vocab_file, do_lower_case=teacher.do_lower_case)
+    return write_task_model(out_dir, model, runner, w, dataclasses.replace(fcfg, vocab_file=None, do_lower_case=None))
+
+
+def run_pseudo_label(cfg: DistillConfig) -> dict:
+    """The labelling job alone (``bertdist pseudo-label``): teacher outputs over ``cfg.unlabeled``."""
+    if cfg.train.deepspeed or int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        from bertdist.train.distributed import prepare_environment
+
+        if not torch.distributed.is_initialized():
+            prepare_environment()
+            torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    task, fcfg, _, runner, teacher = prepare(cfg)
+    labels_dir = Path(cfg.labels_dir or Path(cfg.output_dir) / "pseudo_labels")
+    return run_labelling(task, runner, teacher, fcfg, list(cfg.unlabeled), labels_dir, shard_rows=cfg.shard_rows,
+                         batch_size=cfg.label_batch_size, progress=fcfg.progress)
