@@ -28,7 +28,7 @@ from bertdist.data.records import record_schema
 from bertdist.data.vocab import special_token_ids, vocab_sha256
 from data_pipeline.beam.metrics import NS
 from data_pipeline.beam.shards import parquet_writer_options, shard_name
-from data_pipeline.config import BuildConfig
+from data_pipeline.config import BuildConfig, source_label
 from data_pipeline.instance_batch import InstanceBatch
 from data_pipeline.negatives import BuildPlan
 from data_pipeline.output_dir import OutputDir
@@ -180,7 +180,6 @@ def cleaning_sections(cfg: BuildConfig, out: OutputDir, staging: str, final: str
     pairs into the run's folder (``REMOVED_PAIRS_NAME``, one JSON object a line). Counts are
     null when the runner reports no metrics."""
     from data_pipeline.dedup import bands_and_rows
-    from data_pipeline.pipeline import source_label
 
     known = counters is not None
     dropped = _per_source(counters, "filtered") if known else {}

@@ -65,6 +65,11 @@ class InputConfig:
     dedup: Optional[DedupConfig] = None
 
 
+def source_label(i: int, src: InputConfig) -> str:
+    """A source's name in counters, the manifest and the report files: its index and kind."""
+    return f"{i}-{src.kind}"
+
+
 @dataclass
 class BuildConfig:
     inputs: list[InputConfig] = field(default_factory=list)

@@ -17,7 +17,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from bertdist.config import from_dict, to_dict
 from bertdist.data.manifest import MANIFEST_NAME
 from bertdist.data.vocab import load_vocab, special_token_ids
-from data_pipeline.config import BuildConfig, InputConfig
+from data_pipeline.config import BuildConfig, InputConfig, source_label
 from data_pipeline.instance_algorithm import InstanceParams, expected_instances
 from data_pipeline.instance_native import choose_builder
 from data_pipeline.negatives import slot_bits
@@ -40,11 +40,6 @@ def default_pipeline_args() -> list[str]:
     Prism runner downloads a binary, which is not possible here)."""
     return ["--runner=DirectRunner", "--direct_running_mode=multi_processing",
             f"--direct_num_workers={os.cpu_count() or 1}"]
-
-
-def source_label(i: int, src: InputConfig) -> str:
-    """A source's name in counters, the manifest and the report files: its index and kind."""
-    return f"{i}-{src.kind}"
 
 
 def read_source(p: beam.Pipeline, i: int, src: InputConfig, cfg: BuildConfig, report_dir: str | None = None):
