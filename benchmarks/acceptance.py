@@ -58,7 +58,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 GPU_TEST_FILES = ("tests/ops/test_fused_gpu.py", "tests/ops/test_torch_native_gpu.py")
-# Targets for one H100 (issue 17); reported, never asserted.
+# Targets for one H100; reported, never asserted.
 TARGET_LARGE_128_SEQ_PER_S = 1850
 TARGET_LARGE_128_MFU = 0.45
 TARGET_VS_HF = 1.5

@@ -48,7 +48,7 @@ drawn here.
     # CPU (mini, a few steps)
     .venv/bin/python benchmarks/train_throughput.py --preset mini --batch 8 --seq 128 --steps 2 \\
         --lengths-from /path/to/records/manifest.json --markdown out.md --json out.json
-    # GPU (issue 9): records from the real Wikipedia fragment + books, one build per seq
+    # GPU: records from the real Wikipedia fragment + books, one build per seq
     .venv/bin/bertdist data build --config configs/data/bert_base_wiki_books.yaml --input wiki:../shared/data/wiki \\
         --input books:../shared/data/books --vocab ../shared/data/vocab/bert-base-uncased-vocab.txt \\
         --output runs/data/wiki_books_128 --set dupe_factor=1
