@@ -18,7 +18,7 @@ each of our configurations), with ``--repeats`` repeats per input scale:
 It reports input words/s per core (the reference uses one) and, per repeat, ours / reference;
 the summary gives each ratio's median and its range over the repeats.
 
-    .venv/bin/python benchmarks/data_pipeline.py [--scales 1,5] [--repeats 3] [--workers 1,2] \
+    .venv/bin/python benchmarks/data_pipeline.py [--scales 1,5] [--repeats 3,2] [--workers 1,2] \
         [--dedup off,on] [--json out.json] [--markdown results.md]
 
 NSP negative diversity against the reference, on the same input (``--negatives``): the shared
@@ -304,12 +304,15 @@ def compare_main(args) -> int:
     configs = [(w, d) for w in (int(x) for x in args.workers.split(",")) for d in args.dedup.split(",")]
     runs, summary = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        for scale in (int(s) for s in args.scales.split(",")):
+        scales = [int(s) for s in args.scales.split(",")]
+        repeats = [int(r) for r in args.repeats.split(",")]
+        repeats += repeats[-1:] * (len(scales) - len(repeats))
+        for scale, n_repeats in zip(scales, repeats):
             inp = Path(tmp) / f"books_x{scale}.txt"
             words = make_bert_format(inp, scale)
             ratios: dict[tuple[int, str], list[float]] = {c: [] for c in configs}
             cpu_ratios: dict[tuple[int, str], list[float]] = {c: [] for c in configs}
-            for rep in range(args.repeats):
+            for rep in range(n_repeats):
                 ref = run_reference(reference, inp)
                 ref_rate = words / ref["seconds"]
                 row = {"scale": scale, "repeat": rep, "input_words": words, "reference": ref,
@@ -392,7 +395,7 @@ def main() -> int:
     ap.add_argument("--dupes", default="1", help="--negatives: dupe factors to compare")
     ap.add_argument("--workers", default="1,2", help="our worker counts (1: in_memory, one process)")
     ap.add_argument("--dedup", default="off,on", help="our dedup settings (dedup.enabled)")
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats per scale")
+    ap.add_argument("--repeats", default="3", help="interleaved repeats per scale (one number, or one per scale)")
     ap.add_argument("--scales", default="1,5")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--markdown", help="write a results file here (benchmarks/results/...)")
