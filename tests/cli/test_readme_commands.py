@@ -587,3 +587,29 @@ def test_inline_bertdist_spans_name_real_commands_and_options():
         for w in words:
             if w.startswith("--"):
                 assert w.split("=", 1)[0] in known, f"{page}: `{span}`: {parser.prog} has no option {w}"
+
+
+def _anchors(text: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
+    out = set()
+    for heading in re.findall(r"^#{1,6}\s+(.+?)\s*$", re.sub(r"```.*?```", "", text, flags=re.S), re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.replace("`", "").lower()).replace(" ", "-")
+        out.add(slug)
+    return out
+
+
+def test_links_between_pages_resolve():
+    """Every relative link of README.md and docs/ names a file that exists, and its #anchor a heading there."""
+    bad = []
+    for page in doc_pages():
+        text = page.read_text(encoding="utf-8")
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"^[a-z]+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                bad.append(f"{page.relative_to(REPO)}: {target}: no such file")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest.read_text(encoding="utf-8")):
+                bad.append(f"{page.relative_to(REPO)}: {target}: no heading #{anchor} in {dest.name}")
+    assert not bad, "\n".join(bad)
