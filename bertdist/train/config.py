@@ -138,6 +138,31 @@ class EvalConfig:
 
 
 @dataclasses.dataclass
+class PretrainDistillConfig:
+    """General distillation (DistilBERT): the model being pretrained (the student) also learns a
+    frozen teacher's MLM distribution on the same masked batches (bertdist/train/distill_objective.py).
+    loss = alpha_mlm_kl * T^2 * KL(teacher_T || student_T) at the masked positions
+         + alpha_mlm_ce * gold MLM cross-entropy + alpha_hidden_cos * (1 - cos) of the last hidden
+           states at the real tokens + alpha_nsp * the gold NSP/SOP loss (records with one)."""
+    teacher: str = ""  # a bertdist run or checkpoint dir, a torch-format dir, or an HF BertForMaskedLM/BertForPreTraining dir
+    temperature: float = 2.0  # softens both MLM distributions; the KL term is scaled by T^2
+    alpha_mlm_kl: float = 5.0  # DistilBERT's weights: 5 (soft targets), 2 (gold MLM), 1 (cosine)
+    alpha_mlm_ce: float = 2.0
+    alpha_hidden_cos: float = 0.0  # needs the teacher's hidden_size; DistilBERT uses 1.0
+    alpha_nsp: float = 1.0  # the gold NSP/SOP loss, where the records carry the label; 0: MLM only
+
+    def __post_init__(self) -> None:
+        if not self.teacher:
+            raise ConfigError("distill.teacher is required: a bertdist checkpoint dir or a Hugging Face "
+                              "BertForMaskedLM/BertForPreTraining directory")
+        if self.temperature <= 0:
+            raise ConfigError(f"distill.temperature must be positive, got {self.temperature}")
+        weights = {k: getattr(self, k) for k in ("alpha_mlm_kl", "alpha_mlm_ce", "alpha_hidden_cos", "alpha_nsp")}
+        if any(w < 0 for w in weights.values()) or not any(weights.values()):
+            raise ConfigError(f"distill: the loss weights must be >= 0 and not all 0, got {weights}")
+
+
+@dataclasses.dataclass
 class TrainConfig:
     run_dir: str = "runs/pretrain"
     phase: int = 1  # bookkeeping: 1 = seq 128, 2 = seq 512 (from a phase-1 checkpoint)
@@ -153,6 +178,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    distill: Optional[PretrainDistillConfig] = None  # general distillation from a teacher; null: plain pretraining
 
     def __post_init__(self) -> None:
         if self.optimizer.name == "lamb" and self.deepspeed.zero_stage > 0:

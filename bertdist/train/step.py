@@ -42,7 +42,9 @@ class DeviceSums:
 
 # Per-step sums: losses are averaged over the accumulation steps on each rank, everything else counts.
 STEP_FIELDS = ("loss", "mlm_loss", "nsp_loss", "mlm_correct", "mlm_count", "nsp_correct", "nsp_count",
-               "real_tokens", "padded_tokens", "sequences", "flops", "nonfinite", "stop")
+               "real_tokens", "padded_tokens", "sequences", "flops", "nonfinite", "stop", "mlm_kl", "hidden_cos")
+# The parts of a distillation objective's loss (train/distill_objective.py), logged when it has them.
+DISTILL_FIELDS = ("mlm_kl", "hidden_cos")
 EVAL_FIELDS = ("mlm_loss_sum", "mlm_correct", "mlm_count", "nsp_correct", "nsp_count", "nsp_loss_sum")
 
 
@@ -68,6 +70,8 @@ class StepRunner:
     model: BertConfig
     # DeepSpeed computes no global gradient norm for fp32 without ZeRO: then we do.
     own_grad_norm: bool
+    # (output, batch) -> output with the loss to train on, from outside the model (general distillation)
+    objective: Any = None
 
     def __post_init__(self):
         self.params = list({id(p): p for p in self.engine.module.parameters()}.values())
@@ -95,6 +99,9 @@ def _accumulate(r: StepRunner, sums: DeviceSums, out, mb: dict[str, torch.Tensor
     sums.add("mlm_loss", out.mlm_loss.detach().float().double() / r.grad_accum)
     if out.nsp_loss is not None:
         sums.add("nsp_loss", out.nsp_loss.detach().float().double() / r.grad_accum)
+    for name in DISTILL_FIELDS:
+        if getattr(out, name, None) is not None:
+            sums.add(name, getattr(out, name).detach().double() / r.grad_accum)
     stats = batch_stats(out, mb)
     for name, value in stats.items():
         sums.add(name, value)
@@ -130,6 +137,8 @@ def train_step(r: StepRunner, micro_batches: list[dict[str, torch.Tensor]], step
         last = i == r.grad_accum - 1
         mb = batch_to_device(mb, r.device)
         out = engine(**mb)
+        if r.objective is not None:
+            out = r.objective(out, mb)
         with torch.no_grad():
             _accumulate(r, sums, out, mb)
         engine.backward(out.loss)
@@ -161,6 +170,7 @@ def step_metrics(res: StepResult, seconds: float, world_size: int, peak_flops: f
     if s["nsp_count"] > 0:
         m["nsp_loss"] = s["nsp_loss"] / world_size
         m["nsp_acc"] = s["nsp_correct"] / s["nsp_count"]
+    m.update({name: s[name] / world_size for name in DISTILL_FIELDS if s[name] != 0.0})
     return m
 
 

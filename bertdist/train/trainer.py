@@ -134,6 +134,11 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None) -> TrainResult:
     engine = built.engine
     if rank == 0:
         save_ds_config(built.ds_config, run_dir)
+    objective = teacher = None
+    if cfg.distill is not None:  # the teacher: frozen, outside the engine, loaded once per rank
+        from bertdist.train.distill_objective import build_objective
+
+        objective, teacher = build_objective(cfg, engine.module, device)
     state = restore(engine, built.scheduler, plan, cfg, rank, new_state(cfg, world, grad_accum))
     engine.train()
 
@@ -154,7 +159,10 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None) -> TrainResult:
                                    "dropped_per_epoch": loader.dropped_per_epoch, "loader": state.loader},
                tensorboard=False)
     runner = StepRunner(engine, device, grad_accum, cfg.deepspeed.precision, cfg.model,
-                        own_grad_norm=not engine_reports_grad_norm(cfg.deepspeed.precision, cfg.deepspeed.zero_stage))
+                        own_grad_norm=not engine_reports_grad_norm(cfg.deepspeed.precision, cfg.deepspeed.zero_stage),
+                        objective=objective)
+    if objective is not None:
+        log.message(objective.describe(teacher.origin))
     session = _Session(cfg, engine, ckpt, log, eval_set, device, world, state)
     stop = _Stop()
     if cfg.checkpoint.save_on_sigterm:
