@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
 DOCS = REPO / "docs"
 # The docs pages in the order a user follows them; their commands run after README.md's, in this order.
-DOC_ORDER = ("data.md", "pretraining.md", "fine-tuning.md", "scaling-out.md", "kernels-and-gpus.md",
+DOC_ORDER = ("data.md", "pretraining.md", "fine-tuning.md", "distillation.md", "scaling-out.md", "kernels-and-gpus.md",
              "troubleshooting.md", "benchmarks.md", "design.md", "config-reference.md")
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
 SKIP_MARKER = re.compile(r"^<!-- not run in tests: (.+?) -->$")
