@@ -278,7 +278,9 @@ std::vector<at::Tensor> run_ln_bwd(LnBwdParams& p, const at::Tensor& dy, const a
                                    const char* op) {
   auto dh = at::empty_like(h);
   auto acc_opts = h.options().dtype(acc_type(h));
-  auto dgamma = at::zeros({in.hidden}, acc_opts), dbeta = at::zeros({in.hidden}, acc_opts);
+  // Every kernel writes each column of its sums when there are rows; zeros only for none.
+  auto column_sums = [&] { return in.rows > 0 ? at::empty({in.hidden}, acc_opts) : at::zeros({in.hidden}, acc_opts); };
+  auto dgamma = column_sums(), dbeta = column_sums();
   p.dy = dy.data_ptr();
   p.h = h.data_ptr();
   p.mean = mean.data_ptr();
@@ -361,7 +363,9 @@ std::vector<at::Tensor> bdaln_bwd(const at::Tensor& dy, const at::Tensor& h, con
   check_p(p_drop, op);
   auto dx = p_drop > 0.0 ? at::empty_like(h) : at::empty({0}, h.options());
   auto acc_opts = h.options().dtype(acc_type(h));
-  auto dbias = has_bias ? at::zeros({in.hidden}, acc_opts) : at::empty({0}, acc_opts);
+  // Written in full by the backward's column sums when there are rows (run_ln_bwd).
+  auto dbias = !has_bias ? at::empty({0}, acc_opts)
+                         : (in.rows > 0 ? at::empty({in.hidden}, acc_opts) : at::zeros({in.hidden}, acc_opts));
   LnBwdParams p;
   p.dx = p_drop > 0.0 ? dx.data_ptr() : nullptr;
   p.dbias = has_bias ? dbias.data_ptr() : nullptr;
@@ -666,6 +670,7 @@ pybind11::dict emulator_counts() {
   d["context_switches"] = c.context_switches;
   d["barriers"] = c.barriers;
   d["warp_collectives"] = c.warp_collectives;
+  d["attribute_calls"] = c.attribute_calls;
   return d;
 }
 

@@ -368,9 +368,8 @@ template <typename K>
 void launch(K kernel, dim3 grid, int smem_floats, cudaStream_t stream, const char* name, const AttnParams& p,
             uint32_t threshold, float inv_keep) {
   const size_t bytes = static_cast<size_t>(smem_floats) * sizeof(float);
-  if (bytes > 48 * 1024)
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
-               name);
+  check_before_launch(name);
+  opt_in_shared_memory(kernel, bytes, name);
   BD_LAUNCH(kernel, name, grid, kThreads, bytes, stream)(p, threshold, inv_keep);
   check_launch(name);
 }
@@ -415,6 +414,7 @@ void attn_bwd_cuda(const AttnParams& p, DType t, void* stream) {
     dispatch_head_dim(p.head_dim, "attn_bwd_cuda", [&](auto dc) {
       constexpr int D = decltype(dc)::value;
       const auto delta_kernel = attn_delta_kernel<T, D>;
+      check_before_launch("attn_delta_kernel");
       BD_LAUNCH(delta_kernel, "attn_delta_kernel", dim3((p.seq + kThreads - 1) / kThreads, p.heads, p.batch),
                 kThreads, 0, s)(p);
       check_launch("attn_delta_kernel");

@@ -15,8 +15,11 @@
 #include <ATen/cuda/PhiloxUtils.cuh>
 #endif
 
+#include <map>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "ops.h"
 #include "philox.h"
@@ -134,6 +137,15 @@ __device__ __forceinline__ DropoutKey forward_dropout_key(const DropoutRng& r) {
   return k;
 }
 
+// Before a launch: an error already pending comes from an earlier asynchronous operation, not
+// from this kernel; report it as such instead of letting check_launch name our kernel.
+inline void check_before_launch(const char* what) {
+  const cudaError_t e = cudaPeekAtLastError();
+  if (e != cudaSuccess)
+    throw std::runtime_error(std::string("CUDA error pending before ") + what +
+                             " was launched (from an earlier operation): " + cudaGetErrorString(e));
+}
+
 inline void check_launch(const char* what) {
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
@@ -141,6 +153,43 @@ inline void check_launch(const char* what) {
 
 inline void check_cuda(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+inline int current_device() {
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  return device;
+}
+
+// A value per (kernel, device), computed once: cudaFuncGetAttributes and cudaFuncSetAttribute
+// cost a driver call each, and their answers do not change while the process runs.
+class PerKernelDevice {
+ public:
+  template <typename K, typename Make>
+  int get(K kernel, Make&& make) {
+    const auto key = std::make_pair(reinterpret_cast<const void*>(kernel), current_device());
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = values_.find(key);
+    if (it == values_.end()) it = values_.emplace(key, make()).first;  // make() throws: nothing cached
+    return it->second;
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<std::pair<const void*, int>, int> values_;
+};
+
+// Lets `kernel` use `bytes` of dynamic shared memory (above 48 KB a kernel must opt in), once
+// per kernel and device: the attribute persists. Each kernel is launched with one size.
+template <typename K>
+void opt_in_shared_memory(K kernel, size_t bytes, const char* name) {
+  if (bytes <= 48 * 1024) return;
+  static PerKernelDevice set;
+  set.get(kernel, [&] {
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
+               name);
+    return static_cast<int>(bytes);
+  });
 }
 
 template <typename F>

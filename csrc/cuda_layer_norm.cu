@@ -314,11 +314,15 @@ bool aligned16(const void* ptr) { return ptr == nullptr || (reinterpret_cast<uin
 // The most threads (whole warps, at most kMaxThreads) this GPU launches `kernel` with: fewer
 // when its registers do not fit (ptxas gives ln_bwd_kernel up to 130 registers at the wider
 // layouts, and a block has 64K).
+// Queried once per kernel and device.
 template <typename K>
 int max_threads(K kernel) {
-  cudaFuncAttributes a;
-  check_cuda(cudaFuncGetAttributes(&a, kernel), "cudaFuncGetAttributes");
-  return std::min(kMaxThreads, a.maxThreadsPerBlock / 32 * 32);
+  static PerKernelDevice cache;
+  return cache.get(kernel, [&] {
+    cudaFuncAttributes a;
+    check_cuda(cudaFuncGetAttributes(&a, kernel), "cudaFuncGetAttributes");
+    return std::min(kMaxThreads, a.maxThreadsPerBlock / 32 * 32);
+  });
 }
 
 // Picks the vector width and vectors per thread, then calls f(VEC, NV, threads) as types and
@@ -355,6 +359,7 @@ void ln_fwd_cuda(const LnFwdParams& p, DType t, void* stream) {
   const float inv_keep = p.p < 1.f ? 1.f / (1.f - p.p) : 0.f;
   const bool can_vec = aligned16(p.x) && aligned16(p.residual) && aligned16(p.y) && aligned16(p.h);
   const auto s = static_cast<cudaStream_t>(stream);
+  check_before_launch("ln_fwd_cuda");
   dispatch_cuda_dtype(t, "ln_fwd_cuda", [&](auto tv) {
     using T = decltype(tv);
     bool done = false;
@@ -384,6 +389,7 @@ void ln_bwd_cuda(const LnBwdParams& p, DType t, float* workspace, int parts, voi
   const float inv_keep = p.p < 1.f ? 1.f / (1.f - p.p) : 0.f;
   const bool can_vec = aligned16(p.dy) && aligned16(p.h) && aligned16(p.dh) && aligned16(p.dx);
   auto s = static_cast<cudaStream_t>(stream);
+  check_before_launch("ln_bwd_cuda");
   dispatch_cuda_dtype(t, "ln_bwd_cuda", [&](auto tv) {
     using T = decltype(tv);
     bool done = false;

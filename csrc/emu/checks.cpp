@@ -601,6 +601,55 @@ bool check_attn_mask(DType t, float p, std::string* why) {
 // Keys lengths: full, about two thirds (at least 1).
 std::vector<int> two_lengths(int s) { return {s, std::max(1, 2 * s / 3)}; }
 
+// ---------------------------------------------------------------- launchers
+
+// Kernel attributes are queried once per kernel and device, not at every launch; another
+// emulated GPU (a lower per-kernel thread limit) is another device, queried again.
+bool check_attributes_cached_per_device(std::string* why) {
+  const LnCase ln{DType::F32, 7, 768, false, false, 0.f, false};
+  const AttnCase at{DType::F32, 2, 2, 37, 64, two_lengths(37), false, 0.f};  // 50 KB: opts in to shared memory
+  if (!check_ln(ln, why) || !check_attn(at, why)) return false;
+  const int64_t before = counters().attribute_calls;
+  if (!check_ln(ln, why) || !check_attn(at, why)) return false;
+  if (counters().attribute_calls != before) {
+    *why = std::to_string(counters().attribute_calls - before) +
+           " cudaFuncGetAttributes/cudaFuncSetAttribute calls on a second run of the same kernels (must be 0)";
+    return false;
+  }
+  {
+    const KernelMaxThreads limit(512);
+    if (!check_ln(ln, why)) return false;
+  }
+  if (counters().attribute_calls == before) {
+    *why = "no cudaFuncGetAttributes call on another device: a cached answer was reused across devices";
+    return false;
+  }
+  return true;
+}
+
+// An error pending before a launch is reported as an earlier one, not as the kernel's.
+bool check_pending_error_is_not_ours(std::string* why) {
+  const LnCase ln{DType::F32, 7, 768, false, false, 0.f, false};
+  const AttnCase at{DType::F32, 2, 2, 37, 64, two_lengths(37), false, 0.f};
+  for (int op = 0; op < 2; ++op) {
+    inject_pending_error();
+    std::string got;
+    const bool passed = op == 0 ? check_ln(ln, &got) : check_attn(at, &got);
+    const int left = take_pending_error();
+    const char* what = op == 0 ? "layer norm" : "attention";
+    if (passed || got.find("CUDA error pending before") == std::string::npos ||
+        got.find("from an earlier operation") == std::string::npos) {
+      *why = std::string(what) + " with an error pending: " + (passed ? "ran as if none" : got);
+      return false;
+    }
+    if (left == 0) {
+      *why = std::string(what) + ": the earlier error was cleared by the launcher; it is not the launcher's to clear";
+      return false;
+    }
+  }
+  return check_ln(ln, why) && check_attn(at, why);  // cleared: both run again
+}
+
 }  // namespace
 
 std::vector<NamedCheck> kernel_checks(bool quick) {
@@ -667,6 +716,8 @@ std::vector<NamedCheck> kernel_checks(bool quick) {
   for (DType t : {DType::F32, DType::BF16})
     out.push_back({std::string("kernels/attention/") + dtype_name(t) + "/mask_bit_identical",
                    [t](std::string* why) { return check_attn_mask(t, 0.2f, why); }});
+  out.push_back({"kernels/launcher/attributes_cached_per_device", check_attributes_cached_per_device});
+  out.push_back({"kernels/launcher/pending_error_is_not_ours", check_pending_error_is_not_ours});
   return out;
 }
 

@@ -5,6 +5,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdarg>
 #include <cstdio>
@@ -13,6 +14,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -639,6 +641,20 @@ cudaError_t get_last_error() {
 
 cudaError_t peek_at_last_error() { return tls_error.pending; }
 
+void inject_pending_error() {
+  record_error(cudaErrorLaunchFailure, "an error injected by a check, standing for an earlier asynchronous failure");
+}
+
+int take_pending_error() { return static_cast<int>(get_last_error()); }
+
+namespace {
+void count_attribute_call() {
+  Counts& c = counts();
+  std::lock_guard<std::mutex> lock(c.mu);
+  ++c.totals.attribute_calls;
+}
+}  // namespace
+
 const char* error_string(cudaError_t e) {
   if (e == cudaSuccess) return "no error";
   if (e == tls_error.last_code && !tls_error.last_message.empty()) return tls_error.last_message.c_str();
@@ -653,6 +669,7 @@ const char* error_string(cudaError_t e) {
 }
 
 cudaError_t set_func_attribute(const void* func, cudaFuncAttribute attr, int value) {
+  count_attribute_call();
   const DeviceProps d = device();
   if (attr == cudaFuncAttributeMaxDynamicSharedMemorySize) {
     if (value < 0 || static_cast<size_t>(value) > d.shared_per_block_optin) {
@@ -673,6 +690,7 @@ cudaError_t set_func_attribute(const void* func, cudaFuncAttribute attr, int val
 }
 
 cudaError_t get_func_attributes(cudaFuncAttributes* attr, const void* func) {
+  count_attribute_call();
   const DeviceProps d = device();
   std::memset(attr, 0, sizeof(*attr));
   attr->maxThreadsPerBlock = d.kernel_max_threads;
@@ -705,6 +723,25 @@ cudaError_t device_get_attribute(int* value, cudaDeviceAttr attr, int) {
 DeviceProps& device() {
   static DeviceProps d;
   return d;
+}
+
+namespace {
+auto props_key(const DeviceProps& d) {
+  return std::make_tuple(d.multiprocessors, d.max_threads_per_block, d.max_block_dim[0], d.max_block_dim[1],
+                         d.max_block_dim[2], d.max_grid_dim[0], d.max_grid_dim[1], d.max_grid_dim[2],
+                         d.shared_per_block, d.shared_per_block_optin, d.kernel_max_threads, static_cast<int>(d.order));
+}
+}  // namespace
+
+cudaError_t get_device(int* id) {
+  static std::mutex mu;
+  static std::vector<decltype(props_key(DeviceProps{}))> seen;
+  const auto key = props_key(device());
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = std::find(seen.begin(), seen.end(), key);
+  if (it == seen.end()) it = seen.insert(seen.end(), key);
+  *id = static_cast<int>(it - seen.begin());
+  return cudaSuccess;
 }
 
 std::string describe_device() {

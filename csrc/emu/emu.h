@@ -140,6 +140,9 @@ const char* error_string(cudaError_t e);
 cudaError_t set_func_attribute(const void* func, cudaFuncAttribute attr, int value);
 cudaError_t get_func_attributes(cudaFuncAttributes* attr, const void* func);
 cudaError_t device_get_attribute(int* value, cudaDeviceAttr attr, int device);
+// The current device: each distinct DeviceProps the process has used is a device of its own, so
+// that what launchers cache per device is queried again when a check emulates another GPU.
+cudaError_t get_device(int* device);
 
 template <typename F>
 cudaError_t func_set_attribute(F* func, cudaFuncAttribute attr, int value) {
@@ -172,6 +175,7 @@ cudaError_t func_get_attributes(cudaFuncAttributes* attr, F* func) {
 #define cudaFuncSetAttribute ::bdemu::func_set_attribute
 #define cudaFuncGetAttributes ::bdemu::func_get_attributes
 #define cudaDeviceGetAttribute ::bdemu::device_get_attribute
+#define cudaGetDevice ::bdemu::get_device
 
 // Integer min/max, which device code gets from CUDA's math headers.
 inline int min(int a, int b) { return a < b ? a : b; }

@@ -44,9 +44,15 @@ struct KernelCount {
 };
 struct Counters {
   int64_t context_switches = 0, barriers = 0, warp_collectives = 0;
+  int64_t attribute_calls = 0;  // cudaFuncGetAttributes and cudaFuncSetAttribute calls
 };
 std::vector<KernelCount> kernel_counts();
 Counters counters();
 void reset_counts();
+
+// Leaves an error pending on this thread, as an earlier asynchronous failure would (for checks
+// of the launchers); take_pending_error returns it and clears it, as cudaGetLastError does (0: none).
+void inject_pending_error();
+int take_pending_error();
 
 }  // namespace bdemu
