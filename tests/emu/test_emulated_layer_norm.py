@@ -152,3 +152,22 @@ def test_entry_points_check_arguments_as_on_cuda():
         torch.ops.bertdist_emu.bias_dropout_add_layer_norm_fwd(x, None, x, w, w, 0.1, 1e-5, None, 0)
     torch.library.opcheck(torch.ops.bertdist_emu.layer_norm_fwd, (x, w, w, 1e-5))
     assert fused.layer_norm is not emulated.layer_norm
+
+
+@pytest.mark.parametrize("rows", [0, 5])
+def test_column_sum_gradients_are_exact_with_and_without_rows(rows):
+    """dweight, dbias and the dense bias's gradient: allocated uninitialised where the kernels
+    write every column, zeros where there is no row to sum."""
+    emu()
+    for attempt in range(2):  # a second call reuses freed memory: garbage would show
+        x, bias, res, w, b = _inputs(rows, 768, seed=attempt)
+        out = emulated.bias_dropout_add_layer_norm(x, bias, res, w, b, p=0.0, training=True, eps=EPS)
+        ref_in = [leaf(t) for t in (x, bias, res, w, b)]
+        ref = reference_bias_dropout_add_layer_norm(*ref_in, p=0.0, training=True, eps=EPS)
+        g = torch.randn_like(ref)
+        for name, a, c in zip(("dbias", "dweight", "dln_bias"), grads(out, (bias, w, b), g),
+                              grads(ref, ref_in[1:2] + ref_in[3:], g)):
+            if rows == 0:
+                assert torch.equal(a, torch.zeros_like(a)), name
+            else:
+                assert_close_rel(a, c, 1e-5, name)
