@@ -49,6 +49,9 @@ class BertConfig:
     # Run the encoder on real tokens only (varlen attention over packed sequences) when a
     # padding mask is given; NSP, token types and positions are unaffected.
     unpad: bool = False
+    # Wrap the model in torch.compile for training (bertdist.train.compile): true, false, or
+    # auto, the measured choice per device type. Weights, checkpoints and export are unchanged.
+    compile: Literal["auto", True, False] = "auto"
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS and self.preset != "custom":

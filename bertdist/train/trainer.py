@@ -104,6 +104,7 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None) -> TrainResult:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS handle
     from bertdist.ops import kernels_for_run
     from bertdist.train.checkpoint import CheckpointManager, ensure_universal
+    from bertdist.train.compile import apply_compile, decide_compile
     from bertdist.train.distributed import init_distributed
     from bertdist.train.engine import build_engine, save_ds_config
     from bertdist.train.loader import LoaderState, PretrainingLoader
@@ -132,6 +133,8 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None) -> TrainResult:
                               autocast=autocast_dtype(cfg.deepspeed.precision) is not None, run_dir=str(run_dir))
     built = build_engine(cfg, plan, world, grad_accum, device.type, kernels)
     engine = built.engine
+    compiled = decide_compile(cfg.model.compile, device.type)
+    apply_compile(engine.module, compiled)  # in place: checkpoints and export see the same module
     if rank == 0:
         save_ds_config(built.ds_config, run_dir)
     objective = teacher = None
@@ -152,9 +155,9 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None) -> TrainResult:
                 f"({info.backend}, {device.type}), global batch {cfg.data.global_batch_size} = micro "
                 f"{cfg.data.micro_batch_size} x accum {grad_accum} x world {world}; {records.num_rows} train "
                 f"sequences, {loader.steps_per_epoch} steps/epoch ({loader.dropped_per_epoch} left over per epoch); "
-                f"MFU peak: {peak_note}")
+                f"MFU peak: {peak_note}; {compiled.reason}")
     log.record("run", state.step, {"mode": plan.mode, "world_size": world, "grad_accum": grad_accum,
-                                   "peak_flops": peak, "peak_note": peak_note,
+                                   "peak_flops": peak, "peak_note": peak_note, "compile": compiled.enabled,
                                    "steps_per_epoch": loader.steps_per_epoch,
                                    "dropped_per_epoch": loader.dropped_per_epoch, "loader": state.loader},
                tensorboard=False)
