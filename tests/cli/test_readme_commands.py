@@ -413,6 +413,16 @@ def check_pip_install(cmd, ws):
     assert (REPO / "pyproject.toml").is_file() and (REPO / "setup.py").is_file()
 
 
+def check_docs_generator(cmd, ws):
+    """A docs generator line: the module or script exists and writes the page the line names (the
+    page's own test compares its content: tests/config/test_reference.py, tests/cli/test_error_index.py,
+    tests/benchmarks/test_figures.py)."""
+    target = cmd.argv[cmd.argv.index(">") + 1] if ">" in cmd.argv else option(cmd.argv, "--write")
+    assert target and (REPO / target).is_file(), f"{cmd}: writes {target}, which is not a page of the repository"
+    source = cmd.argv[2].replace(".", "/") + ".py" if cmd.argv[1] == "-m" else cmd.argv[1]
+    assert (REPO / source).is_file(), f"{cmd}: no {source}"
+
+
 @dataclass(frozen=True)
 class Check:
     prefix: tuple[str, ...]
@@ -435,6 +445,9 @@ CHECKS = [
     Check(("make", "emu-mutate"), None, check_make, "tests/emu/test_mutations.py (three mutants); the full set by hand"),
     Check(("bertdist", "bench"), None, check_bench, "tests/benchmarks/test_acceptance.py (quick CPU variant); a GPU"),
     Check(("pip", "install"), None, check_pip_install, "tests/test_wheel_install.py (wheel into a fresh venv)"),
+    Check(("python", "-m", "bertdist.config.reference"), None, check_docs_generator, "tests/config/test_reference.py"),
+    Check(("python", "-m", "bertdist.cli.error_index"), None, check_docs_generator, "tests/cli/test_error_index.py"),
+    Check(("python", "benchmarks/figures.py"), None, check_docs_generator, "tests/benchmarks/test_figures.py"),
     Check(("bertdist", "info"), check_info),
     Check(("bertdist", "model", "summary"), check_model_summary),
     Check(("bertdist", "data", "vocab"), check_data_vocab),
@@ -493,7 +506,7 @@ def test_skip_markers_state_an_allowed_reason_above_a_shell_block():
         lines = page.read_text(encoding="utf-8").splitlines()
         for no, line in enumerate(lines, 1):
             m = SKIP_MARKER.match(line.strip())
-            if "not run in tests" in line and not m:
+            if line.strip().startswith("<!--") and "not run in tests" in line and not m:
                 bad.append(f"{name}:{no}: malformed marker {line.strip()!r}")
             elif m:
                 fence = re.match(r"^```\s*(\S*)\s*$", lines[no]) if no < len(lines) else None
