@@ -534,7 +534,7 @@ def test_no_commands_hide_in_unlabelled_blocks():
                 assert not bad, f"commands in a ```{lang} block; label it ```bash:\n" + "\n".join(bad)
 
 
-@pytest.mark.slow  # every command of the pages as a subprocess, on a workspace built first: about 60 s
+@pytest.mark.slow  # every command of the pages as a subprocess, on a workspace built first: 70-105 s on 2 cores
 @pytest.mark.parametrize("cmd", COMMANDS, ids=[f"{Path(c.page).stem}-L{c.line}-{'_'.join(c.argv[:3])}" for c in COMMANDS])
 def test_readme_command(cmd, workspace):
     if cmd.skip:
