@@ -182,18 +182,30 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, *, dropout_p: float =
     return varlen_attention_sdpa(q, k, v, cu_seqlens, max_seqlen, dropout_p=dropout_p, training=training, scale=scale)
 
 
+def padded_cu_seqlens(key_padding_mask: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens (int32 ``[2B + 1]``) over all ``B * S`` rows of a right-padded batch: each row's
+    real tokens, then its padding, as two sequences (one may be empty). Computed on the device,
+    with no host sync: nothing is packed, and the longest sequence is at most ``S``."""
+    b, s = key_padding_mask.shape
+    lengths = key_padding_mask.sum(dim=1, dtype=torch.int32)
+    starts = torch.arange(b, device=key_padding_mask.device, dtype=torch.int32) * s
+    return F.pad(torch.stack([starts, starts + lengths], dim=1).reshape(-1), (0, 1), value=b * s)
+
+
 def attention_via_varlen(q, k, v, key_padding_mask, *, dropout_p: float = 0.0, training: bool = False,
                          scale: float | None = None, varlen=varlen_attention_flash):
-    """Padded attention through an unpadded kernel: pack the real tokens of ``[B, H, S, D]``
-    q/k/v, run ``varlen`` (``varlen_attn`` by default), scatter the result back. Outputs at
+    """Padded attention through an unpadded kernel: ``[B, H, S, D]`` q/k/v as ``B * S`` rows,
+    where a row's padding is a sequence of its own (``padded_cu_seqlens``), so the real tokens
+    attend only to each other; ``varlen`` is ``varlen_attn`` by default. No host sync (packing
+    the real tokens would read their count and the longest length from the device). Outputs at
     padded query positions are zero (the model never reads them)."""
     b, h, s, d = q.shape
     if key_padding_mask is None:
         key_padding_mask = torch.ones(b, s, dtype=torch.bool, device=q.device)
-    index, cu, max_len = padded_index(key_padding_mask)
-    packed = [unpad(t, index) for t in (q, k, v)]
-    out = varlen(*packed, cu, max_len, dropout_p=dropout_p, training=training, scale=scale)
-    return repad(out, index, b, s)
+    mask = key_padding_mask.to(torch.bool)
+    rows = [t.transpose(1, 2).reshape(b * s, h, d) for t in (q, k, v)]
+    out = varlen(*rows, padded_cu_seqlens(mask), s, dropout_p=dropout_p, training=training, scale=scale)
+    return (out.view(b, s, h, d) * mask[:, :, None, None].to(out.dtype)).transpose(1, 2)
 
 
 def default_scale(head_dim: int) -> float:

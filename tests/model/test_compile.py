@@ -130,3 +130,18 @@ def test_inductor_compiled_training_step_matches_eager():
     for name, p in eager.named_parameters():
         assert torch.allclose(p.grad, grads[name].grad, atol=1e-4, rtol=1e-3), name
     assert set(compiled_model.state_dict()) == set(eager.state_dict())  # compiled in place: same names
+
+
+def test_padded_attention_routed_through_varlen_reads_nothing_back():
+    """The padded-attention candidate built on varlen_attn (CUDA only) runs here with the SDPA
+    stand-in of the same signature: no host read, and the padded path's result at real tokens."""
+    from bertdist.ops import torch_native
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(5, 2, 32, 16, generator=g) for _ in range(3))
+    mask = _batch(300)["attention_mask"].bool()  # lengths 29, 1, 17, 32 (no padding), 2
+    with HostReads() as reads:
+        out = torch_native.attention_via_varlen(q, k, v, mask, varlen=torch_native.varlen_attention_sdpa)
+    assert reads.calls == []
+    real = mask[:, None, :, None]
+    assert torch.allclose(out, torch_native.sdpa_attention(q, k, v, mask) * real, atol=1e-5)
