@@ -202,17 +202,18 @@ def estimated_jaccard(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def bucket_pairs(members: Iterable[tuple[bytes, np.ndarray]], threshold: float, max_comparisons: int
-                 ) -> list[tuple[bytes, bytes]]:
-    """Pairs (smaller hash, larger hash) of one band bucket whose signatures estimate a Jaccard
-    similarity >= ``threshold``. Members are taken in hash order and each is compared with at most
+                 ) -> list[tuple[bytes, bytes, float]]:
+    """Pairs (smaller hash, larger hash, estimate) of one band bucket whose signatures estimate
+    a Jaccard similarity >= ``threshold``. Members are taken in hash order and each is compared with at most
     ``max_comparisons`` members before it, so a huge bucket costs linear, not quadratic, work."""
     uniq = dict(members)  # exact duplicates share a hash: one node
     keys = sorted(uniq)
     out = []
     for j, kj in enumerate(keys):
         for i in range(max(0, j - max_comparisons), j):
-            if estimated_jaccard(uniq[keys[i]], uniq[kj]) >= threshold:
-                out.append((keys[i], kj))
+            est = estimated_jaccard(uniq[keys[i]], uniq[kj])
+            if est >= threshold:
+                out.append((keys[i], kj, est))
     return out
 
 

@@ -1,8 +1,10 @@
 """Duplicate removal within one source as a Beam transform (the functions are data_pipeline.dedup's).
 
     documents --Sign--> (content hash, document)          one shuffle of the text (Keep)
-              \\-----> (band key, (hash, signature))  --GroupByKey--> candidate pairs, verified
-                        pairs --one list--> connected components: {hash: component's smallest hash}
+              \\-----> (band key, (hash, signature))  --GroupByKey--> candidate pairs
+    candidates: the signatures' estimate decides far from the threshold; near it, the exact
+                n-gram sets of the two documents (two small joins, only those documents' n-grams)
+    verified pairs --one list--> connected components: {hash: component's smallest hash}
     CoGroupByKey(content hash): keep the smallest id of exact duplicates, and drop every document
     whose component's smallest hash is not its own.
 
@@ -47,13 +49,61 @@ class _SignDoFn(beam.DoFn):
                 yield beam.pvalue.TaggedOutput(BANDS, (key, (h, packed)))
 
 
+# Candidate pairs whose signatures estimate a similarity this far around the threshold are
+# checked on their exact n-gram sets (the estimate's standard deviation is about 0.035 at 0.8
+# with 128 bins); above the band, the estimate decides, below it, the pair is dropped.
+SURE_ABOVE, CHECK_BELOW = 0.1, 0.15
+SURE, CHECK = "sure", "check"
+
+
 def _bucket_pairs(kv, threshold: float, max_comparisons: int):
     from data_pipeline.dedup import bucket_pairs
 
     _, members = kv
     members = [(h, np.frombuffer(sig, np.uint32)) for h, sig in members]
     if len(members) > 1:
-        yield from bucket_pairs(members, threshold, max_comparisons)
+        for a, b, est in bucket_pairs(members, threshold - CHECK_BELOW, max_comparisons):
+            yield beam.pvalue.TaggedOutput(SURE if est >= threshold + SURE_ABOVE else CHECK, (a, b))
+
+
+class _NgramsOfDoFn(beam.DoFn):
+    """(hash, document) -> (hash, its n-gram hashes) for the documents in pairs to check only
+    (a side input of their hashes: a few, not the corpus)."""
+
+    def __init__(self, cfg: DedupConfig):
+        self.cfg = cfg
+
+    def process(self, kv, wanted):
+        from data_pipeline import dedup
+
+        h, (_, value) = kv
+        if h in wanted:
+            ngrams = dedup.ngram_hashes(dedup.word_hashes(document_text(value)), self.cfg.ngram, self.cfg.seed)
+            yield h, np.unique(ngrams).tobytes()
+
+
+def _send_ngrams(kv):
+    """At a pair's first document: its n-grams go to the pair's second document."""
+    a, g = kv
+    for ngrams in g["ngrams"]:  # one (exact duplicates share the hash and the text's words)
+        for b in g["partners"]:
+            yield b, (a, ngrams)
+        return
+
+
+def _check_pairs(kv, threshold: float, source: str):
+    b, g = kv
+    for ngrams_b in g["ngrams"]:
+        nb = np.frombuffer(ngrams_b, np.uint64)
+        for a, ngrams_a in g["incoming"]:
+            na = np.frombuffer(ngrams_a, np.uint64)
+            inter = len(np.intersect1d(na, nb, assume_unique=True))
+            union = len(na) + len(nb) - inter
+            if union and inter / union >= threshold:
+                yield a, b
+            else:
+                count(counter_name("dedup", source, "candidates_rejected_on_exact_check"))
+        return
 
 
 def _components(pairs: list, source: str):
@@ -124,9 +174,19 @@ class Deduplicate(beam.PTransform):
         cfg, source = self.cfg, self.source
         signed = docs | "Sign" >> beam.ParDo(_SignDoFn(cfg)).with_outputs(BANDS, main="docs")
         if cfg.near:
-            roots = (signed[BANDS]
+            pairs = (signed[BANDS]
                      | "Buckets" >> beam.GroupByKey()
                      | "Pairs" >> beam.FlatMap(_bucket_pairs, cfg.threshold, cfg.max_bucket_comparisons)
+                     .with_outputs(SURE, CHECK))
+            check = pairs[CHECK] | "DistinctCheck" >> beam.Distinct()
+            wanted = (check | "Ends" >> beam.FlatMap(lambda ab: ab) | "DistinctEnds" >> beam.Distinct()
+                      | "AsKeys" >> beam.Map(lambda h: (h, None)))
+            ngrams = signed["docs"] | "NgramsToCheck" >> beam.ParDo(_NgramsOfDoFn(cfg), wanted=beam.pvalue.AsDict(wanted))
+            sent = ({"ngrams": ngrams, "partners": check} | "JoinFirst" >> beam.CoGroupByKey()
+                    | "SendNgrams" >> beam.FlatMap(_send_ngrams))
+            checked = ({"ngrams": ngrams, "incoming": sent} | "JoinSecond" >> beam.CoGroupByKey()
+                       | "ExactCheck" >> beam.FlatMap(_check_pairs, cfg.threshold, source))
+            roots = ((pairs[SURE], checked) | "Edges" >> beam.Flatten()
                      | "DistinctPairs" >> beam.Distinct()
                      | "AllPairs" >> beam.combiners.ToList()
                      | "Components" >> beam.FlatMap(_components, source))
