@@ -501,15 +501,125 @@ def decide_case(case: Case, candidates: list[Candidate], device: torch.device, *
     return Decision(case, choice, results, [c.name for c in candidates])
 
 
+# The dropout check: a keep rate outside p +- DROPOUT_SIGMAS binomial standard deviations fails
+# (a correct kernel fails about once in 10^9 checks); the forward and backward must use one mask,
+# judged against the fp32 math with that mask within DROPOUT_TOL (a different mask changes
+# whole elements: errors of order 1).
+DROPOUT_SIGMAS = 6.0
+DROPOUT_TOL = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 4e-2, "float16": 5e-3}
+
+
 def _dropout_problem(problem: Problem, fn, dtype, out_plain: torch.Tensor) -> str | None:
-    """With the case's dropout the output must change (dropout applied) and stay finite."""
+    """With the case's dropout the output must change (dropout applied) and stay finite, the
+    fraction dropped must be p (a binomial bound), and the backward must regenerate the
+    forward's mask."""
     got = problem.run(fn, dtype, dropout=True)
     if not all(bool(torch.isfinite(v).all()) for v in got.values()):
         return "non-finite output or gradient with dropout"
     changed = (got["out"] != out_plain).float().mean().item()
     if changed == 0.0:
         return f"dropout p={problem.case.p:g} changed no output: dropout not applied"
+    if problem.case.op == "bias_dropout_add_layer_norm":
+        return _bdaln_mask_problem(problem, fn, dtype)
+    if problem.case.op in ("attention", "varlen_attention"):
+        return _attention_mask_problem(problem.case, fn, dtype, problem.grad_out.device)
     return None
+
+
+def keep_rate_problem(n: int, dropped: int, p: float) -> str | None:
+    """Why ``dropped`` of ``n`` elements is not a binomial(n, p) count, or None."""
+    if n == 0:
+        return None
+    sigma = math.sqrt(n * p * (1 - p))
+    if abs(dropped - n * p) > DROPOUT_SIGMAS * sigma + 1:
+        return (f"dropout p={p:g} dropped {dropped} of {n} elements ({dropped / n:.2%}); a binomial({n}, {p:g}) "
+                f"count lies within {n * p:.0f} +- {DROPOUT_SIGMAS:g} x {sigma:.1f}")
+    return None
+
+
+def _mask_mismatch(got: dict, ref: dict, dtype: str, which: str) -> str | None:
+    tol = DROPOUT_TOL[dtype]
+    errs = {k: rel_err(got[k], ref[k]) for k in got}
+    worst = max(errs, key=errs.get)
+    if not errs[worst] <= tol:
+        return (f"{which}: error {errs[worst]:.3e} on {worst} > {tol:g} against the fp32 math with that mask "
+                "(the forward and backward do not use one dropout mask)")
+    return None
+
+
+def _bdaln_mask_problem(problem: Problem, fn, dtype) -> str | None:
+    """The backward's mask is where d(x) is exactly 0; the forward output must be the one that mask gives."""
+    case = problem.case
+    got = problem.run(fn, dtype, dropout=True)
+    keep = got["dx"] != 0
+    bad = keep_rate_problem(keep.numel(), int((~keep).sum()), case.p)
+    if bad:
+        return bad
+
+    def with_mask(x, bias, residual, weight, ln_bias, *, p, training, eps):
+        h = (x if bias is None else x + bias) * keep / (1 - p)
+        return reference.reference_layer_norm_math(residual + h, weight, ln_bias, eps)
+
+    ref = problem.run(with_mask, DTYPES[case.dtype], dropout=True, masters_dtype=torch.float32)
+    return _mask_mismatch(got, ref, case.dtype, "the forward output is not the one the backward's mask gives")
+
+
+def _attention_probe(case: Case, device: torch.device) -> tuple[Problem, torch.Tensor, torch.Tensor]:
+    """A problem whose output shows the dropped attention probabilities: sequences of at most
+    head_dim tokens, v[key j] = e_j, so out[query i][j] = keep[i, j] * P[i, j] / (1 - p). Also
+    the [B, S] key mask and, for varlen, each packed token's flat padded position."""
+    seq = min(case.seq, case.head_dim)
+    probe = make_problem(dataclasses.replace(case, seq=seq), device)
+    qkv = probe.masters["qkv"]
+    if case.op == "attention":  # [B, S, 3, H, D]
+        qkv[:, :, :2] *= 0.5  # flatter probabilities: every kept one well above zero in fp16
+        v = qkv[:, :, 2]
+        v.zero_()
+        j = torch.arange(seq, device=device)
+        v[:, j, :, j] = 1.0
+        return probe, probe.extra["mask"], None
+    from bertdist.ops import torch_native
+
+    cu = probe.extra["cu_seqlens"]
+    total = qkv.shape[0]
+    index = torch_native.packed_index(cu, total, seq)  # [T] -> b * seq + position
+    qkv[:, :2] *= 0.5
+    v = qkv[:, 2]  # [T, H, D]
+    v.zero_()
+    v[torch.arange(total, device=device), :, index % seq] = 1.0
+    return probe, torch_native.lengths_mask(cu, seq), index
+
+
+def _attention_mask_problem(case: Case, fn, dtype, device: torch.device) -> str | None:
+    """The forward's mask is read from the probe's output; the gradients must be the ones that mask gives."""
+    from bertdist.ops import torch_native
+
+    probe, key_mask, index = _attention_probe(case, device)
+    got = probe.run(fn, dtype, dropout=True)
+    b, seq = key_mask.shape
+    out = got["out"]
+    if index is not None:  # packed [T, H, D] -> [B, H, S, D]
+        out = torch_native.repad(out, index, b, seq)
+    probs = out[..., :seq]  # [B, H, S(query), S(key)]
+    real = key_mask[:, None, :, None] & key_mask[:, None, None, :]
+    keep = probs != 0
+    bad = keep_rate_problem(int(real.expand_as(probs).sum()), int((real & ~keep).sum()), case.p)
+    if bad:
+        return bad
+    scale = 1.0 / math.sqrt(case.head_dim)
+
+    def padded_with_mask(q, k, v, kpm, *, dropout_p, training, scale=scale):
+        scores = (q @ k.transpose(-1, -2)) * scale
+        scores = scores.masked_fill(~kpm[:, None, None, :], float("-inf"))
+        return (torch.softmax(scores, dim=-1) * keep / (1 - dropout_p)) @ v
+
+    def varlen_with_mask(q, k, v, cu_seqlens, max_seqlen, *, dropout_p, training):
+        padded = [torch_native.repad(t, index, b, seq) for t in (q, k, v)]
+        return torch_native.unpad(padded_with_mask(*padded, key_mask, dropout_p=dropout_p, training=training), index)
+
+    ref = probe.run(padded_with_mask if index is None else varlen_with_mask, DTYPES[case.dtype], dropout=True,
+                    masters_dtype=torch.float32)
+    return _mask_mismatch(got, ref, case.dtype, "the gradients are not the ones the forward's mask gives")
 
 
 def choose(results: list[Measurement]) -> str:

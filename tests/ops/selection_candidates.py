@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import time
 
+import torch
 import torch.nn.functional as F
 
 from bertdist.ops import reference
@@ -35,3 +36,40 @@ def dropout_ignoring_bdaln(x, bias, residual, weight, ln_bias, *, p, training, e
     """Right without dropout, but never applies it."""
     return reference.reference_bias_dropout_add_layer_norm(x, bias, residual, weight, ln_bias, p=0.0,
                                                            training=False, eps=eps)
+
+
+def dropout_rate_halved_bdaln(x, bias, residual, weight, ln_bias, *, p, training, eps):
+    """Applies dropout, scaled for p, but drops only half as often."""
+    return reference.reference_bias_dropout_add_layer_norm(x, bias, residual, weight, ln_bias, p=p / 2,
+                                                           training=training, eps=eps)
+
+
+class _NewMaskInBackward(torch.autograd.Function):
+    """Dropout whose backward draws a fresh mask instead of the forward's."""
+
+    @staticmethod
+    def forward(ctx, h, p):
+        ctx.p = p
+        return h * (torch.rand_like(h) >= p) / (1 - p)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * (torch.rand_like(grad) >= ctx.p) / (1 - ctx.p), None
+
+
+def dropout_new_mask_in_backward_bdaln(x, bias, residual, weight, ln_bias, *, p, training, eps):
+    h = x if bias is None else x + bias
+    if training and p > 0:
+        h = _NewMaskInBackward.apply(h, p)
+    return F.layer_norm(residual + h, (h.shape[-1],), weight, ln_bias, eps)
+
+
+def attention_new_mask_in_backward(q, k, v, key_padding_mask, *, dropout_p=0.0, training=False, scale=None):
+    """Attention whose dropout on the probabilities draws another mask in the backward."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~key_padding_mask[:, None, None, :].bool(), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if training and dropout_p > 0:
+        probs = _NewMaskInBackward.apply(probs, dropout_p)
+    return probs @ v

@@ -64,6 +64,31 @@ def test_dropout_that_is_not_applied_fails():
     assert by_dropout[False].choice == "nodrop"  # right, and fastest, where no dropout is asked for
 
 
+@pytest.mark.parametrize("attr, op, match", [
+    ("dropout_rate_halved_bdaln", "bias_dropout_add_layer_norm", r"dropout p=0.1 dropped \d+ of \d+ elements .*binomial"),
+    ("dropout_new_mask_in_backward_bdaln", "bias_dropout_add_layer_norm", "do not use one dropout mask"),
+    ("attention_new_mask_in_backward", "attention", "do not use one dropout mask"),
+])
+def test_dropout_with_a_wrong_rate_or_a_backward_mask_of_its_own_fails(attr, op, match):
+    w = selection.Workload(batch=4, seq=16, hidden=64, heads=2, ops=(op,))
+    with pytest.warns(RuntimeWarning, match=match):
+        plan = selection.decide(w, CPU, extra=[_cand("bad", attr, op=op)], include_test_only=True,
+                                timer=_fake_timer({"bad": 0.1}))
+    by_dropout = {d.case.dropout: d for d in plan.decisions.values()}
+    bad = by_dropout[True].measurement("bad")
+    assert bad.status == "failed" and by_dropout[True].choice != "bad"
+    # Every correct candidate, the fused C++ kernels included, passes the same check.
+    assert all(m.status in ("passed", "unsupported") for m in by_dropout[True].measurements if m.name != "bad")
+    assert by_dropout[False].measurement("bad").status == "passed"  # right without dropout
+
+
+def test_keep_rate_bound():
+    assert selection.keep_rate_problem(10_000, 1_000, 0.1) is None
+    assert selection.keep_rate_problem(10_000, 1_150, 0.1) is None  # 5 sigma
+    assert "dropped 1200 of 10000 elements (12.00%)" in selection.keep_rate_problem(10_000, 1_200, 0.1)
+    assert "dropped 500 of 10000" in selection.keep_rate_problem(10_000, 500, 0.1)
+
+
 def test_fastest_passing_candidate_wins_only_by_a_clear_margin():
     ext()
     timings = {"torch": 1.0, "fused": 0.5, "same": 0.9}
