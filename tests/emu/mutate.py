@@ -10,8 +10,11 @@ instead of silently testing nothing. Each worker copies csrc/ to a scratch folde
 mutants writes the edit and runs `make emu-test EMU_CSRC=<copy> EMU_BUILD=<its build>`: the
 standalone driver first (incremental: only the edited file's objects are rebuilt), then, if the
 driver passed, the Python-level tests against an extension built from the mutant. A mutant is
-killed when make fails. Mutants marked `survives` document what the emulator cannot see; the
-script fails if one of them is killed too (then the note is stale) or if any other survives.
+killed only when a kernel check fails (a driver check or a pytest test). A mutant that does not
+build, one that runs past the time limit and a make that fails otherwise (a crashed driver) are
+reported as such, never as kills: none of them shows that a check catches the bug. Mutants
+marked `survives` document what the emulator cannot see; the script fails if one of them is
+killed too (then the note is stale) or if any other mutant is not killed.
 A survivor costs the most (the driver passes, so the extension is built from it and the Python
 tests run): --skip-survivors leaves them out of a quick run.
 
@@ -25,6 +28,7 @@ import dataclasses
 import datetime
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -35,7 +39,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 CSRC = REPO / "csrc"
-TIMEOUT_S = 600  # a mutant that hangs the emulated kernels counts as killed, as a GPU hang would fail CI
+TIMEOUT_S = 600  # a mutant still running then is reported as a timeout, not as a kill
+RESULTS = ("killed", "survived", "build failure", "timeout", "error")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,9 +115,13 @@ REPRESENTATIVE = ("attn_fwd_tile_loop_syncthreads", "attn_dkdv_syncwarp_2", "att
 @dataclasses.dataclass
 class Outcome:
     mutant: Mutant
-    killed: bool
-    by: str  # the failing check, or why it survived
+    result: str  # one of RESULTS
+    by: str  # the failing check; else what make said (the build error, the timeout, its last line)
     seconds: float
+
+    @property
+    def killed(self) -> bool:
+        return self.result == "killed"
 
 
 def check_texts(mutants) -> None:
@@ -123,24 +132,50 @@ def check_texts(mutants) -> None:
                              "update the mutant to the current source")
 
 
-def _make(args: list[str], jobs: int) -> subprocess.CompletedProcess:
+@dataclasses.dataclass
+class MakeRun:
+    returncode: int
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+
+
+def _make(args: list[str], jobs: int) -> MakeRun:
     env = {**os.environ, "MAX_JOBS": str(jobs)}
     cmd = ["make", "--no-print-directory", "-C", str(REPO), f"PY={sys.executable}", *args]
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
+        return MakeRun(r.returncode, r.stdout, r.stderr)
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        return subprocess.CompletedProcess(cmd, 124, out, f"timed out after {TIMEOUT_S} s")
+        return MakeRun(-1, out, f"timed out after {TIMEOUT_S} s", timed_out=True)
 
 
-def _first_failure(r: subprocess.CompletedProcess) -> str:
+def _first_failure(r: MakeRun) -> str:
     lines = (r.stdout + "\n" + r.stderr).splitlines()
-    for prefix in ("FAILED ", "FAIL ", "E   ", "emu build: "):
+    for prefix in ("FAILED ", "ERROR tests/", "emu build: ", "E   "):
         for line in lines:
             if line.startswith(prefix):
                 return line[:300]
     tail = [line for line in lines if line.strip()]
     return (tail[-1] if tail else f"make exited {r.returncode}")[:300]
+
+
+def classify(r: MakeRun) -> tuple[str, str]:
+    """(result, detail) of one `make emu-test`: "killed" only when a kernel check failed (the
+    driver's FAILED lines and failed count, pytest's FAILED/ERROR lines)."""
+    if r.timed_out:
+        return "timeout", r.stderr.strip()
+    if r.returncode == 0:
+        return "survived", "make emu-test passed"
+    lines = (r.stdout + "\n" + r.stderr).splitlines()
+    failed_check = next((line for line in lines if line.startswith(("FAILED ", "ERROR tests/"))), None)
+    driver_failed = any(re.match(r"\d+ passed, [1-9]\d* failed", line) for line in lines)
+    if failed_check or driver_failed:
+        return "killed", _first_failure(r)
+    if any(line.startswith("emu build: ") for line in lines):
+        return "build failure", _first_failure(r)
+    return "error", f"make exited {r.returncode} without a failing check: {_first_failure(r)}"
 
 
 def run_worker(mutants, jobs: int, scratch: Path, baseline: bool = True) -> list[Outcome]:
@@ -166,9 +201,9 @@ def run_worker(mutants, jobs: int, scratch: Path, baseline: bool = True) -> list
         t0 = time.perf_counter()
         r = _make(["emu-test", f"EMU_CSRC={copy}", f"EMU_BUILD={build}"], jobs)
         secs = time.perf_counter() - t0
-        killed = r.returncode != 0
-        out.append(Outcome(m, killed, _first_failure(r) if killed else "make emu-test passed", secs))
-        print(f"{'killed  ' if killed else 'SURVIVED'} {m.name} ({secs:.0f} s): {out[-1].by}", flush=True)
+        result, by = classify(r)
+        out.append(Outcome(m, result, by, secs))
+        print(f"{result.upper():13} {m.name} ({secs:.0f} s): {by}", flush=True)
     return out
 
 
@@ -190,13 +225,19 @@ def run(mutants, jobs: int, baseline: bool = True) -> tuple[list[Outcome], float
 
 
 def verdict(outcomes) -> list[str]:
-    """The problems with a run: unexpected survivors, and known survivors that were killed."""
+    """The problems with a run: mutants no check caught (survivors, build failures, timeouts,
+    errors), and known survivors that were killed or did not run to the end."""
     bad = []
     for o in outcomes:
-        if not o.killed and not o.mutant.survives:
+        if o.mutant.survives:
+            if o.killed:
+                bad.append(f"{o.mutant.name} was killed although marked as a known survivor ({o.by}): update its note")
+            elif o.result != "survived":
+                bad.append(f"{o.mutant.name} (a known survivor): {o.result}: {o.by}")
+        elif o.result == "survived":
             bad.append(f"{o.mutant.name} survived: {o.mutant.bug}")
-        if o.killed and o.mutant.survives:
-            bad.append(f"{o.mutant.name} was killed although marked as a known survivor ({o.by}): update its note")
+        elif not o.killed:
+            bad.append(f"{o.mutant.name}: {o.result}, not caught by a check ({o.by}); fix the mutant or the run")
     return bad
 
 
@@ -204,14 +245,17 @@ def record(outcomes, seconds: float, command: str) -> Path:
     today = datetime.date.today().isoformat()
     path = REPO / "benchmarks" / "results" / f"emu_mutations_{today}.md"
     killed = sum(o.killed for o in outcomes)
+    others = {r: sum(o.result == r for o in outcomes) for r in ("build failure", "timeout", "error")}
     lines = [
         f"# Mutation tests of the emulated CUDA kernels ({today})",
         "",
         f"Command: `{command}` (from the repository root). Machine: {platform.machine()}, {os.cpu_count()} cores "
         f"(shared), {platform.python_implementation()} {platform.python_version()}.",
         "",
-        f"Score: **{killed} of {len(outcomes)} mutants killed** by `make emu-test`; "
-        f"{sum(bool(o.mutant.survives) for o in outcomes)} known survivor(s), explained below. "
+        f"Score: **{killed} of {len(outcomes)} mutants killed** by a failing check of `make emu-test`; "
+        f"{sum(bool(o.mutant.survives) for o in outcomes)} known survivor(s), explained below; "
+        f"{others['build failure']} build failure(s), {others['timeout']} timeout(s) and {others['error']} other "
+        "error(s), none of them counted as kills. "
         f"Wall time {seconds:.0f} s for the whole set (builds included).",
         "",
         "| mutant | bug class | file | result | caught by | seconds |",
@@ -219,8 +263,8 @@ def record(outcomes, seconds: float, command: str) -> Path:
     ]
     for o in outcomes:
         by = o.by.replace("|", "\\|")
-        lines.append(f"| `{o.mutant.name}` | {o.mutant.bug} | {o.mutant.file} | "
-                     f"{'killed' if o.killed else 'survived'} | {by} | {o.seconds:.0f} |")
+        lines.append(f"| `{o.mutant.name}` | {o.mutant.bug} | {o.mutant.file} | {o.result} | {by} | "
+                     f"{o.seconds:.0f} |")
     survivors = [o for o in outcomes if o.mutant.survives]
     if survivors:
         lines += ["", "Known survivors:"] + [f"- `{o.mutant.name}`: {o.mutant.survives}." for o in survivors]
@@ -250,8 +294,9 @@ def main(argv=None) -> int:
     if a.skip_survivors:
         mutants = tuple(m for m in mutants if not m.survives)
     outcomes, seconds = run(mutants, max(1, a.jobs))
-    killed = sum(o.killed for o in outcomes)
-    print(f"{killed} of {len(outcomes)} mutants killed in {seconds:.0f} s")
+    counts = {r: sum(o.result == r for o in outcomes) for r in RESULTS}
+    print(f"{counts['killed']} of {len(outcomes)} mutants killed in {seconds:.0f} s; "
+          + ", ".join(f"{n} {r}" for r, n in counts.items() if n and r != "killed"))
     if a.record:
         print(f"recorded in {record(outcomes, seconds, 'python tests/emu/mutate.py ' + ' '.join(argv or sys.argv[1:]))}")
     bad = verdict(outcomes)
