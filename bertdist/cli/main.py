@@ -15,6 +15,7 @@ SUBCOMMANDS = [
     "bertdist.cli.export",
     "bertdist.cli.import_hf",
     "bertdist.cli.finetune",
+    "bertdist.cli.distill",
     "bertdist.cli.submit",
     "bertdist.cli.jobs",
     "bertdist.cli.bench",

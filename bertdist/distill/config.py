@@ -53,3 +53,22 @@ class DistillConfig:
         """The fine-tuning loop's settings for this task, data and output directory."""
         return dataclasses.replace(self.train, task=self.task, data=self.data,
                                    output_dir=output_dir or self.output_dir)
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+    return out
+
+
+def load_distill_config(path: str | None = None, overrides: list[str] = ()) -> DistillConfig:
+    """Schema defaults (the student's ``train`` defaults included) + a YAML instance + dotted
+    overrides. A partial ``train:`` section keeps the other student defaults instead of falling
+    back to fine-tuning's."""
+    from bertdist.config import apply_overrides, from_dict, load_yaml, to_dict
+
+    data = to_dict(DistillConfig())
+    if path is not None:
+        data = _merge(data, load_yaml(path))
+    return from_dict(DistillConfig, apply_overrides(DistillConfig, data, list(overrides)))

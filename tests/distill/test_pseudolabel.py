@@ -1,0 +1,112 @@
+"""The pseudo-label set: made once, reused by students of any size, refused for another teacher,
+and resumed after a kill without relabelling the shards that were done."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from bertdist.distill.pseudolabel import LabelSetMismatch, load_label_rows, read_manifest
+from bertdist.distill.train import run_distill, run_pseudo_label
+from tests.conftest import REPO, child_env
+from tests.distill import fixtures as fx
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("labels")
+    vocab = fx.write_vocab(tmp / "vocab.txt")
+    data = fx.write_sst2(tmp / "sst2")
+    return tmp, vocab, data, fx.teacher(tmp, "sst2", data, vocab, steps=4)
+
+
+def test_shards_hold_the_teachers_logits_for_every_row(tmp_path, task):
+    tmp, _, data, teacher = task
+    unl = fx.write_unlabeled_text(tmp_path / "u.txt", n=37)
+    cfg = fx.distill_config("sst2", teacher, data, [unl], tmp_path / "run", labels_dir=str(tmp_path / "labels"),
+                            shard_rows=10)
+    m = run_pseudo_label(cfg)
+    assert m["rows"] == 37 and m["num_shards"] == 4 and m["logits"] == "full" and m["num_outputs"] == 2
+    assert m["teacher"]["weights_sha256"] and m["tokenizer"]["max_seq_length"] == 48
+    assert m["sources"][0]["rows"] == 37 and len(m["sources"][0]["sha256"]) == 64
+    rows = load_label_rows(tmp_path / "labels", read_manifest(tmp_path / "labels"))
+    assert [pq.read_metadata(tmp_path / "labels" / s).num_rows for s in m["shards"]] == [10, 10, 10, 7]
+    # the stored logits are the teacher's own on those inputs
+    from bertdist.distill.teacher import load_teacher
+
+    t = load_teacher(teacher, "sst2", "classification", 2, device=torch.device("cpu"), kernels="reference")
+    r = rows[5]
+    batch = {k: torch.tensor([r[k]]) for k in ("input_ids", "token_type_ids", "attention_mask")}
+    with torch.no_grad():
+        want = t.model(batch)[0][0]
+    assert torch.allclose(torch.from_numpy(r["teacher"]), want, atol=1e-5)
+
+
+def test_students_of_any_size_reuse_the_set_and_another_teacher_is_refused(tmp_path, task):
+    tmp, vocab, data, teacher = task
+    unl = fx.write_unlabeled_text(tmp_path / "u.txt", n=24)
+    labels = tmp_path / "labels"
+    for i, student in enumerate(("layers:1", "preset:tiny")):
+        cfg = fx.distill_config("sst2", teacher, data, [unl], tmp_path / f"s{i}", labels_dir=str(labels), steps=2,
+                            student="layers:1")
+        r = run_distill(cfg)
+        if i == 0:
+            stamp = {p.name: p.stat().st_mtime_ns for p in labels.iterdir()}
+        assert r["pseudo_labels"]["reused"] is (i == 1) and r["student"]["train_rows"] == 24 + 32
+    assert {p.name: p.stat().st_mtime_ns for p in labels.iterdir()} == stamp  # nothing relabelled
+    other = fx.teacher(tmp_path, "sst2", data, vocab, steps=4, seed=1)
+    cfg = fx.distill_config("sst2", other, data, [unl], tmp_path / "s2", labels_dir=str(labels), steps=2,
+                            student="layers:1")
+    with pytest.raises(LabelSetMismatch, match="another teacher or tokenizer.*teacher.weights_sha256"):
+        run_distill(cfg)
+    cfg = fx.distill_config("sst2", teacher, data, [unl], tmp_path / "s3", labels_dir=str(labels), steps=2,
+                            student="layers:1")
+    cfg.train.max_seq_length = 32
+    with pytest.raises(LabelSetMismatch, match="tokenizer.max_seq_length: set has 48, this run has 32"):
+        run_distill(cfg)
+
+
+LABEL_JOB = """
+import sys, time
+from bertdist.distill import pseudolabel
+write = pseudolabel._write_shard
+def slow(*a, **k):  # a slow teacher: the kill lands while shards are still being written
+    write(*a, **k)
+    time.sleep(0.4)
+pseudolabel._write_shard = slow
+from bertdist.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_killed_job_resumes_without_relabelling_done_shards(tmp_path, task):
+    tmp, _, data, teacher = task
+    unl = fx.write_unlabeled_text(tmp_path / "u.txt", n=200)
+    labels = tmp_path / "labels"
+    argv = ["pseudo-label", "sst2", "--teacher", str(teacher), "--data", str(data), "--unlabeled", str(unl),
+            "--out", str(labels), "--set", "shard_rows=10", "--set", "train.max_seq_length=48",
+            "--set", "train.kernels=reference", "--set", "train.progress=false"]
+    proc = subprocess.Popen([sys.executable, "-c", LABEL_JOB, *argv], cwd=REPO, env=child_env())
+    deadline = time.time() + 300
+    while len(list(labels.glob("shard-*.parquet"))) < 3:
+        assert proc.poll() is None, "the labelling job ended before it could be killed"
+        assert time.time() < deadline
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done = {p.name: p.stat().st_mtime_ns for p in labels.glob("shard-*.parquet")}
+    assert 3 <= len(done) < 20 and not (labels / "manifest.json").exists()
+    rc = subprocess.run([sys.executable, "-m", "bertdist.cli.main", *argv], cwd=REPO, env=child_env(),
+                        capture_output=True, text=True)
+    assert rc.returncode == 0, rc.stdout + rc.stderr
+    assert f"{20 - len(done)} labelled now, {len(done)} already there" in rc.stdout
+    for name, mtime in done.items():
+        assert (labels / name).stat().st_mtime_ns == mtime
+    m = json.loads((labels / "manifest.json").read_text())
+    assert len(load_label_rows(labels, m)) == 200 and not list(labels.glob(".*tmp*"))
