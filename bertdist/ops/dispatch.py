@@ -7,8 +7,12 @@ construction for) a ``KernelSet`` and calls its four functions. ``mode`` is the 
 - ``reference``: torch's own ops. On CUDA the torch-native fast paths (``torch_native.py``:
   SDPA with a boolean mask, ``varlen_attn`` for unpadded attention where it applies); on CPU
   the functions of ``reference.py``, as before.
-- ``fused``: our compiled kernels (``bertdist.ops.fused``), forced; an error if they are not
-  usable, with the reason.
+- ``fused``: our compiled kernels (``bertdist.ops.fused``) for every op, forced; an error if they
+  are not usable, with the reason. A test and comparison mode, not a training choice on GPU:
+  our CUDA attention computes in fp32 on the SIMT cores, where torch's SDPA backends use the
+  tensor cores in bf16/fp16, and ``fused`` does not measure. It stays forced so that tests and
+  benchmarks run our kernels and nothing else; training takes ``auto``, which uses our kernels
+  exactly where they measure faster. On CUDA it says so once (a warning).
 - ``auto``: on CUDA a measured choice (``selection.py``): per op, dtype and dropout on/off,
   the fastest candidate that passed a numerics check on this device, and torch-native unless
   another candidate is measurably faster, so never slower than ``reference``. The trainer
@@ -274,8 +278,23 @@ def resolve_kernels(mode: KernelMode, device_type: str = "cpu", *, model_config=
     bad = [f"{s.op}: {s.reason}" for s in status.values() if not s.usable]
     if bad:
         raise RuntimeError(f"kernels=fused requested on {device_type} but: " + "; ".join(bad))
+    if device_type == "cuda":
+        _warn_fused_is_a_test_mode()
     mod, _ = _fused_module()
     return KernelSet(**{op: getattr(mod, op) for op in OP_NAMES}, sources={op: "fused" for op in OP_NAMES})
+
+
+_FUSED_NOTE = ("kernels=fused forces bertdist's kernels for every op, attention included: our CUDA attention is fp32 "
+               "SIMT without tensor cores (torch's SDPA uses them). fused is a test and comparison mode; for training "
+               "use kernels=auto, which takes our kernels where they measure faster")
+_fused_warned = False
+
+
+def _warn_fused_is_a_test_mode() -> None:
+    global _fused_warned
+    if not _fused_warned:
+        _fused_warned = True
+        warnings.warn(_FUSED_NOTE, RuntimeWarning, stacklevel=3)
 
 
 def kernels_for_run(mode: KernelMode, model_config, device: torch.device, *, micro_batch: int, seq: int,

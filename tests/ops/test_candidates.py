@@ -178,3 +178,16 @@ def test_fused_support_follows_the_profile(extension):
     case = Case("attention", "bfloat16", False, "cuda", batch=2, seq=16, hidden=96, heads=2)  # head_dim 48
     fused_cand = next(c for c in candidates_for("attention", "cuda") if c.name == "fused")
     assert "head_dim 32, 64 or 128, not 48" in fused_cand.unsupported(case, H100)
+
+
+def test_fused_on_cuda_is_forced_and_says_once_that_it_is_a_test_mode(extension, monkeypatch):
+    from bertdist.ops import dispatch
+
+    monkeypatch.setattr(dispatch, "_fused_warned", False)
+    with pytest.warns(RuntimeWarning, match="fused is a test and comparison mode; for training use kernels=auto"):
+        ks = resolve_kernels("fused", "cuda", profile=H100)
+    assert set(ks.sources.values()) == {"fused"} and ks.attention is fused.attention
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resolve_kernels("fused", "cuda", profile=H100)  # once per process
+        resolve_kernels("fused", "cpu")  # CPU: the mode's purpose, no warning
