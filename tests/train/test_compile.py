@@ -1,0 +1,53 @@
+"""model.compile: true, false, or the measured choice per device type; the model compiled in place."""
+import pytest
+import torch
+
+from bertdist.config import ConfigError
+from bertdist.model import BertConfig
+from bertdist.train.compile import AUTO_DECISIONS, apply_compile, decide_compile
+
+
+def test_true_and_false_are_obeyed_and_auto_follows_the_measurement():
+    assert decide_compile(True, "cpu").enabled and not decide_compile(False, "cuda").enabled
+    cpu = decide_compile("auto", "cpu")
+    assert cpu.enabled == AUTO_DECISIONS["cpu"][0] is False
+    assert "benchmarks/results/model_compile_cpu_2026-11-25.md" in cpu.reason
+    cuda = decide_compile("auto", "cuda")  # no GPU measurement yet: eager, saying so
+    assert not cuda.enabled and "not yet measured on cuda" in cuda.reason
+    with pytest.raises(ValueError, match="true, false or auto"):
+        decide_compile("sometimes", "cpu")
+
+
+def test_the_config_takes_true_false_auto_only():
+    assert BertConfig.from_mapping({"preset": "tiny", "compile": True}).compile is True
+    assert BertConfig.from_mapping({"preset": "tiny"}).compile == "auto"
+    with pytest.raises(ConfigError, match="compile"):
+        BertConfig.from_mapping({"preset": "tiny", "compile": "yes please"})
+
+
+def test_compiled_in_place_keeps_the_parameter_names():
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    names = list(m.state_dict())
+    apply_compile(m, decide_compile(False, "cpu"))
+    assert m._compiled_call_impl is None
+    apply_compile(m, decide_compile(True, "cpu"))
+    assert m._compiled_call_impl is not None and list(m.state_dict()) == names
+
+
+@pytest.mark.slow  # three one-process runs of the tiny recipe, each compiling with inductor: 500 s under load
+def test_a_compiled_run_resumes_exactly_and_exports(tmp_path, train_records, small_vocab):
+    from bertdist.export.sources import load_pretrained
+    from tests.train.conftest import assert_ok, metrics, run_pretrain, tiny_args
+
+    common = ("model.compile=true", "data.eval_split=null", "checkpoint.every_steps=2")
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    assert_ok(run_pretrain(1, tiny_args(whole, train_records, small_vocab, *common, "max_steps=4"), timeout=900))
+    assert_ok(run_pretrain(1, tiny_args(part, train_records, small_vocab, *common, "max_steps=2"), timeout=900))
+    assert_ok(run_pretrain(1, [*tiny_args(part, train_records, small_vocab, *common, "max_steps=4"), "--resume",
+                               "auto"], timeout=900))
+    assert all(r["compile"] is True for r in metrics(whole, "run"))
+    ref = {r["step"]: r["loss"] for r in metrics(whole)}
+    resumed = {r["step"]: r["loss"] for r in metrics(part)}
+    assert sorted(resumed) == [1, 2, 3, 4] and resumed == ref  # bitwise, as without compile
+    w = load_pretrained(part)  # the checkpoint of a compiled module exports under the usual names
+    assert w.origin["tag"] == "step_00000004" and "bert.embeddings.word_embeddings.weight" in w.state_dict
