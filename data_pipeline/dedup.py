@@ -5,7 +5,7 @@ bucket, and connected components of the pairs with one kept document per compone
 Every hash here is stable across processes and machines (blake2b and fixed-seed numpy
 arithmetic; never Python's salted ``hash``), so workers agree without talking to each other.
 
-MinHash is numpy's, not ``datasketch``'s: words and n-grams are hashed in vectorized uint64
+MinHash is numpy's, not ``datasketch``'s: words and n-grams are hashed in vectorized integer
 arithmetic instead of one SHA-1 call per n-gram, and the signature is one-permutation hashing
 (see :func:`minhash`) instead of ``num_perm`` hashes per n-gram; both measured on the same books
 in benchmarks/results/dedup_cpu_*.md.
@@ -25,23 +25,26 @@ import numpy as np
 _WORD_BYTES = b"abcdefghijklmnopqrstuvwxyz0123456789_" + bytes(range(0x80, 0x100))
 # bytes.translate table: word byte -> 1, any other -> 0 (far faster than a numpy table lookup)
 _IS_WORD = bytes(1 if i in _WORD_BYTES else 0 for i in range(256))
-_P = 0x100000001B3  # odd, so invertible mod 2^64
-_CHUNK = 1 << 18  # bytes per step: its uint64 work arrays (2 MB each) stay in cache
+_P = 0x01000193  # odd, so invertible mod 2^32 (32-bit word hashes: half the memory traffic of 64)
+_CHUNK = 1 << 18  # bytes per step: its work arrays (1 MB each) stay in cache
 
 
 @lru_cache(maxsize=1)
 def _tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """P^k and P^-k mod 2^64 for k <= _CHUNK, and a reused prefix-sum buffer (a fresh array per
+    """P^k and P^-k mod 2^32 for k <= _CHUNK, and a reused prefix-sum buffer (a fresh array per
     step cost more in page faults than the arithmetic)."""
     with np.errstate(over="ignore"):
-        pw = np.concatenate([[np.uint64(1)], np.cumprod(np.full(_CHUNK, _P, np.uint64))])
-        inv = np.concatenate([[np.uint64(1)], np.cumprod(np.full(_CHUNK, pow(_P, -1, 1 << 64), np.uint64))])
-    return pw, inv, np.zeros(_CHUNK + 1, np.uint64)
+        pw = np.concatenate([[np.uint32(1)], np.cumprod(np.full(_CHUNK, _P, np.uint32), dtype=np.uint32)])
+        inv = np.concatenate([[np.uint32(1)],
+                              np.cumprod(np.full(_CHUNK, pow(_P, -1, 1 << 32), np.uint32), dtype=np.uint32)])
+    return pw, inv, np.zeros(_CHUNK + 1, np.uint32)
 
 
 def word_hashes(text: str) -> np.ndarray:
-    """uint64 hash of every word of the lower-cased text, in order: a polynomial hash of the
-    word's bytes, from prefix sums over the whole text (numpy, no Python call per word)."""
+    """uint32 hash of every word of the lower-cased text, in order: a polynomial hash of the
+    word's bytes mod 2^32, from prefix sums over the whole text (numpy, no Python call per word).
+    A vocabulary of a million words has about a hundred colliding pairs: noise far below the
+    MinHash estimate's."""
     raw = text.lower().encode("utf-8")
     data = np.frombuffer(raw, np.uint8)
     is_word = np.frombuffer(raw.translate(_IS_WORD), np.int8)
@@ -63,12 +66,12 @@ def word_hashes(text: str) -> np.ndarray:
         n_c = len(c)
         with np.errstate(over="ignore"):
             acc = prefix[1:n_c + 1]
-            np.add(c, 1, out=acc, dtype=np.uint64)  # +1: a 0 byte still counts
+            np.add(c, 1, out=acc, dtype=np.uint32)  # +1: a 0 byte still counts
             np.multiply(acc, pw[:n_c], out=acc)
             np.cumsum(acc, out=acc)
             out.append((prefix[ends] - prefix[starts]) * inv[starts])
         pos = end
-    return np.concatenate(out) if out else np.zeros(0, np.uint64)
+    return np.concatenate(out) if out else np.zeros(0, np.uint32)
 
 
 def content_hash(words: np.ndarray) -> bytes:
@@ -98,6 +101,7 @@ def ngram_hashes(w: np.ndarray, ngram: int, seed: int = 1) -> np.ndarray:
     ``ngram`` words is one n-gram of all its words; repeats are kept: they do not change a minimum)."""
     if not len(w):
         return np.zeros(0, np.uint64)
+    w = w.astype(np.uint64)
     n = max(1, len(w) - ngram + 1)
     mult = _ngram_multipliers(ngram, seed)
     h = np.zeros(n, np.uint64)

@@ -45,7 +45,7 @@ class QualityStats:
 
 def _duplicates(items: list[str]) -> tuple[float, float]:
     """(fraction of items that repeat an earlier one, fraction of characters in them)."""
-    if len(items) < 2:
+    if len(items) < 2 or len(set(items)) == len(items):  # the usual case, at a set's cost
         return 0.0, 0.0
     seen: Counter[str] = Counter(items)
     dup_items = sum(n - 1 for n in seen.values() if n > 1)
@@ -67,8 +67,8 @@ def document_stats(text: str) -> QualityStats:
         controls += len(_C1_CONTROLS.findall(other))
     n_chars = len(text)
     chars = n_chars - spaces
-    lines = [s for s in (x.strip() for x in text.split("\n")) if s]
-    paras = [s for s in (x.strip() for x in _PARAGRAPH_BREAK.split(text)) if s]
+    lines = list(filter(None, map(str.strip, text.split("\n"))))
+    paras = list(filter(None, map(str.strip, _PARAGRAPH_BREAK.split(text))))
     dl, dlc = _duplicates(lines)
     dp, dpc = _duplicates(paras)
     symbols = sum(text.count(s) for s in SYMBOLS)

@@ -9,7 +9,7 @@ import pytest
 from data_pipeline.config import QualityConfig
 from data_pipeline.decoding import decode_document
 from data_pipeline.quality import check, document_stats
-from data_pipeline.text import strip_gutenberg
+from data_pipeline.text import strip_gutenberg, text_to_sentences
 from tests.conftest import SAMPLES, SHARED_DATA
 
 PROSE = ("The committee met on a grey morning in the old hall by the river, and after a long discussion "
@@ -89,6 +89,8 @@ def test_every_shared_article_and_book_passes_the_defaults():
     for path in books:
         text = strip_gutenberg(decode_document(path.read_bytes()).text)[0]
         assert rule(text) is None, (path.name, document_stats(text))
+        bert_format = "\n".join(text_to_sentences(text))  # a sentence a line: the "text" source kind
+        assert rule(bert_format) is None, (path.name, document_stats(bert_format))
     articles = 0
     with bz2.open(SHARED_DATA / "wiki" / "enwiki-pages-articles-shortened.xml.bz2") as f:
         for kind, blob in iter_page_blobs(f, 64 << 20):
