@@ -87,8 +87,6 @@ def test_ner_is_distilled_per_token(tmp_path, vocab):
 
 
 def test_squad_is_distilled_on_start_and_end_logits(tmp_path, vocab):
-    from transformers import pipeline
-
     data = fx.write_squad(tmp_path / "squad")
     unl = fx.write_squad_unlabeled(tmp_path / "unlabeled.json", n=6)
     teacher = fx.teacher(tmp_path, "squad", data, vocab)
@@ -96,6 +94,12 @@ def test_squad_is_distilled_on_start_and_end_logits(tmp_path, vocab):
     run_distill(fx.distill_config("squad", teacher, data, [unl], out, student="layers:1"))
     r = _check_report(out, "squad", 12, 16)  # 2 questions per paragraph, one window each
     assert r["main_metric"] == "f1"
-    qa = pipeline("question-answering", model=str(out / "model"), device="cpu")
-    ans = qa(question="where did john go ?", context="john smith visited paris in 1950 and it was very good .")
-    assert isinstance(ans["answer"], str) and ans["start"] <= ans["end"]
+    # transformers 5 has no question-answering pipeline: the model class it served, loaded cleanly
+    from transformers import AutoModelForQuestionAnswering, AutoTokenizer
+
+    model, info = AutoModelForQuestionAnswering.from_pretrained(str(out / "model"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    enc = AutoTokenizer.from_pretrained(str(out / "model"))("where did john go ?", "john smith visited paris .",
+                                                            return_tensors="pt")
+    res = model.eval()(**enc)
+    assert res.start_logits.shape == res.end_logits.shape == enc["input_ids"].shape
