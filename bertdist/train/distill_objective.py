@@ -158,6 +158,25 @@ def load_teacher(cfg: TrainConfig, device: torch.device, kernels=None) -> Loaded
     return LoadedTeacher(model, tcfg, w.origin, w.vocab_file)
 
 
+def check_resume(cfg: TrainConfig, load_dir: Path, tag: str) -> None:
+    """A resume continues the objective it was saved with: the checkpoint's ``distill`` section
+    (none, or teacher, temperature and weights) must be this config's."""
+    import yaml
+
+    from bertdist.config import to_dict
+    from bertdist.train.checkpoint import CONFIG_FILE
+
+    path = Path(load_dir) / tag / CONFIG_FILE
+    if not path.is_file():
+        return
+    saved = (yaml.safe_load(path.read_text()) or {}).get("distill")
+    ours = to_dict(cfg.distill) if cfg.distill is not None else None
+    if saved != ours:
+        raise ConfigError(f"cannot resume from {path.parent}: its distill section differs from this config's "
+                          f"(checkpoint {saved}, config {ours}); resume with the same distill section, or start "
+                          f"a new phase from it with checkpoint.init_from")
+
+
 class GeneralDistillation:
     """The objective the trainer applies to each student output: ``__call__(out, batch)``."""
 

@@ -123,6 +123,10 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None) -> TrainResult:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
     plan = plan_restore(cfg, resume, world)  # before the engine: universal loading is an engine flag
+    if plan.mode == "resume":  # the checkpoint's objective: general distillation with the same section, or none
+        from bertdist.train.distill_objective import check_resume
+
+        check_resume(cfg, plan.load_dir, plan.tag)
     ckpt = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep_last_n, rank, world)
     if plan.universal:  # per-rank optimizer shards must be re-partitioned for this world size
         plan = dataclasses.replace(plan, load_dir=ensure_universal(plan.load_dir, plan.tag, rank))

@@ -228,3 +228,20 @@ def test_two_ranks_kill_and_resume_is_bitwise_exact(tmp_path, hf_teacher, train_
     from transformers import BertForMaskedLM
 
     assert BertForMaskedLM.from_pretrained(tmp_path / "hf").config.hidden_size == 128
+
+
+def test_resume_refuses_a_changed_distill_section(tmp_path):
+    from bertdist.config import save_config
+    from bertdist.train.checkpoint import CONFIG_FILE
+    from bertdist.train.distill_objective import check_resume
+
+    cfg = load_train_config(TINY, ["distill.teacher=/teachers/a"])
+    (tmp_path / "step_00000010").mkdir()
+    save_config(cfg, tmp_path / "step_00000010" / CONFIG_FILE)
+    check_resume(cfg, tmp_path, "step_00000010")  # the same section resumes
+    changed = dataclasses.replace(cfg, distill=dataclasses.replace(cfg.distill, temperature=4.0))
+    with pytest.raises(ConfigError, match="distill section differs(.|\n)*'temperature': 2.0(.|\n)*'temperature': 4.0"):
+        check_resume(changed, tmp_path, "step_00000010")
+    with pytest.raises(ConfigError, match="config None"):
+        check_resume(dataclasses.replace(cfg, distill=None), tmp_path, "step_00000010")
+    check_resume(cfg, tmp_path, "step_00000099")  # no saved config there: nothing to compare
