@@ -301,6 +301,7 @@ def spread(xs: list[float]) -> dict:
 def compare_main(args) -> int:
     """The reference and our configurations, interleaved, ``args.repeats`` times per scale."""
     reference = Path(args.reference).resolve()
+    code_at_start = code_state()
     configs = [(w, d) for w in (int(x) for x in args.workers.split(",")) for d in args.dedup.split(",")]
     runs, summary = [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -346,20 +347,38 @@ def compare_main(args) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": runs, "summary": summary}, indent=2) + "\n")
     if args.markdown:
-        write_markdown(Path(args.markdown), runs, summary, args)
+        write_markdown(Path(args.markdown), runs, summary, args, code_at_start)
     return 0
 
 
-def write_markdown(path: Path, runs: list, summary: list, args) -> None:
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--short", "--", "data_pipeline", "csrc/data_pipeline", "bertdist/data"],
-                           capture_output=True, text=True, cwd=REPO).stdout.strip()
+CODE_PATHS = ("data_pipeline", "csrc/data_pipeline", "bertdist/data", "bertdist/config")
+
+
+def code_state() -> str:
+    """The commit, and the uncommitted changes (with a hash of their diff) in the build's code."""
+    def git(*a):
+        return subprocess.run(["git", *a], capture_output=True, text=True, cwd=REPO).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD")
+    dirty = git("status", "--short", "--", *CODE_PATHS)
+    if not dirty:
+        return f"`{head}`"
+    import hashlib
+
+    digest = hashlib.sha256(git("diff", "HEAD", "--", *CODE_PATHS).encode()).hexdigest()[:12]
+    return (f"`{head}` plus uncommitted changes (diff sha256 {digest}) in `"
+            + "`, `".join(line.strip() for line in dirty.splitlines()) + "`")
+
+
+def write_markdown(path: Path, runs: list, summary: list, args, code_at_start: str) -> None:
+    code_at_end = code_state()
+    code = (f"{code_at_end} throughout" if code_at_end == code_at_start else
+            f"at the start {code_at_start}; at the end {code_at_end} (the code changed during the run)")
     lines = [f"# Data pipeline vs the reference, side by side (CPU), {time.strftime('%Y-%m-%d', time.gmtime())}", "",
              f"- **Device**: 2-core CPU VM ({os.cpu_count()} logical cores), no GPU; load average at the end "
              f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}.",
              f"- **Date**: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
-             f"- **Code**: `{head}`" + (" plus uncommitted changes in the data pipeline's files:\n  `"
-                                        + "`, `".join(line.strip() for line in dirty.splitlines()) + "`" if dirty else "") + ".",
+             f"- **Code**: {code}.",
              f"- **Command**: `.venv/bin/python benchmarks/data_pipeline.py --scales {args.scales} --repeats {args.repeats} "
              f"--workers {args.workers} --dedup {args.dedup} --markdown {path.as_posix()}`",
              "- **Workload**: the 14 shared books in BERT format x scale, seq 128, dupe 5, masked_lm_prob 0.15, "
