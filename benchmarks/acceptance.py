@@ -222,7 +222,8 @@ class RecipeScale:
             what.append(f"model preset {self.model_preset}")
         if self.micro_batch:
             what.append(f"micro batch {self.micro_batch}")
-        return "scaled: " + ", ".join(what) + "; everything else as in the recipe"
+        return ("scaled: " + ", ".join(what) + "; phase 2 recipes start from fresh weights instead of their phase 1 "
+                "checkpoint; everything else as in the recipe")
 
 
 def recipe_command(recipe: Path, manifest: str, vocab: str, run_dir: Path, scale: RecipeScale,
@@ -239,6 +240,9 @@ def recipe_command(recipe: Path, manifest: str, vocab: str, run_dir: Path, scale
             "logging.progress=none", "logging.tensorboard=false"]
     if scale.model_preset:
         args.append(f"model.preset={scale.model_preset}")
+    if (data.get("checkpoint") or {}).get("init_from"):
+        # A phase 2 starts from its phase 1's checkpoint; the time of a step does not depend on the weights.
+        args.append("checkpoint.init_from=null")
     return [sys.executable, "-m", "bertdist.cli.pretrain", *args, *extra]
 
 
