@@ -124,10 +124,9 @@ def _write_shard(path: Path, rows: list[dict], logits: list[np.ndarray], first_r
 
 
 def _dist_world() -> tuple[int, int]:
-    import torch
-
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    group = _process_group()
+    if group:
+        return group.get_rank(), group.get_world_size()
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
@@ -176,20 +175,28 @@ def run_labelling(task: str, runner, teacher, cfg, paths: list[str], out_dir: st
     bar.close()
     stats = {"rank": rank, "world_size": world, "shards_labelled": len(todo), "shards_reused": len(mine) - len(todo),
              "rows_labelled": todo_rows, "seconds": time.time() - t0}
-    if world > 1:
-        import torch
+    group = _process_group()
+    if group:
+        group.barrier()  # every rank's shards are written
+    if rank == 0:
+        _wait_for_shards(out, n)
+        manifest = {**plan, "shards": [shard_name(k, n) for k in range(n)],
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "last_run": stats}
+        tmp = out / f".manifest.json.tmp-{os.getpid()}"
+        tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+        os.replace(tmp, out / "manifest.json")
+    if group:
+        group.barrier()  # the manifest is there for every rank
+        return {**read_manifest(out), "last_run": stats}
+    return manifest if rank == 0 else {**plan, "last_run": stats}
 
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.barrier()
-    if rank != 0:
-        return {**plan, "this_rank": stats}
-    _wait_for_shards(out, n)
-    manifest = {**plan, "shards": [shard_name(k, n) for k in range(n)], "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "last_run": stats}
-    tmp = out / f".manifest.json.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, out / "manifest.json")
-    return manifest
+
+def _process_group():
+    """torch.distributed when a process group is up (torchrun + DeepSpeed or gloo), else None."""
+    import torch
+
+    up = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return torch.distributed if up else None
 
 
 def _predict_cfg(cfg, batch_size: int):

@@ -266,8 +266,6 @@ def pseudo_labels(cfg: DistillConfig, task: str, fcfg, runner, teacher: Teacher)
     else:
         manifest = run_labelling(task, runner, teacher, fcfg, list(cfg.unlabeled), labels_dir, shard_rows=cfg.shard_rows,
                                  batch_size=cfg.label_batch_size, progress=fcfg.progress)
-        if _dist()[0] != 0:
-            manifest = read_manifest(labels_dir) if (labels_dir / "manifest.json").is_file() else manifest
         manifest["reused"] = False
     rows = load_label_rows(labels_dir, manifest) if "shards" in manifest else []
     return rows, {"dir": str(labels_dir), **{k: manifest[k] for k in ("rows", "num_shards", "sources", "reused")}}

@@ -110,3 +110,20 @@ def test_a_killed_job_resumes_without_relabelling_done_shards(tmp_path, task):
         assert (labels / name).stat().st_mtime_ns == mtime
     m = json.loads((labels / "manifest.json").read_text())
     assert len(load_label_rows(labels, m)) == 200 and not list(labels.glob(".*tmp*"))
+
+
+@pytest.mark.slow
+def test_two_ranks_split_the_shards_and_rank_0_writes_the_manifest(tmp_path, task):
+    from tests.conftest import torchrun
+
+    tmp, _, data, teacher = task
+    unl = fx.write_unlabeled_text(tmp_path / "u.txt", n=50)
+    labels = tmp_path / "labels"
+    cmd = [*torchrun(2), "-m", "bertdist.cli.main", "pseudo-label", "sst2", "--teacher", str(teacher),
+           "--data", str(data), "--unlabeled", str(unl), "--out", str(labels), "--set", "shard_rows=10",
+           "--set", "train.max_seq_length=48", "--set", "train.kernels=reference", "--set", "train.progress=false"]
+    rc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert rc.returncode == 0, rc.stdout[-3000:] + rc.stderr[-3000:]
+    m = read_manifest(labels)
+    assert m["last_run"]["world_size"] == 2 and m["last_run"]["shards_labelled"] == 3  # rank 0: shards 0, 2, 4
+    assert [r["input_ids"] for r in load_label_rows(labels, m)][:1] and len(load_label_rows(labels, m)) == 50
