@@ -83,10 +83,10 @@ class _NgramsOfDoFn(beam.DoFn):
 
 
 def _send_ngrams(kv):
-    """At a pair's first document: its n-grams go to the pair's second document."""
+    """At a pair's first document: its n-grams go to the pair's second document (once each)."""
     a, g = kv
     for ngrams in g["ngrams"]:  # one (exact duplicates share the hash and the text's words)
-        for b in g["partners"]:
+        for b in sorted(set(g["partners"])):
             yield b, (a, ngrams)
         return
 
@@ -95,7 +95,7 @@ def _check_pairs(kv, threshold: float, source: str):
     b, g = kv
     for ngrams_b in g["ngrams"]:
         nb = np.frombuffer(ngrams_b, np.uint64)
-        for a, ngrams_a in g["incoming"]:
+        for a, ngrams_a in dict(g["incoming"]).items():
             na = np.frombuffer(ngrams_a, np.uint64)
             inter = len(np.intersect1d(na, nb, assume_unique=True))
             union = len(na) + len(nb) - inter
@@ -178,16 +178,16 @@ class Deduplicate(beam.PTransform):
                      | "Buckets" >> beam.GroupByKey()
                      | "Pairs" >> beam.FlatMap(_bucket_pairs, cfg.threshold, cfg.max_bucket_comparisons)
                      .with_outputs(SURE, CHECK))
-            check = pairs[CHECK] | "DistinctCheck" >> beam.Distinct()
-            wanted = (check | "Ends" >> beam.FlatMap(lambda ab: ab) | "DistinctEnds" >> beam.Distinct()
-                      | "AsKeys" >> beam.Map(lambda h: (h, None)))
+            # a pair found in several bands comes several times: harmless repeats (components take
+            # a pair once), cheaper than a Distinct's shuffle stage each
+            check = pairs[CHECK]
+            wanted = check | "Ends" >> beam.FlatMap(lambda ab: ab) | "AsKeys" >> beam.Map(lambda h: (h, None))
             ngrams = signed["docs"] | "NgramsToCheck" >> beam.ParDo(_NgramsOfDoFn(cfg), wanted=beam.pvalue.AsDict(wanted))
             sent = ({"ngrams": ngrams, "partners": check} | "JoinFirst" >> beam.CoGroupByKey()
                     | "SendNgrams" >> beam.FlatMap(_send_ngrams))
             checked = ({"ngrams": ngrams, "incoming": sent} | "JoinSecond" >> beam.CoGroupByKey()
                        | "ExactCheck" >> beam.FlatMap(_check_pairs, cfg.threshold, source))
             roots = ((pairs[SURE], checked) | "Edges" >> beam.Flatten()
-                     | "DistinctPairs" >> beam.Distinct()
                      | "AllPairs" >> beam.combiners.ToList()
                      | "Components" >> beam.FlatMap(_components, source))
         else:
