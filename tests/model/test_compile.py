@@ -45,6 +45,7 @@ def _loss(model, **batch):
     return model(**batch).loss
 
 
+@pytest.mark.slow  # dynamo traces the model twice (two batch shapes): 20-30 s each on the shared 2-core machine
 @pytest.mark.parametrize("unpad", [False, True], ids=["padded", "unpadded"])
 def test_training_forward_and_loss_trace_as_one_graph(unpad):
     torch._dynamo.reset()
