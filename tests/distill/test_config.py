@@ -25,3 +25,13 @@ def test_partial_train_section_keeps_student_defaults_and_overrides_apply():
     assert (ft.task, ft.output_dir, ft.batch_size) == (cfg.task, "out", 16)
     with pytest.raises(ConfigError, match="unknown key 'temprature'"):
         load_distill_config(None, ["temprature=3"])
+
+
+def test_the_schema_and_the_cli_module_import_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, bertdist.distill.config, bertdist.cli.distill, bertdist.distill; "
+            "print(sorted(m for m in ('torch', 'pyarrow', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
