@@ -183,7 +183,7 @@ def stage_throughput(preset: str, seq: int, batch: int, manifest: str, variants:
                      precision: str | None, isolate: bool) -> dict:
     tt = _load("train_throughput")
     argv = ["--preset", preset, "--seq", str(seq), "--batch", str(batch), "--lengths-from", manifest,
-            "--variants", variants, "--isolate" if isolate else "--no-isolate"]
+            "--variants", variants, "--isolate" if isolate else "--no-isolate", "--keep-going"]
     if steps:
         argv += ["--steps", str(steps), "--warmup", "1", "--num-batches", str(min(2, steps))]
     if precision:
@@ -193,6 +193,7 @@ def stage_throughput(preset: str, seq: int, batch: int, manifest: str, variants:
     with contextlib.redirect_stdout(buf):
         res = tt.main(argv)
     res["seconds"] = time.perf_counter() - t0
+    res["failed_variants"] = res.pop("failed", {})  # a variant that raised: a failed row, the others ran
     res["output"] = buf.getvalue()
     res["argv"] = argv
     return res
@@ -388,7 +389,7 @@ def exit_status(report: dict) -> int:
         return 1
     if report.get("failed_stages") or any(r["status"] != "ok" for r in report.get("recipes") or []):
         return 1
-    if any("failed" in r for r in report.get("throughput") or []):
+    if any("failed" in r or r.get("failed_variants") for r in report.get("throughput") or []):
         return 1
     return 1 if any(v.startswith("NOT met") for _, _, v in report.get("targets") or []) else 0
 
@@ -462,11 +463,13 @@ def markdown(report: dict) -> str:
                          f"{f'{ratio:.2f}x' if ratio else '-'} |")
         if "failed" in r:
             lines.append(f"| {r['preset']} b{r['batch']} s{r['seq']} | - | - | FAILED: {r['failed']} | | | | |")
+        for name, why in r.get("failed_variants", {}).items():
+            lines.append(f"| {r['preset']} b{r['batch']} s{r['seq']} | {r.get('precision', '-')} | {name} | FAILED: {why} | | | | |")
         for name, why in r.get("skipped", {}).items():
             lines.append(f"| {r['preset']} b{r['batch']} s{r['seq']} | {r.get('precision', '-')} | {name} | skipped: {why} | | | | |")
     for s in report["skipped_stages"]:
         lines.append(f"\nSkipped: {s}")
-    r0 = next((r for r in report["throughput"] if "failed" not in r), None)
+    r0 = next((r for r in report["throughput"] if "peak_note" in r), None)
     if r0:
         lines += ["", f"MFU peak: {r0['peak_note']}. Lengths: {r0['lengths']['source']}. Peak memory: {r0['peak_mem_kind']}."]
     lines += ["", "## kernels: auto decisions (numerics against the fp32 reference, then time)", "",

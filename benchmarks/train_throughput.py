@@ -566,6 +566,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                     help="run each variant in a fresh process (default: yes on CPU, where peak RSS is only "
                          "meaningful per process; no on CUDA, where the allocator's peak is reset per variant)")
+    ap.add_argument("--keep-going", action="store_true",
+                    help="a variant that raises is reported as failed and the others still run")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     ap.add_argument("--json", help="write the results here (e.g. benchmarks/results/...json)")
@@ -648,8 +650,15 @@ def main(argv: list[str] | None = None) -> dict:
     raw_argv = list(sys.argv[1:] if argv is None else argv)
     for name in chosen:
         print(f"  {name} ...", flush=True)
-        outcome = (measure_in_subprocess(name, raw_argv) if isolate else
-                   measure(name, args, cfg, batches, device, precision, steps, warmup, flops_per_batch, peak))
+        try:
+            outcome = (measure_in_subprocess(name, raw_argv) if isolate else
+                       measure(name, args, cfg, batches, device, precision, steps, warmup, flops_per_batch, peak))
+        except Exception as e:  # noqa: BLE001 - with --keep-going, a failed variant is a row and the others run
+            if not args.keep_going:
+                raise
+            res.setdefault("failed", {})[name] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(f"    FAILED: {res['failed'][name]}", flush=True)
+            continue
         if "skipped" in outcome:
             res["skipped"][name] = outcome["skipped"]
             print(f"    skipped: {outcome['skipped']}", flush=True)

@@ -116,3 +116,15 @@ def test_bench_quick_cpu_variant_times_the_trainer_and_writes_the_report(repo_ro
     (run,) = rep["throughput"]
     assert set(run["variants"]) == {"ours-reference", "hf-sdpa"} and not run["skipped"]
     assert not (tmp_path / "user_cache").exists()  # the bench measured into its own cache, not the user's
+
+
+def test_a_failed_throughput_variant_is_a_row_and_fails_the_bench(acceptance):
+    run = {"preset": "mini", "seq": 64, "batch": 2, "precision": "fp32", "variants": {}, "skipped": {},
+           "failed_variants": {"ours-optimized": "RuntimeError: boom"}}
+    assert acceptance.exit_status({"throughput": [run], "targets": []}) == 1
+    report = {"environment": {**CPU_ENV, "date": "d", "python": "3", "torch": "t", "cuda": "none", "cudnn": "n/a",
+                              "deepspeed": "d", "transformers": "t", "bertdist": "b"},
+              "command": "bertdist bench", "budget_s": 1.0, "seconds": 1.0, "stage_seconds": {},
+              "skipped_stages": [], "throughput": [run], "tests": None, "kernels": None, "decisions": None,
+              "targets": []}
+    assert "| ours-optimized | FAILED: RuntimeError: boom |" in acceptance.markdown(report)
