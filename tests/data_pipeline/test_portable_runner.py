@@ -26,14 +26,19 @@ def shard_bytes(manifest_path: Path) -> dict[str, bytes]:
     return out
 
 
+def assert_no_project_code(env: Path) -> None:
+    for module in ("data_pipeline", "bertdist"):
+        probe = subprocess.run([str(env / "bin" / "python"), "-c", f"import {module}"], cwd="/",
+                               capture_output=True, text=True)
+        assert probe.returncode != 0 and f"No module named '{module}'" in probe.stderr, probe.stderr
+
+
 def test_worker_env_holds_no_project_code():
     from cluster.beam_portable import DEFAULT_ENV
 
     if not (DEFAULT_ENV / "bin" / "python").exists():
         pytest.skip(f"no worker environment at {DEFAULT_ENV} yet (the slow test makes it)")
-    probe = subprocess.run([str(DEFAULT_ENV / "bin" / "python"), "-c", "import data_pipeline"], cwd="/",
-                           capture_output=True, text=True)
-    assert probe.returncode != 0 and "No module named 'data_pipeline'" in probe.stderr, probe.stderr
+    assert_no_project_code(DEFAULT_ENV)
 
 
 @pytest.mark.slow
@@ -42,6 +47,7 @@ def test_portable_build_matches_direct_runner(tmp_path, small_vocab, monkeypatch
     from data_pipeline import build_records
 
     env = worker_env()  # made once under build/, reused by later runs
+    assert_no_project_code(env)
     wheel = build_wheel(tmp_path / "wheel")
     inputs = [f"books:{SAMPLES / 'books'}", f"wiki:{SAMPLES / 'wiki'}"]
     direct = build_records(inputs, tmp_path / "direct", small_vocab, **BUILD)
