@@ -108,6 +108,12 @@ MUTANTS = (
            "cuda_layer_norm.cu", "((nvec + nv - 1) / nv + 31) / 32 * 32", "(nvec / nv + 31) / 32 * 32"),
     Mutant("ln_column_sum_drops_a_part", "the backward's column sums drop the last block's partial",
            "cuda_layer_norm.cu", "for (int i = 0; i < parts; ++i) s += src", "for (int i = 0; i + 1 < parts; ++i) s += src"),
+    Mutant("launch_no_pending_error_check", "no check before a launch: an earlier operation's error is reported "
+           "under our kernel's name", "cuda_common.cuh",
+           "  const cudaError_t e = cudaPeekAtLastError();\n  if (e != cudaSuccess)\n",
+           "  const cudaError_t e = cudaSuccess;\n  if (e != cudaSuccess)\n"),
+    Mutant("max_threads_not_cached", "kernel attributes queried at every launch", "cuda_layer_norm.cu",
+           "  static PerKernelDevice cache;\n", "  PerKernelDevice cache;\n"),
 )
 REPRESENTATIVE = ("attn_fwd_tile_loop_syncthreads", "attn_dkdv_syncwarp_2", "attn_fwd_shuffle_in_lane_lt_16")
 
@@ -295,8 +301,8 @@ def main(argv=None) -> int:
         mutants = tuple(m for m in mutants if not m.survives)
     outcomes, seconds = run(mutants, max(1, a.jobs))
     counts = {r: sum(o.result == r for o in outcomes) for r in RESULTS}
-    print(f"{counts['killed']} of {len(outcomes)} mutants killed in {seconds:.0f} s; "
-          + ", ".join(f"{n} {r}" for r, n in counts.items() if n and r != "killed"))
+    others = ", ".join(f"{n} {r}" for r, n in counts.items() if n and r != "killed")
+    print(f"{counts['killed']} of {len(outcomes)} mutants killed in {seconds:.0f} s" + (f"; {others}" if others else ""))
     if a.record:
         print(f"recorded in {record(outcomes, seconds, 'python tests/emu/mutate.py ' + ' '.join(argv or sys.argv[1:]))}")
     bad = verdict(outcomes)
