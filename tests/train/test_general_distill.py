@@ -144,18 +144,21 @@ def test_teacher_width_must_match_for_the_cosine(tmp_path, small_vocab):
     assert teacher.config.hidden_size == 256 and teacher.config.sparse_mlm_head == cfg.model.sparse_mlm_head
 
 
-def test_a_teacher_equal_to_the_student_gives_zero_kl_and_cosine(tmp_path, group, sample_records, small_vocab):
+@pytest.mark.parametrize("zero", [["deepspeed.zero_stage=0"], ["optimizer.name=adamw", "deepspeed.zero_stage=2"]],
+                         ids=["zero0-lamb", "zero2-adamw"])
+def test_a_teacher_equal_to_the_student_gives_zero_kl_and_cosine(zero, tmp_path, group, sample_records, small_vocab):
     """With no dropout, a teacher holding the student's initial weights predicts exactly what the
     student predicts on the first batch: only possible if it sees the very same masked batch."""
     from bertdist.data import continuation_mask
     from bertdist.train.engine import build_engine
     from bertdist.train.loader import LoaderState, PretrainingLoader, open_training_records
     from bertdist.train.restore import RestorePlan
-    from bertdist.train.step import StepRunner, step_metrics, train_step
     from bertdist.train.distill_objective import build_objective
+    from bertdist.train.precision import engine_reports_grad_norm
+    from bertdist.train.step import StepRunner, step_metrics, train_step
 
     cfg = tiny_cfg(tmp_path, sample_records, small_vocab, "model.hidden_dropout_prob=0",
-                   "model.attention_probs_dropout_prob=0", "data.global_batch_size=16")
+                   "model.attention_probs_dropout_prob=0", "data.global_batch_size=16", *zero)
     built = build_engine(cfg, RestorePlan("fresh"), 1, 1, "cpu")
     teacher_dir = _save_teacher(built.engine.module, cfg.model, small_vocab, tmp_path / "teacher")
     cfg = dataclasses.replace(cfg, distill=PretrainDistillConfig(teacher=str(teacher_dir), alpha_hidden_cos=1.0))
@@ -164,7 +167,8 @@ def test_a_teacher_equal_to_the_student_gives_zero_kl_and_cosine(tmp_path, group
     loader = PretrainingLoader(records, cfg.data, rank=0, world_size=1, grad_accum=1,
                                continuation=continuation_mask(cfg.data.vocab_file))
     runner = StepRunner(built.engine, torch.device("cpu"), 1, cfg.deepspeed.precision, cfg.model,
-                        own_grad_norm=True, objective=objective)
+                        own_grad_norm=not engine_reports_grad_norm(cfg.deepspeed.precision, cfg.deepspeed.zero_stage),
+                        objective=objective)
     steps = loader.steps(LoaderState())
     try:
         first = train_step(runner, next(steps)[0], 1, stop_requested=False)
