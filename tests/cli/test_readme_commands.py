@@ -369,6 +369,39 @@ def check_finetune(cmd, ws):
                                               f"data={args.data}", f"output_dir={args.out}", *args.set])
 
 
+def _finetune_model_dirs() -> set[str]:
+    """OUT/model of the pages' finetune lines that save their model (a task model a teacher can be)."""
+    outs = set()
+    for c in all_commands():
+        if c.startswith("bertdist", "finetune"):
+            args = parse_bertdist(bertdist_argv(c))
+            if "save_model=true" in args.set:
+                outs.add(f"{args.out}/model")
+    return outs
+
+
+def check_distill(cmd, ws):
+    """A distill or pseudo-label line: the CLI's own overrides load against the distillation schema,
+    the teacher is a task model an earlier finetune line saves, --labels a set an earlier line writes."""
+    from bertdist.cli.distill import _overrides
+    from bertdist.distill.config import load_distill_config
+    from bertdist.finetune.tasks import TASKS
+
+    args = parse_bertdist(bertdist_argv(cmd))
+    labelling = args.command == "pseudo-label"
+    assert args.func.__module__ == "bertdist.cli.distill", cmd
+    assert args.task in TASKS, f"{cmd}: unknown task {args.task}"
+    assert args.config is None or (REPO / args.config).is_file(), f"{cmd}: no config {args.config}"
+    cfg = load_distill_config(args.config and str(REPO / args.config), _overrides(args, labelling=labelling))
+    assert cfg.teacher in _finetune_model_dirs(), \
+        f"{cmd}: teacher {cfg.teacher} is not OUT/model of a finetune line with --set save_model=true"
+    if not labelling and args.labels:
+        ordered = all_commands()
+        labelled = [parse_bertdist(bertdist_argv(c)).out for c in ordered[: ordered.index(cmd)]
+                    if c.startswith("bertdist", "pseudo-label")]
+        assert args.labels in labelled, f"{cmd}: --labels {args.labels}, which no earlier pseudo-label line writes"
+
+
 def check_jobs(cmd, ws):
     args = parse_bertdist(bertdist_argv(cmd))
     assert args.job_id.isdigit(), f"{cmd}: a SLURM job id is a number"
@@ -458,6 +491,8 @@ CHECKS = [
     Check(("bertdist", "import-hf"), None, check_import_hf,
           "tests/export/test_import_pretrain.py (DeepSpeed CPU init, ~60 s here)"),
     Check(("bertdist", "finetune"), None, check_finetune, "make demo; tests/finetune (full SST-2 is slow)"),
+    Check(("bertdist", "pseudo-label"), None, check_distill, "tests/distill (tiny teachers: every task family, resume)"),
+    Check(("bertdist", "distill"), None, check_distill, "tests/distill (tiny teachers, exported students); benchmarks/distill.py"),
     Check(("bertdist", "submit"), check_submit_dry_run, check_submit_argv, "tests/cluster (real SLURM)"),
     Check(("bertdist", "jobs"), None, check_jobs, "tests/cluster/test_slurm_real.py (real SLURM)"),
 ]
