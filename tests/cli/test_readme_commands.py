@@ -337,6 +337,27 @@ def check_pretrain(cmd, ws):
         assert Path(args.resume).exists(), cmd
 
 
+def check_pretrain_plan(cmd, r, ws):
+    """A `bertdist pretrain ... --plan` line ran here (no GPU, data or process group): the plan is for
+    the world size and device the line names, and its batch arithmetic and DeepSpeed JSON agree."""
+    import json
+
+    world = int(option(cmd.argv, "--world-size", os.environ.get("WORLD_SIZE", "1")))
+    if "--json" not in cmd.argv:
+        assert re.search(rf"^batch: global (\d+) = micro (\d+) x accumulation (\d+) x world {world}$", r.stdout, re.M), r.stdout
+        return
+    plan = json.loads(r.stdout)
+    b = plan["batch"]
+    assert plan["world_size"] == b["world_size"] == world, plan["batch"]
+    assert b["global"] == b["micro"] * b["grad_accum"] * world, b
+    assert plan["ds_config"]["train_batch_size"] == b["global"]
+    assert plan["ds_config"]["gradient_accumulation_steps"] == b["grad_accum"]
+    assert plan["precision"]["precision"] == plan["recipe_config"]["deepspeed"]["precision"]
+    if option(cmd.argv, "--device-profile") in ("h100", "a100"):
+        assert plan["device_profile"]["type"] == "cuda", plan["device_profile"]
+    assert 0 < plan["memory"]["total_checkpointed_gib"] <= plan["memory"]["total_gib"], plan["memory"]
+
+
 def _run_dirs() -> set[str]:
     dirs = set()
     for c in all_commands():
@@ -464,7 +485,10 @@ class Check:
     where: str = ""  # where the command runs for real when it does not run here
 
     def runs_here(self, cmd: ReadmeCommand) -> bool:
-        # A submit line runs here only as a dry run (without it, it would really submit).
+        # A submit line runs here only as a dry run (without it, it would really submit); a pretrain
+        # line only as a --plan (without it, it would train).
+        if cmd.argv[1:2] == ("pretrain",):
+            return self.on_output is not None and "--plan" in cmd.argv
         return self.on_output is not None and (cmd.argv[1:2] != ("submit",) or "--dry-run" in cmd.argv)
 
 
@@ -486,7 +510,7 @@ CHECKS = [
     Check(("bertdist", "data", "vocab"), check_data_vocab),
     Check(("bertdist", "data", "build"), check_data_build),
     Check(("torchrun",), None, check_torchrun_pretrain, "make demo; tests/train (DeepSpeed on 2 ranks, ~80 s here)"),
-    Check(("bertdist", "pretrain"), None, check_pretrain, "tests/train (resume); needs a run first"),
+    Check(("bertdist", "pretrain"), check_pretrain_plan, check_pretrain, "tests/train (resume); needs a run first"),
     Check(("bertdist", "export"), None, check_export, "make demo; tests/export (needs a pretraining run)"),
     Check(("bertdist", "import-hf"), None, check_import_hf,
           "tests/export/test_import_pretrain.py (DeepSpeed CPU init, ~60 s here)"),
