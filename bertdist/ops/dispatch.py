@@ -15,7 +15,9 @@ construction for) a ``KernelSet`` and calls its four functions. ``mode`` is the 
   exactly where they measure faster. On CUDA it says so once (a warning).
 - ``auto``: on CUDA a measured choice (``selection.py``): per op, dtype and dropout on/off,
   the fastest candidate that passed a numerics check on this device, and torch-native unless
-  another candidate is measurably faster, so never slower than ``reference``. The trainer
+  another candidate is measurably faster in that measurement. Whether whole training steps
+  under ``auto`` are slower than under ``reference`` is measured afresh, in interleaved
+  repeated runs, by ``bertdist bench`` (benchmarks/acceptance.py). The trainer
   decides on rank 0 for the shapes of its config and passes the agreed ``KernelPlan``
   (``kernels_for_run``); a model built without one decides for ``default_workload`` in a
   single process, and runs torch-native in a multi-process job (ranks would not agree

@@ -13,8 +13,10 @@ candidate of ``candidates.py`` is run on the device:
 2. **Time**: forward + backward with the case's dropout, after a warm-up, as the median of
    ``repeats`` timings (CUDA events on a GPU), each over enough calls to last ~1 ms.
 3. **Choice**: the fastest candidate that passed, if it beats the baseline (what
-   ``kernels: reference`` runs) by at least ``MIN_GAIN``; else the baseline. So the choice is
-   never slower than ``reference`` as measured in the same run.
+   ``kernels: reference`` runs) by at least ``MIN_GAIN``; else the baseline. These timings
+   make the choice and are not evidence for it: whole training steps with ``auto`` against
+   ``reference`` are timed afresh, interleaved and repeated, by ``bertdist bench``
+   (benchmarks/acceptance.py).
 
 A candidate that fails numerics or raises is disabled for that case with a warning naming
 the op, the error and the bound. Decisions are cached per environment (device name, torch,
