@@ -145,6 +145,139 @@ def mutations_line() -> list[str]:
     raise MissingFigure(f"benchmarks/results/{name}: no 'Score:' line")
 
 
+def md_table(name: str, *columns: str) -> list[dict]:
+    """The rows of the first Markdown table of a results file whose header has ``columns`` (for
+    results files that hold their figures as tables only), as {header: cell}, bold marks dropped."""
+    lines = read(name).splitlines()
+    for i, line in enumerate(lines):
+        header = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and all(c in header for c in columns):
+            rows = []
+            for row in lines[i + 2:]:
+                if not row.startswith("|"):
+                    break
+                cells = [c.strip().replace("**", "") for c in row.strip().strip("|").split("|")]
+                rows.append(dict(zip(header, cells)))
+            if rows:
+                return rows
+    raise MissingFigure(f"benchmarks/results/{name}: no table with the columns {list(columns)}")
+
+
+def first_number(cell: str) -> float:
+    for word in cell.replace(",", "").split():
+        try:
+            return float(word)
+        except ValueError:
+            continue
+    raise MissingFigure(f"no number in the cell {cell!r}")
+
+
+def median_range(values) -> str:
+    return f"{statistics.median(values):.1f} ({min(values):.1f}–{max(values):.1f})"
+
+
+def data_build_side_by_side_table() -> list[str]:
+    name = "data_pipeline_cpu_2026-11-25.md"
+    repeats = json_lines(name)
+    runs: dict[tuple, list[dict]] = {}
+    for rep in repeats:
+        for ours in rep["ours"]:
+            runs.setdefault((rep["scale"], ours["workers"], ours["dedup"]), []).append(ours)
+    out = ["| input (14 books in BERT format) | our workers | dedup | × the reference per core: median (range) | "
+           "× the reference per CPU second | repeats | raw results |", "|---|---|---|---|---|---|---|"]
+    for (scale, workers, dedup), rs in sorted(runs.items()):
+        out.append(f"| × {scale} | {workers} | {dedup} | {median_range([r['x_reference_per_core'] for r in rs])} | "
+                   f"{median_range([r['x_reference_per_cpu_s'] for r in rs])} | {len(rs)} | {link(name)} |")
+    return out
+
+
+def dedup_table() -> list[str]:
+    name = "dedup_cpu_2026-11-25.md"
+    quality = md_table(name, "threshold", "recall", "precision")
+    out = ["| what | figure | raw results |", "|---|---|---|"]
+    for r in quality:
+        out.append(f"| planted near-duplicates ({r['planted pairs']} planted pairs, {r['pairs >= 0.8']} at or above "
+                   f"the threshold {r['threshold']}) | recall {first_number(r['recall']):.3f}, precision "
+                   f"{first_number(r['precision']):.3f} | {link(name)} |")
+    for r in md_table(name, "method", "median s"):
+        out.append(f"| MinHash signatures, 2.67 M words: {r['method']} | {first_number(r['median s']):.3f} s median "
+                   f"({r['seconds (3 runs)']} s) | {link(name)} |")
+    share = {r[""]: r for r in md_table(name, "median wall s", "median CPU s") if r.get("") in ("off", "on")}
+    if set(share) != {"off", "on"}:
+        raise MissingFigure(f"benchmarks/results/{name}: no off/on rows in the share table")
+    wall = {k: first_number(v["median wall s"]) for k, v in share.items()}
+    cpu = {k: first_number(v["median CPU s"]) for k, v in share.items()}
+    out.append(f"| quality filters + dedup in a build of 5 × the books (9.4 M words, one process) | "
+               f"{(wall['on'] - wall['off']) / wall['on']:.1%} of the wall time ({wall['off']:.2f} → {wall['on']:.2f} s), "
+               f"{(cpu['on'] - cpu['off']) / cpu['on']:.1%} of the CPU time | {link(name)} |")
+    return out
+
+
+def model_compile_table() -> list[str]:
+    name = "model_compile_cpu_2026-11-25.md"
+    rows = [r for r in md_table(name, "run", "eager step (s)", "compiled step (s)") if r["run"].isdigit()]
+    ratios = [first_number(r["compiled step (s)"]) / first_number(r["eager step (s)"]) for r in rows]
+    out = ["| run | eager step s | compiled step s | compiled / eager | raw results |", "|---|---|---|---|---|"]
+    for r, ratio in zip(rows, ratios):
+        out.append(f"| {r['run']} | {r['eager step (s)']} | {r['compiled step (s)']} | {ratio:.2f} | {link(name)} |")
+    out.append(f"| median of the ratios | | | {statistics.median(ratios):.2f} | {link(name)} |")
+    return out
+
+
+def acceptance_table() -> list[str]:
+    name = "acceptance_cpu-x86-64-2-torch-threads_2026-11-25.json"
+    d = json.loads(read(name))
+    out = ["| what | measured | verdict | raw results |", "|---|---|---|---|"]
+    for r in d.get("recipes") or []:
+        if r.get("status") == "ok":
+            out.append(f"| `bertdist pretrain` {r['recipe']} (scaled: {r['model']} model, micro batch {r['micro_batch']}, "
+                       f"seq {r['seq']}, {r['precision']}) | {r['seq_per_s']:.2f} seq/s | ran | {link(name)} |")
+        else:
+            out.append(f"| `bertdist pretrain` {r['recipe']} | - | {r.get('status')} | {link(name)} |")
+    for target, measured, verdict in d["targets"]:
+        out.append(f"| {target} | {measured} | {verdict} | {link(name)} |")
+    return out
+
+
+DISTILL_RESULTS = ("distill_sst2_cpu_2026-11-25.json", "distill_ner_cpu_2026-11-25.json")
+
+
+def distill_table() -> list[str]:
+    out = ["| task | model | dev metric | retention | CPU seq/s at batch 32 | raw results |", "|---|---|---|---|---|---|"]
+    for name in DISTILL_RESULTS:
+        d = json.loads(read(name))
+        for task, t in d["tasks"].items():
+            metric, speed = t["main_metric"], t["speed"]["cpu"]
+            labelled, unlabelled = t["labelled_rows"], t["pseudo_labels"]["rows"]
+            rows = [("teacher", t["teacher"]["score"], 1.0, speed["teacher"]["throughput_b32_seq_per_s"]),
+                    (f"distilled student ({t['student_spec']['spec']}, {labelled:,} labelled + {unlabelled:,} "
+                     f"pseudo-labelled rows)", t["student"]["score"], t["student"]["retention"],
+                     speed["student"]["throughput_b32_seq_per_s"])]
+            if t.get("direct"):
+                rows.append((f"same student fine-tuned directly on the {labelled:,} labelled rows", t["direct"]["score"],
+                             t["direct"]["retention"], speed["student"]["throughput_b32_seq_per_s"]))
+            for label, score, retention, seqs in rows:
+                out.append(f"| {task} | {label} | {metric} {score:.4g} | {retention:.3f} | {seqs:.1f} | {link(name)} |")
+    return out
+
+
+def general_distill_table() -> list[str]:
+    name = "general_distill_cpu_2026-11-25.md"
+    rows = json_lines(name)
+    out = ["| model | step | held-out MLM loss (median over seeds) | seeds | raw results |", "|---|---|---|---|---|"]
+    for r in where(rows, name, run="teacher"):
+        out.append(f"| teacher (mini) | {r['step']} | {r['mlm_loss']:.4f} | - | {link(name)} |")
+    for arm in ("scratch", "distilled"):
+        arm_rows = [r for r in rows if r["run"].startswith(arm + "_")]
+        if not arm_rows:
+            raise MissingFigure(f"benchmarks/results/{name}: no {arm} rows")
+        last = max(r["step"] for r in arm_rows)
+        at = [r["mlm_loss"] for r in arm_rows if r["step"] == last]
+        label = "student from scratch (tiny)" if arm == "scratch" else "student with distill.teacher (tiny)"
+        out.append(f"| {label} | {last} | {statistics.median(at):.4f} | {len(at)} | {link(name)} |")
+    return out
+
+
 TABLES = (
     ("Data build", data_build_table),
     ("NSP negatives: distinct (document, start sentence) windows per random-next row", negatives_table),
@@ -152,6 +285,12 @@ TABLES = (
     ("Training step throughput on CPU (mini, batch 8 × 128, fp32)", train_throughput_table),
     ("Pretraining recipes on CPU (fp32, AdamW, the small CPU micro batch shown)", recipes_table),
     ("Kernels under the emulator", mutations_line),
+    ("Data build against the reference, side by side, with dedup off and on", data_build_side_by_side_table),
+    ("Quality filters and near-duplicate removal", dedup_table),
+    ("model.compile on CPU (mini, batch 8 × 128, fp32, AdamW; training step time)", model_compile_table),
+    ("bertdist bench on CPU (the quick variant: no GPU claim)", acceptance_table),
+    ("Task distillation on CPU (reduced scale, MiniLM-L6 teacher)", distill_table),
+    ("General distillation on CPU (held-out MLM loss at equal steps)", general_distill_table),
 )
 
 

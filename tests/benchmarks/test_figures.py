@@ -56,3 +56,18 @@ def test_the_median_is_computed_from_the_raw_runs(monkeypatch, tmp_path):
     table = "\n".join(f.data_build_table())
     assert f"2.00 s median of 3 runs: {f.REFERENCE_1X_S / 2.0:.1f}x" in table
     assert "peak RSS per worker 300 MB" in table
+
+
+def test_a_markdown_only_results_file_is_read_by_its_table_header(monkeypatch, tmp_path):
+    f = figures()
+    monkeypatch.setattr(f, "RESULTS", tmp_path)
+    (tmp_path / "model_compile_cpu_2026-11-25.md").write_text(
+        "# compile\n\n| run | eager step (s) | compiled step (s) | compiled / eager time |\n|---:|---:|---:|---:|\n"
+        "| 1 | 2.000 | 1.000 | 0.50 |\n| 2 | 1.000 | 3.000 | 3.00 |\n| 3 | 4.000 | 4.000 | 1.00 |\n"
+        "| median | 2.000 | 3.000 | 1.00 |\n")
+    table = "\n".join(f.model_compile_table())
+    assert "| median of the ratios | | | 1.00 |" in table  # computed from the runs, not copied from the file's row
+    assert "| 2 | 1.000 | 3.000 | 3.00 |" in table
+    (tmp_path / "model_compile_cpu_2026-11-25.md").write_text("# compile\n\n| run | eager |\n|---|---|\n| 1 | 2 |\n")
+    with pytest.raises(f.MissingFigure, match="no table with the columns"):
+        f.model_compile_table()
