@@ -10,7 +10,9 @@ between two marker lines of the page; the prose around them is written by hand.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -239,22 +241,26 @@ def acceptance_table() -> list[str]:
     return out
 
 
-DISTILL_RESULTS = ("distill_sst2_cpu_2026-11-25.json", "distill_ner_cpu_2026-11-25.json")
+DISTILL_RESULTS = ("distill_sst2_cpu_2026-11-25.json", "distill_ner_cpu_2026-11-25.json",
+                   "distill_ner_longer_cpu_2026-11-25.json")
 
 
 def distill_table() -> list[str]:
     out = ["| task | model | dev metric | retention | CPU seq/s at batch 32 | raw results |", "|---|---|---|---|---|---|"]
     for name in DISTILL_RESULTS:
         d = json.loads(read(name))
+        a = d["args"]
         for task, t in d["tasks"].items():
             metric, speed = t["main_metric"], t["speed"]["cpu"]
             labelled, unlabelled = t["labelled_rows"], t["pseudo_labels"]["rows"]
-            rows = [("teacher", t["teacher"]["score"], 1.0, speed["teacher"]["throughput_b32_seq_per_s"]),
+            rows = [(f"teacher, fine-tuned {a['teacher_epochs']:g} epochs", t["teacher"]["score"], 1.0,
+                     speed["teacher"]["throughput_b32_seq_per_s"]),
                     (f"distilled student ({t['student_spec']['spec']}, {labelled:,} labelled + {unlabelled:,} "
-                     f"pseudo-labelled rows)", t["student"]["score"], t["student"]["retention"],
+                     f"pseudo-labelled rows, {a['epochs']:g} pass(es))", t["student"]["score"], t["student"]["retention"],
                      speed["student"]["throughput_b32_seq_per_s"])]
             if t.get("direct"):
-                rows.append((f"same student fine-tuned directly on the {labelled:,} labelled rows", t["direct"]["score"],
+                rows.append((f"same student fine-tuned directly on the {labelled:,} labelled rows, "
+                             f"{a['direct_epochs']:g} pass(es)", t["direct"]["score"],
                              t["direct"]["retention"], speed["student"]["throughput_b32_seq_per_s"]))
             for label, score, retention, seqs in rows:
                 out.append(f"| {task} | {label} | {metric} {score:.4g} | {retention:.3f} | {seqs:.1f} | {link(name)} |")
@@ -264,7 +270,7 @@ def distill_table() -> list[str]:
 def general_distill_table() -> list[str]:
     name = "general_distill_cpu_2026-11-25.md"
     rows = json_lines(name)
-    out = ["| model | step | held-out MLM loss (median over seeds) | seeds | raw results |", "|---|---|---|---|---|"]
+    out = ["| model | step (of its run) | held-out MLM loss (median over seeds) | seeds | raw results |", "|---|---|---|---|---|"]
     for r in where(rows, name, run="teacher"):
         out.append(f"| teacher (mini) | {r['step']} | {r['mlm_loss']:.4f} | - | {link(name)} |")
     for arm in ("scratch", "distilled"):
@@ -274,7 +280,22 @@ def general_distill_table() -> list[str]:
         last = max(r["step"] for r in arm_rows)
         at = [r["mlm_loss"] for r in arm_rows if r["step"] == last]
         label = "student from scratch (tiny)" if arm == "scratch" else "student with distill.teacher (tiny)"
-        out.append(f"| {label} | {last} | {statistics.median(at):.4f} | {len(at)} | {link(name)} |")
+        out.append(f"| {label}, 200-step schedule | {last} | {statistics.median(at):.4f} | {len(at)} | {link(name)} |")
+    # The follow-up runs' raw rows: `run [(step, mlm_loss, mlm_acc), ...]`, one line per run.
+    follow = {}
+    for line in read(name).splitlines():
+        m = re.match(r"^(\w+)\s+(\[\(.*\)\])\s*$", line)
+        if m:
+            follow[m.group(1)] = ast.literal_eval(m.group(2))
+    labels = {"teacher_mini_600": "teacher (mini), a second phase of 300 steps from its step 300",
+              "scratch400_42": "student from scratch (tiny), 400-step schedule",
+              "distilled400_42": "student distilled from the 600-step teacher (tiny), 400-step schedule"}
+    missing = [run for run in labels if run not in follow]
+    if missing:
+        raise MissingFigure(f"benchmarks/results/{name}: no raw rows for {missing}")
+    for run, label in labels.items():
+        step, loss, _ = follow[run][-1]
+        out.append(f"| {label} | {step} | {loss:.4f} | 1 | {link(name)} |")
     return out
 
 
