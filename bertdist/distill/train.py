@@ -17,7 +17,6 @@ Data loading, prediction, scoring and export are the fine-tuning modules' own.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 from pathlib import Path
@@ -35,7 +34,8 @@ from bertdist.distill.teacher import Teacher, load_teacher
 from bertdist.export.tokenizer import bert_tokenizer
 from bertdist.finetune.errors import DataError
 from bertdist.finetune.tasks import canonical_task, dump_json, make_runner
-from bertdist.finetune.train import _device, _dist, collate, evaluate, param_groups, predict, seed_everything
+from bertdist.finetune.train import (_device, _dist, build_optimization, collate, evaluate, param_groups, predict,
+                                     seed_everything, total_steps)
 from bertdist.model import IGNORE_INDEX
 
 INPUT_KEYS = ("input_ids", "token_type_ids", "attention_mask")
@@ -138,24 +138,11 @@ def train_student(cfg: DistillConfig, runner, plan: StudentPlan, rows: list[dict
     if fcfg.batch_size % world:
         raise DataError(f"batch_size {fcfg.batch_size} is not divisible by the {world} processes")
     micro = fcfg.batch_size // world
-    steps_per_epoch = math.ceil(len(rows) / fcfg.batch_size)
-    total = fcfg.max_steps if fcfg.max_steps is not None else max(1, math.ceil(steps_per_epoch * fcfg.epochs))
-    warmup = int(fcfg.warmup_ratio * total)
+    total = total_steps(fcfg, len(rows))
     groups = param_groups(model, fcfg, fcfg.learning_rate)
     if extra:
         groups.append({"params": extra, "lr": fcfg.learning_rate, "weight_decay": 0.0})
-    opt = torch.optim.AdamW(groups, lr=fcfg.learning_rate, eps=fcfg.adam_epsilon)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: (s + 1) / max(1, warmup) if s < warmup else max(0.0, (total - s) / max(1, total - warmup)))
-    engine = None
-    if fcfg.deepspeed:
-        import deepspeed
-
-        ds_cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
-                  "gradient_clipping": fcfg.max_grad_norm, "zero_optimization": {"stage": fcfg.zero_stage},
-                  "zero_allow_untested_optimizer": True, "bf16": {"enabled": fcfg.precision == "bf16"},
-                  "steps_per_print": 10 ** 9}
-        engine, opt, _, sched = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds_cfg)
+    engine, opt, sched = build_optimization(model, fcfg, groups, fcfg.learning_rate, micro, total)
     from tqdm.auto import tqdm
 
     bar = tqdm(total=total, desc=f"{mode} {plan.spec} seed={seed}", disable=not fcfg.progress or rank != 0,

@@ -149,6 +149,33 @@ def _dist():
     return 0, 1
 
 
+def total_steps(cfg: FinetuneConfig, n_rows: int) -> int:
+    """``max_steps``, else ``epochs`` passes over ``n_rows`` at the global ``batch_size``."""
+    if cfg.max_steps is not None:
+        return cfg.max_steps
+    return max(1, math.ceil(math.ceil(n_rows / cfg.batch_size) * cfg.epochs))
+
+
+def build_optimization(model: torch.nn.Module, cfg: FinetuneConfig, groups: list[dict], lr: float, micro: int,
+                       total: int):
+    """AdamW over ``groups`` with linear warmup and decay over ``total`` steps, wrapped in a
+    DeepSpeed engine when ``cfg.deepspeed`` (else ``engine`` is None): (engine, optimizer, scheduler)."""
+    warmup = int(cfg.warmup_ratio * total)
+    opt = torch.optim.AdamW(groups, lr=lr, eps=cfg.adam_epsilon)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: (s + 1) / max(1, warmup) if s < warmup else max(0.0, (total - s) / max(1, total - warmup)))
+    engine = None
+    if cfg.deepspeed:
+        import deepspeed
+
+        ds_cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
+                  "gradient_clipping": cfg.max_grad_norm, "zero_optimization": {"stage": cfg.zero_stage},
+                  "zero_allow_untested_optimizer": True, "bf16": {"enabled": cfg.precision == "bf16"},
+                  "steps_per_print": 10 ** 9}
+        engine, opt, _, sched = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds_cfg)
+    return engine, opt, sched
+
+
 def train_once(cfg: FinetuneConfig, runner: Runner, w: PretrainedWeights, train_feats: list[dict],
                eval_sets: list[EvalSet], lr: float, seed: int, run_dir: Path) -> dict:
     seed_everything(seed)
@@ -163,21 +190,8 @@ def train_once(cfg: FinetuneConfig, runner: Runner, w: PretrainedWeights, train_
     if cfg.batch_size % world:
         raise DataError(f"batch_size {cfg.batch_size} is not divisible by the {world} processes")
     micro = cfg.batch_size // world
-    steps_per_epoch = math.ceil(len(train_feats) / cfg.batch_size)
-    total = cfg.max_steps if cfg.max_steps is not None else max(1, math.ceil(steps_per_epoch * cfg.epochs))
-    warmup = int(cfg.warmup_ratio * total)
-    opt = torch.optim.AdamW(param_groups(model, cfg, lr), lr=lr, eps=cfg.adam_epsilon)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: (s + 1) / max(1, warmup) if s < warmup else max(0.0, (total - s) / max(1, total - warmup)))
-    engine = None
-    if cfg.deepspeed:
-        import deepspeed
-
-        ds_cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
-                  "gradient_clipping": cfg.max_grad_norm, "zero_optimization": {"stage": cfg.zero_stage},
-                  "zero_allow_untested_optimizer": True, "bf16": {"enabled": cfg.precision == "bf16"},
-                  "steps_per_print": 10 ** 9}
-        engine, opt, _, sched = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds_cfg)
+    total = total_steps(cfg, len(train_feats))
+    engine, opt, sched = build_optimization(model, cfg, param_groups(model, cfg, lr), lr, micro, total)
     writer = None
     if cfg.tensorboard and rank == 0:
         from torch.utils.tensorboard import SummaryWriter
