@@ -34,8 +34,8 @@ from bertdist.distill.teacher import Teacher, load_teacher
 from bertdist.export.tokenizer import bert_tokenizer
 from bertdist.finetune.errors import DataError
 from bertdist.finetune.tasks import canonical_task, dump_json, make_runner
-from bertdist.finetune.train import (_device, _dist, build_optimization, collate, evaluate, param_groups, predict,
-                                     seed_everything, total_steps)
+from bertdist.finetune.train import (_device, _dist, apply_update, build_optimization, collate, evaluate,
+                                     param_groups, predict, seed_everything, total_steps)
 from bertdist.model import IGNORE_INDEX
 
 INPUT_KEYS = ("input_ids", "token_type_ids", "attention_mask")
@@ -177,15 +177,7 @@ def train_student(cfg: DistillConfig, runner, plan: StudentPlan, rows: list[dict
                         loss = loss + cfg.attention_weight * losses.attention_kl(
                             s_cap.probs(batch["attention_mask"]), t_cap.probs(batch["attention_mask"]), layer_map,
                             batch["attention_mask"])
-            if engine is not None:
-                engine.backward(loss)
-                engine.step()
-            else:
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_([p for grp in groups for p in grp["params"]], fcfg.max_grad_norm)
-                opt.step()
-                sched.step()
-                opt.zero_grad(set_to_none=True)
+            apply_update(engine, opt, sched, loss, [p for grp in groups for p in grp["params"]], fcfg.max_grad_norm)
             step += 1
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.4f}")

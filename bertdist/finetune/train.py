@@ -176,6 +176,19 @@ def build_optimization(model: torch.nn.Module, cfg: FinetuneConfig, groups: list
     return engine, opt, sched
 
 
+def apply_update(engine, opt, sched, loss: torch.Tensor, params: list, max_grad_norm: float) -> None:
+    """Backward and one optimizer step: through the DeepSpeed engine (which clips), or plain torch."""
+    if engine is not None:
+        engine.backward(loss)
+        engine.step()
+        return
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def train_once(cfg: FinetuneConfig, runner: Runner, w: PretrainedWeights, train_feats: list[dict],
                eval_sets: list[EvalSet], lr: float, seed: int, run_dir: Path) -> dict:
     seed_everything(seed)
@@ -216,15 +229,7 @@ def train_once(cfg: FinetuneConfig, runner: Runner, w: PretrainedWeights, train_
             batch = {k: v.to(device) for k, v in batch.items()}
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16" and engine is None):
                 _, loss = (engine or model)(batch)
-            if engine is not None:
-                engine.backward(loss)
-                engine.step()
-            else:
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                opt.step()
-                sched.step()
-                opt.zero_grad(set_to_none=True)
+            apply_update(engine, opt, sched, loss, list(model.parameters()), cfg.max_grad_norm)
             step += 1
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.4f}")
