@@ -20,6 +20,8 @@ import tokenize
 import typing
 from typing import Any
 
+from bertdist.config.schema import _strip_optional
+
 # (title, schema class as "module:Class", where its instances live, how a key is set)
 SCHEMAS = (
     ("Pretraining", "bertdist.train.config:TrainConfig", "configs/pretrain/*.yaml",
@@ -127,6 +129,8 @@ def sections(cls: type, prefix: str = "") -> list[tuple[str, type]]:
             out.extend(sections(tp, f"{prefix}{f.name}."))
         elif typing.get_origin(tp) is list and dataclasses.is_dataclass(item := typing.get_args(tp)[0]):
             out.extend(sections(item, f"{prefix}{f.name}[]."))  # each list item is one of these
+        elif dataclasses.is_dataclass(inner := _strip_optional(tp)[0]):
+            out.extend(sections(inner, f"{prefix}{f.name}."))  # an optional section: null unless set
     return out
 
 
