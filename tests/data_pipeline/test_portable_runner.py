@@ -33,14 +33,6 @@ def assert_no_project_code(env: Path) -> None:
         assert probe.returncode != 0 and f"No module named '{module}'" in probe.stderr, probe.stderr
 
 
-def test_worker_env_holds_no_project_code():
-    from cluster.beam_portable import DEFAULT_ENV
-
-    if not (DEFAULT_ENV / "bin" / "python").exists():
-        pytest.skip(f"no worker environment at {DEFAULT_ENV} yet (the slow test makes it)")
-    assert_no_project_code(DEFAULT_ENV)
-
-
 @pytest.mark.slow
 def test_portable_build_matches_direct_runner(tmp_path, small_vocab, monkeypatch):
     from cluster.beam_portable import LocalPortableRunner, build_wheel, worker_env
