@@ -102,11 +102,12 @@ def render_section(errors: list[RaisedError] | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def splice(page: str, section: str) -> str:
-    """``page`` with its generated section replaced by ``section`` (appended when absent)."""
-    if BEGIN in page:
-        head, rest = page.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
+def splice(page: str, section: str, begin: str = BEGIN, end: str = END) -> str:
+    """``page`` with its generated section (``begin`` ... ``end``) replaced by ``section``
+    (appended when absent)."""
+    if begin in page:
+        head, rest = page.split(begin, 1)
+        _, tail = rest.split(end, 1)
         return head + section.rstrip("\n") + tail
     return page.rstrip("\n") + "\n\n" + section
 

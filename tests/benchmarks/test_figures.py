@@ -23,7 +23,7 @@ def test_the_page_holds_the_current_figures():
     f = figures()
     page = PAGE.read_text(encoding="utf-8")
     assert f.BEGIN in page and f.END in page
-    assert f.splice(page, f.render_section()) == page, f"docs/benchmarks.md is stale: run `{REGENERATE}` and commit it"
+    assert f.splice(page, f.render_section(), f.BEGIN, f.END) == page, f"docs/benchmarks.md is stale: run `{REGENERATE}` and commit it"
 
 
 def test_every_linked_results_file_exists_and_every_table_row_links_one():
