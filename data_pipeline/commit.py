@@ -150,7 +150,7 @@ def verify(cfg: BuildConfig, runner: str, plan: BuildPlan | None, units: dict, r
 
 REMOVED_PAIRS_NAME = "dedup_removed_pairs.jsonl"
 DEDUP_COUNTS = ("exact_documents_removed", "exact_words_removed", "exact_clusters", "near_documents_removed",
-                "near_words_removed", "near_clusters")
+                "near_words_removed", "near_clusters", "cross_source_documents_removed")
 
 
 def _per_source(counters: dict[str, int], kind: str) -> dict[str, dict[str, int]]:
@@ -193,6 +193,7 @@ def cleaning_sections(cfg: BuildConfig, out: OutputDir, staging: str, final: str
         out.write_bytes(f"{staging}/{REMOVED_PAIRS_NAME}",
                         "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in pairs).encode("utf-8"))
     quality, dedup = {}, {}
+    group_of = {i: g for g in cfg.dedup_groups() for i in g}
     for i, src in enumerate(cfg.inputs):
         name = source_label(i, src)
         q, d = cfg.source_quality(i), cfg.source_dedup(i)
@@ -203,11 +204,15 @@ def cleaning_sections(cfg: BuildConfig, out: OutputDir, staging: str, final: str
         bands, rows = bands_and_rows(d.threshold, d.num_perm)
         dedup[name] = {"path": src.path, "enabled": d.enabled, "near": d.near, "threshold": d.threshold,
                        "ngram": d.ngram, "bands": bands, "rows": rows,
+                       "deduplicated_with": [source_label(j, cfg.inputs[j]) for j in group_of.get(i, [])],
                        **({k: removed.get(name, {}).get(k, 0) for k in DEDUP_COUNTS} if known
                           else dict.fromkeys(DEDUP_COUNTS))}
     encodings = ({k[len("decoded_"):]: v for k, v in counters.items() if k.startswith("decoded_")} if known else None)
     return {"encodings": encodings, "quality": quality,
-            "dedup": {"sources": dedup, "removed_pairs_sample": f"{final}/{REMOVED_PAIRS_NAME}" if pairs else None}}
+            "dedup": {"sources": dedup,
+                      "cross_source_documents_removed": (sum(d["cross_source_documents_removed"] for d in dedup.values())
+                                                         if known else None),
+                      "removed_pairs_sample": f"{final}/{REMOVED_PAIRS_NAME}" if pairs else None}}
 
 
 def _negatives(units: dict, split: str) -> dict[str, Any]:

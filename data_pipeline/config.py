@@ -36,10 +36,12 @@ class QualityConfig:
 
 @dataclass
 class DedupConfig:
-    """Duplicate removal within a source, before instances are made (data_pipeline.dedup):
-    exact duplicates by a hash of the normalized text, near-duplicates by MinHash over word
-    n-grams with LSH banding. One document of each cluster is kept: the one with the smallest
-    content hash, so the output does not depend on input order or worker count."""
+    """Duplicate removal before instances are made (data_pipeline.dedup): exact duplicates by a
+    hash of the normalized text, near-duplicates by MinHash over word n-grams with LSH banding.
+    It runs once over every group of sources with the same settings (see :func:`dedup_groups`),
+    so a duplicate across two sources is caught too. One document of each cluster is kept: the
+    one of the earliest-listed source, then the smallest document id, so the output does not
+    depend on input order or worker count."""
 
     enabled: bool = True
     near: bool = True  # False: exact duplicates only
@@ -51,6 +53,14 @@ class DedupConfig:
     # many neighbours in hash order, not with all: linear work in a bucket of boilerplate copies
     max_bucket_comparisons: int = 64
     sample_pairs: int = 50  # removed (kept, dropped) pairs per source written beside the manifest
+
+
+def dedup_group_key(d: DedupConfig) -> tuple:
+    """What two sources must share to be deduplicated together: everything that decides whether
+    two documents are duplicates (``sample_pairs`` only sizes a report)."""
+    if not d.near:
+        return (False,)
+    return (True, d.threshold, d.ngram, d.num_perm, d.seed, d.max_bucket_comparisons)
 
 
 @dataclass
@@ -134,6 +144,20 @@ class BuildConfig:
 
     def source_dedup(self, i: int) -> DedupConfig:
         return self.inputs[i].dedup or self.dedup
+
+    def dedup_groups(self) -> list[list[int]]:
+        """The sources deduplicated together, as lists of input indices in listed order, the
+        groups ordered by their first source: one group per distinct :func:`dedup_group_key`
+        among the sources with dedup enabled (a source with ``dedup.enabled: false`` is in none).
+        With the defaults every source is in one group, so an article repeated in a book is
+        caught; a source with its own threshold, n-gram, signature length, seed or bucket limit
+        (or exact-only, ``near: false``) is deduplicated only with the sources that share them."""
+        groups: dict[tuple, list[int]] = {}
+        for i in range(len(self.inputs)):
+            d = self.source_dedup(i)
+            if d.enabled:
+                groups.setdefault(dedup_group_key(d), []).append(i)
+        return list(groups.values())
 
     def __post_init__(self):
         # from_dict checks the Literal fields; this also catches a BuildConfig built in code

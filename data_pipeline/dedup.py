@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from functools import lru_cache
-from typing import Iterable
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
@@ -221,10 +221,12 @@ def bucket_pairs(members: Iterable[tuple[bytes, np.ndarray]], threshold: float, 
     return out
 
 
-def components(pairs: Iterable[tuple[bytes, bytes]]) -> dict[bytes, bytes]:
-    """Union-find over the pairs: {node: smallest node of its component} for every node in a
-    pair (roots map to themselves). The result does not depend on the pairs' order."""
+def components(pairs: Iterable[tuple[bytes, bytes]], rank: Mapping[bytes, Any] | None = None) -> dict[bytes, bytes]:
+    """Union-find over the pairs: {node: its component's root} for every node in a pair (roots map
+    to themselves). The root is the node with the smallest ``(rank[node], node)``, or the smallest
+    node without ``rank``; the result does not depend on the pairs' order."""
     parent: dict[bytes, bytes] = {}
+    order = (lambda x: x) if rank is None else (lambda x: (rank[x], x))
 
     def find(x: bytes) -> bytes:
         root = x
@@ -239,6 +241,6 @@ def components(pairs: Iterable[tuple[bytes, bytes]]) -> dict[bytes, bytes]:
         parent.setdefault(b, b)
         ra, rb = find(a), find(b)
         if ra != rb:
-            lo, hi = (ra, rb) if ra < rb else (rb, ra)
+            lo, hi = (ra, rb) if order(ra) < order(rb) else (rb, ra)
             parent[hi] = lo  # the smaller one is the root: the root is the component's minimum
     return {x: find(x) for x in parent}

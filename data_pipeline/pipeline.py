@@ -43,7 +43,8 @@ def default_pipeline_args() -> list[str]:
 
 
 def read_source(p: beam.Pipeline, i: int, src: InputConfig, cfg: BuildConfig, report_dir: str | None = None):
-    """One input -> (doc_id, [sentences]): read, quality-filtered and deduplicated (per source)."""
+    """One input -> (doc_id, text or [sentences]): read and quality-filtered (dedup is
+    :func:`deduplicate`'s, over groups of sources)."""
     label = f"Read{i}_{src.kind}"
     if src.kind == "wiki":
         docs = p | label >> ReadWikipediaDump(src.path)
@@ -55,10 +56,20 @@ def read_source(p: beam.Pipeline, i: int, src: InputConfig, cfg: BuildConfig, re
         docs = p | label >> ReadBertFormatText(src.path)
     else:
         raise ValueError(f"unknown source kind {src.kind!r}")
-    name = source_label(i, src)
-    docs = (docs | f"Quality{i}" >> FilterQuality(name, cfg.source_quality(i), report_dir)
-            | f"Dedup{i}" >> Deduplicate(name, cfg.source_dedup(i), report_dir))
-    return docs if src.kind == "text" else docs | f"Sentences{i}" >> SplitSentences()
+    return docs | f"Quality{i}" >> FilterQuality(source_label(i, src), cfg.source_quality(i), report_dir)
+
+
+def deduplicate(docs: list, cfg: BuildConfig, report_dir: str | None = None) -> list:
+    """Per source's documents -> the same without duplicates: one Deduplicate per group of
+    sources with the same dedup settings (BuildConfig.dedup_groups), across the group's sources."""
+    docs = list(docs)
+    for group in cfg.dedup_groups():
+        names = [source_label(i, cfg.inputs[i]) for i in group]
+        kept = tuple(docs[i] for i in group) | f"Dedup{group[0]}" >> Deduplicate(
+            names, cfg.source_dedup(group[0]), report_dir, [cfg.source_dedup(i).sample_pairs for i in group])
+        for i, pc in zip(group, kept):
+            docs[i] = pc
+    return docs
 
 
 def instance_params(cfg: BuildConfig, tokens: list[str]) -> InstanceParams:
@@ -126,7 +137,10 @@ def work_units(options: PipelineOptions) -> int:
 
 
 def build_pipeline(p: beam.Pipeline, cfg: BuildConfig, staging: str, tokens: list[str], lowercase: bool) -> None:
-    docs = [read_source(p, i, src, cfg, f"{staging}/report") for i, src in enumerate(cfg.inputs)]
+    docs = deduplicate([read_source(p, i, src, cfg, f"{staging}/report") for i, src in enumerate(cfg.inputs)],
+                       cfg, f"{staging}/report")
+    docs = [d if src.kind == "text" else d | f"Sentences{i}" >> SplitSentences()
+            for i, (d, src) in enumerate(zip(docs, cfg.inputs))]
     sentences = docs[0] if len(docs) == 1 else tuple(docs) | "AllSources" >> beam.Flatten()
     min_sents = cfg.min_sentences if cfg.objective != "none" else 1
     tokenized = sentences | "Tokenize" >> Tokenize(

@@ -37,7 +37,7 @@ def edited(r: random.Random, text: str, fraction: float) -> str:
 
 def corpus(seed: int = 0) -> tuple[list[tuple[str, str]], set[str]]:
     """Unique documents, exact copies (case and spacing changed), and near copies (1% of words
-    edited); returns the documents and the ids the stable rule keeps."""
+    edited); returns the documents and the ids the stable rule (smallest id) keeps."""
     r = random.Random(seed)
     base = {f"doc{i:02d}": prose(r, 30) for i in range(12)}
     docs = dict(base)
@@ -47,9 +47,7 @@ def corpus(seed: int = 0) -> tuple[list[tuple[str, str]], set[str]]:
     docs["near03"] = edited(r, base["doc03"], 0.01)
     docs["near03b"] = edited(r, base["doc03"], 0.01)
     docs["far04"] = edited(r, base["doc04"], 0.025)  # Jaccard 0.79 (seeds 0 and 3): near the threshold, below it
-    h = {k: dedup.content_hash(dedup.word_hashes(v)) for k, v in docs.items()}
-    keep = set(base) - {"doc02", "doc03"} | {min(("doc02", "near02"), key=h.get),
-                                              min(("doc03", "near03", "near03b"), key=h.get), "far04"}
+    keep = set(base) | {"far04"}  # each cluster keeps its smallest id: the base document
     assert jaccard(docs["doc04"], docs["far04"]) < 0.8
     return sorted(docs.items()), keep
 
@@ -77,6 +75,7 @@ def test_duplicates_removed_and_counted(tmp_path):
     assert [k for k, _ in kinds] == ["exact", "exact", "near", "near", "near"]
     assert {row["removed"] for row in sample["pairs"]}.isdisjoint(keep)
     assert all(row["kept"] in keep and row["kept_text"] for row in sample["pairs"] if row["kind"] == "near")
+    assert all(row["removed_source"] == row["kept_source"] == "0-test" for row in sample["pairs"])
 
 
 def test_exact_only_and_off():
@@ -86,6 +85,66 @@ def test_exact_only_and_off():
         assert_that(exact | "CountA" >> beam.combiners.Count.Globally(), equal_to([len(docs) - 2]), label="exact")
         off = p | "B" >> beam.Create(docs) | "Off" >> Deduplicate("1", DedupConfig(enabled=False))
         assert_that(off | "CountB" >> beam.combiners.Count.Globally(), equal_to([len(docs)]), label="off")
+
+
+def two_sources(seed: int = 5) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """Source A, and source B that repeats two of A's documents (one exactly, under an id that
+    sorts before A's, one 1% edited) and one of its own, beside documents of its own."""
+    r = random.Random(seed)
+    a = {f"a{i}": prose(r, 30) for i in range(6)}
+    b = {f"b{i}": prose(r, 30) for i in range(4)}
+    b["0copy"] = a["a1"].lower()  # an exact copy whose id sorts first: the source order still wins
+    b["0near"] = edited(r, a["a2"], 0.01)
+    b["b0again"] = b["b0"] + " "
+    return sorted(a.items()), sorted(b.items())
+
+
+def test_duplicates_across_sources_are_removed_from_the_later_source(tmp_path):
+    a, b = two_sources()
+    r = random.Random(2)
+    ra, rb = list(a), list(b)
+    r.shuffle(ra)
+    r.shuffle(rb)
+    with TestPipeline(options=beam.options.pipeline_options.PipelineOptions(OPTS)) as p:
+        pa, pb = p | "A" >> beam.Create(ra), p | "B" >> beam.Create(rb)
+        ka, kb = (pa, pb) | "AB" >> Deduplicate(["0-a", "1-b"], DedupConfig(), str(tmp_path))
+        assert_that(ka | "KA" >> beam.Keys(), equal_to([k for k, _ in a]), label="a_kept")
+        assert_that(kb | "KB" >> beam.Keys(), equal_to(["b0", "b1", "b2", "b3"]), label="b_kept")
+        # listed the other way round, the same clusters keep B's copies
+        kb2, ka2 = (pb, pa) | "BA" >> Deduplicate(["0-b2", "1-a2"], DedupConfig())
+        assert_that(kb2 | "KB2" >> beam.Keys(), equal_to(["0copy", "0near", "b0", "b1", "b2", "b3"]), label="b2")
+        assert_that(ka2 | "KA2" >> beam.Keys(), equal_to(["a0", "a3", "a4", "a5"]), label="a2")
+    counters = {c.key.metric.name: c.committed for c in p.result.metrics().query()["counters"]}
+    assert counters["dedup:1-b:exact_documents_removed"] == 2  # 0copy (across) and b0again (within)
+    assert counters["dedup:1-b:near_documents_removed"] == 1 and counters["dedup:1-b:near_words_removed"] > 200
+    assert counters["dedup:1-b:cross_source_documents_removed"] == 2
+    assert counters["dedup:0-a:exact_clusters"] == 1 and counters["dedup:0-a:near_clusters"] == 1
+    assert "dedup:0-a:exact_documents_removed" not in counters and "dedup:0-a:cross_source_documents_removed" not in counters
+    assert counters["dedup:1-a2:cross_source_documents_removed"] == 2
+    sample = json.loads((tmp_path / "dedup" / "1-b.json").read_text())["pairs"]
+    got = sorted((row["kind"], row["removed_source"], row["removed"], row["kept_source"], row["kept"]) for row in sample)
+    assert got == [("exact", "1-b", "0copy", "0-a", "a1"), ("exact", "1-b", "b0again", "1-b", "b0"),
+                   ("near", "1-b", "0near", "0-a", "a2")]
+    assert json.loads((tmp_path / "dedup" / "0-a.json").read_text())["pairs"] == []
+
+
+def test_sources_are_grouped_by_their_dedup_settings():
+    """The build's wiring: dedup off for one source keeps its copies; a source with another
+    threshold is deduplicated only within itself; the others across each other."""
+    from data_pipeline.config import BuildConfig, InputConfig
+    from data_pipeline.pipeline import deduplicate
+
+    a, b = two_sources()
+    cfg = BuildConfig(inputs=[InputConfig("jsonl", "a"), InputConfig("jsonl", "b", dedup=DedupConfig(enabled=False)),
+                              InputConfig("jsonl", "c", dedup=DedupConfig(threshold=0.9)), InputConfig("jsonl", "d")])
+    assert cfg.dedup_groups() == [[0, 3], [2]]
+    with TestPipeline(options=beam.options.pipeline_options.PipelineOptions(OPTS)) as p:
+        docs = [p | f"Create{i}" >> beam.Create(rows) for i, rows in enumerate((a, b, b, b))]
+        kept = deduplicate(docs, cfg)
+        assert kept[1] is docs[1]
+        for i, want in ((0, [k for k, _ in a]), (2, ["0copy", "0near", "b0", "b1", "b2", "b3"]),
+                        (3, ["b0", "b1", "b2", "b3"])):
+            assert_that(kept[i] | f"Keys{i}" >> beam.Keys(), equal_to(want), label=f"kept{i}")
 
 
 def _build(out, jsonl, vocab, workers: int) -> tuple[dict[str, bytes], dict]:
