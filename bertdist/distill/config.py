@@ -42,6 +42,10 @@ class DistillConfig:
     # Pseudo-labelling
     shard_rows: int = 4096  # rows per Parquet shard (the unit of resume and of data parallelism)
     label_batch_size: int = 128
+    # Store only the teacher's k largest logits (and their indices) per output distribution; null:
+    # full logits. Spans: the top-k start and end positions. A distribution with at most k outputs is
+    # stored whole; regression refuses it. A student run reads a set with at least its k (or full).
+    top_k: int | None = None
 
     baseline: Literal["none", "direct"] = "none"  # direct: also fine-tune the same student on the labelled rows alone
     direct_epochs: float | None = None  # passes of the direct baseline over its (fewer) rows; None: train.epochs

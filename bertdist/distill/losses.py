@@ -7,6 +7,8 @@
   padding, special tokens and continuation pieces excluded) + ``alpha * CE`` on gold tags;
 * span (SQuAD): the KL on the start and on the end distribution over the positions of the
   sequence (padding excluded), averaged, + ``alpha * CE`` on gold start/end positions;
+* with top-k pseudo-labels (the teacher's k largest logits and their indices), the same terms with
+  ``topk_kl`` in place of the full KL;
 * TinyBERT's intermediate losses: hidden-state MSE through a learned projection when the widths
   differ, and the KL between attention maps, on the layers of a layer map.
 
@@ -38,6 +40,33 @@ def soft_kl(student: torch.Tensor, teacher: torch.Tensor, temperature: float,
     return per_row.mean() * t * t
 
 
+def topk_kl(student: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, temperature: float,
+            mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``T^2 * sum_i p_t(i) (log p_t(i) - log q_s(i))`` over the stored support of each row, averaged
+    over the rows where ``mask`` is true. ``student``: [..., N] logits over all outputs (-inf where an
+    output does not exist, e.g. span padding); ``values``/``indices``: [..., k] the teacher's top
+    logits and where they are; a -inf value marks an unused slot (span rows shorter than k).
+
+    The choice: the teacher distribution is softmax(top-k / T) renormalised over the support (the
+    dropped tail has no logits to soften); the student's log-probabilities are log_softmax over ALL
+    its outputs, then gathered at the support, so mass the student puts outside the support still
+    lowers log q_s there and is penalised. With k = N this is exactly ``soft_kl``."""
+    t = float(temperature)
+    valid = torch.isfinite(values)
+    log_t = F.log_softmax(values.float().masked_fill(~valid, float("-inf")) / t, dim=-1)
+    log_s = F.log_softmax(student.float() / t, dim=-1).gather(-1, indices.long())
+    # zero the unused slots before multiplying: 0 * -inf would be NaN, in the value or its gradient
+    log_t = log_t.masked_fill(~valid, 0.0)
+    log_s = log_s.masked_fill(~valid, 0.0)
+    per_row = (log_t.exp() * valid * (log_t - log_s)).sum(-1)
+    if mask is not None:
+        mask = mask.bool()
+        if not mask.any():
+            return student.sum() * 0.0
+        per_row = per_row[mask]
+    return per_row.mean() * t * t
+
+
 def _masked_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over the labels that are not ``IGNORE_INDEX``; 0 when there are none."""
     labels = labels.reshape(-1)
@@ -47,9 +76,13 @@ def _masked_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def classification_loss(student: torch.Tensor, teacher: torch.Tensor, gold: torch.Tensor | None,
-                        temperature: float, alpha: float) -> torch.Tensor:
-    """student, teacher: [B, C]; gold: [B] class ids, ``IGNORE_INDEX`` where a row has none."""
-    loss = soft_kl(student, teacher, temperature)
+                        temperature: float, alpha: float, teacher_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """student, teacher: [B, C]; gold: [B] class ids, ``IGNORE_INDEX`` where a row has none.
+    With ``teacher_idx`` [B, k], ``teacher`` holds the top-k values [B, k] (``topk_kl``)."""
+    if teacher_idx is not None:
+        loss = topk_kl(student, teacher, teacher_idx, temperature)
+    else:
+        loss = soft_kl(student, teacher, temperature)
     if gold is not None and alpha:
         loss = loss + alpha * _masked_ce(student, gold)
     return loss
@@ -69,10 +102,14 @@ def regression_loss(student: torch.Tensor, teacher: torch.Tensor, gold: torch.Te
 
 
 def token_loss(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, gold: torch.Tensor | None,
-               temperature: float, alpha: float) -> torch.Tensor:
+               temperature: float, alpha: float, teacher_idx: torch.Tensor | None = None) -> torch.Tensor:
     """student, teacher: [B, S, C]; mask: [B, S] (1 on the tokens that carry a word's tag);
-    gold: [B, S] tag ids, ``IGNORE_INDEX`` on tokens without a gold tag."""
-    loss = soft_kl(student, teacher, temperature, mask)
+    gold: [B, S] tag ids, ``IGNORE_INDEX`` on tokens without a gold tag. With ``teacher_idx``
+    [B, S, k], ``teacher`` holds the top-k values per position [B, S, k]."""
+    if teacher_idx is not None:
+        loss = topk_kl(student, teacher, teacher_idx, temperature, mask)
+    else:
+        loss = soft_kl(student, teacher, temperature, mask)
     if gold is not None and alpha:
         loss = loss + alpha * _masked_ce(student, gold)
     return loss
@@ -80,19 +117,24 @@ def token_loss(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor,
 
 def span_loss(student: torch.Tensor, teacher: torch.Tensor, attention_mask: torch.Tensor,
               start_positions: torch.Tensor | None, end_positions: torch.Tensor | None,
-              temperature: float, alpha: float) -> torch.Tensor:
+              temperature: float, alpha: float, teacher_idx: torch.Tensor | None = None) -> torch.Tensor:
     """student, teacher: [B, S, 2] start/end logits; the softmax runs over the sequence's real
-    positions (padding gets -inf); gold positions: [B], ``IGNORE_INDEX`` on rows without an answer."""
+    positions (padding gets -inf); gold positions: [B], ``IGNORE_INDEX`` on rows without an answer.
+    With ``teacher_idx`` [B, 2, k], ``teacher`` holds the top-k start and end values [B, 2, k]
+    (positions over the sequence; -inf in the slots of rows shorter than k)."""
     pad = ~attention_mask.bool()
     loss = student.new_zeros((), dtype=torch.float32)
     for i, gold in ((0, start_positions), (1, end_positions)):
         s = student[..., i].float().masked_fill(pad, float("-inf"))
-        t = teacher[..., i].float().masked_fill(pad, float("-inf"))
         t_ = float(temperature)
-        log_s = F.log_softmax(s / t_, dim=-1)
-        log_t = F.log_softmax(t / t_, dim=-1)
-        p_t = log_t.exp()
-        kl = torch.where(pad, torch.zeros_like(p_t), p_t * (log_t - log_s)).sum(-1).mean() * t_ * t_
+        if teacher_idx is not None:
+            kl = topk_kl(s, teacher[:, i], teacher_idx[:, i], t_)
+        else:
+            t = teacher[..., i].float().masked_fill(pad, float("-inf"))
+            log_s = F.log_softmax(s / t_, dim=-1)
+            log_t = F.log_softmax(t / t_, dim=-1)
+            p_t = log_t.exp()
+            kl = torch.where(pad, torch.zeros_like(p_t), p_t * (log_t - log_s)).sum(-1).mean() * t_ * t_
         loss = loss + kl / 2
         if gold is not None and alpha:
             loss = loss + alpha * _masked_ce(s, gold) / 2

@@ -9,10 +9,17 @@ with another teacher, tokenizer, length or source is refused instead of mixing l
 ``manifest.json`` is written last, by rank 0, once every shard is there.
 
 Each row stores ``input_ids``, ``token_type_ids``, ``loss_mask`` (token tasks: 1 on the word
-pieces that carry a word's tag) and the teacher's full logits, flattened (``[C]`` for
-classification, ``[1]`` regression, ``[S, C]`` tokens, ``[S, 2]`` spans). Our tasks have at most a
-few dozen outputs per position, so full logits are stored; top-k would lose nothing worth the
-complexity here.
+pieces that carry a word's tag) and the teacher's outputs, flattened. With full logits (``top_k``
+unset): ``logits``, ``[C]`` for classification, ``[1]`` regression, ``[S, C]`` tokens, ``[S, 2]``
+spans. With ``top_k: k``: ``top_values`` and ``top_indices``, the k largest logits of each output
+distribution in descending order and where they are: ``[k]`` per example for classification,
+``[S, k]`` per position for tokens, ``[2, k']`` for spans (the top start positions, then the top end
+positions, ``k' = min(k, S)``). A distribution with at most k outputs (a 2-class task, 9 NER tags at
+k = 20) is stored whole and the set stays full-logit. Spans are where top-k pays: a SQuAD row at
+seq 384 holds 768 logits, ``k = 20`` keeps 40 values and 40 positions. The mass outside the stored
+support is dropped: the loss renormalises the teacher over it (``losses.topk_kl``). A top-k set has
+format ``/2``: readers that know only full logits refuse it instead of misreading it. Regression has
+no distribution to cut and refuses ``top_k``.
 """
 from __future__ import annotations
 
@@ -27,7 +34,9 @@ import numpy as np
 from bertdist.finetune.errors import DataError
 from bertdist.model import IGNORE_INDEX
 
-FORMAT = "bertdist-pseudo-labels/1"
+FORMAT = "bertdist-pseudo-labels/1"  # full logits
+FORMAT_TOP_K = "bertdist-pseudo-labels/2"  # top-k values and indices
+FORMATS = (FORMAT, FORMAT_TOP_K)
 
 
 class LabelSetMismatch(DataError):
@@ -71,20 +80,49 @@ def tokenizer_identity(teacher, cfg) -> dict:
     return ident
 
 
-def make_plan(task: str, runner, teacher, cfg, sources: list, n_rows: int, shard_rows: int) -> dict:
+def effective_top_k(kind: str, n_outputs: int, top_k: int | None, max_seq_length: int) -> int | None:
+    """The k a set stores for ``top_k`` on this head, None for full logits: a distribution with at
+    most k outputs (classes, or a span's positions) is kept whole."""
+    if top_k is None:
+        return None
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise DataError(f"top_k must be a positive integer or null (full logits), got {top_k!r}")
+    if kind == "regression":
+        raise DataError(f"top_k={top_k}: a regression head (stsb) has one output, no distribution to cut; "
+                        "leave top_k unset (null)")
+    size = max_seq_length if kind == "span" else n_outputs
+    return top_k if top_k < size else None
+
+
+def top_k_of(logits: np.ndarray, kind: str, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k largest logits of each output distribution of one row, descending, and their indices:
+    ``[C]`` -> ``[k]``; tokens ``[S, C]`` -> ``[S, k]``; spans ``[S, 2]`` -> ``[2, min(k, S)]`` (over
+    positions). Ties keep the lower index first."""
+    x = np.asarray(logits, dtype=np.float32)
+    if kind == "span":
+        x = x.T
+    idx = np.argsort(-x, axis=-1, kind="stable")[..., :k]
+    return np.take_along_axis(x, idx, -1), idx.astype(np.int32)
+
+
+def make_plan(task: str, runner, teacher, cfg, sources: list, n_rows: int, shard_rows: int,
+              top_k: int | None = None) -> dict:
+    keep = effective_top_k(runner.kind, num_outputs(runner), top_k, cfg.max_seq_length)
     return {
-        "format": FORMAT, "task": task, "kind": runner.kind, "num_outputs": _outputs(runner),
+        "format": FORMAT if keep is None else FORMAT_TOP_K, "task": task, "kind": runner.kind,
+        "num_outputs": num_outputs(runner),
         "label_names": runner.label_names,
         "teacher": {k: v for k, v in teacher.identity().items()},
         "tokenizer": tokenizer_identity(teacher, cfg),
         "sources": [{"path": str(s.path), "sha256": file_sha256(s.path), "rows": len(s.examples),
                      "skipped_blank_lines": s.skipped_blank} for s in sources],
         "rows": n_rows, "shard_rows": shard_rows, "num_shards": max(1, -(-n_rows // shard_rows)),
-        "logits": "full",
+        "logits": "full" if keep is None else "top_k", "top_k": keep, "top_k_requested": top_k,
     }
 
 
-def _outputs(runner) -> int:
+def num_outputs(runner) -> int:
+    """Outputs per distribution of the task head (2 for spans: start and end)."""
     return {"regression": 1, "span": 2}.get(runner.kind, runner.num_labels)
 
 
@@ -92,7 +130,8 @@ def shard_name(k: int, n: int) -> str:
     return f"shard-{k:05d}-of-{n:05d}.parquet"
 
 
-def _identity_diff(have: dict, want: dict, keys=("task", "teacher", "tokenizer", "sources", "rows", "shard_rows")) -> list[str]:
+def _identity_diff(have: dict, want: dict, keys=("task", "teacher", "tokenizer", "sources", "rows", "shard_rows",
+                                                   "top_k_requested")) -> list[str]:
     out = []
     for k in keys:
         if have.get(k) != want.get(k):
@@ -106,7 +145,8 @@ def _identity_diff(have: dict, want: dict, keys=("task", "teacher", "tokenizer",
 
 
 # ---------------------------------------------------------------- the job
-def _write_shard(path: Path, rows: list[dict], logits: list[np.ndarray], first_row: int) -> None:
+def _write_shard(path: Path, rows: list[dict], logits: list[np.ndarray], first_row: int,
+                 top_k: int | None = None, kind: str = "classification") -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -114,8 +154,15 @@ def _write_shard(path: Path, rows: list[dict], logits: list[np.ndarray], first_r
         "row": pa.array(np.arange(first_row, first_row + len(rows), dtype=np.int64)),
         "input_ids": pa.array([r["input_ids"] for r in rows], type=pa.list_(pa.int32())),
         "token_type_ids": pa.array([r["token_type_ids"] for r in rows], type=pa.list_(pa.int8())),
-        "logits": pa.array([np.asarray(x, dtype=np.float32).reshape(-1) for x in logits], type=pa.list_(pa.float32())),
     }
+    if top_k is None:
+        cols["logits"] = pa.array([np.asarray(x, dtype=np.float32).reshape(-1) for x in logits],
+                                  type=pa.list_(pa.float32()))
+    else:
+        tops = [top_k_of(x, kind, top_k) for x in logits]
+        cols["top_values"] = pa.array([v.reshape(-1) for v, _ in tops], type=pa.list_(pa.float32()))
+        # indices are classes or positions (< 2^15 for any head and sequence length here)
+        cols["top_indices"] = pa.array([i.reshape(-1).astype(np.int16) for _, i in tops], type=pa.list_(pa.int16()))
     if "loss_mask" in rows[0]:
         cols["loss_mask"] = pa.array([r["loss_mask"] for r in rows], type=pa.list_(pa.int8()))
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -131,7 +178,8 @@ def _dist_world() -> tuple[int, int]:
 
 
 def run_labelling(task: str, runner, teacher, cfg, paths: list[str], out_dir: str | Path, *,
-                  shard_rows: int = 4096, batch_size: int = 128, progress: bool = True) -> dict:
+                  shard_rows: int = 4096, batch_size: int = 128, progress: bool = True,
+                  top_k: int | None = None) -> dict:
     """Label every row not yet labelled in ``out_dir``; return the manifest (rank 0) or the plan."""
     from tqdm.auto import tqdm
 
@@ -139,6 +187,7 @@ def run_labelling(task: str, runner, teacher, cfg, paths: list[str], out_dir: st
     from bertdist.finetune.train import predict
 
     out = Path(out_dir)
+    effective_top_k(runner.kind, num_outputs(runner), top_k, cfg.max_seq_length)  # refuse a bad top_k before reading
     if not paths:
         raise DataError("no unlabelled input: give --unlabeled PATH (text, JSONL or the task's layout)")
     sources = [read_unlabeled(task, p) for p in paths]
@@ -146,7 +195,7 @@ def run_labelling(task: str, runner, teacher, cfg, paths: list[str], out_dir: st
         if not s.examples:
             raise DataError(f"{s.path}:1: empty file: no text to label ({s.skipped_blank} blank lines)")
     rows = [f for s in sources for f in encode_unlabeled(runner, s.examples, s.path)]
-    plan = make_plan(task, runner, teacher, cfg, sources, len(rows), shard_rows)
+    plan = make_plan(task, runner, teacher, cfg, sources, len(rows), shard_rows, top_k)
     rank, world = _dist_world()
     out.mkdir(parents=True, exist_ok=True)
     plan_path = out / "plan.json"
@@ -170,7 +219,7 @@ def run_labelling(task: str, runner, teacher, cfg, paths: list[str], out_dir: st
     for k in todo:
         part = rows[k * shard_rows:(k + 1) * shard_rows]
         logits = predict(teacher.model, part, pcfg, teacher.device)
-        _write_shard(out / shard_name(k, n), part, logits, k * shard_rows)
+        _write_shard(out / shard_name(k, n), part, logits, k * shard_rows, plan["top_k"], runner.kind)
         bar.update(len(part))
     bar.close()
     stats = {"rank": rank, "world_size": world, "shards_labelled": len(todo), "shards_reused": len(mine) - len(todo),
@@ -225,8 +274,9 @@ def read_manifest(labels_dir: str | Path) -> dict:
         state = "an unfinished pseudo-labelling job (rerun it to finish)" if (d / "plan.json").is_file() else "no pseudo-labels"
         raise DataError(f"{d}: no manifest.json: {state}")
     m = json.loads(path.read_text())
-    if m.get("format") != FORMAT:
-        raise DataError(f"{path}: format {m.get('format')!r}, expected {FORMAT!r}")
+    if m.get("format") not in FORMATS:
+        raise DataError(f"{path}: format {m.get('format')!r}, expected one of {list(FORMATS)}")
+    m.setdefault("top_k", None)
     return m
 
 
@@ -242,21 +292,45 @@ def check_label_set(manifest: dict, labels_dir, task: str, teacher, cfg) -> None
                                "teacher or tokenizer than this run's: " + "; ".join(diff))
 
 
-def load_label_rows(labels_dir: str | Path, manifest: dict) -> list[dict]:
-    """The rows of every shard as features: ids, type ids, attention mask, teacher logits (numpy)."""
+def check_top_k(manifest: dict, labels_dir, want: int | None) -> None:
+    """Refuse a set that lacks what the run's ``top_k`` needs: a top-k set cannot give full logits,
+    nor a larger k. A full set serves any k (cut when read), a top-k set any smaller k."""
+    have = manifest.get("top_k")
+    if have is None or (want is not None and want <= have):
+        return
+    need = "full logits (top_k: null)" if want is None else f"the top {want}"
+    raise LabelSetMismatch(f"{Path(labels_dir) / 'manifest.json'}: the set holds the teacher's top {have} "
+                           f"logits only, this run needs {need}; set top_k={have} (or less) for this run, "
+                           "or label into another directory")
+
+
+def load_label_rows(labels_dir: str | Path, manifest: dict, top_k: int | None = None) -> list[dict]:
+    """The rows of every shard as features: ids, type ids, attention mask, teacher outputs (numpy).
+    ``top_k`` (after ``check_top_k``): rows carry ``teacher`` = the top values and ``teacher_idx`` =
+    their indices (see ``top_k_of``), cut from full logits or a larger k when the set has them."""
     import pyarrow.parquet as pq
 
     d = Path(labels_dir)
     c = manifest["num_outputs"]
     kind = manifest["kind"]
+    have = manifest.get("top_k")
     out: list[dict] = []
     for name in manifest["shards"]:
         t = pq.read_table(d / name).to_pydict()
         for i in range(len(t["row"])):
             ids = t["input_ids"][i]
             f = {"input_ids": ids, "token_type_ids": t["token_type_ids"][i], "attention_mask": [1] * len(ids)}
-            lg = np.asarray(t["logits"][i], dtype=np.float32)
-            f["teacher"] = lg.reshape(len(ids), c) if kind in ("token", "span") else lg
+            if have is None:
+                lg = np.asarray(t["logits"][i], dtype=np.float32)
+                f["teacher"] = lg.reshape(len(ids), c) if kind in ("token", "span") else lg
+                if top_k is not None:
+                    f["teacher"], f["teacher_idx"] = top_k_of(f["teacher"], kind, top_k)
+            else:
+                shape = {"token": (len(ids), -1), "span": (2, -1)}.get(kind, (-1,))
+                vals = np.asarray(t["top_values"][i], dtype=np.float32).reshape(shape)
+                idx = np.asarray(t["top_indices"][i], dtype=np.int32).reshape(shape)
+                k = have if top_k is None else top_k  # descending: the first k are the top k
+                f["teacher"], f["teacher_idx"] = vals[..., :k], idx[..., :k]
             if "loss_mask" in t:
                 f["loss_mask"] = t["loss_mask"][i]
             out.append(f)

@@ -28,7 +28,8 @@ import torch
 from bertdist.config import save_config
 from bertdist.distill import losses
 from bertdist.distill.config import DistillConfig
-from bertdist.distill.pseudolabel import check_label_set, load_label_rows, read_manifest, run_labelling
+from bertdist.distill.pseudolabel import (check_label_set, check_top_k, effective_top_k, load_label_rows, num_outputs,
+                                         read_manifest, run_labelling, top_k_of)
 from bertdist.distill.student import StudentPlan, plan_student
 from bertdist.distill.teacher import Teacher, load_teacher
 from bertdist.export.tokenizer import bert_tokenizer
@@ -49,6 +50,8 @@ def normalise_rows(rows: list[dict], kind: str) -> list[dict]:
     for f in rows:
         g = {k: f[k] for k in INPUT_KEYS}
         g["teacher"] = f["teacher"]
+        if "teacher_idx" in f:
+            g["teacher_idx"] = f["teacher_idx"]
         n = len(f["input_ids"])
         if kind == "classification":
             g["labels"] = int(f.get("labels", IGNORE_INDEX))
@@ -66,11 +69,14 @@ def normalise_rows(rows: list[dict], kind: str) -> list[dict]:
 
 def distill_collate(features: list[dict]) -> dict[str, torch.Tensor]:
     """The fine-tuning collate for inputs and gold labels; teacher logits (and the token loss mask)
-    padded to the batch's width."""
-    batch = collate([{k: v for k, v in f.items() if k not in ("teacher", "loss_mask")} for f in features])
+    padded to the batch's width. Top-k rows (``teacher_idx``) give ``teacher`` = values and
+    ``teacher_idx`` = indices; span rows shorter than k are padded with -inf values (unused slots)."""
+    batch = collate([{k: v for k, v in f.items() if k not in ("teacher", "teacher_idx", "loss_mask")} for f in features])
     width = batch["input_ids"].shape[1]
     t0 = np.asarray(features[0]["teacher"])
-    if t0.ndim == 2:  # per position: [S, C]
+    if "teacher_idx" in features[0]:
+        batch["teacher"], batch["teacher_idx"] = _collate_top_k(features, width)
+    elif t0.ndim == 2:  # per position: [S, C]
         arr = np.zeros((len(features), width, t0.shape[1]), dtype=np.float32)
         for i, f in enumerate(features):
             arr[i, :len(f["teacher"])] = f["teacher"]
@@ -83,17 +89,35 @@ def distill_collate(features: list[dict]) -> dict[str, torch.Tensor]:
     return batch
 
 
+def _collate_top_k(features: list[dict], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    vals = [np.asarray(f["teacher"], dtype=np.float32) for f in features]
+    idx = [np.asarray(f["teacher_idx"], dtype=np.int64) for f in features]
+    if vals[0].ndim == 1:  # classification: [k]
+        return torch.from_numpy(np.stack(vals)), torch.from_numpy(np.stack(idx))
+    k = max(v.shape[-1] for v in vals)
+    span = "start_positions" in features[0]  # [2, k'] per row; tokens: [S, k] per row
+    rows = 2 if span else width
+    out_v = np.full((len(features), rows, k), -np.inf if span else 0.0, dtype=np.float32)
+    out_i = np.zeros((len(features), rows, k), dtype=np.int64)
+    for j, (v, i) in enumerate(zip(vals, idx)):
+        out_v[j, :v.shape[0], :v.shape[1]] = v
+        out_i[j, :i.shape[0], :i.shape[1]] = i
+    return torch.from_numpy(out_v), torch.from_numpy(out_i)
+
+
 def distill_loss(kind: str, logits: torch.Tensor, batch: dict, temperature: float, alpha: float) -> torch.Tensor:
     t = batch["teacher"]
+    idx = batch.get("teacher_idx")
     if kind == "classification":
-        return losses.classification_loss(logits, t, batch["labels"], temperature, alpha)
+        return losses.classification_loss(logits, t, batch["labels"], temperature, alpha, idx)
     if kind == "regression":
         return losses.regression_loss(logits, t.reshape(-1), batch["labels"], alpha)
     if kind == "token":
-        return losses.token_loss(logits, t, batch["loss_mask"] * batch["attention_mask"], batch["labels"], temperature, alpha)
+        return losses.token_loss(logits, t, batch["loss_mask"] * batch["attention_mask"], batch["labels"], temperature,
+                                 alpha, idx)
     if kind == "span":
         return losses.span_loss(logits, t, batch["attention_mask"], batch["start_positions"], batch["end_positions"],
-                                temperature, alpha)
+                                temperature, alpha, idx)
     raise DataError(f"task head {kind!r} has no distillation loss")
 
 
@@ -235,19 +259,27 @@ def pseudo_labels(cfg: DistillConfig, task: str, fcfg, runner, teacher: Teacher)
     """The pseudo-label rows: a finished set is reused (after checking its teacher and tokenizer),
     anything else is (re)labelled, resuming where a killed job stopped."""
     labels_dir = Path(cfg.labels_dir or Path(cfg.output_dir) / "pseudo_labels")
+    top_k = run_top_k(cfg, runner, fcfg)
     if (labels_dir / "manifest.json").is_file():
         manifest = read_manifest(labels_dir)
         check_label_set(manifest, labels_dir, task, teacher, fcfg)
+        check_top_k(manifest, labels_dir, top_k)
         if cfg.unlabeled and [Path(s["path"]).resolve() for s in manifest["sources"]] != [Path(p).resolve() for p in cfg.unlabeled]:
             raise DataError(f"{labels_dir}/manifest.json: labels the sources {[s['path'] for s in manifest['sources']]}, "
                             f"but --unlabeled names {list(cfg.unlabeled)}; give another labels_dir")
         manifest["reused"] = True
     else:
         manifest = run_labelling(task, runner, teacher, fcfg, list(cfg.unlabeled), labels_dir, shard_rows=cfg.shard_rows,
-                                 batch_size=cfg.label_batch_size, progress=fcfg.progress)
+                                 batch_size=cfg.label_batch_size, progress=fcfg.progress, top_k=cfg.top_k)
         manifest["reused"] = False
-    rows = load_label_rows(labels_dir, manifest) if "shards" in manifest else []
-    return rows, {"dir": str(labels_dir), **{k: manifest[k] for k in ("rows", "num_shards", "sources", "reused")}}
+    rows = load_label_rows(labels_dir, manifest, top_k) if "shards" in manifest else []
+    return rows, {"dir": str(labels_dir), "top_k": top_k,
+                  **{k: manifest[k] for k in ("rows", "num_shards", "sources", "reused")}}
+
+
+def run_top_k(cfg: DistillConfig, runner, fcfg) -> int | None:
+    """The k this run trains with (None: full logits); see ``pseudolabel.effective_top_k``."""
+    return effective_top_k(runner.kind, num_outputs(runner), cfg.top_k, fcfg.max_seq_length)
 
 
 def run_distill(cfg: DistillConfig) -> dict:
@@ -270,7 +302,7 @@ def run_distill(cfg: DistillConfig) -> dict:
     plan = plan_student(cfg.student, teacher, runner.kind)
     eval_sets = runner.eval_sets()
     rows, label_info = pseudo_labels(cfg, task, fcfg, runner, teacher)
-    labelled = label_train_rows(runner, teacher, fcfg) if cfg.use_labelled_rows else []
+    labelled = label_train_rows(runner, teacher, fcfg, label_info["top_k"]) if cfg.use_labelled_rows else []
     train_rows = normalise_rows(labelled + rows, runner.kind)
     if not train_rows:
         raise DataError(f"nothing to train on: {cfg.data} has no train rows and no pseudo-labels were made")
@@ -295,8 +327,9 @@ def run_distill(cfg: DistillConfig) -> dict:
     return report
 
 
-def label_train_rows(runner, teacher: Teacher, fcfg) -> list[dict]:
-    """The task's own train rows with the teacher's logits beside their gold labels."""
+def label_train_rows(runner, teacher: Teacher, fcfg, top_k: int | None = None) -> list[dict]:
+    """The task's own train rows with the teacher's logits beside their gold labels (its top-k
+    values and indices with ``top_k``, as the pseudo-labelled rows they share batches with)."""
     try:
         feats = runner.train_features()
     except DataError:
@@ -306,6 +339,8 @@ def label_train_rows(runner, teacher: Teacher, fcfg) -> list[dict]:
     for f, lg in zip(feats, logits):
         g = dict(f)
         g["teacher"] = np.asarray(lg, dtype=np.float32)
+        if top_k is not None:
+            g["teacher"], g["teacher_idx"] = top_k_of(g["teacher"], runner.kind, top_k)
         if runner.kind == "token":
             g["loss_mask"] = [int(x != IGNORE_INDEX) for x in f["labels"]]
         out.append(g)
@@ -332,4 +367,4 @@ def run_pseudo_label(cfg: DistillConfig) -> dict:
     task, fcfg, _, runner, teacher = prepare(cfg)
     labels_dir = Path(cfg.labels_dir or Path(cfg.output_dir) / "pseudo_labels")
     return run_labelling(task, runner, teacher, fcfg, list(cfg.unlabeled), labels_dir, shard_rows=cfg.shard_rows,
-                         batch_size=cfg.label_batch_size, progress=fcfg.progress)
+                         batch_size=cfg.label_batch_size, progress=fcfg.progress, top_k=cfg.top_k)
