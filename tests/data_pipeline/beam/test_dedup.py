@@ -147,10 +147,10 @@ def test_sources_are_grouped_by_their_dedup_settings():
             assert_that(kept[i] | f"Keys{i}" >> beam.Keys(), equal_to(want), label=f"kept{i}")
 
 
-def _build(out, jsonl, vocab, workers: int) -> tuple[dict[str, bytes], dict]:
-    """``bertdist data build`` of one JSON-lines file whose documents are named by their "id"."""
+def _build(out, jsonls, vocab, workers: int) -> tuple[dict[str, bytes], dict]:
+    """``bertdist data build`` of JSON-lines files (one source each) whose documents are named by their "id"."""
     config = out.parent / f"{out.name}.yaml"
-    config.write_text(json.dumps({"inputs": [{"kind": "jsonl", "path": str(jsonl), "id_field": "id"}],
+    config.write_text(json.dumps({"inputs": [{"kind": "jsonl", "path": str(j), "id_field": "id"} for j in jsonls],
                                   "max_seq_length": 64, "dupe_factor": 1, "num_shards": 2, "heldout_fraction": 0.1}))
     mode = "in_memory" if workers == 1 else "multi_processing"
     cmd = [sys.executable, "-m", "bertdist.cli.main", "data", "build", "--config", str(config), "--vocab", str(vocab),
@@ -179,20 +179,34 @@ def test_the_kept_documents_and_the_sample_do_not_depend_on_input_order(tmp_path
 
 @pytest.mark.slow
 def test_shards_with_duplicates_do_not_depend_on_input_order_or_worker_count(tmp_path, small_vocab):
+    """Two sources, the second repeating documents of the first (exactly and 1% edited) beside
+    duplicates within each: the same shards for shuffled input and for 1 or 2 workers."""
     docs, keep = corpus(3)
+    a, b = two_sources()
+    second = b + [("x" + k, v) for k, v in docs if k in ("doc05", "doc06")]  # more cross-source copies
     for name, seed in (("a", None), ("b", 7)):
-        rows = list(docs)
-        if seed is not None:
-            random.Random(seed).shuffle(rows)
-        (tmp_path / name).mkdir()
-        with open(tmp_path / name / "docs.jsonl", "w") as f:  # one file name: ids carry it
-            for doc_id, text in rows:
-                f.write(json.dumps({"id": doc_id, "text": text}) + "\n")
-    a, man = _build(tmp_path / "out_a", tmp_path / "a" / "docs.jsonl", small_vocab, 1)
-    b, _ = _build(tmp_path / "out_b", tmp_path / "b" / "docs.jsonl", small_vocab, 2)
-    assert a == b
-    d = man["dedup"]["sources"]["0-jsonl"]
-    assert d["exact_documents_removed"] == 2 and d["near_documents_removed"] == 3
-    assert man["counts"]["documents"] == len(keep)
+        for i, rows in enumerate((docs + a, second)):
+            rows = list(rows)
+            if seed is not None:
+                random.Random(seed + i).shuffle(rows)
+            (tmp_path / name).mkdir(exist_ok=True)
+            with open(tmp_path / name / f"docs{i}.jsonl", "w") as f:  # same file names: ids carry them
+                for doc_id, text in rows:
+                    f.write(json.dumps({"id": doc_id, "text": text}) + "\n")
+    files = lambda name: [tmp_path / name / f"docs{i}.jsonl" for i in range(2)]  # noqa: E731
+    sa, man = _build(tmp_path / "out_a", files("a"), small_vocab, 1)
+    sb, _ = _build(tmp_path / "out_b", files("b"), small_vocab, 2)
+    assert sa == sb
+    d0, d1 = man["dedup"]["sources"]["0-jsonl"], man["dedup"]["sources"]["1-jsonl"]
+    assert d0["exact_documents_removed"] == 2 and d0["near_documents_removed"] == 3
+    assert d0["cross_source_documents_removed"] == 0 and d0["exact_clusters"] == 5  # 2 within, 3 across
+    assert d1["exact_clusters"] == 1 and d1["near_clusters"] == 0  # clusters count where the kept copy is
+    # 1-jsonl: "0copy" and "b0again" exact, "0near" near, its copies of doc05 and doc06 exact
+    assert d1["exact_documents_removed"] == 4 and d1["near_documents_removed"] == 1
+    assert d1["cross_source_documents_removed"] == 4 and man["dedup"]["cross_source_documents_removed"] == 4
+    assert d0["deduplicated_with"] == d1["deduplicated_with"] == ["0-jsonl", "1-jsonl"]
+    assert man["counts"]["documents"] == len(keep) + len(a) + 4
     pairs = [json.loads(line) for line in (tmp_path / "out_a" / man["dedup"]["removed_pairs_sample"]).open()]
-    assert len(pairs) == 5 and {p["removed"] for p in pairs}.isdisjoint(keep)
+    assert len(pairs) == 10 and {p["removed"].rsplit(":", 1)[1] for p in pairs}.isdisjoint(keep)
+    assert sorted(p["removed"].rsplit(":", 1)[1] for p in pairs if p["kept_source"] != p["removed_source"]) == [
+        "0copy", "0near", "xdoc05", "xdoc06"]
