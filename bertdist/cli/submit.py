@@ -1,4 +1,4 @@
-"""`bertdist submit pretrain|probe|data`: take a recipe from this machine to a cluster.
+"""`bertdist submit pretrain|probe|data|pseudo-label`: take a recipe from this machine to a cluster.
 
 Scripts, hostfiles and manifests are rendered from the training config itself
 (cluster/); the job re-reads that same file. --dry-run prints what would be
@@ -103,11 +103,51 @@ def run_probe(args) -> int:
                            program_argv=[args.python, "-m", *tail], program_module=["-m", *tail]))
 
 
+def pseudo_label_tail(args) -> list[str]:
+    """``bertdist.cli.main pseudo-label ...`` with absolute paths (the job may start elsewhere), after
+    checking what the job would otherwise fail on once it leaves the queue."""
+    from bertdist.config import ConfigError
+    from bertdist.distill.config import load_distill_config
+
+    teacher, data = Path(args.teacher).expanduser().resolve(), Path(args.data).expanduser().resolve()
+    if not (teacher / "vocab.txt").is_file():
+        raise SubmitError(f"--teacher {args.teacher}: no vocab.txt there; a fine-tuned task model directory "
+                          "(`bertdist finetune ... --set save_model=true` writes one under OUT/model)")
+    if not data.is_dir():
+        raise SubmitError(f"--data {args.data}: not a directory (the task's directory)")
+    unlabeled = [Path(u).expanduser().resolve() for u in args.unlabeled]
+    missing = [str(u) for u in unlabeled if not u.is_file()]
+    if missing:
+        raise SubmitError(f"--unlabeled: no such file: {', '.join(missing)}")
+    config = Path(args.config).expanduser().resolve() if args.config else None
+    if config is not None and not config.is_file():
+        raise SubmitError(f"--config {args.config}: no such file")
+    try:  # unknown keys and bad values fail here, not in the queue
+        load_distill_config(str(config) if config else None, list(args.set))
+    except ConfigError as e:
+        raise SubmitError(f"{config or 'the distill config'}: {e}") from None
+    tail = ["bertdist.cli.main", "pseudo-label", args.task, "--teacher", str(teacher), "--data", str(data),
+            "--unlabeled", *map(str, unlabeled), "--out", str(Path(args.out).expanduser().resolve())]
+    if config is not None:
+        tail += ["--config", str(config)]
+    return tail + [x for o in args.set for x in ("--set", o)]
+
+
+def run_pseudo_label(args) -> int:
+    from cluster.submit import launch
+
+    tail = pseudo_label_tail(args)
+    out = Path(args.out).expanduser().resolve()
+    return launch(_request(args, name=args.name or f"bertdist-pseudo-label-{args.task}", run_dir=out,
+                           label=f"pseudo-labelling {args.task} into {out}",
+                           program_argv=[args.python, "-m", *tail], program_module=["-m", *tail]))
+
+
 _guard = exit_2_on("bertdist submit", SubmitError)
 
 
 def register(sub) -> None:
-    p = sub.add_parser("submit", help="submit a pretraining run, launch probe or data job to a cluster")
+    p = sub.add_parser("submit", help="submit a pretraining run, launch probe, data or pseudo-labelling job to a cluster")
     s = p.add_subparsers(dest="what", metavar="WHAT", required=True)
     pt = s.add_parser("pretrain", help="run `bertdist pretrain <config> --resume auto` on a cluster")
     pt.add_argument("config", help="training config YAML (the job re-reads this file)")
@@ -141,6 +181,19 @@ def register(sub) -> None:
     da.add_argument("--log-dir", default=None, help="SLURM logs and script (default: <output>/../jobs)")
     da.add_argument("--dry-run", action="store_true")
     da.set_defaults(func=_guard(run_data))
+    pl = s.add_parser("pseudo-label", help="run `bertdist pseudo-label` on a cluster: the ranks split the shards, "
+                                           "a requeued job labels only the missing ones")
+    pl.add_argument("task", help="a GLUE task, ner, squad or squad2")
+    pl.add_argument("--teacher", required=True, help="a fine-tuned task model directory")
+    pl.add_argument("--data", required=True, help="the task's directory")
+    pl.add_argument("--unlabeled", nargs="+", required=True, metavar="PATH", help="unlabelled text files")
+    pl.add_argument("--out", required=True, help="the pseudo-label directory (job logs go to OUT/jobs)")
+    pl.add_argument("--config", default=None, help="a YAML from configs/distill/")
+    pl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config field, e.g. --set top_k=20 --set label_batch_size=256")
+    _add_resources(pl)
+    # one torchrun agent per node, rendezvous at the first node (srun: one task per process)
+    pl.set_defaults(func=_guard(run_pseudo_label), launcher="torchrun")
 
 
 def data_command(python: str, config: Path, overrides: list[str], beam_args: list[str]) -> list[str]:
