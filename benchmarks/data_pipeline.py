@@ -2,7 +2,9 @@
 
 Workload (the reference figure in ../shared/data/README.md): the 14 Gutenberg books split into
 sentences (blingfire) in BERT format, max_seq_length 128, dupe_factor 5, masked_lm_prob 0.15,
-max_predictions_per_seq 20, uncased BERT vocab, at 1x and 5x (the books repeated).
+max_predictions_per_seq 20, uncased BERT vocab, at 1x and 5x (the books, then copies of them whose
+words go through a per-copy bijection within word-length and frequency classes: the same amount
+of work, no duplicates; see ``make_bert_format``).
 
 The default mode runs, on the same input file and interleaved (one repeat = the reference, then
 each of our configurations), with ``--repeats`` repeats per input scale:
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -54,8 +57,54 @@ REFERENCE = REPO.parent / "shared" / "reference" / "nvidia-bert-create-pretraini
 VOCAB = SHARED / "vocab" / "bert-base-uncased-vocab.txt"
 
 
+WORD = re.compile(r"[A-Za-z]+")
+BLOCK = 16  # words of one length per block of the frequency ranking: a word's stand-ins are about as frequent
+
+
+def copy_maps(text: str, copies: int) -> list[dict[str, str]]:
+    """For copy k = 1..copies-1, a bijection of the text's words (lower-cased ASCII letter runs)
+    onto themselves that keeps every word's length: the words of one length, ranked by frequency
+    (ties alphabetical), are cut into blocks of ``BLOCK`` consecutive ranks (a short last block
+    joins the one before), and copy k maps the j-th word of a block to the (j + k)-th, cyclically.
+    So copy k has the same words per line, characters per word and word-frequency spectrum as
+    the original, with no word left in place where its block is larger than k (every block but
+    those of the rare lengths a block's worth of words never fills), and two copies share no
+    mapping where the block is larger than their k's difference: no copy repeats another's word
+    n-grams, which is what the near-duplicate detection measures."""
+    from collections import Counter
+
+    freq = Counter(w.lower() for w in WORD.findall(text))
+    by_len: dict[int, list[str]] = {}
+    for w, _ in sorted(freq.items(), key=lambda kv: (-kv[1], kv[0])):
+        by_len.setdefault(len(w), []).append(w)
+    maps: list[dict[str, str]] = [{} for _ in range(copies)]
+    for words in by_len.values():
+        starts = list(range(0, len(words), BLOCK))
+        if len(starts) > 1 and len(words) - starts[-1] < BLOCK:
+            starts.pop()  # the short tail joins the block before
+        for a, b in zip(starts, starts[1:] + [len(words)]):
+            block = words[a:b]
+            for k in range(1, copies):
+                maps[k].update((w, block[(j + k) % len(block)]) for j, w in enumerate(block))
+    return maps
+
+
+def _apply(text: str, mapping: dict[str, str]) -> str:
+    """Each word replaced by its image, its letters' case kept position by position."""
+    def sub(m: re.Match) -> str:
+        w = m.group(0)
+        new = mapping[w.lower()]
+        return new if w.islower() else "".join(c.upper() if o.isupper() else c for c, o in zip(new, w))
+
+    return WORD.sub(sub, text)
+
+
 def make_bert_format(out: Path, scale: int) -> int:
-    """Books -> one sentence per line, blank line between documents; ``scale`` copies. Returns words."""
+    """Books -> one sentence per line, blank line between documents; ``scale`` copies: the books
+    themselves, then ``scale - 1`` copies whose words go through :func:`copy_maps`' bijections,
+    so that each copy is as much work as the books (same words, lines, word lengths and word
+    frequencies) and none is a duplicate of another (a build with dedup on removes nothing:
+    :func:`check_no_duplicates`). Returns words."""
     sys.path.insert(0, str(REPO))
     from data_pipeline.text import text_to_sentences
 
@@ -63,10 +112,25 @@ def make_bert_format(out: Path, scale: int) -> int:
     for p in sorted((SHARED / "books").glob("*.txt")):
         docs.append("\n".join(text_to_sentences(p.read_text(encoding="utf-8", errors="replace"))))
     body = "\n\n".join(docs) + "\n"
+    maps = copy_maps(body, scale)
     with out.open("w") as f:
         for i in range(scale):
-            f.write(body + "\n")
+            f.write((_apply(body, maps[i]) if i else body) + "\n")
     return len(body.split()) * scale
+
+
+def documents_removed(manifest: dict) -> int:
+    """Documents a build's dedup removed, all sources."""
+    return sum((d.get(k) or 0) for d in manifest["dedup"]["sources"].values()
+               for k in ("exact_documents_removed", "near_documents_removed"))
+
+
+def check_no_duplicates(result: dict, scale: int) -> None:
+    """Raise when a build with dedup on removed documents: the scaled input would then measure
+    less work than its size says."""
+    if result["dedup_documents_removed"]:
+        raise SystemExit(f"the {scale}x input has duplicates: a dedup-on build removed "
+                         f"{result['dedup_documents_removed']} documents")
 
 
 def run_once(inp: Path, outdir: Path, workers: int, mode: str, extra_sets: tuple[str, ...] = ()) -> dict:
@@ -116,6 +180,7 @@ def run_once(inp: Path, outdir: Path, workers: int, mode: str, extra_sets: tuple
     driver_rss = max((r for k, r in peak.values() if k == "driver"), default=0)
     return {"wall_s": round(wall, 2), "pipeline_wall_s": man["wall_seconds"], "cpu_s": round(cpu, 1),
             "instances": man["counts"]["instances"], "input_words_counted": man["counts"]["input_words"],
+            "dedup_documents_removed": documents_removed(man),
             "peak_rss_worker_mb": [round(r / 2**20) for r in workers_rss],
             "peak_rss_driver_mb": round(driver_rss / 2**20)}
 
@@ -324,6 +389,8 @@ def compare_main(args) -> int:
                     out = Path(tmp) / f"out_x{scale}_w{workers}_{dedup}"
                     r = run_once(inp, out, workers, mode, (f"dedup.enabled={'true' if dedup == 'on' else 'false'}",))
                     shutil.rmtree(out, ignore_errors=True)
+                    if dedup == "on":
+                        check_no_duplicates(r, scale)
                     per_core = words / r["wall_s"] / workers
                     ratio = per_core / ref_rate
                     ratios[(workers, dedup)].append(ratio)
