@@ -162,3 +162,21 @@ def test_squad_top_k_set_is_smaller_trains_students_and_is_refused_where_it_lack
     with pytest.raises(LabelSetMismatch, match="top_k_requested: set has 4, this run has 2"):
         run_pseudo_label(fx.distill_config("squad", teacher, data, [unl], tmp_path / "r", labels_dir=str(top),
                                            top_k=2))
+
+
+def test_token_rows_of_different_lengths_batch_per_position():
+    from bertdist.distill.train import _collate_top_k
+
+    rng = np.random.default_rng(0)
+    t_rows = [rng.standard_normal((3, 5)).astype(np.float32), rng.standard_normal((5, 5)).astype(np.float32)]
+    feats = [{"input_ids": [1] * len(t), "loss_mask": [1] * len(t), **dict(zip(("teacher", "teacher_idx"),
+                                                                                top_k_of(t, "token", 2)))}
+             for t in t_rows]
+    v, i = _collate_top_k(feats, 5)
+    assert v.shape == i.shape == (2, 5, 2) and torch.equal(i[0, 3:], torch.zeros(2, 2, dtype=torch.long))
+    student = torch.from_numpy(rng.standard_normal((2, 5, 5)).astype(np.float32))
+    mask = torch.tensor([[1, 0, 1, 0, 0], [1, 1, 1, 1, 1]])  # the first row's padding is outside the mask
+    got = losses.token_loss(student, v, mask, None, 2.0, 0.0, i)
+    per_pos = [losses.topk_kl(student[b, s], v[b, s], i[b, s], 2.0).item()
+               for b in range(2) for s in range(5) if mask[b, s]]
+    assert got.item() == pytest.approx(sum(per_pos) / len(per_pos), rel=1e-6)
