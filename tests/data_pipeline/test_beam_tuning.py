@@ -23,3 +23,49 @@ def test_an_unexpected_beam_is_not_patched(monkeypatch):
     monkeypatch.setattr(init, "__defaults__", (123,))  # a Beam whose default we do not know
     assert not beam_tuning.shorten_state_sampler_period()
     assert init.__defaults__ == (123,)
+
+
+class _Stateful(__import__("apache_beam").DoFn):
+    from apache_beam.coders import VarIntCoder
+    from apache_beam.transforms.userstate import ReadModifyWriteStateSpec
+
+    COUNT = ReadModifyWriteStateSpec("count", VarIntCoder())
+
+    def process(self, kv, count=__import__("apache_beam").DoFn.StateParam(COUNT)):
+        yield kv
+
+
+class _Plain(__import__("apache_beam").DoFn):
+    def process(self, x):
+        yield x
+
+
+def test_dofn_specs_are_cached_per_class_and_function_with_beams_answers():
+    import apache_beam as beam
+    from apache_beam.transforms import userstate
+
+    import data_pipeline.beam  # noqa: F401  (applies the tuning)
+
+    assert getattr(userstate.get_dofn_specs, "_cached_per_class", False)
+    original = userstate.get_dofn_specs.__wrapped__
+    fn_a, fn_b = (lambda x: [x]), (lambda x: [x, x])
+    fn_state = lambda kv, count=beam.DoFn.StateParam(_Stateful.COUNT): [kv]  # noqa: E731
+    dofns = [_Stateful(), _Stateful(), _Plain(), beam.FlatMap(fn_a).fn, beam.FlatMap(fn_a).fn,
+             beam.FlatMap(fn_b).fn, beam.Map(len).fn, beam.FlatMap(fn_state).fn, beam.FlatMap(fn_a).fn]
+    for d in dofns:
+        assert userstate.get_dofn_specs(d) == original(d)
+    assert userstate.is_stateful_dofn(_Stateful()) and not userstate.is_stateful_dofn(_Plain())
+    # one entry per class, one per wrapped function
+    assert _Stateful in beam_tuning._SPECS_BY_CLASS and _Plain in beam_tuning._SPECS_BY_CLASS
+    assert set(beam_tuning._SPECS_BY_FUNCTION.keys()) >= {fn_a, fn_b}
+    # callers get their own sets: mutating one does not change the next answer
+    userstate.get_dofn_specs(_Stateful())[0].clear()
+    assert len(userstate.get_dofn_specs(_Stateful())[0]) == 1
+
+
+def test_a_dofn_with_a_method_bound_on_the_instance_is_not_cached():
+    import types
+
+    d = _Plain()
+    d.process = types.MethodType(lambda self, x: [x], d)
+    assert beam_tuning._specs_key(d) is None
