@@ -183,7 +183,7 @@ def register(sub) -> None:
     da.set_defaults(func=_guard(run_data))
     pl = s.add_parser("pseudo-label", help="run `bertdist pseudo-label` on a cluster: the ranks split the shards, "
                                            "a requeued job labels only the missing ones")
-    pl.add_argument("task", help="a GLUE task, ner, squad or squad2")
+    pl.add_argument("task", help="a GLUE task, stsb, ner, squad or squad2")
     pl.add_argument("--teacher", required=True, help="a fine-tuned task model directory")
     pl.add_argument("--data", required=True, help="the task's directory")
     pl.add_argument("--unlabeled", nargs="+", required=True, metavar="PATH", help="unlabelled text files")
