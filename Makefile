@@ -31,7 +31,7 @@ $(STAMP): requirements.lock pyproject.toml setup.py $(wildcard csrc/* csrc/*/*)
 	touch $@
 
 test: venv slurm
-	$(PY) -m pytest -q -p no:cacheprovider tests; rc=$$?; \
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5): treated as failure"; exit 1; fi; \
 	exit $$rc
 
