@@ -30,6 +30,8 @@ SCHEMAS = (
      "`bertdist data build --config CONFIG --set key.path=value`"),
     ("Fine-tuning", "bertdist.finetune.config:FinetuneConfig", "configs/finetune/*.yaml",
      "`bertdist finetune TASK --config CONFIG --set key.path=value`"),
+    ("Task distillation", "bertdist.distill.config:DistillConfig", "configs/distill/*.yaml",
+     "`bertdist distill TASK --config CONFIG --set key.path=value` (`bertdist pseudo-label` reads the same keys)"),
     ("Cluster resources", "cluster.spec:Resources", "options of `bertdist submit`",
      "`bertdist submit pretrain ... --nodes N --gpus-per-node G` (one option per key, `-` for `_`)"),
 )

@@ -39,7 +39,7 @@ class DistillConfig:
     layer_map: list[int] = dataclasses.field(default_factory=list)  # teacher layer per student layer; default: the copied layers
     patience: int | None = None  # early stopping: evaluations without a better dev score before stopping
 
-    # Pseudo-labelling
+    # --- pseudo-labelling ---
     shard_rows: int = 4096  # rows per Parquet shard (the unit of resume and of data parallelism)
     label_batch_size: int = 128
     # Store only the teacher's k largest logits (and their indices) per output distribution; null:
