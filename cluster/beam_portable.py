@@ -9,7 +9,9 @@ portable job API, as Dataflow, Flink and Spark run it, on one machine.
   ``cluster/beam_worker_boot.py`` (copied into that environment), which installs the packages
   that the job stages and nothing else;
 - the job stages bertdist as a wheel (``--extra_package``) holding the data pipeline's native
-  modules (``BERTDIST_EXTENSIONS=data pip wheel --no-deps --no-build-isolation .``).
+  modules (``BERTDIST_EXTENSIONS=data pip wheel --no-deps --no-build-isolation .``), or as the
+  sdist that Beam makes of ``--setup_file ./setup.py``, which each worker builds and installs
+  (the environment holds the build requirements; the pool sets ``BERTDIST_EXTENSIONS=data``).
 
     python -m cluster.beam_portable up      # prints the Beam flags for `bertdist data build`
     python -m cluster.beam_portable down
@@ -46,6 +48,14 @@ WORKER_REQUIREMENTS = ("apache-beam", "pyarrow", "numpy", "blingfire", "tokenize
                        "charset-normalizer")
 
 
+# What a worker needs to build bertdist from a --setup_file tarball (pip install
+# --no-build-isolation: the environment holds the build backend): pybind11 from requirements.lock,
+# setuptools at the launcher's version (lock files do not pin it; 70.1 and later build wheels
+# without the ``wheel`` package). The compiler is the machine's.
+BUILD_REQUIREMENTS = ("pybind11",)
+LAUNCHER_BUILD_REQUIREMENTS = ("setuptools",)
+
+
 class PortableRunnerError(RuntimeError):
     pass
 
@@ -63,13 +73,20 @@ def pinned(names=WORKER_REQUIREMENTS, lock: Path = REPO / "requirements.lock") -
     return [pins[n.lower()] for n in names]
 
 
+def build_pins() -> list[str]:
+    """The worker environment's build requirements (BUILD_REQUIREMENTS, LAUNCHER_BUILD_REQUIREMENTS)."""
+    from importlib.metadata import version
+
+    return pinned(BUILD_REQUIREMENTS) + [f"{n}=={version(n)}" for n in LAUNCHER_BUILD_REQUIREMENTS]
+
+
 def worker_env(path: Path = DEFAULT_ENV, *, python: str = sys.executable) -> Path:
     """The worker pool's own virtual environment at ``path`` (made or reused); returns it.
 
     Reused when it was made from the same pins, lock file, boot script and Python; otherwise made
     again from scratch. pip reaches the same indexes and local wheels as for .venv (pip.conf)."""
     lock = REPO / "requirements.lock"
-    key = hashlib.sha256("\n".join([*pinned(), lock.read_text(), BOOT_SCRIPT.read_text(),
+    key = hashlib.sha256("\n".join([*pinned(), *build_pins(), lock.read_text(), BOOT_SCRIPT.read_text(),
                                     sys.version]).encode()).hexdigest()
     stamp = path / ".bertdist-worker-env"
     if stamp.is_file() and stamp.read_text() == key:
@@ -78,7 +95,7 @@ def worker_env(path: Path = DEFAULT_ENV, *, python: str = sys.executable) -> Pat
     subprocess.run([python, "-m", "venv", str(path)], check=True)
     env_python = str(path / "bin" / "python")
     subprocess.run([env_python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                    "--constraint", str(lock), *pinned()], check=True)
+                    "--constraint", str(lock), *pinned(), *build_pins()], check=True)
     boot = path / "bin" / BOOT_NAME
     boot.write_text(f"#!{env_python}\n" + BOOT_SCRIPT.read_text())
     boot.chmod(0o755)
@@ -170,7 +187,9 @@ class LocalPortableRunner:
         self.job_pid = job.pid
         # the pool's environment: its own bin/ first, no PYTHONPATH, and a folder outside any checkout
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-        env.update(PATH=f"{self.env / 'bin'}{os.pathsep}{env.get('PATH', '')}", BERTDIST_BEAM_WORKER_DIR=str(pool_dir))
+        # BERTDIST_EXTENSIONS=data: a --setup_file install builds the data modules only (workers never import torch)
+        env.update(PATH=f"{self.env / 'bin'}{os.pathsep}{env.get('PATH', '')}", BERTDIST_BEAM_WORKER_DIR=str(pool_dir),
+                   BERTDIST_EXTENSIONS="data")
         pool = subprocess.Popen(
             [str(self.env / "bin" / "python"), "-m", "apache_beam.runners.worker.worker_pool_main",
              f"--service_port={self.pool_port}", f"--container_executable={self.env / 'bin' / BOOT_NAME}"],
@@ -201,10 +220,16 @@ class LocalPortableRunner:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def pipeline_args(self, wheel: Path, workers: int = 2) -> list[str]:
+    def pipeline_args(self, wheel: Path | None = None, workers: int = 2, setup_file: Path | None = None) -> list[str]:
+        """The Beam flags of a build through these services, staging bertdist either as ``wheel``
+        (--extra_package: built once, here) or as ``setup_file`` (--setup_file: the launcher makes
+        an sdist, each worker builds and installs it, native modules included)."""
+        if (wheel is None) == (setup_file is None):
+            raise PortableRunnerError("pipeline_args: stage either a wheel or a setup file")
+        staging = f"--extra_package={wheel}" if wheel is not None else f"--setup_file={setup_file}"
         return ["--runner=PortableRunner", f"--job_endpoint=localhost:{self.job_port}",
                 "--environment_type=EXTERNAL", f"--environment_config=localhost:{self.pool_port}",
-                f"--direct_num_workers={workers}", f"--extra_package={wheel}"]
+                f"--direct_num_workers={workers}", staging]
 
 
 def _up(args) -> int:
