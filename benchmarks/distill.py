@@ -85,8 +85,14 @@ def run_task(task: str, work: Path, args) -> dict:
                           max_train_examples=args.labelled, max_seq_length=args.seq, batch_size=32,
                           epochs=args.teacher_epochs, learning_rate=args.teacher_lr, save_model=True,
                           predict_test=False, tensorboard=False, progress=args.progress)
-    teacher_summary = run_finetune(tcfg)
-    teacher_seconds = time.time() - t0
+    teacher_dir = work / "teacher"
+    if args.reuse_teacher and (teacher_dir / "model").is_dir() and (teacher_dir / "metrics.json").is_file():
+        # the teacher an earlier run of this command fine-tuned here, with the same settings
+        teacher_summary = json.loads((teacher_dir / "metrics.json").read_text())
+        teacher_seconds = None
+    else:
+        teacher_summary = run_finetune(tcfg)
+        teacher_seconds = time.time() - t0
     train = FinetuneConfig(max_eval_examples=dev_limit, max_train_examples=args.labelled, max_seq_length=args.seq, batch_size=32,
                            epochs=args.epochs, learning_rate=args.lr, predict_test=False, tensorboard=False,
                            progress=args.progress)
@@ -96,9 +102,11 @@ def run_task(task: str, work: Path, args) -> dict:
                          bench_repeats=args.repeats, bench_seq_length=128, train=train)
     t1 = time.time()
     report = run_distill(dcfg)
-    report["seconds"] = {"teacher_finetune": round(teacher_seconds, 1), "distill_and_direct": round(time.time() - t1, 1)}
+    report["seconds"] = {"teacher_finetune": None if teacher_seconds is None else round(teacher_seconds, 1),
+                         "distill_and_direct": round(time.time() - t1, 1)}
     report["teacher_finetune"] = {"epochs": args.teacher_epochs, "lr": args.teacher_lr,
-                                  "best_epoch": teacher_summary["best"]["epoch"]}
+                                  "best_epoch": teacher_summary["best"]["epoch"],
+                                  "reused_from_earlier_run": teacher_seconds is None}
     return report
 
 
@@ -130,6 +138,9 @@ def main(argv=None) -> int:
     p.add_argument("--ner-dev-sentences", type=int, default=None,
                    help="score NER on the first N dev sentences (default: all 3,250)")
     p.add_argument("--progress", action="store_true")
+    p.add_argument("--reuse-teacher", action="store_true",
+                   help="use the teacher an earlier run fine-tuned in --work (and its pseudo-labels) instead of "
+                        "fine-tuning it again")
     args = p.parse_args(argv)
     if not SHARED.is_dir():
         sys.exit(f"needs ../shared/data at {SHARED}")
