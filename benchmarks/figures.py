@@ -298,6 +298,19 @@ def general_distill_table() -> list[str]:
     for run, label in labels.items():
         step, loss, _ = follow[run][-1]
         out.append(f"| {label} | {step} | {loss:.4f} | 1 | {link(name)} |")
+    # The all-MiniLM-L6-v2 teacher (30,522-token uncased vocab), students at every evaluated step.
+    teacher = [r for r in rows if r["run"] == "minilm_teacher"]
+    if not teacher:
+        raise MissingFigure(f"benchmarks/results/{name}: no minilm_teacher rows")
+    last = max(teacher, key=lambda r: r["step"])
+    out.append(f"| teacher (all-MiniLM-L6-v2, MLM head from continued pretraining) | {last['step']} | "
+               f"{last['mlm_loss']:.4f} | - | {link(name)} |")
+    for arm, label in (("uncased_scratch", "student from scratch (tiny, uncased vocab)"),
+                       ("uncased_distilled", "student distilled from all-MiniLM-L6-v2 (tiny, uncased vocab)")):
+        arm_rows = [r for r in rows if r["run"].startswith(arm + "_") and r["step"] > 0]
+        for step in sorted({r["step"] for r in arm_rows}):
+            at = [r["mlm_loss"] for r in arm_rows if r["step"] == step]
+            out.append(f"| {label} | {step} | {statistics.median(at):.4f} | {len(at)} | {link(name)} |")
     return out
 
 
