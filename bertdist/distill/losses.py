@@ -24,6 +24,17 @@ import torch.nn.functional as F
 from bertdist.model import IGNORE_INDEX
 
 
+def _mean_over_mask(per_row: torch.Tensor, student: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The mean of ``per_row`` where ``mask`` is true (all rows without one); a zero that keeps the
+    student in the graph when no row is selected."""
+    if mask is None:
+        return per_row.mean()
+    mask = mask.bool()
+    if not mask.any():
+        return student.sum() * 0.0
+    return per_row[mask].mean()
+
+
 def soft_kl(student: torch.Tensor, teacher: torch.Tensor, temperature: float,
             mask: torch.Tensor | None = None) -> torch.Tensor:
     """``T^2 * KL(p_t || p_s)`` over the last dimension, averaged over the rows where ``mask`` is true
@@ -32,12 +43,7 @@ def soft_kl(student: torch.Tensor, teacher: torch.Tensor, temperature: float,
     log_s = F.log_softmax(student.float() / t, dim=-1)
     log_t = F.log_softmax(teacher.float() / t, dim=-1)
     per_row = (log_t.exp() * (log_t - log_s)).sum(-1)
-    if mask is not None:
-        mask = mask.bool()
-        if not mask.any():
-            return student.sum() * 0.0
-        per_row = per_row[mask]
-    return per_row.mean() * t * t
+    return _mean_over_mask(per_row, student, mask) * t * t
 
 
 def topk_kl(student: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, temperature: float,
@@ -59,12 +65,7 @@ def topk_kl(student: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, 
     log_t = log_t.masked_fill(~valid, 0.0)
     log_s = log_s.masked_fill(~valid, 0.0)
     per_row = (log_t.exp() * valid * (log_t - log_s)).sum(-1)
-    if mask is not None:
-        mask = mask.bool()
-        if not mask.any():
-            return student.sum() * 0.0
-        per_row = per_row[mask]
-    return per_row.mean() * t * t
+    return _mean_over_mask(per_row, student, mask) * t * t
 
 
 def _masked_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
