@@ -30,6 +30,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"
 TARGETS = {"retention": 0.97, "gain_points": 2.0, "cpu_speedup_b32": 1.8}
+# Distillation passes per task: the NER student's dev F1 still rose after 2 passes over its 14,041
+# rows (77.6, 78.5), so it gets 4 (80.0); SST-2's 22,000 rows need 2.
+DEFAULT_PASSES = {"sst2": 2.0, "ner": 4.0}
 
 
 def base_model() -> Path:
@@ -94,7 +97,7 @@ def run_task(task: str, work: Path, args) -> dict:
         teacher_summary = run_finetune(tcfg)
         teacher_seconds = time.time() - t0
     train = FinetuneConfig(max_eval_examples=dev_limit, max_train_examples=args.labelled, max_seq_length=args.seq, batch_size=32,
-                           epochs=args.epochs, learning_rate=args.lr, predict_test=False, tensorboard=False,
+                           epochs=args.epochs or DEFAULT_PASSES[task], learning_rate=args.lr, predict_test=False, tensorboard=False,
                            progress=args.progress)
     dcfg = DistillConfig(task=task, teacher=str(work / "teacher" / "model"), student="layers:3", data=str(data),
                          unlabeled=[str(unl)], output_dir=str(work / "distill"), temperature=args.temperature,
@@ -104,6 +107,7 @@ def run_task(task: str, work: Path, args) -> dict:
     report = run_distill(dcfg)
     report["seconds"] = {"teacher_finetune": None if teacher_seconds is None else round(teacher_seconds, 1),
                          "distill_and_direct": round(time.time() - t1, 1)}
+    report["distill_passes"] = train.epochs
     report["teacher_finetune"] = {"epochs": args.teacher_epochs, "lr": args.teacher_lr,
                                   "best_epoch": teacher_summary["best"]["epoch"],
                                   "reused_from_earlier_run": teacher_seconds is None}
@@ -129,7 +133,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--teacher-epochs", type=float, default=3.0)
     p.add_argument("--teacher-lr", type=float, default=1e-4)
-    p.add_argument("--epochs", type=float, default=2.0, help="distillation passes over labelled + pseudo-labelled rows")
+    p.add_argument("--epochs", type=float, default=None,
+                   help="distillation passes over labelled + pseudo-labelled rows (default: SST-2 2, NER 4)")
     p.add_argument("--direct-epochs", type=float, default=5.0)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--temperature", type=float, default=2.0)
