@@ -161,7 +161,7 @@ class WordPieceEncoder:
         vocab_size = tok.get_vocab_size()
         self.dtype = np.uint16 if vocab_size < 65536 else np.uint32
         self.specials = [t.content for t in tok.get_added_tokens_decoder().values()]
-        self._split, self._controls, self._marks = _tables()
+        _, self._controls, self._marks = _unicode_classes()
         if native not in (None, True, False):
             raise ValueError(f"native must be None, True or False, got {native!r}")
         why_not = native_unavailable_reason() or (_native_unsupported_reason(tok) if native is not False else "")
@@ -173,6 +173,12 @@ class WordPieceEncoder:
             self._native = self._make_native()
         else:
             self._reset_cache()
+
+    @property
+    def _split(self) -> re.Pattern:
+        """The word split regex: only the Python path and :meth:`words` use it, and compiling its
+        class of every punctuation and CJK character takes ~10 ms, so the native path skips it."""
+        return _tables()[0]
 
     @property
     def cached_chunks(self) -> int:
