@@ -19,6 +19,9 @@ _CONTROL_CHARS = r"\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ufffe\uffff"
 _SPACE_CHARS = r" \t\u00a0\u2000-\u200b\u3000"
 _RUNS = re.compile(rf"[{_CONTROL_CHARS}\t\u00a0\u2000-\u200b\u3000][{_CONTROL_CHARS}{_SPACE_CHARS}]*"
                     rf"| [{_CONTROL_CHARS}{_SPACE_CHARS}]+")
+# What can start a run of the first kind: everything in _RUNS but the plain space. Without any of
+# these, only runs of two or more plain spaces need rewriting.
+_RUN_LEAD = re.compile(rf"[{_CONTROL_CHARS}\t\u00a0\u2000-\u200b\u3000]")
 _BLANK_LINES = re.compile(r"\n\s*\n")
 
 
@@ -26,6 +29,13 @@ def _normalize(text: str) -> str:
     """NFC, control characters -> space, every run of spaces -> one space (no strip)."""
     if not text.isascii():  # ASCII is already NFC
         text = unicodedata.normalize("NFC", text)
+    if _RUN_LEAD.search(text) is None:
+        # the usual case, and the same result as _RUNS.sub: _RUNS tries a match at every plain
+        # space (0.11 s per 10 MB of prose), while a search for the rarer characters and
+        # str.replace, which halves every run of spaces per pass, take 0.05 s
+        while "  " in text:
+            text = text.replace("  ", " ")
+        return text
     return _RUNS.sub(" ", text)
 
 
