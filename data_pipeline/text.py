@@ -10,8 +10,6 @@ from __future__ import annotations
 import re
 import unicodedata
 
-import blingfire
-
 # Control characters become spaces and every run of spaces one space: one pass over a run of
 # both kinds does it. Only runs that need rewriting match (a lone plain space does not), so
 # sub() is ~2x faster than with every run matching, and one regex ~2x faster than two.
@@ -64,6 +62,9 @@ def paragraphs(text: str) -> list[str]:
 def split_sentences(paragraph: str) -> list[str]:
     if not paragraph:
         return []
+    # imported here: loading it takes 30 ms, and one-sentence-per-line input never needs it
+    import blingfire
+
     return [s for s in (x.strip() for x in blingfire.text_to_sentences(paragraph).split("\n")) if s]
 
 

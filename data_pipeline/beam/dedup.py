@@ -280,7 +280,9 @@ class Deduplicate(beam.PTransform):
             checked = ({"ngrams": ngrams, "incoming": sent} | "JoinSecond" >> beam.CoGroupByKey()
                        | "ExactCheck" >> beam.FlatMap(_check_pairs, cfg.threshold, sources))
             roots = ((pairs[SURE], checked) | "Edges" >> beam.Flatten()
-                     | "AllPairs" >> beam.combiners.ToList()
+                     # without defaults: no pairs, no components (a default empty list would cost
+                     # Beam's default-injection stages, and mean the same)
+                     | "AllPairs" >> beam.combiners.ToList().without_defaults()
                      | "Components" >> beam.FlatMap(_components, sources))
         else:
             roots = signed.pipeline | "NoPairs" >> beam.Create([])
@@ -291,13 +293,15 @@ class Deduplicate(beam.PTransform):
             report, limits = self.report_dir, dict(zip(sources, self.sample_pairs))
 
             def write(samples):
-                for source in sources:  # every source gets its file, an empty one without removals
+                # every source of the group gets its file once anything was removed; without
+                # removals there is no sample and no file (the commit reads what is there)
+                for source in sources:
                     write_json(f"{report}/dedup/{source}.json",
                                {"source": source, "pairs": [json.loads(r) for *_, r in samples.get(source, [])]})
 
             ({REMOVED: kept[REMOVED], KEPT_ROOT: kept[KEPT_ROOT]} | "JoinKept" >> beam.CoGroupByKey()
              | "PairRows" >> beam.FlatMap(_pairs, sources)
-             | "Sample" >> beam.CombineGlobally(_SmallestPerSource(limits))
+             | "Sample" >> beam.CombineGlobally(_SmallestPerSource(limits)).without_defaults()
              | "WritePairs" >> beam.Map(write))
         outs = tuple(kept[t] for t in tags)
         return outs[0] if self.single else outs
