@@ -9,15 +9,15 @@
   failure into an error instead; BERTDIST_CUDA=0 skips CUDA.
 - MAX_JOBS (torch's knob) caps parallel compiles; it defaults to the core count here.
 
-Two more, independent extensions, ``data_pipeline._native_instances`` and
-``data_pipeline._native_wordpiece`` (csrc/data_pipeline/), are plain pybind11 modules without
-torch (Beam workers must not import torch). They are built first, by setuptools' own
-build_extension. Where a C++ compiler exists, a failed build of either is an error of the whole
+Three more, independent extensions, ``data_pipeline._native_dedup``, ``_native_instances`` and
+``_native_wordpiece`` (csrc/data_pipeline/), are plain pybind11 modules without torch (Beam
+workers must not import torch). They are built first, by setuptools' own build_extension.
+Where a C++ compiler exists, a failed build of any of them is an error of the whole
 install (data_pipeline/native_build.py: BERTDIST_DATA_NATIVE=optional turns it into a fall back
 to the module's Python reference); without a compiler they are skipped and the Python reference
-runs. Neither ever stops ``bertdist._C``, nor the reverse.
+runs. None of them ever stops ``bertdist._C``, nor the reverse.
 
-BERTDIST_EXTENSIONS=data builds only the two data modules, in build/data-only/: the wheel that a
+BERTDIST_EXTENSIONS=data builds only the data modules, in build/data-only/: the wheel that a
 Beam job stages for its SDK workers (``pip wheel --no-deps --no-build-isolation .``), which
 never import torch.
 
@@ -99,8 +99,9 @@ def _extensions():
     return cuda, cpu_ext, ce
 
 
-# torch-free pybind11 modules: the instance builder and the WordPiece document encoder
+# torch-free pybind11 modules: dedup signing, the instance builder and the WordPiece document encoder
 DATA_EXT_SOURCES = {
+    "data_pipeline._native_dedup": "csrc/data_pipeline/dedup.cpp",
     "data_pipeline._native_instances": "csrc/data_pipeline/instances.cpp",
     "data_pipeline._native_wordpiece": "csrc/data_pipeline/wordpiece.cpp",
 }

@@ -12,7 +12,7 @@ import shutil
 import sysconfig
 
 # the importable names of the modules built from csrc/data_pipeline/
-NATIVE_MODULES = ("data_pipeline._native_instances", "data_pipeline._native_wordpiece")
+NATIVE_MODULES = ("data_pipeline._native_dedup", "data_pipeline._native_instances", "data_pipeline._native_wordpiece")
 
 # "auto" (the default): required where a C++ compiler is found; "required"; "optional"
 POLICY_ENV = "BERTDIST_DATA_NATIVE"

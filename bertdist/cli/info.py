@@ -31,7 +31,7 @@ def collect() -> dict:
             {"op": s.op, "fused_usable": s.usable, "reason": s.reason, "active_under_auto": active[s.op]}
             for s in kernel_status(dt)
         ]
-    from data_pipeline import instance_native, native_build, wordpiece
+    from data_pipeline import dedup, instance_native, native_build, wordpiece
 
     from bertdist.ops.decision_cache import DecisionCache
 
@@ -41,6 +41,8 @@ def collect() -> dict:
                              f"Python reference ({instance_native.unavailable_reason()})"),
         "wordpiece_encoder": ("native (data_pipeline._native_wordpiece)" if wordpiece.native_available() else
                               f"Python reference ({wordpiece.native_unavailable_reason()})"),
+        "dedup_signing": ("native (data_pipeline._native_dedup)" if dedup.native_available() else
+                          f"Python reference ({dedup.native_unavailable_reason()})"),
         "native_build": f"{'a failed build is an error' if required else 'optional'}: {why}",
     }
     return {

@@ -59,8 +59,7 @@ class _SignDoFn(beam.DoFn):
         h = dedup.content_hash(words)
         yield (h, (self.pos, doc_id, value))
         if self.cfg.near and len(words):
-            sig = dedup.minhash(dedup.ngram_hashes(words, self.cfg.ngram, self.cfg.seed), self.cfg.num_perm,
-                                self.cfg.seed)
+            sig = dedup.signature(words, self.cfg.ngram, self.cfg.num_perm, self.cfg.seed)
             bands, rows = dedup.bands_and_rows(self.cfg.threshold, self.cfg.num_perm)
             packed, rank = sig.tobytes(), (self.pos, doc_id)
             for key in dedup.band_keys(sig, bands, rows):

@@ -33,9 +33,10 @@ def test_info_reports_versions_and_true_kernel_status():
             assert rows[s.op]["reason"], f"{device_type}/{s.op}: the status must say why"
     if not torch.cuda.is_available():
         assert all(not r["fused_usable"] for r in info["kernels"]["cuda"])
-    from data_pipeline import instance_native, wordpiece
+    from data_pipeline import dedup, instance_native, wordpiece
 
-    for key, built in (("instance_builder", instance_native.available()), ("wordpiece_encoder", wordpiece.native_available())):
+    for key, built in (("instance_builder", instance_native.available()), ("wordpiece_encoder", wordpiece.native_available()),
+                       ("dedup_signing", dedup.native_available())):
         assert info["data_pipeline"][key].startswith("native" if built else "Python reference"), info["data_pipeline"]
     from data_pipeline import native_build
 

@@ -68,6 +68,18 @@ def test_document_encoder_matches_hf_on_tricky_text(small_vocab, lowercase):
         assert bounds[0] == 0 and bounds[-1] == ids.shape[0] and (np.diff(bounds) > 0).all()
 
 
+def test_special_token_strings_are_found_wherever_they_are(small_vocab):
+    from data_pipeline.tokenization import load_tokenizer
+
+    tok, lowercase = load_tokenizer(small_vocab)
+    encoder = WordPieceEncoder(tok, lowercase)
+    assert {"[MASK]", "[SEP]"} <= set(encoder.specials)
+    for text in ("[MASK]", "a [SEP]", "[[MASK]", "[a] [b] x[CLS]y", "[" * 50 + "[UNK]"):
+        assert encoder._holds_special(text), text
+    for text in ("", "[", "[a] [MASKED? no: [MAS", "a]MASK[", "[mask]" if not lowercase else "[ SEP]"):
+        assert not encoder._holds_special(text), text
+
+
 @pytest.mark.parametrize("native", [False, None], ids=["python", "native-when-built"])
 def test_document_encoder_cache_is_bounded(small_vocab, native):
     from data_pipeline.tokenization import load_tokenizer
