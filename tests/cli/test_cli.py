@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bertdist.cli.main import SUBCOMMANDS, build_parser
+from bertdist.cli.main import COMMANDS, SUBCOMMANDS, build_parser
 from bertdist.ops import kernel_status, resolve_kernels
 
 
@@ -59,11 +59,31 @@ def test_model_summary_rejects_unknown_override():
 
 @pytest.mark.parametrize("name", SUBCOMMANDS)
 def test_every_listed_subcommand_has_help(name):
-    parser = build_parser()
-    cmd = name.rsplit(".", 1)[1].replace("_", "-")
-    with pytest.raises(SystemExit) as e:
-        parser.parse_args([cmd, "--help"])
-    assert e.value.code == 0
+    for cmd in COMMANDS[name]:
+        for parser in (build_parser(), build_parser([cmd, "--help"])):  # the whole parser, and the command's own
+            with pytest.raises(SystemExit) as e:
+                parser.parse_args([cmd, "--help"])
+            assert e.value.code == 0
+
+
+def test_each_module_registers_exactly_its_listed_commands():
+    import argparse
+    import importlib
+
+    for name, commands in COMMANDS.items():
+        sub = argparse.ArgumentParser().add_subparsers()
+        importlib.import_module(name).register(sub)
+        assert tuple(sub.choices) == commands, name
+    whole = build_parser()
+    assert list(whole._subparsers._group_actions[0].choices) == [c for cs in COMMANDS.values() for c in cs]
+
+
+def test_a_named_command_imports_only_its_module():
+    code = ("import sys; from bertdist.cli.main import build_parser; build_parser(['data', 'build', '--help']); "
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith(('bertdist.cli.', 'bertdist.finetune', 'cluster')))))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert "bertdist.cli.data" in loaded
+    assert not [m for m in loaded if m.startswith(("bertdist.cli.finetune", "bertdist.finetune", "cluster.", "bertdist.cli.info"))]
 
 
 def test_data_build_exits_fast_as_a_program_and_returns_in_process(tmp_path, small_vocab):
