@@ -131,3 +131,17 @@ def test_clean_line_equals_its_plain_definition():
     for _ in range(20000):
         s = "".join(r.choice(alphabet) for _ in range(r.randrange(14)))
         assert clean_line(s) == plain(s), repr(s)
+
+
+def test_the_blocks_the_unicode_scan_skips_hold_nothing_it_looks_for():
+    import unicodedata
+
+    from data_pipeline import wordpiece
+
+    looked_for = [cp for lo, hi in wordpiece._SKIPPED for cp in range(lo, hi)
+                  if unicodedata.category(chr(cp))[0] == "P" or unicodedata.category(chr(cp)) in ("Cc", "Cf", "Mn")]
+    assert looked_for == []
+    # skipped and scanned blocks tile planes 0-2 from U+0080 (without the surrogates) and plane 14
+    blocks = sorted(wordpiece._SKIPPED + wordpiece._SCANNED)
+    assert all(a[1] == b[0] or (a[1], b[0]) in ((0xD800, 0xE000), (0x30000, 0xE0000)) for a, b in zip(blocks, blocks[1:]))
+    assert blocks[0][0] == 128 and blocks[-1][1] == 0xF0000
