@@ -13,8 +13,8 @@ def test_state_sampler_period_is_shortened_once_the_beam_stages_are_imported():
 
     assert statesampler.DEFAULT_SAMPLING_PERIOD_MS == 200  # Beam's own default: the reason for the tuning
     period = inspect.signature(statesampler.StateSampler.__init__).parameters["sampling_period_ms"].default
-    assert period == beam_tuning.STATE_SAMPLER_PERIOD_MS == 20
-    assert statesampler.StateSampler("test", statesampler.CounterFactory()).sampling_period_ms == 20
+    assert period == beam_tuning.STATE_SAMPLER_PERIOD_MS == 2
+    assert statesampler.StateSampler("test", statesampler.CounterFactory()).sampling_period_ms == 2
     assert beam_tuning.shorten_state_sampler_period()  # applying it again is harmless
 
 
