@@ -28,7 +28,7 @@ from data_pipeline.beam.dedup import Deduplicate
 from data_pipeline.beam.filters import FilterQuality
 from data_pipeline.beam.read import ReadBertFormatText, ReadBooks, ReadJsonLines, ReadWikipediaDump
 from data_pipeline.beam.shards import SplitShards, WriteShards
-from data_pipeline.beam.tokenize import SplitSentences, Tokenize
+from data_pipeline.beam.tokenize import SplitLines, SplitSentences, Tokenize
 from data_pipeline.commit import commit, query_counters
 from data_pipeline.sources import DIRECTORY_SUFFIX, match_file_sizes
 
@@ -43,7 +43,7 @@ def default_pipeline_args() -> list[str]:
 
 
 def read_source(p: beam.Pipeline, i: int, src: InputConfig, cfg: BuildConfig, report_dir: str | None = None):
-    """One input -> (doc_id, text or [sentences]): read and quality-filtered (dedup is
+    """One input -> (doc_id, text): read and quality-filtered (dedup is
     :func:`deduplicate`'s, over groups of sources)."""
     label = f"Read{i}_{src.kind}"
     if src.kind == "wiki":
@@ -152,7 +152,7 @@ def work_units(options: PipelineOptions) -> int:
 def build_pipeline(p: beam.Pipeline, cfg: BuildConfig, staging: str, tokens: list[str], lowercase: bool) -> None:
     docs = deduplicate([read_source(p, i, src, cfg, f"{staging}/report") for i, src in enumerate(cfg.inputs)],
                        cfg, f"{staging}/report")
-    docs = [d if src.kind == "text" else d | f"Sentences{i}" >> SplitSentences()
+    docs = [d | f"Lines{i}" >> SplitLines() if src.kind == "text" else d | f"Sentences{i}" >> SplitSentences()
             for i, (d, src) in enumerate(zip(docs, cfg.inputs))]
     sentences = docs[0] if len(docs) == 1 else tuple(docs) | "AllSources" >> beam.Flatten()
     min_sents = cfg.min_sentences if cfg.objective != "none" else 1

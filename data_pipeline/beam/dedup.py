@@ -32,7 +32,7 @@ from typing import Sequence
 import apache_beam as beam
 import numpy as np
 
-from data_pipeline.beam.filters import SNIPPET_CHARS, counter_name, document_text, sample_key, write_json
+from data_pipeline.beam.filters import SNIPPET_CHARS, counter_name, sample_key, write_json
 from data_pipeline.beam.metrics import count
 from data_pipeline.config import DedupConfig
 
@@ -54,10 +54,10 @@ class _SignDoFn(beam.DoFn):
     def process(self, kv):
         from data_pipeline import dedup
 
-        doc_id, value = kv
-        words = dedup.word_hashes(document_text(value))
+        doc_id, text = kv
+        words = dedup.word_hashes(text)
         h = dedup.content_hash(words)
-        yield (h, (self.pos, doc_id, value))
+        yield (h, (self.pos, doc_id, text))
         if self.cfg.near and len(words):
             sig = dedup.signature(words, self.cfg.ngram, self.cfg.num_perm, self.cfg.seed)
             bands, rows = dedup.bands_and_rows(self.cfg.threshold, self.cfg.num_perm)
@@ -103,9 +103,9 @@ class _NgramsOfDoFn(beam.DoFn):
     def process(self, kv, wanted):
         from data_pipeline import dedup
 
-        h, (_, _, value) = kv
+        h, (_, _, text) = kv
         if h in wanted:
-            ngrams = dedup.ngram_hashes(dedup.word_hashes(document_text(value)), self.cfg.ngram, self.cfg.seed)
+            ngrams = dedup.ngram_hashes(dedup.word_hashes(text), self.cfg.ngram, self.cfg.seed)
             yield h, np.unique(ngrams).tobytes()
 
 
@@ -147,8 +147,8 @@ def _components(pairs: list, sources: Sequence[str]):
     return sorted((n, (r, rank[r][0])) for n, r in roots.items())
 
 
-def _words(value) -> int:
-    return len(document_text(value).split())
+def _words(text: str) -> int:
+    return len(text.split())
 
 
 class _KeepDoFn(beam.DoFn):
@@ -156,10 +156,10 @@ class _KeepDoFn(beam.DoFn):
         self.sources = list(sources)
 
     def _removed(self, kind: str, doc, kept_pos: int):
-        pos, _, value = doc
+        pos, _, text = doc
         src = self.sources[pos]
         count(counter_name("dedup", src, f"{kind}_documents_removed"))
-        count(counter_name("dedup", src, f"{kind}_words_removed"), _words(value))
+        count(counter_name("dedup", src, f"{kind}_words_removed"), _words(text))
         if pos != kept_pos:
             count(counter_name("dedup", src, "cross_source_documents_removed"))
 
@@ -176,14 +176,14 @@ class _KeepDoFn(beam.DoFn):
             for doc in rest:
                 self._removed("exact", doc, keep[0])
                 yield beam.pvalue.TaggedOutput(REMOVED, (h, ("exact", doc[0], doc[1], keep[0], keep[1],
-                                                             document_text(doc[2])[:SNIPPET_CHARS])))
+                                                             doc[2][:SNIPPET_CHARS])))
         if root != h:  # a near-duplicate of the document its component keeps
             self._removed("near", keep, root_pos)
             yield beam.pvalue.TaggedOutput(REMOVED, (root, ("near", keep[0], keep[1], None, None,
-                                                            document_text(keep[2])[:SNIPPET_CHARS])))
+                                                            keep[2][:SNIPPET_CHARS])))
             return
         if roots:  # the kept document of a near-duplicate cluster: the sample pairs need its id
-            yield beam.pvalue.TaggedOutput(KEPT_ROOT, (h, (keep[0], keep[1], document_text(keep[2])[:SNIPPET_CHARS])))
+            yield beam.pvalue.TaggedOutput(KEPT_ROOT, (h, (keep[0], keep[1], keep[2][:SNIPPET_CHARS])))
         kept = (keep[1], keep[2])
         yield beam.pvalue.TaggedOutput(_kept_tag(keep[0]), kept) if keep[0] else kept  # the first: main
 
@@ -234,7 +234,7 @@ class _SmallestPerSource(beam.CombineFn):
 
 
 class Deduplicate(beam.PTransform):
-    """Documents (doc_id, text or [sentences]) without duplicates (see the module docstring).
+    """Documents (doc_id, text) without duplicates (see the module docstring).
 
     ``sources`` names one source (the input is its PCollection and so is the output) or the
     group's sources in listed order (the input and the output are tuples of PCollections in that

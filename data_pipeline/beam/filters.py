@@ -17,11 +17,6 @@ DROPPED = "dropped"
 SNIPPET_CHARS = 300
 
 
-def document_text(value) -> str:
-    """A document's text: readers give a string, the BERT-format reader a list of sentences."""
-    return value if isinstance(value, str) else "\n".join(value)
-
-
 def sample_key(doc_id: str) -> bytes:
     """Sort key of the stable samples: a hash of the id, so the sample spreads over the input."""
     return hashlib.blake2b(doc_id.encode("utf-8"), digest_size=8).digest()
@@ -46,8 +41,7 @@ class _QualityDoFn(beam.DoFn):
     def process(self, kv):
         from data_pipeline.quality import check
 
-        doc_id, value = kv
-        text = document_text(value)
+        doc_id, text = kv
         rule, stats = check(text, self.cfg)
         if rule is None:
             yield kv
@@ -61,7 +55,7 @@ class _QualityDoFn(beam.DoFn):
 
 
 class FilterQuality(beam.PTransform):
-    """(doc_id, text or [sentences]) -> the documents that pass every rule of ``cfg``."""
+    """(doc_id, text) -> the documents that pass every rule of ``cfg``."""
 
     def __init__(self, source: str, cfg: QualityConfig, report_dir: str | None = None, examples: int = 3):
         super().__init__()

@@ -1,5 +1,5 @@
 """Beam readers, one composite PTransform per input kind (Wikipedia XML dumps, books, BERT-format
-text, JSON lines): (doc_id, text) or (doc_id, [sentences]) per document. Parse DoFns count
+text, JSON lines): (doc_id, text) per document. Parse DoFns count
 every skipped or repaired input (``skipped_*``, ``repaired_*``) and the documents per source
 encoding (``decoded_<codec>``: data_pipeline.decoding); nothing is dropped silently."""
 from __future__ import annotations
@@ -124,7 +124,9 @@ class _ReadBertText(beam.DoFn):
                 if a == "!event":
                     event(b, path)
                 else:
-                    yield (f"text:{rel}:{a}", b)
+                    # one string, not a list: it goes through the quality rules, dedup and their
+                    # shuffle as text, each pass one copy instead of one object per sentence
+                    yield (f"text:{rel}:{a}", "\n".join(b))
 
 
 def byte_ranges(path: str, size: int, split_bytes: int) -> list[tuple[int, int | None]]:
@@ -137,7 +139,8 @@ def byte_ranges(path: str, size: int, split_bytes: int) -> list[tuple[int, int |
 
 
 class ReadBertFormatText(beam.PTransform):
-    """One sentence per line, blank line between documents -> (doc_id, [sentences]).
+    """One sentence per line, blank line between documents -> (doc_id, its cleaned non-empty
+    lines joined by "\n"): :class:`data_pipeline.beam.tokenize.SplitLines` makes the sentences.
 
     Uncompressed files are read as byte ranges in parallel (documents are cut at blank lines,
     the id is the document's byte offset), so text never goes through a shuffle; compressed

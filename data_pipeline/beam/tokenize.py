@@ -17,6 +17,14 @@ class SplitSentences(beam.PTransform):
         return docs | "Split" >> beam.Map(lambda kv: (kv[0], textlib.text_to_sentences(kv[1])))
 
 
+class SplitLines(beam.PTransform):
+    """(doc_id, one sentence per line) -> (doc_id, [sentences]): BERT-format text, whose lines
+    are the sentences (ReadBertFormatText keeps only non-empty cleaned lines)."""
+
+    def expand(self, docs):
+        return docs | "Lines" >> beam.Map(lambda kv: (kv[0], kv[1].split("\n")))
+
+
 class _TokenizeDoFn(beam.DoFn):
     def __init__(self, vocab_path: str, lowercase, min_sentences: int, max_sentences: int, max_sentence_chars: int):
         self.vocab_path, self.lowercase = vocab_path, lowercase

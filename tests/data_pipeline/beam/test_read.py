@@ -9,7 +9,7 @@ from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
 from data_pipeline.beam.read import ReadBertFormatText, ReadBooks, ReadJsonLines, ReadWikipediaDump
-from data_pipeline.beam.tokenize import SplitSentences
+from data_pipeline.beam.tokenize import SplitLines, SplitSentences
 from tests.data_pipeline.beam._util import OPTS, _check
 
 
@@ -79,10 +79,10 @@ def test_read_bert_text_and_jsonl(tmp_path):
                                       + json.dumps({"other": 1}) + "\n")
     with TestPipeline(options=beam.options.pipeline_options.PipelineOptions(OPTS)) as p:
         t = p | ReadBertFormatText(str(tmp_path / "c.txt"))  # ids are byte offsets
-        assert_that(t, equal_to([("text:c.txt:0", ["Sent one.", "Sent two."]), ("text:c.txt:22", ["Doc two a.", "Doc two b."])]),
+        assert_that(t, equal_to([("text:c.txt:0", "Sent one.\nSent two."), ("text:c.txt:22", "Doc two a.\nDoc two b.")]),
                     label="text")
         # a 7-byte split: four ranges, the same two documents, each read once
-        t7 = p | "split" >> ReadBertFormatText(str(tmp_path / "c.txt"), split_bytes=7)
+        t7 = p | "split" >> ReadBertFormatText(str(tmp_path / "c.txt"), split_bytes=7) | SplitLines()
         assert_that(t7, equal_to([("text:c.txt:0", ["Sent one.", "Sent two."]),
                                   ("text:c.txt:22", ["Doc two a.", "Doc two b."])]), label="text7")
         j = p | ReadJsonLines(str(tmp_path / "d.jsonl"), text_field="body", id_field="id") | SplitSentences()
