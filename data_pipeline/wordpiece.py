@@ -47,6 +47,9 @@ except ImportError as e:  # not built (no compiler at install time) or built for
 _CJK_RANGES = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F), (0x2B740, 0x2B81F),
                (0x2B820, 0x2CEAF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F))
 _ASCII_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+# every byte but those of _ASCII_CONTROL: deleting them from the UTF-8 leaves its ASCII controls
+# (no multi-byte character holds a byte below 0x80), 5x faster than the regex's search
+_NOT_ASCII_CONTROL = bytes(b for b in range(256) if not _ASCII_CONTROL.match(chr(b)) or b >= 0x80)
 _SEPARATOR = "\n"  # between sentences before normalising; whitespace, so no sentence can hold one
 _MARK = " \x00 "  # between sentences after normalising: a chunk of its own (NUL never survives cleaning)
 
@@ -128,6 +131,15 @@ def _deleter(chars: frozenset[str]) -> re.Pattern:
 
 
 _ASCII_BYTES = bytes(range(128))
+_NON_ASCII_RUNS = re.compile(r"[^\x00-\x7f]+")
+
+
+def _has_ascii_control(text: str) -> bool:
+    return bool(text.encode("utf-8", "surrogatepass").translate(None, _NOT_ASCII_CONTROL))
+
+
+def _nfd_of_match(m: re.Match) -> str:
+    return unicodedata.normalize("NFD", m.group())
 
 
 def _non_ascii_chars(text: str) -> set[str]:
@@ -214,16 +226,20 @@ class WordPieceEncoder:
         self._num_pieces = 0
 
     def normalize(self, text: str) -> str:
+        if _has_ascii_control(text):
+            text = _ASCII_CONTROL.sub("", text)
         if text.isascii():
-            if _ASCII_CONTROL.search(text):
-                text = _ASCII_CONTROL.sub("", text)
             return text.lower() if self.lowercase else text
         # only the characters this document holds are scanned for (see _deleter)
         present = _non_ascii_chars(text)
         controls = self._controls & present
-        text = _ASCII_CONTROL.sub("", _deleter(frozenset(controls)).sub("", text) if controls else text)
+        if controls:
+            text = _deleter(frozenset(controls)).sub("", text)
         if self.lowercase:
-            text = unicodedata.normalize("NFD", text.lower())
+            # NFD of the non-ASCII runs only: an ASCII character is its own decomposition and a
+            # starter, which canonical reordering never crosses, so this is NFD of the whole text
+            # (a book with a few accented letters: 4 ms instead of 15)
+            text = _NON_ASCII_RUNS.sub(_nfd_of_match, text.lower())
             # lower() and NFD map each character on its own (final sigma aside, which is no mark),
             # so the marks the result can hold come from the decompositions of ``present``
             marks = {m for c in present - controls for m in unicodedata.normalize("NFD", c.lower())} & self._marks

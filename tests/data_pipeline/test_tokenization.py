@@ -145,3 +145,17 @@ def test_the_blocks_the_unicode_scan_skips_hold_nothing_it_looks_for():
     blocks = sorted(wordpiece._SKIPPED + wordpiece._SCANNED)
     assert all(a[1] == b[0] or (a[1], b[0]) in ((0xD800, 0xE000), (0x30000, 0xE0000)) for a, b in zip(blocks, blocks[1:]))
     assert blocks[0][0] == 128 and blocks[-1][1] == 0xF0000
+
+
+def test_the_ascii_control_check_equals_its_regex():
+    import random
+
+    from data_pipeline import wordpiece
+
+    for cp in range(0x3000):  # alone, and inside multi-byte neighbours
+        for text in (chr(cp), f"é{chr(cp)}中"):
+            assert wordpiece._has_ascii_control(text) == bool(wordpiece._ASCII_CONTROL.search(text)), hex(cp)
+    r = random.Random(3)
+    for _ in range(2000):
+        text = "".join(r.choice("ab \n\t\r\x00\x1f\x7fé中\u0301") for _ in range(r.randrange(12)))
+        assert wordpiece._has_ascii_control(text) == bool(wordpiece._ASCII_CONTROL.search(text)), repr(text)
