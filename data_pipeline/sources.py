@@ -172,7 +172,7 @@ def _clean_lines(lines: list[bytes]) -> tuple[list[str | None], list[str]]:
                 encodings.append(enc)
             out.append(None if enc == "undecodable" else clean_line(line))
         return out, encodings
-    return clean_lines(text)[:len(lines)], []
+    return clean_lines(text, block)[:len(lines)], []
 
 
 def iter_bert_format(stream: BinaryIO, start: int = 0, end: int | None = None, *, block_bytes: int = 1 << 20

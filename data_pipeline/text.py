@@ -23,11 +23,21 @@ _RUN_LEAD = re.compile(rf"[{_CONTROL_CHARS}\t\u00a0\u2000-\u200b\u3000]")
 _BLANK_LINES = re.compile(r"\n\s*\n")
 
 
-def _normalize(text: str) -> str:
-    """NFC, control characters -> space, every run of spaces -> one space (no strip)."""
-    if not text.isascii():  # ASCII is already NFC
-        text = unicodedata.normalize("NFC", text)
-    if _RUN_LEAD.search(text) is None:
+# UTF-8 bytes of text that is ASCII (so NFC) and holds no run lead: printable ASCII, "\n", "\r"
+_PLAIN_BYTES = bytes(range(0x20, 0x7F)) + b"\n\r"
+
+
+def _normalize(text: str, utf8: bytes | None = None) -> str:
+    """NFC, control characters -> space, every run of spaces -> one space (no strip).
+    ``utf8``: the text's UTF-8 when the caller has it; one byte translation then tells whether
+    the text is plain (3 ms per 10 MB, against 26 ms for the search for run leads)."""
+    if utf8 is not None and not utf8.translate(None, _PLAIN_BYTES):
+        leads = False
+    else:
+        if not text.isascii():  # ASCII is already NFC
+            text = unicodedata.normalize("NFC", text)
+        leads = _RUN_LEAD.search(text) is not None
+    if not leads:
         # the usual case, and the same result as _RUNS.sub: _RUNS tries a match at every plain
         # space (0.11 s per 10 MB of prose), while a search for the rarer characters and
         # str.replace, which halves every run of spaces per pass, take 0.05 s
@@ -42,11 +52,12 @@ def clean_line(text: str) -> str:
     return _normalize(text).strip()
 
 
-def clean_lines(text: str) -> list[str]:
+def clean_lines(text: str, utf8: bytes | None = None) -> list[str]:
     """``clean_line`` of every "\n"-separated line of ``text``, in one call per step over the
     whole text: the regex never crosses "\n", and NFC never composes or reorders across it (a
-    starter that composes with nothing), so this equals the line-by-line result."""
-    return [line.strip() for line in _normalize(text).split("\n")]
+    starter that composes with nothing), so this equals the line-by-line result. ``utf8``: see
+    :func:`_normalize`."""
+    return [line.strip() for line in _normalize(text, utf8).split("\n")]
 
 
 def paragraphs(text: str) -> list[str]:

@@ -19,10 +19,12 @@ def test_normalize_equals_the_regex_definition_on_random_text():
     alphabet = ["a", "b", "é", "e\u0301", ".", "\n", " ", " ", " ", "\t", "\x00", "\x07", "\x7f", "\x0b",
                 "\u00a0", "\u2003", "\u200b", "\u3000", "\ufffe", "\r"]
     plain = ["a", "b", "é", ".", "\n", " ", " ", " "]  # only plain spaces: the fast path
-    for chars in (alphabet, plain):
+    ascii_plain = ["a", "b", ".", "\n", "\r", " ", " ", "~"]  # and its byte check
+    for chars in (alphabet, plain, ascii_plain):
         for _ in range(3000):
             text = "".join(rng.choice(chars) for _ in range(rng.randint(0, 40)))
             assert textlib._normalize(text) == _by_definition(text), repr(text)
+            assert textlib._normalize(text, text.encode("utf-8", "surrogatepass")) == _by_definition(text), repr(text)
 
 
 def test_normalize_collapses_long_runs_and_keeps_single_spaces():
