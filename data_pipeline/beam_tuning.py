@@ -45,12 +45,14 @@ def shorten_state_sampler_period(period_ms: int = STATE_SAMPLER_PERIOD_MS) -> bo
 # Each call builds an inspect.Signature for every method of the DoFn (~30 per class). A one-core
 # 1x build made 928 such calls and 25,000 signatures, 2.5 s of its 12.1 s under cProfile (with
 # the cache: 263 calls, 10,000 signatures). The answer is fixed by the DoFn's class and, for
-# Beam's Map/FlatMap/Filter wrappers, the wrapped function's parameter defaults: only a default
-# that is a DoFn parameter (``DoFn.StateParam(...)``, ``DoFn.ElementParam``...) can add a spec. So
-# it is worked out once per class for every plain Python function (the usual lambda: the bundle
-# processors unpickle a fresh one per stage, each a miss when keyed by the function), and once
-# per function otherwise; such a function is held weakly, so SDK workers that unpickle fresh
-# functions bundle after bundle do not grow the cache.
+# Beam's Map/FlatMap/Filter wrappers, the process parameter defaults (the wrapper's recorded
+# argument spec, else the wrapped function's): only a default that is a DoFn parameter
+# (``DoFn.StateParam(...)``, ``DoFn.ElementParam``...) can add a spec. So it is worked out once
+# per class for every wrapper without such a default (the usual lambda: the bundle processors
+# unpickle a fresh one per stage, each a miss when keyed by the function; with the recorded
+# argument spec too, 112 wrappers and 3,700 signature builds per build), and once per function
+# otherwise; such a function is held weakly, so SDK workers that unpickle fresh functions
+# bundle after bundle do not grow the cache.
 _SPECS_BY_CLASS: dict[type, tuple] = {}
 _SPECS_BY_FUNCTION: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -66,8 +68,13 @@ def _specs_key(dofn):
         return None
     if cls._process_argspec_fn is DoFn._process_argspec_fn:
         return cls, None
-    if state.get("_fullargspec"):
-        return None
+    fullargspec = state.get("_fullargspec")
+    if fullargspec:  # MapTuple's and FlatMapTuple's wrappers: Beam reads process's (args, defaults) from it
+        try:
+            _, defaults = fullargspec
+        except (TypeError, ValueError):
+            return None
+        return None if _any_dofn_param(defaults or ()) else (cls, None)
     fn = dofn._process_argspec_fn()
     if isinstance(fn, types.FunctionType) and not _has_dofn_param_default(fn):
         return cls, None
@@ -78,12 +85,16 @@ def _specs_key(dofn):
     return cls, fn
 
 
-def _has_dofn_param_default(fn: types.FunctionType) -> bool:
-    """Does a parameter of ``fn`` default to a DoFn parameter (what Beam reads specs from)?"""
+def _any_dofn_param(defaults) -> bool:
+    """Is one of these parameter defaults a DoFn parameter (what Beam reads specs from)?"""
     from apache_beam.transforms.core import _DoFnParam
 
-    defaults = (*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values())
     return any(isinstance(d, _DoFnParam) for d in defaults)
+
+
+def _has_dofn_param_default(fn: types.FunctionType) -> bool:
+    """Does a parameter of ``fn`` default to a DoFn parameter?"""
+    return _any_dofn_param((*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()))
 
 
 def cache_dofn_specs() -> bool:

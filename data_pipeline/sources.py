@@ -193,6 +193,8 @@ def iter_bert_format(stream: BinaryIO, start: int = 0, end: int | None = None, *
         stream.seek(pos)
         if not prev_blank:  # the tail of a document that started before ``start``: skip it without cleaning
             for raw in stream:
+                if end is not None and pos >= end:
+                    return  # still in that document: none starts in [start, end)
                 if not _surely_not_blank(raw):
                     stream.seek(pos)  # this line needs the full check: the block loop reads it
                     break

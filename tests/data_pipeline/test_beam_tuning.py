@@ -61,6 +61,13 @@ def test_dofn_specs_are_cached_per_class_and_function_with_beams_answers():
     assert type(beam.FlatMap(fn_a).fn) in beam_tuning._SPECS_BY_CLASS
     assert beam_tuning._specs_key(beam.FlatMap(fn_a).fn) == beam_tuning._specs_key(beam.FlatMap(fn_b).fn)
     assert fn_state in beam_tuning._SPECS_BY_FUNCTION and fn_a not in beam_tuning._SPECS_BY_FUNCTION
+    # MapTuple records its function's argument spec on the wrapper: answered per class as well
+    mapped = beam.MapTuple(lambda k, v, y=1: k).fn
+    assert mapped._fullargspec and beam_tuning._specs_key(mapped) == (type(mapped), None)
+    assert userstate.get_dofn_specs(mapped) == original(mapped)
+    with_param = beam.MapTuple(lambda k, v, t=beam.DoFn.TimestampParam: k).fn
+    assert beam_tuning._specs_key(with_param) is None
+    assert userstate.get_dofn_specs(with_param) == original(with_param)
     # callers get their own sets: mutating one does not change the next answer
     userstate.get_dofn_specs(_Stateful())[0].clear()
     assert len(userstate.get_dofn_specs(_Stateful())[0]) == 1
