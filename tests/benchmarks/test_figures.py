@@ -46,16 +46,21 @@ def test_a_figure_missing_from_its_file_is_an_error(monkeypatch, tmp_path):
         f.model_table()
 
 
-def test_the_median_is_computed_from_the_raw_runs(monkeypatch, tmp_path):
+def test_the_medians_are_computed_from_the_raw_runs(monkeypatch, tmp_path):
+    import json
+
     f = figures()
     monkeypatch.setattr(f, "RESULTS", tmp_path)
-    runs = [1.0, 3.0, 2.0]
-    lines = [f'main {{"scale": 1, "workers": 1, "mode": "in_memory", "wall_s": {w}, "peak_rss_worker_mb": []}}' for w in runs]
-    lines += [f'main {{"scale": {s}, "workers": 2, "wall_s": 4.0, "peak_rss_worker_mb": [300, 2]}}' for s in (1, 5, 10, 20)]
+    ratios = {"x_reference_per_core": [10.0, 12.0, 11.0], "x_reference_instances_per_core": [7.0, 9.0, 8.0],
+              "x_reference_per_cpu_s": [9.5, 9.0, 10.5], "x_reference_per_core_after_startup": [14.0, 13.0, 15.0]}
+    repeats = [{"scale": 1, "repeat": i, "ours": [{"workers": 1, "dedup": "on", **{k: v[i] for k, v in ratios.items()}}]}
+               for i in range(3)]
+    (tmp_path / "data_pipeline_cpu_2026-11-25.md").write_text("\n".join(map(json.dumps, repeats)) + "\n")
+    row = f.data_build_side_by_side_table()[2]
+    assert row.startswith("| × 1 | 1 | on | 11.0 (10.0–12.0) | 8.0 (7.0–9.0) | 9.5 (9.0–10.5) | 14.0 (13.0–15.0) | 3 |"), row
+    lines = [f'main {{"scale": {s}, "workers": 2, "wall_s": 4.0, "peak_rss_worker_mb": [300, 2]}}' for s in (1, 5, 10, 20)]
     (tmp_path / "data_pipeline_cpu_2026-11-24.md").write_text("\n".join(lines) + "\n")
-    table = "\n".join(f.data_build_table())
-    assert f"2.00 s median of 3 runs: {f.REFERENCE_1X_S / 2.0:.1f}x" in table
-    assert "peak RSS per worker 300 MB" in table
+    assert "peak RSS per worker 300 MB" in "\n".join(f.data_build_table())
 
 
 def test_a_markdown_only_results_file_is_read_by_its_table_header(monkeypatch, tmp_path):
