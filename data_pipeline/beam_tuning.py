@@ -97,19 +97,33 @@ def _has_dofn_param_default(fn: types.FunctionType) -> bool:
     return _any_dofn_param((*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()))
 
 
-def cache_dofn_specs() -> bool:
-    """Memoise ``userstate.get_dofn_specs`` (see above). Returns whether it did: False when this
-    Beam version has no such function (the tuning is then skipped, nothing breaks)."""
+def _wrap_once(module: str, name: str, make, marker: str) -> bool:
+    """Replace ``name`` (``function`` or ``Class.method``) of Beam's ``module`` with
+    ``make(original)``, marked with ``marker``; a second call finds the mark and changes nothing.
+    Returns whether it is in place: False when this Beam version has no such thing (the tuning
+    is then skipped, nothing breaks)."""
+    import importlib
+
+    *path, attr = name.split(".")
     try:
-        from apache_beam.transforms import userstate
-
-        original = userstate.get_dofn_specs
+        owner = importlib.import_module(module)
+        for part in path:
+            owner = getattr(owner, part)
+        original = getattr(owner, attr)
     except (ImportError, AttributeError) as e:
-        log.debug("Beam get_dofn_specs not cached: %s", e)
+        log.debug("Beam %s.%s not tuned: %s", module, name, e)
         return False
-    if getattr(original, "_cached_per_class", False):
+    if getattr(original, marker, False):
         return True
+    wrapped = make(original)
+    setattr(wrapped, marker, True)
+    wrapped.__wrapped__ = original
+    wrapped.__doc__ = original.__doc__
+    setattr(owner, attr, wrapped)
+    return True
 
+
+def _cached_dofn_specs(original):
     def get_dofn_specs(dofn):
         key = _specs_key(dofn)
         if key is None:
@@ -122,10 +136,12 @@ def cache_dofn_specs() -> bool:
         state, timers = specs
         return set(state), set(timers)  # callers may mutate their copy
 
-    get_dofn_specs._cached_per_class = True
-    get_dofn_specs.__wrapped__ = original
-    userstate.get_dofn_specs = get_dofn_specs
-    return True
+    return get_dofn_specs
+
+
+def cache_dofn_specs() -> bool:
+    """Memoise ``userstate.get_dofn_specs`` (see above); see :func:`_wrap_once` for the result."""
+    return _wrap_once("apache_beam.transforms.userstate", "get_dofn_specs", _cached_dofn_specs, "_cached_per_class")
 
 
 # Beam calls ``PipelineOptions.view_as`` in every transform application, every type-consistency
@@ -137,19 +153,7 @@ def cache_dofn_specs() -> bool:
 _VIEWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def cache_option_views() -> bool:
-    """Memoise ``PipelineOptions.view_as`` (see above). Returns whether it did: False when this
-    Beam version has no such method (the tuning is then skipped, nothing breaks)."""
-    try:
-        from apache_beam.options.pipeline_options import PipelineOptions
-
-        original = PipelineOptions.view_as
-    except (ImportError, AttributeError) as e:
-        log.debug("Beam view_as not cached: %s", e)
-        return False
-    if getattr(original, "_cached_per_options", False):
-        return True
-
+def _cached_view_as(original):
     def view_as(self, cls):
         try:
             views = _VIEWS.setdefault(self, {})
@@ -160,8 +164,10 @@ def cache_option_views() -> bool:
             view = views[cls] = original(self, cls)
         return view
 
-    view_as._cached_per_options = True
-    view_as.__wrapped__ = original
-    view_as.__doc__ = original.__doc__
-    PipelineOptions.view_as = view_as
-    return True
+    return view_as
+
+
+def cache_option_views() -> bool:
+    """Memoise ``PipelineOptions.view_as`` (see above); see :func:`_wrap_once` for the result."""
+    return _wrap_once("apache_beam.options.pipeline_options", "PipelineOptions.view_as", _cached_view_as,
+                      "_cached_per_options")

@@ -18,14 +18,10 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-try:  # the native twin of word_hashes and of minhash's binning (csrc/data_pipeline/dedup.cpp)
-    from data_pipeline import _native_dedup
+from data_pipeline.native_build import import_native
 
-    _NATIVE_UNAVAILABLE = ""
-except ImportError as e:  # not built (no compiler at install time) or built for another Python
-    _native_dedup = None
-    _NATIVE_UNAVAILABLE = (f"the extension data_pipeline._native_dedup is not built ({e}); "
-                           "`pip install --no-build-isolation -e .` builds it (see setup.py)")
+# the native twin of word_hashes and of minhash's binning (csrc/data_pipeline/dedup.cpp)
+_native_dedup, _NATIVE_UNAVAILABLE = import_native("data_pipeline._native_dedup")
 
 
 def native_available() -> bool:

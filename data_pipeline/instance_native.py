@@ -18,19 +18,13 @@ import numpy as np
 from data_pipeline.config import INSTANCE_BUILDERS
 from data_pipeline.instance_algorithm import InstanceParams, InstanceStats
 from data_pipeline.instance_batch import InstanceBatch
+from data_pipeline.native_build import import_native
 from data_pipeline.negatives import NegativeSource
 
 log = logging.getLogger("data_pipeline")
 
+_ext, _UNAVAILABLE = import_native("data_pipeline._native_instances")
 
-try:
-    from data_pipeline import _native_instances as _ext
-
-    _UNAVAILABLE = ""
-except ImportError as e:  # not built (no compiler at install time) or built for another Python
-    _ext = None
-    _UNAVAILABLE = (f"the extension data_pipeline._native_instances is not built ({e}); "
-                    "`pip install --no-build-isolation -e .` builds it (see setup.py)")
 
 def available() -> bool:
     return _ext is not None

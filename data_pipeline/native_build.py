@@ -6,6 +6,7 @@ Standard library only: setup.py loads this file by path, before anything is inst
 """
 from __future__ import annotations
 
+import importlib
 import os
 import shlex
 import shutil
@@ -40,3 +41,13 @@ def native_required() -> tuple[bool, str]:
     if cxx:
         return True, f"a C++ compiler exists ({cxx})"
     return False, "no C++ compiler on the PATH ($CXX, Python's CXX or c++)"
+
+
+def import_native(module: str):
+    """(the module, "") or (None, why it cannot be used): not built (no compiler at install
+    time) or built for another Python. Its Python reference runs then."""
+    try:
+        return importlib.import_module(module), ""
+    except ImportError as e:
+        return None, (f"the extension {module} is not built ({e}); "
+                      "`pip install --no-build-isolation -e .` builds it (see setup.py)")

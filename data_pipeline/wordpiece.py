@@ -34,14 +34,10 @@ from itertools import repeat
 import numpy as np
 from tokenizers import Tokenizer, models
 
-try:  # the native twin of the post-normalisation path (csrc/data_pipeline/wordpiece.cpp)
-    from data_pipeline import _native_wordpiece
+from data_pipeline.native_build import import_native
 
-    _NATIVE_UNAVAILABLE = ""
-except ImportError as e:  # not built (no compiler at install time) or built for another Python
-    _native_wordpiece = None
-    _NATIVE_UNAVAILABLE = (f"the extension data_pipeline._native_wordpiece is not built ({e}); "
-                           "`pip install --no-build-isolation -e .` builds it (see setup.py)")
+# the native twin of the post-normalisation path (csrc/data_pipeline/wordpiece.cpp)
+_native_wordpiece, _NATIVE_UNAVAILABLE = import_native("data_pipeline._native_wordpiece")
 
 # BERT's _is_chinese_char ranges: each such character becomes a word of its own
 _CJK_RANGES = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F), (0x2B740, 0x2B81F),

@@ -79,3 +79,22 @@ def test_a_dofn_with_a_method_bound_on_the_instance_is_not_cached():
     d = _Plain()
     d.process = types.MethodType(lambda self, x: [x], d)
     assert beam_tuning._specs_key(d) is None
+
+
+def test_a_beam_without_the_tuned_function_is_left_alone():
+    assert not beam_tuning._wrap_once("apache_beam.transforms.userstate", "no_such_function", lambda f: f, "_m")
+    assert not beam_tuning._wrap_once("apache_beam.no_such_module", "f", lambda f: f, "_m")
+    assert not beam_tuning._wrap_once("apache_beam.options.pipeline_options", "PipelineOptions.no_such", lambda f: f, "_m")
+
+
+def test_option_views_are_shared_and_see_each_others_changes():
+    from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, StandardOptions
+
+    import data_pipeline.beam  # noqa: F401  (applies the tuning)
+
+    options = PipelineOptions(["--runner=DirectRunner", "--direct_num_workers=3"])
+    assert options.view_as(DirectOptions) is options.view_as(DirectOptions)
+    assert options.view_as(DirectOptions).direct_num_workers == 3
+    options.view_as(StandardOptions).runner = "PortableRunner"  # a change through one view...
+    assert options.view_as(StandardOptions).runner == "PortableRunner"  # ...is seen by every later one
+    assert PipelineOptions(["--direct_num_workers=5"]).view_as(DirectOptions).direct_num_workers == 5
