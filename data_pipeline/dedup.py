@@ -8,7 +8,9 @@ arithmetic; never Python's salted ``hash``), so workers agree without talking to
 MinHash is numpy's, not ``datasketch``'s: words and n-grams are hashed in vectorized integer
 arithmetic instead of one SHA-1 call per n-gram, and the signature is one-permutation hashing
 (see :func:`minhash`) instead of ``num_perm`` hashes per n-gram; both measured on the shared corpus
-in benchmarks/results/dedup_cpu_2026-11-25.md.
+in benchmarks/results/dedup_cpu_2026-11-25.md. The word hashes and the signature's binning also
+have a C++ twin (csrc/data_pipeline/dedup.cpp), used when it is built; the numpy functions stay
+the reference, and tests hold the two to identical results.
 """
 from __future__ import annotations
 
