@@ -66,7 +66,8 @@ def word_hashes(text: str, *, native: bool | None = None) -> np.ndarray:
     """uint32 hash of every word of the lower-cased text, in order: a polynomial hash of the
     word's bytes mod 2^32, sum of (byte + 1) * P^offset. A vocabulary of a million words has
     about a hundred colliding pairs: noise far below the MinHash estimate's. ``native``: see
-    :func:`_use_native` (the native twin is 5x faster on the 14 books)."""
+    :func:`_use_native` (the 14 books: 38 ms with the native twin, 68 ms with numpy, lower-casing
+    and encoding included)."""
     raw = text.lower().encode("utf-8")
     return _native_dedup.word_hashes(raw) if _use_native(native) else _word_hashes_reference(raw)
 

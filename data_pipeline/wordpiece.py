@@ -44,7 +44,8 @@ _CJK_RANGES = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700,
                (0x2B820, 0x2CEAF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F))
 _ASCII_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 # every byte but those of _ASCII_CONTROL: deleting them from the UTF-8 leaves its ASCII controls
-# (no multi-byte character holds a byte below 0x80), 5x faster than the regex's search
+# (no multi-byte character holds a byte below 0x80): 4.6 ms on the 14 books against 20.5 ms for
+# the regex's search
 _NOT_ASCII_CONTROL = bytes(b for b in range(256) if not _ASCII_CONTROL.match(chr(b)) or b >= 0x80)
 _SEPARATOR = "\n"  # between sentences before normalising; whitespace, so no sentence can hold one
 _MARK = " \x00 "  # between sentences after normalising: a chunk of its own (NUL never survives cleaning)
