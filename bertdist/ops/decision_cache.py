@@ -33,7 +33,7 @@ def cache_dir() -> Path:
 
 
 def environment_key(env: dict) -> str:
-    """A readable key for an environment dict (``selection.environment``)."""
+    """A readable key for an environment dict (``kernel_plan.environment``)."""
     return " | ".join(f"{k} {env[k]}" for k in sorted(env))
 
 

@@ -63,7 +63,7 @@ class KernelSet:
     attention: Callable
     varlen_attention: Callable  # unpadded: packed tokens + cumulative sequence lengths
     sources: dict  # op name -> "reference" | "fused" | "emulated" | the chosen candidate's name under auto
-    plan: object = None  # the selection.KernelPlan behind an auto set
+    plan: object = None  # the kernel_plan.KernelPlan behind an auto set
 
 
 REFERENCE = KernelSet(
@@ -180,7 +180,7 @@ class RoutedOp:
 
 
 def kernel_set_from_plan(plan, device_type: str = "cuda") -> KernelSet:
-    """The KernelSet that runs ``plan``'s choices (a ``selection.KernelPlan``)."""
+    """The KernelSet that runs ``plan``'s choices (a ``kernel_plan.KernelPlan``)."""
     from bertdist.ops.candidates import Candidate
 
     base = reference_set(device_type)
@@ -206,7 +206,7 @@ def default_workload(model_config, device_type: str, profile: "DeviceProfile | N
     """What a model built without a plan decides for: batch 32 x seq 128 (or its max
     positions), the device's low-precision dtype and fp32, the model's dropout."""
     from bertdist.device_profile import for_device_type
-    from bertdist.ops.selection import Workload
+    from bertdist.ops.kernel_plan import Workload
 
     profile = profile or for_device_type(device_type)
     low = "bfloat16" if profile.type == "cuda" and profile.bf16_supported else "float16"

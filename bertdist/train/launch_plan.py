@@ -48,7 +48,7 @@ def kernel_cases(cfg: TrainConfig, profile) -> dict[str, Any]:
         return {"mode": mode, "decides": False, "cases": [],
                 "why": f"auto on {profile.type}: the reference kernels (nothing is measured off CUDA)"}
     from bertdist.ops.candidates import candidates_for
-    from bertdist.ops.selection import Workload
+    from bertdist.ops.kernel_plan import Workload
 
     workload = Workload.for_model(cfg.model, batch=cfg.data.micro_batch_size, seq=cfg.data.max_seq_length,
                                   precision=cfg.deepspeed.precision,

@@ -113,13 +113,13 @@ def test_info_shows_cached_kernel_decisions_per_device(tmp_path, monkeypatch, ca
     import torch
 
     from bertdist.cli import info
-    from bertdist.ops import selection
+    from bertdist.ops import kernel_plan, selection
     from bertdist.ops.decision_cache import DecisionCache
 
     monkeypatch.setenv("BERTDIST_CACHE_DIR", str(tmp_path))
-    w = selection.Workload(batch=2, seq=8, hidden=16, heads=2, ops=("layer_norm",))
+    w = kernel_plan.Workload(batch=2, seq=8, hidden=16, heads=2, ops=("layer_norm",))
     selection.decide(w, torch.device("cpu"), cache=DecisionCache(), timer=lambda c, case, call, d: [2.0 if c.name == "torch" else 1.0])
-    monkeypatch.setattr(selection, "device_name", lambda device: "NVIDIA H100 80GB HBM3")  # a second device
+    monkeypatch.setattr(kernel_plan, "device_name", lambda device: "NVIDIA H100 80GB HBM3")  # a second device
     selection.decide(w, torch.device("cpu"), cache=DecisionCache(), timer=lambda c, case, call, d: [1.0])
     dec = info.collect()["kernel_decisions"]
     assert dec["cache"] == str(tmp_path / "kernel_decisions.json")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from bertdist.ops import selection
+from bertdist.ops import kernel_plan, selection
 from bertdist.ops.candidates import OPS, candidates_for
 from tests.emu._util import emu
 
@@ -13,7 +13,7 @@ CPU = torch.device("cpu")
 
 def test_emulated_kernels_pass_the_numerics_gate_on_every_op():
     emu()
-    workload = selection.Workload(batch=2, seq=37, hidden=128, heads=2, dtypes=("float32", "bfloat16"))
+    workload = kernel_plan.Workload(batch=2, seq=37, hidden=128, heads=2, dtypes=("float32", "bfloat16"))
     calls = []
 
     def timer(candidate, case, call, device):

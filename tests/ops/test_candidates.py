@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bertdist.ops import candidates, selection
+from bertdist.ops import candidates, measure_child, numerics_gate
 from bertdist.ops.candidates import OPS, Case, baseline_target, candidates_for
 
 DEVICE_TYPES = ("cpu", "cuda")
@@ -29,11 +29,11 @@ def test_every_candidate_and_baseline_target_resolves_to_a_callable(op, device_t
 def test_cuda_baselines_run_on_cpu_tensors_and_match_the_math(op):
     """The torch-native functions kernels: reference runs on CUDA are device-generic: called here."""
     case = _case(op, "cpu")
-    problem = selection.make_problem(case, torch.device("cpu"))
-    oracle = problem.run(selection._oracle(op), torch.float32, masters_dtype=torch.float32)
+    problem = numerics_gate.make_problem(case, torch.device("cpu"))
+    oracle = problem.run(numerics_gate.oracle_for(op), torch.float32, masters_dtype=torch.float32)
     got = problem.run(candidates._resolve(baseline_target(op, "cuda")), torch.float32)
     for k, v in got.items():
-        assert selection.rel_err(v, oracle[k]) < 1e-4, (op, k)
+        assert numerics_gate.rel_err(v, oracle[k]) < 1e-4, (op, k)
 
 
 # ---------------------------------------------------------------- the CUDA branch on a CUDA profile
@@ -46,7 +46,8 @@ from types import SimpleNamespace  # noqa: E402
 from bertdist.device_profile import by_name  # noqa: E402
 from bertdist.ops import TORCH_NATIVE, _extension, fused, kernels_for_run, resolve_kernels  # noqa: E402
 from bertdist.ops.decision_cache import DecisionCache  # noqa: E402
-from bertdist.ops.selection import Decision, Measurement, choose  # noqa: E402
+from bertdist.ops.kernel_plan import Decision, Measurement  # noqa: E402
+from bertdist.ops.selection import choose  # noqa: E402
 from bertdist.train.config import load_train_config  # noqa: E402
 
 H100 = by_name("h100")
@@ -142,7 +143,7 @@ def test_baseline_is_chosen_and_loads_when_nothing_beats_it(extension, tmp_path)
 def test_failing_measurement_child_falls_back_to_torch_native_with_one_warning(extension, monkeypatch, tmp_path):
     def crashed(cmd, **kw):
         return subprocess.CompletedProcess(cmd, -11, "", "Fatal Python error: Segmentation fault")
-    monkeypatch.setattr(selection, "subprocess", SimpleNamespace(run=crashed, TimeoutExpired=subprocess.TimeoutExpired))
+    monkeypatch.setattr(measure_child, "subprocess", SimpleNamespace(run=crashed, TimeoutExpired=subprocess.TimeoutExpired))
     with pytest.warns(RuntimeWarning) as record:
         _, ks = _recipe_kernels(RECIPES[0], False, None, DecisionCache(tmp_path / "kd.json"))
     assert ks is TORCH_NATIVE

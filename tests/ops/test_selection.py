@@ -10,7 +10,18 @@ import pytest
 import torch
 
 from bertdist.model import BertConfig, BertForPreTraining
-from bertdist.ops import REFERENCE, TORCH_NATIVE, auto_kernels, kernel_set_from_plan, reference_set, selection, torch_native
+from bertdist.ops import (
+    REFERENCE,
+    TORCH_NATIVE,
+    auto_kernels,
+    kernel_plan,
+    kernel_set_from_plan,
+    measure_child,
+    numerics_gate,
+    reference_set,
+    selection,
+    torch_native,
+)
 from bertdist.ops.candidates import Candidate, Case, candidates_for, register_candidate, unregister_candidate
 from bertdist.ops.decision_cache import DecisionCache
 from tests.ops._util import ext
@@ -20,7 +31,7 @@ TC = "tests.ops.selection_candidates"
 
 
 def _ln_workload(**kw):
-    return selection.Workload(batch=2, seq=8, hidden=16, heads=2, ops=("layer_norm",), **kw)
+    return kernel_plan.Workload(batch=2, seq=8, hidden=16, heads=2, ops=("layer_norm",), **kw)
 
 
 def _cand(name, attr, op="layer_norm"):
@@ -54,7 +65,7 @@ def test_slow_kernel_is_not_chosen_with_real_timing():
 
 
 def test_dropout_that_is_not_applied_fails():
-    w = selection.Workload(batch=2, seq=8, hidden=16, heads=2, ops=("bias_dropout_add_layer_norm",))
+    w = kernel_plan.Workload(batch=2, seq=8, hidden=16, heads=2, ops=("bias_dropout_add_layer_norm",))
     cand = _cand("nodrop", "dropout_ignoring_bdaln", op="bias_dropout_add_layer_norm")
     with pytest.warns(RuntimeWarning, match="dropout not applied"):
         plan = selection.decide(w, CPU, extra=[cand], include_test_only=True,
@@ -70,7 +81,7 @@ def test_dropout_that_is_not_applied_fails():
     ("attention_new_mask_in_backward", "attention", "do not use one dropout mask"),
 ])
 def test_dropout_with_a_wrong_rate_or_a_backward_mask_of_its_own_fails(attr, op, match):
-    w = selection.Workload(batch=4, seq=16, hidden=64, heads=2, ops=(op,))
+    w = kernel_plan.Workload(batch=4, seq=16, hidden=64, heads=2, ops=(op,))
     with pytest.warns(RuntimeWarning, match=match):
         plan = selection.decide(w, CPU, extra=[_cand("bad", attr, op=op)], include_test_only=True,
                                 timer=_fake_timer({"bad": 0.1}))
@@ -83,10 +94,10 @@ def test_dropout_with_a_wrong_rate_or_a_backward_mask_of_its_own_fails(attr, op,
 
 
 def test_keep_rate_bound():
-    assert selection.keep_rate_problem(10_000, 1_000, 0.1) is None
-    assert selection.keep_rate_problem(10_000, 1_150, 0.1) is None  # 5 sigma
-    assert "dropped 1200 of 10000 elements (12.00%)" in selection.keep_rate_problem(10_000, 1_200, 0.1)
-    assert "dropped 500 of 10000" in selection.keep_rate_problem(10_000, 500, 0.1)
+    assert numerics_gate.keep_rate_problem(10_000, 1_000, 0.1) is None
+    assert numerics_gate.keep_rate_problem(10_000, 1_150, 0.1) is None  # 5 sigma
+    assert "dropped 1200 of 10000 elements (12.00%)" in numerics_gate.keep_rate_problem(10_000, 1_200, 0.1)
+    assert "dropped 500 of 10000" in numerics_gate.keep_rate_problem(10_000, 500, 0.1)
 
 
 def test_fastest_passing_candidate_wins_only_by_a_clear_margin():
@@ -105,8 +116,8 @@ def test_choice_is_never_slower_than_the_baseline():
     for _ in range(500):
         ms = [rng.uniform(0.1, 2.0) for _ in range(4)]
         status = [rng.choice(["passed", "failed", "error", "unsupported"]) for _ in range(3)]
-        results = [selection.Measurement("torch", "torch", "passed", ms=ms[0])] + [
-            selection.Measurement(f"c{i}", "x", s, ms=m if s == "passed" else None)
+        results = [kernel_plan.Measurement("torch", "torch", "passed", ms=ms[0])] + [
+            kernel_plan.Measurement(f"c{i}", "x", s, ms=m if s == "passed" else None)
             for i, (s, m) in enumerate(zip(status, ms[1:]))]
         chosen = next(r for r in results if r.name == selection.choose(results))
         assert chosen.status == "passed" and chosen.ms <= ms[0]
@@ -132,7 +143,7 @@ def test_cache_is_reused_and_invalidated_by_torch_device_or_candidates(tmp_path,
     assert calls
     monkeypatch.undo()
     calls.clear()
-    monkeypatch.setattr(selection, "device_name", lambda device: "another device")
+    monkeypatch.setattr(kernel_plan, "device_name", lambda device: "another device")
     selection.decide(_ln_workload(), CPU, cache=cache, timer=timer)
     assert calls
     monkeypatch.undo()
@@ -159,7 +170,7 @@ def test_crashing_kernel_costs_only_itself_in_an_isolated_measurement():
     cases = [(c, candidates_for(c.op, "cpu", extra=[_cand("crash", "crashing_layer_norm")], include_test_only=True))
              for c in _ln_workload().cases("cpu")]
     with pytest.warns(RuntimeWarning, match="'crash' killed the measuring process"):
-        (d,) = selection.measure_isolated(cases, CPU)
+        (d,) = measure_child.measure_isolated(cases, CPU)
     crash = d.measurement("crash")
     assert crash.status == "error" and "exit" in crash.reason
     assert d.measurement("torch").ms is not None and d.choice != "crash"
@@ -167,7 +178,7 @@ def test_crashing_kernel_costs_only_itself_in_an_isolated_measurement():
 
 def test_routed_set_picks_by_dtype_and_dropout_and_falls_back_to_torch(monkeypatch):
     ext()
-    w = selection.Workload(batch=2, seq=8, hidden=16, heads=2, ops=("bias_dropout_add_layer_norm",))
+    w = kernel_plan.Workload(batch=2, seq=8, hidden=16, heads=2, ops=("bias_dropout_add_layer_norm",))
     plan = selection.decide(w, CPU, timer=lambda cand, case, call, dev: [0.1 if case.dropout == (cand.name == "fused")
                                                                            else 1.0])
     ks = kernel_set_from_plan(plan, "cpu")
@@ -193,7 +204,7 @@ def test_model_runs_on_a_measured_plan_and_matches_the_reference():
     ext()
     cfg = BertConfig.from_preset("tiny", vocab_size=300, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                                  unpad=True)
-    w = selection.Workload.for_model(cfg, batch=3, seq=16)
+    w = kernel_plan.Workload.for_model(cfg, batch=3, seq=16)
     prefer_fused = lambda cand, case, call, dev: [0.1 if cand.name == "fused" else 1.0]  # noqa: E731
     ks = kernel_set_from_plan(selection.decide(w, CPU, timer=prefer_fused), "cpu")
     assert ks.sources == {"layer_norm": "fused", "bias_dropout_add_layer_norm": "fused",
@@ -210,12 +221,12 @@ def test_model_runs_on_a_measured_plan_and_matches_the_reference():
 
 def test_workload_cases_follow_the_config():
     cfg = BertConfig.from_preset("base", unpad=True, attention_probs_dropout_prob=0.0)
-    w = selection.Workload.for_model(cfg, batch=64, seq=128, precision="bf16", autocast=True)
+    w = kernel_plan.Workload.for_model(cfg, batch=64, seq=128, precision="bf16", autocast=True)
     ops = {(c.op, c.dtype, c.dropout) for c in w.cases("cuda")}
     assert ops == {("layer_norm", "float32", False), ("bias_dropout_add_layer_norm", "float32", True),
                    ("bias_dropout_add_layer_norm", "float32", False), ("varlen_attention", "bfloat16", False)}
     with pytest.raises(ValueError, match="divisible"):
-        selection.Workload(batch=1, seq=8, hidden=10, heads=3)
+        kernel_plan.Workload(batch=1, seq=8, hidden=10, heads=3)
 
 
 def test_reference_means_torch_native_on_cuda_and_the_old_reference_on_cpu():

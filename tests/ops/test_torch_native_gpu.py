@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bertdist.model import BertConfig, BertForPreTraining
-from bertdist.ops import kernels_for_run, selection, torch_native
+from bertdist.ops import kernel_plan, kernels_for_run, selection, torch_native
 from bertdist.ops.decision_cache import DecisionCache
 from bertdist.ops.reference import reference_attention, reference_attention_math, reference_varlen_attention
 from tests.ops._util import assert_low_precision_ok, grads, leaf, padding_mask
@@ -62,7 +62,7 @@ def test_measured_choice_on_this_gpu_passed_numerics_and_is_cached(tmp_path):
     """Whether auto is slower than reference is judged on whole training steps by the acceptance
     (benchmarks/acceptance.py): the times that made the choice cannot show it."""
     cfg = BertConfig.from_preset("base", vocab_size=30522)
-    w = selection.Workload.for_model(cfg, batch=16, seq=128, precision="bf16")
+    w = kernel_plan.Workload.for_model(cfg, batch=16, seq=128, precision="bf16")
     plan = selection.decide(w, torch.device(DEV), cache=DecisionCache(tmp_path / "kd.json"))
     print(plan.table())
     for d in plan.decisions.values():

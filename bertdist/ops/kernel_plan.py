@@ -1,0 +1,226 @@
+"""The types of a ``kernels: auto`` plan: what it decides for, what it decides, where that holds.
+
+``Workload`` is the shapes and dtypes a run's config implies; its ``cases`` are the decisions to
+make, known up front on every rank (never read from a batch, whose padded length differs per
+rank). ``Measurement``, ``Decision`` and ``KernelPlan`` are what the measurement yields, with the
+JSON form that is cached, broadcast from rank 0 and copied into the run directory, and the table
+that is logged. ``environment`` is what a cached decision is valid for (device, torch, our build).
+The planning that fills them in is ``selection.py``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from bertdist.device_profile import DeviceProfile, for_device_type
+from bertdist.ops.candidates import OPS, Candidate, Case
+
+SELECTION_VERSION = 1  # part of the environment: a new version measures afresh
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ---------------------------------------------------------------- what a run will call
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """The shapes and dtypes a run's config implies. ``dtypes``: the compute dtypes of the
+    model (bf16 under DeepSpeed bf16); ``autocast``: the model runs under torch.autocast, where
+    the layer-norm ops run in fp32 (torch's CUDA policy, and our fused ops register the same).
+    ``unpad``: which attention op the model calls (None: decide both)."""
+
+    batch: int
+    seq: int
+    hidden: int
+    heads: int
+    dtypes: tuple[str, ...] = ("float32",)
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    eps: float = 1e-12
+    unpad: bool | None = None
+    autocast: bool = False
+    ops: tuple[str, ...] = OPS  # decide only these ops (the others run torch-native)
+
+    def __post_init__(self) -> None:
+        if set(self.ops) - set(OPS):
+            raise ValueError(f"Workload.ops: unknown {sorted(set(self.ops) - set(OPS))}; ops are {OPS}")
+        bad = [d for d in self.dtypes if d not in DTYPES]
+        if bad or not self.dtypes:
+            raise ValueError(f"Workload.dtypes must be some of {sorted(DTYPES)}, got {self.dtypes}")
+        if min(self.batch, self.seq, self.hidden, self.heads) <= 0 or self.hidden % self.heads:
+            raise ValueError(f"Workload: batch {self.batch}, seq {self.seq}, hidden {self.hidden}, heads {self.heads}: "
+                             "all must be positive and hidden divisible by heads")
+
+    @classmethod
+    def for_model(cls, cfg, *, batch: int, seq: int, precision: str = "fp32", autocast: bool = False) -> "Workload":
+        """From a ``BertConfig`` and the run's micro batch, sequence length and precision."""
+        dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[precision]
+        return cls(batch=batch, seq=min(seq, cfg.max_position_embeddings), hidden=cfg.hidden_size,
+                   heads=cfg.num_attention_heads, dtypes=(dtype,), hidden_dropout=cfg.hidden_dropout_prob,
+                   attention_dropout=cfg.attention_probs_dropout_prob, eps=cfg.layer_norm_eps, unpad=cfg.unpad,
+                   autocast=autocast and dtype != "float32")
+
+    def cases(self, device_type: str) -> list[Case]:
+        out: list[Case] = []
+        shape = dict(device_type=device_type, batch=self.batch, seq=self.seq, hidden=self.hidden, heads=self.heads,
+                     eps=self.eps)
+        attention_ops = {None: ("attention", "varlen_attention"), False: ("attention",), True: ("varlen_attention",)}
+        for dtype in self.dtypes:
+            norm = "float32" if self.autocast else dtype
+            out.append(Case("layer_norm", norm, False, **shape))
+            for p in sorted({self.hidden_dropout, 0.0}, reverse=True):
+                out.append(Case("bias_dropout_add_layer_norm", norm, p > 0, p=p, **shape))
+            for op in attention_ops[self.unpad]:
+                for p in sorted({self.attention_dropout, 0.0}, reverse=True):
+                    out.append(Case(op, dtype, p > 0, p=p, **shape))
+        seen, unique = set(), []
+        for c in out:
+            if c.key not in seen and c.op in self.ops:
+                seen.add(c.key)
+                unique.append(c)
+        return unique
+
+
+# ---------------------------------------------------------------- results
+
+
+@dataclasses.dataclass
+class Measurement:
+    name: str
+    family: str
+    status: str  # "passed" | "failed" | "error" | "unsupported"
+    reason: str = ""
+    error: float | None = None  # the candidate's worst error (on ``tensor``)
+    bound: float | None = None  # its bound on that tensor
+    tensor: str | None = None
+    ms: float | None = None  # median forward + backward
+    ms_range: tuple[float, float] | None = None
+
+
+@dataclasses.dataclass
+class Decision:
+    case: Case
+    choice: str
+    measurements: list[Measurement]
+    candidates: list[str]  # every candidate considered (a changed list invalidates the cache)
+    origin: str = "measured"  # "measured" | "cache" | "fallback"
+
+    def measurement(self, name: str) -> Measurement | None:
+        return next((m for m in self.measurements if m.name == name), None)
+
+    def to_dict(self) -> dict:
+        return {"case": dataclasses.asdict(self.case), "choice": self.choice, "candidates": self.candidates,
+                "measurements": [dataclasses.asdict(m) for m in self.measurements]}
+
+    @classmethod
+    def from_dict(cls, d: dict, origin: str = "cache") -> "Decision":
+        ms = [Measurement(**{**m, "ms_range": tuple(m["ms_range"]) if m.get("ms_range") else None})
+              for m in d["measurements"]]
+        return cls(Case(**d["case"]), d["choice"], ms, list(d["candidates"]), origin)
+
+
+@dataclasses.dataclass
+class KernelPlan:
+    """The decisions of one run: which candidate each (op, dtype, dropout) uses."""
+
+    environment: dict
+    decisions: dict[str, Decision]
+    candidates: dict[str, dict]  # op -> name -> Candidate dict, of every chosen candidate
+    note: str = ""
+
+    def choice(self, op: str, dtype: str, dropout: bool) -> Candidate | None:
+        for d in self.decisions.values():
+            if (d.case.op, d.case.dtype, d.case.dropout) == (op, dtype, dropout):
+                c = self.candidates.get(op, {}).get(d.choice)
+                return Candidate.from_dict(c) if c else None
+        return None
+
+    def to_dict(self) -> dict:
+        return {"environment": self.environment, "note": self.note, "candidates": self.candidates,
+                "decisions": {k: {**d.to_dict(), "origin": d.origin} for k, d in self.decisions.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KernelPlan":
+        return cls(d["environment"], {k: Decision.from_dict(v, v.get("origin", "cache")) for k, v in d["decisions"].items()},
+                   d["candidates"], d.get("note", ""))
+
+    def table(self) -> str:
+        return format_table(self.decisions.values(), self.environment, self.note)
+
+
+def format_table(decisions: Iterable[Decision], environment: dict, note: str = "") -> str:
+    lines = [f"kernels: auto on {environment.get('device')} (torch {environment.get('torch')}, "
+             f"build {environment.get('build')}){': ' + note if note else ''}",
+             f"  {'op':<28} {'dtype':<9} {'dropout':<8} {'shape':<40} {'candidate':<22} {'error':>9} {'bound':>9} "
+             f"{'ms':>9}  result"]
+    for d in decisions:
+        c = d.case
+        head = [c.op, c.dtype, f"{c.p:g}" if c.dropout else "0", c.shape]
+        for i, m in enumerate(d.measurements):
+            cols = head if i == 0 else ["", "", "", ""]
+            err = f"{m.error:.2e}" if m.error is not None else "-"
+            bound = f"{m.bound:.2e}" if m.bound is not None else "-"
+            ms = f"{m.ms:.3f}" if m.ms is not None else "-"
+            result = "CHOSEN" if m.name == d.choice else m.status
+            if m.reason and m.name != d.choice:
+                result += f" ({m.reason})"
+            elif d.origin != "measured" and m.name == d.choice:
+                result += f" [{d.origin}]"
+            lines.append(f"  {cols[0]:<28} {cols[1]:<9} {cols[2]:<8} {cols[3]:<40} {m.name:<22} {err:>9} {bound:>9} "
+                         f"{ms:>9}  {result}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- environment
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"cpu {model or 'unknown'} ({torch.get_num_threads()} threads)"
+
+
+def build_id() -> str:
+    """A short hash of the loaded ``bertdist._C`` (a rebuild is a new environment), or "none"."""
+    import hashlib
+
+    from bertdist.ops import _extension
+
+    mod, _ = _extension.load()
+    path = getattr(mod, "__file__", None)
+    if not path or not os.path.isfile(path):
+        return "none"
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
+
+
+def _cudnn_version() -> str:
+    try:
+        return str(torch.backends.cudnn.version())
+    except Exception as e:  # noqa: BLE001 - a torch without cuDNN: the environment says so
+        return f"none ({type(e).__name__})"
+
+
+def environment(device: torch.device, profile: DeviceProfile | None = None) -> dict:
+    """What a cached decision is valid for. On CUDA the device is ``profile``'s (default: this machine's)."""
+    if device.type == "cuda":
+        profile = profile or for_device_type("cuda")
+        return {"device": profile.name, "torch": profile.torch_version, "cuda": profile.torch_cuda or "none",
+                "cudnn": _cudnn_version(), "build": build_id(), "selection": SELECTION_VERSION}
+    return {"device": device_name(device), "torch": torch.__version__, "cuda": torch.version.cuda or "none",
+            "cudnn": "n/a", "build": build_id(), "selection": SELECTION_VERSION}

@@ -1,0 +1,110 @@
+"""The crash-isolated measurement of ``kernels: auto``: the planning's ``measure`` in a child process.
+
+On CUDA a kernel can corrupt the CUDA context or kill the process. ``measure_isolated`` runs the
+measurement in a child (``_child_main``, started with this interpreter) that writes one JSON line
+per event (a candidate starting, a case decided, the device left unusable) and fsyncs it, so the
+parent knows which candidate was running when the child died. That candidate is recorded as an
+error and excluded, and the cases not yet decided are measured again in a fresh child without it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from bertdist.device_profile import DeviceProfile
+from bertdist.ops.candidates import BASELINE, Candidate, Case
+from bertdist.ops.kernel_plan import Decision, Measurement
+
+
+def _child_main(spec_path: str, out_path: str) -> int:
+    """The isolated measurement: cases from ``spec_path``; a progress/result JSON line per event to ``out_path``."""
+    # Imported here: the planning module imports this one (for ``measure_isolated``).
+    from bertdist.ops.selection import DeviceUnusable, measure
+
+    spec = json.loads(Path(spec_path).read_text())
+    sys.path[:0] = [p for p in spec["sys_path"] if p not in sys.path]
+    device = torch.device(spec["device"])
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    p = spec.get("profile")
+    profile = DeviceProfile(**{**p, "capability": tuple(p["capability"]) if p["capability"] else None}) if p else None
+    cases = [(Case(**c["case"]), [Candidate.from_dict(x) for x in c["candidates"]]) for c in spec["cases"]]
+    with open(out_path, "a", buffering=1) as f:
+        def emit(obj):
+            f.write(json.dumps(obj) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+        try:
+            measure(cases, device, on_start=lambda case, c: emit({"start": case.key, "candidate": c.name}),
+                    on_done=lambda d: emit({"decision": d.to_dict()}), profile=profile)
+        except DeviceUnusable as e:
+            emit({"unusable": e.candidate, "error": e.error})
+            return 3
+    return 0
+
+
+def measure_isolated(cases: list[tuple[Case, list[Candidate]]], device: torch.device, *,
+                     timeout_s: float = 900.0, profile: DeviceProfile | None = None) -> list[Decision]:
+    """``measure`` in child processes: a candidate that kills the child or the CUDA context is
+    recorded as an error and excluded, and the remaining cases are measured again without it."""
+    done: dict[str, Decision] = {}
+    excluded: dict[str, dict[str, str]] = {}  # case key -> candidate -> reason
+    for _attempt in range(1 + sum(len(c) for _, c in cases)):
+        todo = [(case, [c for c in cands if c.name not in excluded.get(case.key, {})])
+                for case, cands in cases if case.key not in done]
+        if not todo:
+            break
+        with tempfile.TemporaryDirectory(prefix="bertdist_select_") as tmp:
+            spec, out = Path(tmp) / "spec.json", Path(tmp) / "events.jsonl"
+            spec.write_text(json.dumps({"device": str(device), "sys_path": sys.path,
+                                        "profile": profile.to_dict() if profile else None, "cases": [
+                {"case": dataclasses.asdict(case), "candidates": [c.to_dict() for c in cands]} for case, cands in todo]}))
+            cmd = [sys.executable, "-c", "import sys; from bertdist.ops.measure_child import _child_main; "
+                   "sys.exit(_child_main(sys.argv[1], sys.argv[2]))", str(spec), str(out)]
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+                rc, tail = proc.returncode, (proc.stderr.strip().splitlines() or [""])[-1][:200]
+            except subprocess.TimeoutExpired:
+                rc, tail = -1, f"timed out after {timeout_s:.0f} s"
+            last_start, unusable = None, None
+            for line in (out.read_text().splitlines() if out.exists() else []):
+                ev = json.loads(line)
+                if "start" in ev:
+                    last_start = (ev["start"], ev["candidate"])
+                elif "decision" in ev:
+                    d = Decision.from_dict(ev["decision"], "measured")
+                    done[d.case.key] = d
+                    last_start = None
+                elif "unusable" in ev:
+                    unusable = ev
+            if rc == 0:
+                continue
+            if last_start is None:
+                raise RuntimeError(f"kernel measurement process failed (exit {rc}) before any candidate ran: {tail}")
+            key, name = last_start
+            if name == BASELINE:
+                raise RuntimeError(f"kernel measurement: the torch-native baseline failed on {key} (exit {rc}): {tail}")
+            why = (f"left the CUDA device unusable: {unusable['error']}" if unusable
+                   else f"killed the measuring process (exit {rc}): {tail}")
+            excluded.setdefault(key, {})[name] = why
+            warnings.warn(f"kernels=auto: candidate {name!r} {why}; measuring again without it", RuntimeWarning,
+                          stacklevel=2)
+    decisions = []
+    for case, cands in cases:
+        d = done[case.key]
+        for name, why in excluded.get(case.key, {}).items():  # crashed candidates appear in the table too
+            fam = next(c.family for c in cands if c.name == name)
+            d.measurements.append(Measurement(name, fam, "error", why))
+        d.candidates = [c.name for c in cands]
+        decisions.append(d)
+    return decisions
