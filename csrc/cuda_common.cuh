@@ -12,6 +12,10 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+// Before PhiloxUtils: torch 2.11's ATen/cuda/detail/UnpackRaw.cuh uses std::tuple without
+// including <tuple>, and then fails to compile under nvcc 13.
+#include <tuple>
+
 #include <ATen/cuda/PhiloxUtils.cuh>
 #endif
 
