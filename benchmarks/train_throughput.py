@@ -68,6 +68,7 @@ import json
 import math
 import platform
 import shlex
+import statistics
 import sys
 import threading
 import time
@@ -330,49 +331,125 @@ def prime_code_paths(name: str, cfg, device: torch.device, precision: str) -> No
     del model
 
 
-def run_variant(name: str, cfg, batches: list[Batch], device: torch.device, precision: str, steps: int,
-                warmup: int, compile_ours: bool, flops_per_batch: list[float], peak_flops: float) -> dict:
+@dataclasses.dataclass
+class Live:
+    """A variant built and warmed up in this process, waiting for its timed steps."""
+    name: str
+    step: Callable[[dict], torch.Tensor]
+    on_dev: list[dict]
+    info: dict
+    check: int
+    resident: int | None  # CUDA bytes its weights, gradients and optimizer state hold
+    block_s: list[float] = dataclasses.field(default_factory=list)
+    transient: int = 0
+    loss: float = float("nan")
+
+
+def build_live(name: str, cfg, batches: list[Batch], device: torch.device, precision: str, warmup: int,
+               compile_ours: bool) -> Live:
     on_dev = [batch_to_device(with_packing(b) if name.startswith("ours-") else b.tensors, device) for b in batches]
-    if device.type == "cpu":
-        prime_code_paths(name, cfg, device, precision)
-    with PeakMemory(device) as mem:
-        torch.manual_seed(0)
-        model, raw, info = build_variant(name, cfg, device, compile_ours, batch=len(batches[0].lengths),
-                                         seq=batches[0].tensors["input_ids"].shape[1], precision=precision)
-        check = encoder_rows(raw, on_dev[0], cfg.hidden_size)
-        step = make_step(model, device, precision)
-        for i in range(warmup):  # also compiles, for every batch shape (warmup >= number of batches)
-            step(on_dev[i % len(on_dev)])
-        sync(device)
-        t0 = time.perf_counter()
-        for i in range(steps):
-            loss = step(on_dev[i % len(on_dev)])
-        sync(device)
-        dt = time.perf_counter() - t0
-        last_loss = float(loss)
-    del model, raw, step
+    gc.collect()
+    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+    torch.manual_seed(0)
+    model, raw, info = build_variant(name, cfg, device, compile_ours, batch=len(batches[0].lengths),
+                                     seq=batches[0].tensors["input_ids"].shape[1], precision=precision)
+    check = encoder_rows(raw, on_dev[0], cfg.hidden_size)
+    step = make_step(model, device, precision)
+    for i in range(warmup):  # also compiles, for every batch shape (warmup >= number of batches)
+        step(on_dev[i % len(on_dev)])
+    sync(device)
+    resident = torch.cuda.memory_allocated(device) - before if before is not None else None
+    return Live(name, step, on_dev, info, check, resident)
+
+
+def rates(v: Live, batches: list[Batch], steps: int, dt: float, flops_per_batch: list[float],
+          peak_flops: float) -> dict:
+    """The figures of ``steps`` steps (cycling ``batches``) that took ``dt`` seconds."""
     used = [batches[i % len(batches)] for i in range(steps)]
     seqs = sum(len(b.lengths) for b in used)
     real = sum(b.real_tokens for b in used)
     padded = sum(b.tensors["input_ids"].numel() for b in used)
     flops = sum(flops_per_batch[i % len(batches)] for i in range(steps))
     return {
-        **info,
-        "step_s": dt / steps,
-        "seq_per_s": seqs / dt,
-        "real_tokens_per_s": real / dt,
-        "padded_tokens_per_s": padded / dt,
-        "tflops_real": flops / dt / 1e12,
-        "mfu": flops / dt / peak_flops,
-        "peak_mem_bytes": mem.peak,
-        "peak_mem_kind": mem.kind,
-        "real_tokens": real,
-        "padded_tokens": padded,
-        "sequences": seqs,
-        "final_loss": last_loss,
-        "encoder_rows_check": {"batch": 0, "encoder_rows": check, "real_tokens": batches[0].real_tokens,
+        **v.info, "step_s": dt / steps, "seq_per_s": seqs / dt, "real_tokens_per_s": real / dt,
+        "padded_tokens_per_s": padded / dt, "tflops_real": flops / dt / 1e12, "mfu": flops / dt / peak_flops,
+        "real_tokens": real, "padded_tokens": padded, "sequences": seqs, "final_loss": v.loss,
+        "encoder_rows_check": {"batch": 0, "encoder_rows": v.check, "real_tokens": batches[0].real_tokens,
                                "padded_tokens": batches[0].tensors["input_ids"].numel()},
     }
+
+
+def run_variant(name: str, cfg, batches: list[Batch], device: torch.device, precision: str, steps: int,
+                warmup: int, compile_ours: bool, flops_per_batch: list[float], peak_flops: float) -> dict:
+    if device.type == "cpu":
+        prime_code_paths(name, cfg, device, precision)
+    with PeakMemory(device) as mem:
+        v = build_live(name, cfg, batches, device, precision, warmup, compile_ours)
+        t0 = time.perf_counter()
+        for i in range(steps):
+            loss = v.step(v.on_dev[i % len(v.on_dev)])
+        sync(device)
+        dt = time.perf_counter() - t0
+        v.loss = float(loss)
+    v.step = v.on_dev = None  # the model and its batches go before the next variant is built
+    return {**rates(v, batches, steps, dt, flops_per_batch, peak_flops), "peak_mem_bytes": mem.peak,
+            "peak_mem_kind": mem.kind}
+
+
+def time_block(v: Live, steps: int, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    sync(device)
+    t0 = time.perf_counter()
+    for i in range(steps):
+        loss = v.step(v.on_dev[i % len(v.on_dev)])
+    sync(device)
+    v.block_s.append(time.perf_counter() - t0)
+    v.loss = float(loss)
+    if device.type == "cuda":
+        v.transient = max(v.transient, torch.cuda.max_memory_allocated(device) - base)
+
+
+def run_interleaved(names: list[str], args, cfg, batches: list[Batch], device: torch.device, precision: str,
+                    steps: int, warmup: int, flops_per_batch: list[float], peak_flops: float,
+                    rounds: int) -> dict:
+    """Every variant built and warmed up in this one process, then timed in ``rounds`` rounds whose
+    order rotates (a slow phase of the machine hits every variant alike). Each round runs the
+    same batches for every variant; a variant's time is its median round. Peak memory on CUDA:
+    its resident state plus the allocator's peak above the baseline during its own rounds (None
+    on CPU, where RSS cannot be split between variants of one process)."""
+    per_round = math.ceil(max(1, steps // rounds) / len(batches)) * len(batches)
+    live, out = [], {"variants": {}, "skipped": {}, "failed": {}}
+    for name in names:
+        print(f"  {name}: build and warm up ...", flush=True)
+        try:
+            live.append(build_live(name, cfg, batches, device, precision, warmup, args.compile))
+        except torch.OutOfMemoryError as e:
+            out["skipped"][name] = f"out of memory ({str(e).splitlines()[0][:120]})"
+        except Exception as e:  # noqa: BLE001 - compile failures are skips, others failures (or raised)
+            compiled = name.endswith("-compile") or (name == "ours-optimized" and args.compile)
+            first = str(e).splitlines()[0][:200] if str(e) else ""
+            if compiled:
+                out["skipped"][name] = f"torch.compile failed: {type(e).__name__}: {first}"
+            elif args.keep_going:
+                out["failed"][name] = f"{type(e).__name__}: {first}"
+            else:
+                raise
+    for r in range(rounds):
+        for v in live[r % len(live):] + live[:r % len(live)] if live else []:
+            time_block(v, per_round, device)
+    seqs = sum(len(batches[i % len(batches)].lengths) for i in range(per_round))
+    for v in live:
+        out["variants"][v.name] = {
+            **rates(v, batches, per_round, statistics.median(v.block_s), flops_per_batch, peak_flops),
+            "peak_mem_bytes": None if v.resident is None else v.resident + v.transient,
+            "peak_mem_kind": ("resident state + torch.cuda.max_memory_allocated above it during its own rounds"
+                              if v.resident is not None else "not separable between variants of one process on CPU"),
+            "round_seq_per_s": [seqs / t for t in v.block_s],
+            "interleaved": {"rounds": rounds, "steps_per_round": per_round},
+        }
+    return out
 
 
 RATIO_KEYS = ("seq_per_s", "real_tokens_per_s", "mfu", "peak_mem_bytes")
@@ -381,7 +458,7 @@ RATIO_KEYS = ("seq_per_s", "real_tokens_per_s", "mfu", "peak_mem_bytes")
 def add_ratios(variants: dict[str, dict]) -> None:
     base = variants.get(BASELINE)
     for r in variants.values():
-        r["vs_hf_sdpa"] = ({k: r[k] / base[k] for k in RATIO_KEYS if base[k]} if base else None)
+        r["vs_hf_sdpa"] = ({k: r[k] / base[k] for k in RATIO_KEYS if base[k] and r[k] is not None} if base else None)
 
 
 # ----- loss curve ----------------------------------------------------------------------------------
@@ -486,7 +563,9 @@ def markdown(res: dict) -> str:
     for name, r in res["variants"].items():
         c = r["encoder_rows_check"]
         lines.append(f"| {name} | {r['seq_per_s']:.1f} | {r['real_tokens_per_s']:.0f} | {r['tflops_real']:.3f} | "
-                     f"{100 * r['mfu']:.2f}% | {r['peak_mem_bytes'] / 2**20:.0f} | {ratio(r, 'seq_per_s')} | "
+                     f"{100 * r['mfu']:.2f}% | "
+                     f"{'-' if r['peak_mem_bytes'] is None else format(r['peak_mem_bytes'] / 2**20, '.0f')} | "
+                     f"{ratio(r, 'seq_per_s')} | "
                      f"{ratio(r, 'peak_mem_bytes')} | {c['encoder_rows']} of {c['padded_tokens']} |")
     for name, why in res["skipped"].items():
         lines.append(f"| {name} | skipped: {why} | | | | | | | |")
@@ -566,6 +645,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                     help="run each variant in a fresh process (default: yes on CPU, where peak RSS is only "
                          "meaningful per process; no on CUDA, where the allocator's peak is reset per variant)")
+    ap.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                    help="build every variant in this process, then time them in ROUNDS rounds of "
+                         "steps / ROUNDS steps each, the order rotating per round (median round reported)")
     ap.add_argument("--keep-going", action="store_true",
                     help="a variant that raises is reported as failed and the others still run")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -645,10 +727,23 @@ def main(argv: list[str] | None = None) -> dict:
           f"threads {res['torch_threads']}, precision {precision}; preset {args.preset}, batch {args.batch}, "
           f"seq {args.seq}; lengths {source}: mean {res['lengths']['mean_real_length']:.1f}, "
           f"padding {100 * res['lengths']['padding_fraction']:.1f}%; MFU peak: {peak_note}; "
-          f"{'one process per variant' if isolate else 'all variants in this process'}", flush=True)
+          f"{'one process per variant' if isolate and not args.interleave else 'all variants in this process'}", flush=True)
 
     raw_argv = list(sys.argv[1:] if argv is None else argv)
-    for name in chosen:
+    if args.interleave:
+        got = run_interleaved(chosen, args, cfg, batches, device, precision, steps, warmup, flops_per_batch, peak,
+                              args.interleave)
+        res["variants"], res["skipped"] = got["variants"], got["skipped"]
+        if got["failed"]:
+            res["failed"] = got["failed"]
+        res["isolated_processes"] = False
+        res["interleaved"] = {"rounds": args.interleave}
+        for name, r in res["variants"].items():
+            print(f"    {name}: {r['seq_per_s']:.1f} seq/s (rounds: "
+                  f"{', '.join(f'{x:.1f}' for x in r['round_seq_per_s'])}), MFU {100 * r['mfu']:.2f}%", flush=True)
+        for name, why in {**res["skipped"], **got["failed"]}.items():
+            print(f"    {name}: {why}", flush=True)
+    for name in ([] if args.interleave else chosen):
         print(f"  {name} ...", flush=True)
         try:
             outcome = (measure_in_subprocess(name, raw_argv) if isolate else

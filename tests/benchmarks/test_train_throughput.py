@@ -88,3 +88,39 @@ def test_harness_cpu_tiny(harness, sample_records, tmp_path):
     assert all(math.isfinite(x) for k in lc["curves"] for x in lc["curves"][k]["loss"])
     assert (tmp_path / "tt_loss_curve.png").stat().st_size > 1000
     assert "| ours-optimized |" in md.read_text() and res["markdown"] == md.read_text()
+
+
+def test_interleaved_rounds_rotate_and_time_the_same_batches(harness, sample_records, tmp_path):
+    """--interleave: every variant in this one process, timed in rounds whose order rotates; each
+    round runs the same batches for every variant, and a variant's figure is its median round."""
+    out = tmp_path / "tt.json"
+    harness.main(["--preset", "tiny", "--batch", "4", "--seq", "64", "--steps", "4", "--warmup", "1",
+                  "--num-batches", "2", "--lengths-from", str(sample_records), "--variants",
+                  "ours-optimized,hf-sdpa", "--interleave", "2", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert data["interleaved"] == {"rounds": 2} and not data["isolated_processes"]
+    assert data["variants"].keys() == {"ours-optimized", "hf-sdpa"} and not data["skipped"]
+    for name, r in data["variants"].items():
+        assert r["interleaved"] == {"rounds": 2, "steps_per_round": 2}, name
+        assert len(r["round_seq_per_s"]) == 2 and r["seq_per_s"] > 0, name
+        assert min(r["round_seq_per_s"]) <= r["seq_per_s"] * (1 + 1e-9)
+        assert r["seq_per_s"] <= max(r["round_seq_per_s"]) * (1 + 1e-9)
+        assert r["peak_mem_bytes"] is None and "not separable" in r["peak_mem_kind"]  # one process on CPU
+    assert len({r["real_tokens"] for r in data["variants"].values()}) == 1
+    assert data["variants"]["ours-optimized"]["vs_hf_sdpa"]["seq_per_s"] > 0
+
+
+def test_a_failing_variant_does_not_stop_the_interleaved_others(harness, sample_records, monkeypatch, tmp_path):
+    real_build = harness.build_variant
+
+    def build(name, *a, **k):
+        if name == "hf-sdpa":
+            raise RuntimeError("no such model")
+        return real_build(name, *a, **k)
+
+    monkeypatch.setattr(harness, "build_variant", build)
+    res = harness.main(["--preset", "tiny", "--batch", "2", "--seq", "64", "--steps", "2", "--warmup", "1",
+                        "--num-batches", "1", "--lengths-from", str(sample_records), "--variants",
+                        "ours-optimized,hf-sdpa", "--interleave", "2", "--keep-going"])
+    assert set(res["variants"]) == {"ours-optimized"}
+    assert res["failed"] == {"hf-sdpa": "RuntimeError: no such model"}
