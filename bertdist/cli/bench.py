@@ -1,8 +1,9 @@
 """`bertdist bench`: the one-command GPU acceptance (benchmarks/acceptance.py), a quick CPU variant without CUDA.
 
-It times `bertdist pretrain` itself for every shipped recipe, compares kernels: auto with
-kernels: reference on whole training steps, and runs the side-by-side throughput benchmark; it
-exits 1 when anything failed or a target is not met.
+It runs the side-by-side throughput benchmark against HF, compares kernels: auto with kernels:
+reference on whole training steps, and times `bertdist pretrain` itself for every shipped recipe,
+most valuable first, against a deadline; the report is rewritten after every run. It exits 1
+when anything failed or a target is not met.
 
 It runs from a source checkout: the acceptance uses the repository's tests/ and benchmarks/,
 which an installed wheel does not carry."""
@@ -30,34 +31,43 @@ def acceptance_module():
 
 
 def run(args) -> int:
-    argv = ["--out", args.out, "--budget-s", str(args.budget_s)]
+    argv = ["--out", args.out, "--deadline-s", str(args.deadline_s)]
     for flag, value in (("--configs", args.configs), ("--variants", args.variants), ("--skip", args.skip),
-                        ("--steps", args.steps), ("--recipes", args.recipes), ("--recipe-steps", args.recipe_steps),
-                        ("--repeats", args.repeats)):
+                        ("--steps", args.steps), ("--rounds", args.rounds), ("--recipes", args.recipes),
+                        ("--recipe-steps", args.recipe_steps), ("--repeats", args.repeats), ("--kit", args.kit),
+                        ("--records", args.records), ("--setup-json", args.setup_json)):
         if value:
             argv += [flag, str(value)]
     if args.quick:
         argv.append("--quick")
     if args.lengths_from:
         argv += ["--lengths-from", *args.lengths_from]
-    # 1 on a failed GPU test (pytest's exit 5, nothing collected, included), a failed stage, recipe
-    # run or variant, or a target NOT met; the report is written either way.
+    # 1 on a failed set-up step or GPU test (pytest's exit 5, nothing collected, included), a failed
+    # stage, recipe run or variant, or a target NOT met; the report is written either way.
     return acceptance_module().main(argv)["exit_status"]
 
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="GPU acceptance: tests, kernel and training benchmarks, one report "
-                                     "(quick CPU variant without CUDA)")
+    p = sub.add_parser("bench", help="GPU acceptance: training throughput against HF, kernels auto vs reference, "
+                                     "recipes, tests; one report, rewritten after every run (quick CPU variant "
+                                     "without CUDA)")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="report folder")
+    p.add_argument("--deadline-s", type=float, default=570.0,
+                   help="wall-clock deadline (default 570): checked before every run, caps each run's timeout")
     p.add_argument("--quick", action="store_true", help="small sizes on any device (automatic without CUDA)")
+    p.add_argument("--kit", help="a GPU kit folder (make gpu-kit): its records, and its versions in the report")
+    p.add_argument("--records", help="pre-built records: vocab.txt and records_SEQ/ (default: built with Beam)")
+    p.add_argument("--setup-json", help="set-up rows of the kit's node script, listed first in the report")
     p.add_argument("--lengths-from", nargs="+", metavar="MANIFEST", help="records to sample row lengths from")
-    p.add_argument("--configs", help="preset:seq:batch,... (default: base/large x 128/512 on CUDA)")
+    p.add_argument("--configs", help="preset:seq:batch,... in measuring order (default on CUDA: "
+                                     "large:128:64,large:512:16,base:128:64,base:512:16)")
     p.add_argument("--variants", help="train_throughput variants")
+    p.add_argument("--rounds", type=int, help="interleaved rounds of the throughput variants")
     p.add_argument("--steps", type=int, help="timed steps per variant")
     p.add_argument("--recipes", help="recipe files under configs/pretrain to time with bertdist pretrain "
                                      "(default: all)")
     p.add_argument("--recipe-steps", type=int, help="steps of each bertdist pretrain run")
     p.add_argument("--repeats", type=int, help="interleaved runs per side of kernels auto vs reference")
-    p.add_argument("--skip", help="stages to skip: tests,kernels,decisions,recipes,auto_vs_reference,throughput")
-    p.add_argument("--budget-s", type=float, default=570.0, help="time budget in seconds (default 570)")
+    p.add_argument("--skip", help="stages to skip: records,throughput,auto_vs_reference,recipes,tests,kernels,"
+                                  "decisions")
     p.set_defaults(func=run)

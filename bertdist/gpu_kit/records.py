@@ -1,0 +1,61 @@
+"""The benchmark's records: built from the bundled samples by the Beam pipeline, one build per
+sequence length, beside the vocab they were tokenized with.
+
+The bench reads row lengths from them and the recipe runs train on them. A GPU kit carries a
+copy, so that the node needs neither Beam nor blingfire. Layout of a records folder::
+
+    vocab.txt
+    records_128/manifest.json (+ shards)
+    records_512/manifest.json (+ shards)
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+SAMPLES = Path(__file__).resolve().parents[2] / "data_pipeline" / "samples"
+VOCAB_NAME = "vocab.txt"
+VOCAB_SIZE = 8000
+MAX_PREDICTIONS = {128: 20, 512: 80}
+
+
+def manifest_path(folder: Path, seq: int) -> Path:
+    return Path(folder) / f"records_{seq}" / "manifest.json"
+
+
+def build(seqs: list[int], out: Path, samples: Path = SAMPLES) -> dict[int, str]:
+    """Train the vocab on the books and build records of the books + Wikipedia sample per seq."""
+    from data_pipeline import build_records
+    from data_pipeline.config import InputConfig
+    from data_pipeline.tokenization import train_vocab
+    from data_pipeline.vocab_corpus import iter_sentences
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = out / VOCAB_NAME
+    train_vocab(iter_sentences([InputConfig(kind="books", path=str(samples / "books"))]), vocab,
+                vocab_size=VOCAB_SIZE, lowercase=True)
+    manifests = {}
+    for seq in seqs:
+        manifests[seq] = str(build_records([f"wiki:{samples / 'wiki'}", f"books:{samples / 'books'}"],
+                                           out / f"records_{seq}", vocab, max_seq_length=seq, dupe_factor=1,
+                                           num_shards=2, heldout_fraction=0.0,
+                                           max_predictions_per_seq=MAX_PREDICTIONS.get(seq, 20)))
+    return manifests
+
+
+def find(folder: Path, seqs: list[int]) -> dict[int, str]:
+    """Pre-built records in ``folder`` (a kit's), checked to be complete: {seq: manifest path}."""
+    folder = Path(folder)
+    if not (folder / VOCAB_NAME).is_file():
+        raise FileNotFoundError(f"{folder}: no {VOCAB_NAME} (a records folder holds {VOCAB_NAME} and records_SEQ/)")
+    found, missing = {}, []
+    for seq in seqs:
+        m = manifest_path(folder, seq)
+        if m.is_file():
+            found[seq] = str(m)
+        else:
+            missing.append(seq)
+    if missing:
+        have = sorted(p.parent.name for p in folder.glob("records_*/manifest.json"))
+        raise FileNotFoundError(f"{folder}: no records for seq {missing} (has {have or 'none'})")
+    return found
