@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # Worker count for pytest-style knobs and the demo; CI machines have 2 cores.
 JOBS ?= $(shell nproc)
 
-.PHONY: demo test test-fast venv clean lint-duplicates slurm gpu-acceptance emu-check emu-test emu-sanitize emu-mutate
+.PHONY: demo test test-fast venv clean lint-duplicates slurm gpu-acceptance gpu-kit emu-check emu-test emu-sanitize emu-mutate
 
 venv: $(STAMP)
 
@@ -59,6 +59,13 @@ demo: venv
 # Without CUDA it runs the quick CPU variant.
 gpu-acceptance: venv
 	$(PY) -m bertdist.cli.main bench
+
+# The offline kit for an air-gapped GPU node with a fixed image (docs/gpu-node.md): wheels for what
+# the image lacks, pre-built records and run.sh, in GPU_KIT_OUT; fails over 48 MiB with the repository.
+GPU_KIT_IMAGE ?= configs/images/gpu-node-cuda13-py312.yaml
+GPU_KIT_OUT ?= dist/gpu-kit
+gpu-kit: venv
+	$(PY) -m bertdist.gpu_kit.build --image $(GPU_KIT_IMAGE) --out $(GPU_KIT_OUT)
 
 # The CUDA kernels run on the CPU by the SIMT emulator (csrc/emu; docs/kernels-and-gpus.md,
 # "The CUDA kernels without a GPU"). EMU_CSRC and EMU_BUILD let the mutation tests build from a mutated copy of csrc/.

@@ -22,6 +22,8 @@ LIGHT_IMPORTS = {
     "data build config": "import data_pipeline.config",
     "cluster training config": "import cluster.training",
     "CLI parser": "from bertdist.cli.main import build_parser; build_parser()",
+    # the kit is built where torch may be absent, and the node script records a failing torch as a row
+    "GPU kit": "import bertdist.gpu_kit.build, bertdist.gpu_kit.node, bertdist.gpu_kit.image",
     # vocab training reads local files without Beam's filesystems
     "vocab corpus": ("from data_pipeline.config import InputConfig; from data_pipeline.vocab_corpus import iter_sentences; "
                      f"assert len(list(iter_sentences([InputConfig(kind='books', path={BOOKS!r})]))) > 1000"),
