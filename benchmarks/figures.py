@@ -240,6 +240,33 @@ def acceptance_table() -> list[str]:
     return out
 
 
+GPU_RUN = "gpu-node_nvidia-h200_2026-11-26"
+GPU_REPORTS = (f"{GPU_RUN}/acceptance_all-stages.json", f"{GPU_RUN}/acceptance_large128-gpu-tests.json")
+
+
+def gpu_table() -> list[str]:
+    """The GPU kit's runs on one H200: throughput side by side, auto vs reference, the GPU tests."""
+    out = ["| run | what | measured | verdict | raw results |", "|---|---|---|---|---|"]
+    for i, name in enumerate(GPU_REPORTS, 1):
+        d = json.loads(read(name))
+        for r in d["setup"] or []:
+            if r["step"].startswith("build"):
+                out.append(f"| {i} | {r['step']} on the node | {r['seconds']:.0f} s | {r['status']} | {link(name)} |")
+        for t in d["throughput"]:
+            for v, x in t.get("variants", {}).items():
+                out.append(f"| {i} | {t['preset']} b{t['batch']} s{t['seq']} {t['precision']}: {v} | "
+                           f"{x['seq_per_s']:,.0f} seq/s, MFU {100 * x['mfu']:.1f}% | median of "
+                           f"{len(x['round_seq_per_s'])} interleaved rounds | {link(name)} |")
+        tests = d.get("tests")
+        if tests:
+            out.append(f"| {i} | GPU tests (`pytest -m gpu`) | {tests['summary']} | exit {tests['returncode']} | "
+                       f"{link(name)} |")
+        for target, measured, verdict in d["targets"]:
+            if measured != "-":
+                out.append(f"| {i} | {target} | {measured} | {verdict} | {link(name)} |")
+    return out
+
+
 DISTILL_RESULTS = ("distill_sst2_cpu_2026-11-25.json", "distill_ner_cpu_2026-11-25.json")
 
 
@@ -311,6 +338,7 @@ def general_distill_table() -> list[str]:
 
 
 TABLES = (
+    ("GPU: bertdist bench through the GPU kit on one H200 (bf16, BERT-large batch 64 x 128)", gpu_table),
     ("Data build", data_build_table),
     ("NSP negatives: distinct (document, start sentence) windows per random-next row", negatives_table),
     ("Model step on CPU against Hugging Face (batch 8 × 128, fp32, forward + backward)", model_table),
