@@ -34,6 +34,8 @@ SCHEMAS = (
      "`bertdist distill TASK --config CONFIG --set key.path=value` (`bertdist pseudo-label` reads the same keys)"),
     ("Cluster resources", "cluster.spec:Resources", "options of `bertdist submit`",
      "`bertdist submit pretrain ... --nodes N --gpus-per-node G` (one option per key, `-` for `_`)"),
+    ("GPU node image", "bertdist.gpu_kit.image:ImageManifest", "configs/images/*.yaml",
+     "one file per site image: `make gpu-kit GPU_KIT_IMAGE=FILE` ([GPU node](gpu-node.md))"),
 )
 
 

@@ -452,7 +452,7 @@ def check_make(cmd, ws):
     assert r.returncode == 0, f"{cmd}: make -n {target}: {r.stderr}"
     expect = {"demo": "-m bertdist.demo", "test": "-m pytest", "gpu-acceptance": "bertdist.cli.main bench",
               "emu-check": "_emu_build driver", "emu-test": "-m pytest", "emu-sanitize": "--sanitize",
-              "emu-mutate": "mutate.py"}[target]
+              "emu-mutate": "mutate.py", "gpu-kit": "bertdist.gpu_kit.build"}[target]
     assert expect in r.stdout, f"make {target} does not run {expect}:\n{r.stdout}"
 
 
@@ -460,6 +460,16 @@ def check_bench(cmd, ws):
     args = parse_bertdist(bertdist_argv(cmd))
     assert args.func.__module__ == "bertdist.cli.bench", f"{cmd}: not the bench command"
     assert (REPO / "benchmarks" / "acceptance.py").is_file()
+
+
+def check_gpu_node_script(cmd, ws):
+    """bash KIT/run.sh OUTDIR [options]: the node script's own parser, then the bench's for the rest."""
+    from bertdist.gpu_kit import node
+
+    assert cmd.argv[1] == "dist/gpu-kit/run.sh" and (REPO / "bertdist" / "gpu_kit" / "run.sh").is_file(), cmd
+    args, rest = node.parse_args(["--kit", "dist/gpu-kit", "--out", *cmd.argv[2:]])
+    assert args.out and not args.out.startswith("-"), f"{cmd}: OUTDIR comes first"
+    parse_bertdist(["bench", *rest])
 
 
 def check_pip_install(cmd, ws):
@@ -501,6 +511,9 @@ CHECKS = [
     Check(("make", "emu-sanitize"), None, check_make, "by hand: an ASan + UBSan build, about 2 minutes"),
     Check(("make", "emu-mutate"), None, check_make, "tests/emu/test_mutations.py (three mutants); the full set by hand"),
     Check(("bertdist", "bench"), None, check_bench, "tests/benchmarks/test_acceptance.py (quick CPU variant); a GPU"),
+    Check(("make", "gpu-kit"), None, check_make, "tests/gpu_kit/test_rehearsal.py (a kit for CI's Python)"),
+    Check(("bash", "dist/gpu-kit/run.sh"), None, check_gpu_node_script,
+          "a GPU node; on CPU: tests/gpu_kit/test_rehearsal.py (quick mode, in a venv standing in for the image)"),
     Check(("pip", "install"), None, check_pip_install, "tests/test_wheel_install.py (wheel into a fresh venv)"),
     Check(("python", "-m", "bertdist.config.reference"), None, check_docs_generator, "tests/config/test_reference.py"),
     Check(("python", "-m", "bertdist.cli.error_index"), None, check_docs_generator, "tests/cli/test_error_index.py"),
