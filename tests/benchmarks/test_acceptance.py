@@ -177,3 +177,13 @@ def test_each_run_is_capped_by_the_time_left_and_none_starts_after_it(acceptance
     assert acceptance.exit_status({"setup": [{"step": "install", "status": "failed"}], "targets": []}) == 1
     r = acceptance.run_child([sys.executable, "-c", "import time; print('x', flush=True); time.sleep(60)"], 1.0)
     assert r["timed_out"] and r["seconds"] < 10 and r["output"].startswith("x")
+
+
+def test_the_environment_is_recorded_without_git_or_nvidia_smi(acceptance, monkeypatch, tmp_path):
+    import torch
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # neither git nor nvidia-smi on it, as on some GPU nodes
+    env = acceptance.environment(torch, kit={"image": {"name": "site"}, "built": "d", "built_with": {"bertdist_git": "g"},
+                                             "wheels": [{"name": "deepspeed", "version": "0.19.8"}]})
+    assert "git unknown: no git or no repository" in env["bertdist"]
+    assert env["kit"] == "image site, built d from git g; deepspeed 0.19.8"
