@@ -9,6 +9,7 @@ and saving the resolved config as YAML next to a run or checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import typing
 from pathlib import Path
@@ -90,14 +91,20 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 pass
         raise ConfigError(f"{where}: expected an integer, got {value!r}")
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if number is None:
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        # NaN and infinity pass every comparison-based check silently (lr=nan trains to NaN).
+        if not math.isfinite(number):
+            raise ConfigError(f"{where}: {value!r} is not a finite number")
+        return number
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
@@ -187,8 +194,13 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
-    with p.open() as f:
-        data = yaml.safe_load(f) or {}
+    try:
+        with p.open(encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {' '.join(str(e).split())}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text (byte {e.start}): is this a config file?") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: top level must be a mapping, got {type(data).__name__}")
     return data

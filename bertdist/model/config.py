@@ -56,15 +56,17 @@ class BertConfig:
     def __post_init__(self) -> None:
         if self.preset not in PRESETS and self.preset != "custom":
             raise ConfigError(f"model.preset: {self.preset!r} is not one of {sorted(PRESETS) + ['custom']}")
+        # Positivity first: the divisibility check below divides by num_attention_heads.
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                     "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"model: hidden_size ({self.hidden_size}) must be divisible by "
                 f"num_attention_heads ({self.num_attention_heads}); "
                 f"{self.hidden_size} / {self.num_attention_heads} = {self.hidden_size / self.num_attention_heads:.3f}"
             )
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "max_position_embeddings"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"model.{name} must be in [0, 1), got {getattr(self, name)}")

@@ -1,12 +1,16 @@
 """Config machinery: dataclass schema, YAML instances, dotted overrides, saving."""
 import dataclasses
+from pathlib import Path
 from typing import Literal, Optional
 
 import pytest
 import yaml
 
 from bertdist.config import ConfigError, from_dict, load_config, save_config, to_dict
+from bertdist.config.schema import load_yaml
 from bertdist.model import BertConfig
+
+REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 @dataclasses.dataclass
@@ -77,3 +81,27 @@ def test_model_config_from_preset_mapping_and_validation():
         BertConfig(hidden_size=100, num_attention_heads=3)
     with pytest.raises(ConfigError, match="preset"):
         BertConfig.from_mapping({"preset": "huge"})
+
+
+@pytest.mark.parametrize("override", ["optimizer.lr=nan", "optimizer.lr=.nan", "optimizer.lr=.inf", "optimizer.lr=-inf"])
+def test_nan_and_infinity_are_refused(override):
+    from bertdist.train.config import TrainConfig
+
+    with pytest.raises(ConfigError, match=r"optimizer.lr: .* is not a finite number"):
+        load_config(TrainConfig, REPO_CONFIGS / "pretrain" / "tiny.yaml", [override])
+
+
+def test_malformed_or_binary_yaml_is_a_config_error_naming_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  preset: [tiny\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: not valid YAML"):
+        load_yaml(bad)
+    binary = tmp_path / "weights.yaml"
+    binary.write_bytes(b"\x80\x04\x95 pickle")
+    with pytest.raises(ConfigError, match=r"weights.yaml: not UTF-8 text"):
+        load_yaml(binary)
+
+
+def test_zero_heads_is_a_config_error_not_a_division_by_zero():
+    with pytest.raises(ConfigError, match=r"model.num_attention_heads must be positive, got 0"):
+        BertConfig.from_preset("tiny", num_attention_heads=0)
