@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import math
 import sys
 from pathlib import Path
 
@@ -93,8 +94,11 @@ ALIASES = {"sst-2": "sst2", "sts-b": "stsb", "mnli-m": "mnli", "mnli-mm": "mnli"
 def read_tsv(path: Path) -> list[list[str]]:
     if not path.is_file():
         raise DataError(f"{path}: file not found")
-    with path.open(encoding="utf-8-sig", newline="") as f:  # -sig: MRPC's header starts with a BOM
-        return [row for row in csv.reader(f, delimiter="\t", quotechar=None)]
+    try:
+        with path.open(encoding="utf-8-sig", newline="") as f:  # -sig: MRPC's header starts with a BOM
+            return [row for row in csv.reader(f, delimiter="\t", quotechar=None)]
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (byte {e.start} of the file); GLUE files are UTF-8 TSV") from None
 
 
 def _col(header: list[str], name: str, path: Path) -> int:
@@ -143,7 +147,9 @@ def read_glue(task: GlueTask, path: str | Path, test: bool = False, limit: int |
                 try:
                     label = float(raw)
                 except ValueError:
-                    raise DataError(f"{path}:{line}: {task.name} label {raw!r} is not a number") from None
+                    label = None
+                if label is None or not math.isfinite(label):  # "nan" parses, and poisons the loss
+                    raise DataError(f"{path}:{line}: {task.name} label {raw!r} is not a finite number")
             else:
                 if raw not in task.labels:
                     raise DataError(f"{path}:{line}: label {raw!r} is not in the {task.name} label set {list(task.labels)}")

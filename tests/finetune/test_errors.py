@@ -95,3 +95,16 @@ def test_unknown_task_and_missing_files(tmp_path, tiny_ckpt):
     cfg = FinetuneConfig(task="rte", checkpoint=str(tiny_ckpt), data=str(tmp_path), output_dir=str(tmp_path))
     with pytest.raises(DataError, match=r"no train file \(looked for \[.train.tsv.\]\)"):
         run_finetune(cfg)
+
+
+def test_a_non_finite_regression_label_or_a_non_utf8_file_names_the_line(tmp_path):
+    stsb = G.GLUE_TASKS["stsb"]
+    header = "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore\n"
+    bad = tmp_path / "dev.tsv"
+    bad.write_text(header + "0\tmain\tf\t2012\t1\ts\ts\tA man.\tA dog.\t3.2\n1\tmain\tf\t2012\t2\ts\ts\tA.\tB.\tnan\n")
+    with pytest.raises(DataError, match=r"dev.tsv:3: stsb label 'nan' is not a finite number"):
+        G.read_glue(stsb, bad)
+    latin = tmp_path / "latin1.tsv"
+    latin.write_bytes(header.encode() + "0\tmain\tf\t2012\t1\ts\ts\tCaf\xe9.\tB.\t3.0\n".encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin1.tsv: not UTF-8 text"):
+        G.read_glue(stsb, latin)
