@@ -7,7 +7,10 @@ from data_pipeline import sources, text as textlib
 from data_pipeline.config import InputConfig
 
 
-def iter_sentences(inputs: Iterable[InputConfig], max_document_chars: int = 50_000_000) -> Iterator[str]:
+def iter_sentences(inputs: Iterable[InputConfig], max_document_chars: int = 50_000_000,
+                   skipped: list[str] | None = None) -> Iterator[str]:
+    """Sentences of every input; a book that cannot be read or decoded is skipped and, when
+    ``skipped`` is given, its path with the reason appended there."""
     for src in inputs:
         if src.kind == "wiki":
             from data_pipeline.wikitext import article_paragraphs, iter_page_blobs, parse_page
@@ -26,7 +29,11 @@ def iter_sentences(inputs: Iterable[InputConfig], max_document_chars: int = 50_0
         elif src.kind == "books":
             for path in sources.match_files(src.path, directory_suffix=sources.DIRECTORY_SUFFIX["books"]):
                 with sources.open_input(path) as stream:
-                    text, _ = sources.read_text_document(stream, max_document_chars)
+                    text, events = sources.read_text_document(stream, max_document_chars)
+                if text is None:  # binary or undecodable: the data build counts the same skip
+                    if skipped is not None:
+                        skipped.append(f"{path} ({events[0]})")
+                    continue
                 yield from textlib.text_to_sentences(textlib.strip_gutenberg(text)[0])
         elif src.kind == "jsonl":
             for path in sources.match_files(src.path, directory_suffix=sources.DIRECTORY_SUFFIX["jsonl"]):

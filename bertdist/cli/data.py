@@ -37,6 +37,9 @@ def run_build(args, beam_args: list[str]) -> int:
     except EmptyBuildError as e:  # nothing committed; the message names the runner and what is missing
         print(f"bertdist data build: {e}", file=sys.stderr)
         return 1
+    except FileNotFoundError as e:  # an input pattern that matches nothing: nothing was written
+        print(f"bertdist data build: {e} (check --input KIND:PATH and the config's inputs)", file=sys.stderr)
+        return 2
     print(f"data build: {manifest['splits']['train']['rows']:,} train + {manifest['splits']['heldout']['rows']:,} held-out "
           f"instances in {time.time() - t:.1f}s -> {os.path.join(cfg.output, 'manifest.json')}")
     for line in build_report(manifest):
@@ -105,10 +108,18 @@ def run_vocab(args) -> int:
         return 2
     inputs = [parse_input(s) for s in args.input]
     t = time.time()
-    tokens = train_vocab(iter_sentences(inputs), args.output, vocab_size=args.size, lowercase=not args.cased,
-                         min_frequency=args.min_frequency)
+    skipped: list[str] = []
+    try:
+        tokens = train_vocab(iter_sentences(inputs, skipped=skipped), args.output, vocab_size=args.size,
+                             lowercase=not args.cased, min_frequency=args.min_frequency)
+    except FileNotFoundError as e:
+        print(f"bertdist data vocab: {e} (check --input KIND:PATH)", file=sys.stderr)
+        return 2
     print(f"vocab: trained {len(tokens):,} WordPiece tokens ({'cased' if args.cased else 'uncased'}) in "
           f"{time.time() - t:.1f}s -> {args.output}")
+    if skipped:
+        print(f"vocab: skipped {len(skipped):,} file(s) that could not be read or decoded: "
+              + ", ".join(skipped[:10]) + (" ..." if len(skipped) > 10 else ""))
     return 0
 
 
