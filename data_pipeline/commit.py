@@ -26,6 +26,7 @@ from bertdist.config import to_dict
 from bertdist.data.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME
 from bertdist.data.records import record_schema
 from bertdist.data.vocab import special_token_ids, vocab_sha256
+from data_pipeline.redaction import redact_args
 from data_pipeline.beam.metrics import NS
 from data_pipeline.beam.shards import parquet_writer_options, shard_name
 from data_pipeline.config import BuildConfig, source_label
@@ -312,7 +313,7 @@ def commit(cfg, out: OutputDir, staging: str, final: str, run_id: str, tokens, l
                      if k.startswith("repaired_") or k == "nsp_same_document_fallbacks"} if known else None),
         "metrics": counters,
         "runner": runner,
-        "beam_args": list(args),
+        "beam_args": redact_args(args),  # credentials' values never reach a manifest
         "wall_seconds": round(wall, 3),
     }
     out.write_manifest(manifest, MANIFEST_NAME)  # the commit

@@ -22,6 +22,7 @@ from data_pipeline.instance_algorithm import InstanceParams, expected_instances
 from data_pipeline.instance_native import choose_builder
 from data_pipeline.negatives import slot_bits
 from data_pipeline.output_dir import OutputDir
+from data_pipeline.redaction import redact_args
 from data_pipeline.tokenization import vocab_is_cased
 from data_pipeline.beam.instance_transform import CreateInstances
 from data_pipeline.beam.dedup import Deduplicate
@@ -223,7 +224,8 @@ def run(cfg: BuildConfig, pipeline_args: Sequence[str] | None = None) -> dict[st
     worker_cfg = dataclasses.replace(cfg, vocab=out.stage_vocab(cfg.vocab, run_id))
     args = with_build_defaults(default_pipeline_args() if pipeline_args is None else pipeline_args)
     options = PipelineOptions(args)
-    log.info("data build: %d input(s) -> %s (run %s), Beam args %s", len(cfg.inputs), out.url, run_id, args)
+    log.info("data build: %d input(s) -> %s (run %s), Beam args %s", len(cfg.inputs), out.url, run_id,
+             redact_args(args))
     p = beam.Pipeline(runner=local_runner(options), options=options)
     build_pipeline(p, worker_cfg, staging, tokens, lowercase)
     result = p.run()
