@@ -31,6 +31,18 @@ def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def path_inside(base: Path, entry: str, manifest: Path, error: type[Exception] = RecordsError) -> Path:
+    """``base / entry`` for a file a manifest lists, refused unless it stays inside ``base``: a
+    manifest someone hands us must not point a reader (or a later deletion) anywhere else."""
+    rel = Path(str(entry))
+    resolved_base = base.resolve()
+    target = (base / rel).resolve()
+    if rel.is_absolute() or ".." in rel.parts or not target.is_relative_to(resolved_base):
+        raise error(f"{manifest}: lists {str(entry)!r}, which is outside {base}; a manifest's files must be "
+                    "relative paths inside its folder")
+    return base / rel
+
+
 def load_manifest(path: str | os.PathLike) -> dict[str, Any]:
     p = Path(path)
     if p.is_dir():

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bertdist.data.manifest import MANIFEST_NAME, RecordsError, file_sha256, load_manifest
+from bertdist.data.manifest import MANIFEST_NAME, RecordsError, file_sha256, load_manifest, path_inside
 
 RECORD_COLUMNS = ("input_ids", "num_a_tokens", "next_sentence_label", "masked_lm_positions", "masked_lm_ids")
 
@@ -113,7 +113,7 @@ def open_records(
     shards: list[tuple[Path, int]] = []
     sums: list[str] = []
     for entry in splits[split]["shards"]:
-        p = base / entry["path"]
+        p = path_inside(base, entry["path"], mpath)
         shards.append((p, int(entry["rows"])))
         sums.append(entry["sha256"])
         if not verify:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bertdist.data.manifest import path_inside
 from bertdist.finetune.errors import DataError
 from bertdist.model import IGNORE_INDEX
 
@@ -316,7 +317,13 @@ def load_label_rows(labels_dir: str | Path, manifest: dict, top_k: int | None = 
     have = manifest.get("top_k")
     out: list[dict] = []
     for name in manifest["shards"]:
-        t = pq.read_table(d / name).to_pydict()
+        path = path_inside(d, name, d / "manifest.json", DataError)
+        try:
+            t = pq.read_table(path).to_pydict()
+        except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+            raise DataError(f"{path}: not a readable pseudo-label shard ({type(e).__name__}: {e}); remove it and "
+                            "run `bertdist pseudo-label` into this directory again (a rerun labels the missing "
+                            "shards only)") from None
         for i in range(len(t["row"])):
             ids = t["input_ids"][i]
             f = {"input_ids": ids, "token_type_ids": t["token_type_ids"][i], "attention_mask": [1] * len(ids)}

@@ -82,3 +82,15 @@ def test_readable_without_our_code(sample_records):
     assert t.num_rows == man["splits"]["train"]["shards"][0]["rows"]
     assert isinstance(t.column("input_ids").to_pylist()[0][0], int)
 
+
+
+@pytest.mark.parametrize("where", ["../outside.parquet", "/etc/passwd", "shards/../../outside.parquet"])
+def test_a_manifest_cannot_point_outside_its_folder(records_copy, where):
+    outside = records_copy.parent.parent / "outside.parquet"
+    outside.write_bytes(b"not ours to read")
+    man = json.loads(records_copy.read_text())
+    man["splits"]["train"]["shards"][0]["path"] = where
+    records_copy.write_text(json.dumps(man))
+    for verify in (True, False):
+        with pytest.raises(RecordsError, match=r"outside .*relative paths inside its folder"):
+            open_records(records_copy, verify=verify)

@@ -127,3 +127,19 @@ def test_two_ranks_split_the_shards_and_rank_0_writes_the_manifest(tmp_path, tas
     m = read_manifest(labels)
     assert m["last_run"]["world_size"] == 2 and m["last_run"]["shards_labelled"] == 3  # rank 0: shards 0, 2, 4
     assert [r["input_ids"] for r in load_label_rows(labels, m)][:1] and len(load_label_rows(labels, m)) == 50
+
+
+def test_a_corrupt_or_outside_shard_is_an_error_naming_it(tmp_path, task):
+    from bertdist.finetune.errors import DataError
+
+    tmp, _, data, teacher = task
+    unl = fx.write_unlabeled_text(tmp_path / "u.txt", n=12)
+    cfg = fx.distill_config("sst2", teacher, data, [unl], tmp_path / "run", labels_dir=str(tmp_path / "labels"),
+                            shard_rows=10)
+    m = run_pseudo_label(cfg)
+    first = tmp_path / "labels" / m["shards"][0]
+    first.write_bytes(first.read_bytes()[: first.stat().st_size // 2])
+    with pytest.raises(DataError, match=first.name + ": not a readable pseudo-label shard"):
+        load_label_rows(tmp_path / "labels", m)
+    with pytest.raises(DataError, match=r"outside .*relative paths inside its folder"):
+        load_label_rows(tmp_path / "labels", {**m, "shards": ["../u.txt"]})
