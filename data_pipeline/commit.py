@@ -316,6 +316,9 @@ def commit(cfg, out: OutputDir, staging: str, final: str, run_id: str, tokens, l
         "beam_args": redact_args(args),  # credentials' values never reach a manifest
         "wall_seconds": round(wall, 3),
     }
+    previous = out.current_shards(MANIFEST_NAME)
     out.write_manifest(manifest, MANIFEST_NAME)  # the commit
-    out.remove_other_runs(keep=final)  # older outputs and dead runs' staging dirs are garbage now
+    # older outputs and dead runs' staging dirs are garbage now; the replaced manifest's shards
+    # stay one more build for the trainers still reading them
+    out.remove_other_runs(keep=final, previous=previous)
     return manifest

@@ -21,6 +21,9 @@ from apache_beam.io.filesystems import FileSystems
 from bertdist.data.manifest import write_manifest_atomic
 
 STAGING_PREFIX, SHARDS_PREFIX = ".staging-", "shards-"
+# Written into every folder a build creates: only folders holding it are ever deleted, so a
+# user's own `shards-*` folder in the output directory is left alone.
+MARKER = ".bertdist-build"
 
 
 class OutputDir:
@@ -38,9 +41,11 @@ class OutputDir:
         """(staging dir Beam writes into, final shard dir name) for a new run."""
         final = f"{SHARDS_PREFIX}{run_id}"
         if not self.local:
+            self.write_bytes(self.join(final, MARKER), run_id.encode())
             return self.join(final), final
         staging = Path(self.url) / f"{STAGING_PREFIX}{run_id}"
         staging.mkdir(parents=True)
+        (staging / MARKER).write_text(run_id)
         return str(staging), final
 
     def stage_vocab(self, vocab: str, run_id: str) -> str:
@@ -51,6 +56,7 @@ class OutputDir:
         folder = self.join(f"{STAGING_PREFIX}{run_id}-vocab")
         if self.local:
             os.makedirs(folder)
+        self.write_bytes(FileSystems.join(folder, MARKER), run_id.encode())
         path = FileSystems.join(folder, "vocab.txt")
         with open(vocab, "rb") as f:
             self.write_bytes(path, f.read())
@@ -101,14 +107,45 @@ class OutputDir:
         else:  # one object PUT: readers see the old manifest or the new one, never a part
             self.write_bytes(self.join(name), (json.dumps(manifest, indent=2) + "\n").encode())
 
-    def remove_other_runs(self, keep: str) -> None:
-        """Delete every ``shards-*`` / ``.staging-*`` dir except ``keep`` (the committed one)."""
+    def current_shards(self, manifest_name: str) -> str | None:
+        """The shard folder the committed manifest names, or None (no manifest yet, or unreadable)."""
+        path = self.join(manifest_name)
+        try:
+            if not self.exists(path):
+                return None
+            entries = self.read_json(path)["splits"]["train"]["shards"]
+            return entries[0]["path"].split("/", 1)[0] if entries else None
+        except (OSError, ValueError, KeyError, IndexError, TypeError, BeamIOError):
+            return None
+
+    def _our_folders(self) -> list[str]:
+        """The names of the folders in the output that a build made (they hold MARKER)."""
         if self.local:
-            for old in Path(self.url).iterdir():
-                if old.is_dir() and old.name != keep and old.name.startswith((SHARDS_PREFIX, STAGING_PREFIX)):
-                    shutil.rmtree(old, ignore_errors=True)
-            return
+            return sorted(d.name for d in Path(self.url).iterdir()
+                          if d.is_dir() and d.name.startswith((SHARDS_PREFIX, STAGING_PREFIX)) and (d / MARKER).is_file())
         tops = {m.path[len(self.url) + 1:].split("/", 1)[0] for m in FileSystems.match([self.join("**")])[0].metadata_list}
-        dirs = sorted(self.join(t) for t in tops if t != keep and t.startswith((SHARDS_PREFIX, STAGING_PREFIX)))
-        if dirs:
-            self.delete_dirs(dirs)
+        return sorted(t for t in tops
+                      if t.startswith((SHARDS_PREFIX, STAGING_PREFIX)) and self.exists(self.join(t, MARKER)))
+
+    def _remove(self, names: list[str]) -> None:
+        if not names:
+            return
+        if self.local:
+            for name in names:
+                shutil.rmtree(Path(self.url) / name, ignore_errors=True)
+        else:
+            self.delete_dirs([self.join(n) for n in names])
+
+    def remove_other_runs(self, keep: str, previous: str | None = None) -> None:
+        """Delete the folders earlier builds made, except ``keep`` (just committed) and ``previous``
+        (the shards the replaced manifest named: a trainer opened on it may still be reading them;
+        the next build removes them)."""
+        self._remove([n for n in self._our_folders() if n not in (keep, previous)])
+
+    def discard_run(self, run_id: str, final: str, manifest_name: str) -> None:
+        """A failed build's own folders: its staging, its vocab copy, and its shard folder unless
+        the manifest names it (the commit had happened). Nothing of another run is touched."""
+        mine = {f"{STAGING_PREFIX}{run_id}", f"{STAGING_PREFIX}{run_id}-vocab", final}
+        if self.current_shards(manifest_name) == final:
+            mine.discard(final)
+        self._remove([n for n in self._our_folders() if n in mine])

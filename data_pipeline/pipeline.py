@@ -220,20 +220,25 @@ def run(cfg: BuildConfig, pipeline_args: Sequence[str] | None = None) -> dict[st
     builder, why = choose_builder(cfg.instance_builder)
     log.info("training instances: %s builder (%s)", builder, why)  # every run; workers log once per process
     staging, final = out.prepare(run_id)
-    # workers read a copy of the vocab beside the output, never the launcher's path
-    worker_cfg = dataclasses.replace(cfg, vocab=out.stage_vocab(cfg.vocab, run_id))
-    args = with_build_defaults(default_pipeline_args() if pipeline_args is None else pipeline_args)
-    options = PipelineOptions(args)
-    log.info("data build: %d input(s) -> %s (run %s), Beam args %s", len(cfg.inputs), out.url, run_id,
-             redact_args(args))
-    p = beam.Pipeline(runner=local_runner(options), options=options)
-    build_pipeline(p, worker_cfg, staging, tokens, lowercase)
-    result = p.run()
-    result.wait_until_finish()
-    counters = query_counters(result)
-    manifest = commit(cfg, out, staging, final, run_id, tokens, lowercase, counters, args, time.time() - t0,
-                       runner=runner_name(options))
-    return manifest
+    try:
+        # workers read a copy of the vocab beside the output, never the launcher's path
+        worker_cfg = dataclasses.replace(cfg, vocab=out.stage_vocab(cfg.vocab, run_id))
+        args = with_build_defaults(default_pipeline_args() if pipeline_args is None else pipeline_args)
+        options = PipelineOptions(args)
+        log.info("data build: %d input(s) -> %s (run %s), Beam args %s", len(cfg.inputs), out.url, run_id,
+                 redact_args(args))
+        p = beam.Pipeline(runner=local_runner(options), options=options)
+        build_pipeline(p, worker_cfg, staging, tokens, lowercase)
+        result = p.run()
+        result.wait_until_finish()
+        counters = query_counters(result)
+        return commit(cfg, out, staging, final, run_id, tokens, lowercase, counters, args, time.time() - t0,
+                      runner=runner_name(options))
+    except BaseException:
+        # A failed build leaves nothing of its own behind (a killed process cannot clean up:
+        # the next successful build removes what it left, as it is marked as a build's).
+        out.discard_run(run_id, final, MANIFEST_NAME)
+        raise
 
 
 def parse_input(spec: str) -> InputConfig:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from apache_beam.io.filesystem import BeamIOError, FileMetadata, FileSystem
 
+from data_pipeline.output_dir import MARKER
 from tests.conftest import SAMPLES
 
 
@@ -117,23 +118,30 @@ def test_build_on_an_object_store_commits_by_manifest_and_matches_local_output(m
     man = json.loads((memstore / "bucket/out/manifest.json").read_text())
     shards = [s for sp in man["splits"].values() for s in sp["shards"]]
     run_dir = shards[0]["path"].split("/")[0]
-    # exactly the manifest and its shards remain: no staging, sidecars, spill or part files
-    assert _objects(memstore) == sorted(["bucket/out/manifest.json", *(f"bucket/out/{s['path']}" for s in shards)])
+    # exactly the manifest, its shards and the build's mark remain: no staging, sidecars, spill or part files
+    assert _objects(memstore) == sorted(["bucket/out/manifest.json", f"bucket/out/{run_dir}/{MARKER}",
+                                         *(f"bucket/out/{s['path']}" for s in shards)])
     local_man = json.loads(Path(local).read_text())
     for s, ls in zip(shards, (s for sp in local_man["splits"].values() for s in sp["shards"])):
         data = (memstore / "bucket/out" / s["path"]).read_bytes()
         assert hashlib.sha256(data).hexdigest() == s["sha256"] == ls["sha256"]  # same bytes as a local build
         assert len(data) == s["bytes"]
-    # a dead run's leftovers and the previous output are removed by the next commit
-    dead = memstore / "bucket/out/shards-dead/train-00000-of-00002.parquet"
-    dead.parent.mkdir()
-    dead.write_bytes(b"partial")
+    # the next commit removes a dead build's leftovers (marked as a build's), never a folder of the
+    # user's, and keeps the previous output one more build for the trainers still reading it
+    for name, mark in (("shards-dead", True), ("shards-mine", False)):
+        folder = memstore / "bucket/out" / name
+        folder.mkdir()
+        (folder / "train-00000-of-00002.parquet").write_bytes(b"partial")
+        if mark:
+            (folder / MARKER).write_text("dead")
     build_records(inputs, "memstore://bucket/out", small_vocab, **kw)
     man2 = json.loads((memstore / "bucket/out/manifest.json").read_text())
     run_dir2 = man2["splits"]["train"]["shards"][0]["path"].split("/")[0]
     assert run_dir2 != run_dir
+    assert {o.split("/")[2] for o in _objects(memstore)} == {"manifest.json", run_dir2, run_dir, "shards-mine"}
+    build_records(inputs, "memstore://bucket/out", small_vocab, **kw)
     tops = {o.split("/")[2] for o in _objects(memstore)}
-    assert tops == {"manifest.json", run_dir2}
+    assert run_dir not in tops and run_dir2 in tops and "shards-mine" in tops and len(tops) == 4
     shutil.rmtree(memstore / "bucket")
 
 
@@ -153,3 +161,22 @@ def test_a_relative_local_output_is_made_absolute(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     assert OutputDir("runs/records/").url == str(tmp_path / "runs" / "records")
+
+
+def test_a_failed_build_removes_its_own_folders_and_nothing_else(tmp_path, small_vocab, monkeypatch):
+    from data_pipeline import build_records, pipeline
+
+    out = tmp_path / "out"
+    inputs = [f"books:{SAMPLES / 'books'}"]
+    build_records(inputs, out, small_vocab, max_seq_length=64, dupe_factor=1, num_shards=1)
+    before = sorted(p.name for p in out.iterdir())
+    (out / "shards-mine").mkdir()  # a user's folder that happens to share the prefix
+
+    def broken_commit(*a, **k):
+        raise RuntimeError("the runner lost a worker")
+
+    monkeypatch.setattr(pipeline, "commit", broken_commit)
+    with pytest.raises(RuntimeError, match="lost a worker"):
+        build_records(inputs, out, small_vocab, max_seq_length=64, dupe_factor=1, num_shards=1)
+    assert sorted(p.name for p in out.iterdir()) == sorted([*before, "shards-mine"])
+    assert json.loads((out / "manifest.json").read_text())["splits"]["train"]["rows"] > 0
