@@ -107,10 +107,24 @@ def demo_global_batch(ranks: int, micro: int = DEMO_MICRO_BATCH) -> int:
     return micro * ranks * max(1, 2 // ranks)
 
 
-def stage_pretrain(out: Path, manifest: Path, vocab: Path, steps: int, ranks: int):
-    run_dir = out / "pretrain"
+DEMO_MARK = ".made-by-bertdist-demo"
+
+
+def fresh_run_dir(run_dir: Path) -> Path:
+    """An empty ``run_dir``: an earlier demo's run is replaced (the demo marked it as its own);
+    a folder the demo did not make is never deleted."""
     if run_dir.exists():
+        if not (run_dir / DEMO_MARK).is_file():
+            raise SystemExit(f"{run_dir} exists and was not made by the demo: not deleting it. Move it away or "
+                             "choose another --out.")
         shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    (run_dir / DEMO_MARK).write_text("this run directory is replaced by the next `make demo` with the same --out\n")
+    return run_dir
+
+
+def stage_pretrain(out: Path, manifest: Path, vocab: Path, steps: int, ranks: int):
+    run_dir = fresh_run_dir(out / "pretrain")
     every = max(steps // 4, 1)
     sh(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1",
        "--master_port", str(_free_port()), "-m", "bertdist.cli.main", "pretrain",

@@ -23,3 +23,18 @@ def test_two_cpu_ranks_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert local_ranks() == (2, "no CUDA device: 2 CPU ranks (gloo)")
     assert demo_global_batch(2) == 32  # the recipe's own global batch on the CPU demo, as before
+
+
+def test_the_demo_replaces_only_its_own_run_directory(tmp_path):
+    from bertdist.demo import DEMO_MARK, fresh_run_dir
+
+    mine = tmp_path / "pretrain"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("a run of my own")
+    with pytest.raises(SystemExit, match="was not made by the demo: not deleting it"):
+        fresh_run_dir(mine)
+    assert (mine / "notes.txt").read_text() == "a run of my own"
+    run = fresh_run_dir(tmp_path / "demo" / "pretrain")
+    (run / "metrics.jsonl").write_text("{}")
+    again = fresh_run_dir(run)  # the demo's own earlier run is replaced
+    assert again == run and sorted(p.name for p in run.iterdir()) == [DEMO_MARK]
