@@ -7,6 +7,7 @@ the same readers without Beam.
 from __future__ import annotations
 
 import bz2
+import functools
 import glob
 import gzip
 import json
@@ -79,6 +80,50 @@ def open_input(path: str) -> BinaryIO:
 
 # errors a truncated or corrupt compressed stream raises mid-read
 STREAM_ERRORS = (EOFError, OSError, zlib.error, ValueError)
+# The longest line read whole. A longer one (minified or binary data, a decompression bomb) is
+# consumed in pieces of this size, skipped and counted: no reader ever holds a line of unknown size.
+MAX_LINE_BYTES = 1 << 20
+# A JSONL line is a whole document (a book is a few MB).
+MAX_JSON_LINE_BYTES = 16 << 20
+
+
+def _rest_of_line(readline, limit: int) -> int:
+    """Read and drop the rest of the current line, ``limit`` bytes at a time; its length."""
+    n = 0
+    while True:
+        more = readline(limit)
+        n += len(more)
+        if len(more) < limit or more.endswith(b"\n"):
+            return n
+
+
+def read_line(readline, limit: int) -> tuple[bytes | None, int]:
+    """The next line (b"" at the end) and its length in bytes; (None, length) for a line longer
+    than ``limit``, whose bytes are read and dropped, never held whole. Read in pieces of at most
+    MAX_LINE_BYTES, so that a long limit costs memory only for a line that long."""
+    piece = min(limit, MAX_LINE_BYTES)
+    raw = readline(piece)
+    if len(raw) < piece or raw.endswith(b"\n"):
+        return raw, len(raw)
+    parts, size = [raw], len(raw)
+    while size < limit:
+        more = readline(min(piece, limit - size))
+        parts.append(more)
+        size += len(more)
+        if not more or more.endswith(b"\n"):
+            return b"".join(parts), size
+    return None, size + _rest_of_line(readline, piece)
+
+
+class _SkippedLine:
+    """An over-long line's place in a block of lines: its length, for byte offsets, and no bytes."""
+    __slots__ = ("size",)
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
 
 
 def decoded_event(encoding: str) -> str:
@@ -107,20 +152,30 @@ def read_text_document(stream: BinaryIO, max_chars: int) -> tuple[str | None, li
 
 def _line_before_is_blank(stream: BinaryIO, pos: int, chunk: int = 1 << 16) -> bool:
     """Is the line that ends at byte ``pos - 1`` blank (or is ``pos`` the start of the file)?
-    Reads backwards from ``pos`` to that line's start; ``stream`` must be seekable."""
+    Reads backwards from ``pos`` to that line's start, in chunks joined once (linear); a line
+    longer than MAX_LINE_BYTES is an over-long line, which is not blank (the reader skips it as a
+    line of its document). ``stream`` must be seekable."""
     if pos <= 0:
         return True
-    tail = b""
-    end = pos
+    pieces: list[bytes] = []
+    end, got = pos, 0
     while True:
         lo = max(0, end - chunk)
         stream.seek(lo)
-        tail = stream.read(end - lo) + tail
-        cut = tail.rfind(b"\n", 0, len(tail) - 1)  # the newline that ends the line before
+        piece = stream.read(end - lo)
+        # the newline that ends the line before: not the byte at pos - 1, which ends this one
+        cut = piece.rfind(b"\n", 0, len(piece) - 1 if not pieces else len(piece))
         if cut >= 0 or lo == 0:
-            line = tail[cut + 1:]
+            pieces.append(piece[cut + 1:])
+            line = b"".join(reversed(pieces))
+            if len(line) > MAX_LINE_BYTES + 1:
+                return False
             text, enc = decode_text_line(line)
             return enc != "undecodable" and not clean_line(text)
+        pieces.append(piece)
+        got += len(piece)
+        if got > MAX_LINE_BYTES + 1:
+            return False
         end = lo
 
 
@@ -131,20 +186,27 @@ def _surely_not_blank(raw: bytes) -> bool:
     return bool(s) and 32 < s[0] < 127
 
 
-def _read_lines(stream: BinaryIO, size: int) -> tuple[list[bytes], bool]:
-    """Whole lines, about ``size`` bytes of them, and whether the stream broke (a truncated
-    compressed file): the lines read before the damage are kept."""
-    raws: list[bytes] = []
+def _read_lines(stream: BinaryIO, size: int) -> tuple[list, bool, list[int]]:
+    """Whole lines, about ``size`` bytes of them, whether the stream broke (a truncated
+    compressed file: the lines read before the damage are kept), and the indices of over-long
+    lines, which stand in the list as a _SkippedLine (their length, no bytes)."""
+    raws: list = []
+    skipped: list[int] = []
     total = 0
+    limit = MAX_LINE_BYTES
+    readline = stream.readline
     try:
-        for raw in stream:
+        for raw in iter(functools.partial(readline, limit), b""):  # C-level iteration, bounded lines
+            if len(raw) == limit and not raw.endswith(b"\n"):
+                raw = _SkippedLine(len(raw) + _rest_of_line(readline, limit))
+                skipped.append(len(raws))
             raws.append(raw)
             total += len(raw)
             if total >= size:
                 break
     except STREAM_ERRORS:
-        return raws, True
-    return raws, False
+        return raws, True, skipped
+    return raws, False, skipped
 
 
 def decode_text_line(raw: bytes) -> tuple[str, str | None]:
@@ -175,6 +237,22 @@ def _clean_lines(lines: list[bytes]) -> tuple[list[str | None], list[str]]:
     return clean_lines(text, block)[:len(lines)], []
 
 
+def _clean_lines_around(raws: list, skipped: list[int]) -> tuple[list[str | None], list[str]]:
+    """``_clean_lines`` of the real lines between over-long ones, None in the over-long ones' places."""
+    lines: list[str | None] = []
+    encodings: list[str] = []
+    start = 0
+    for i in [*skipped, len(raws)]:
+        if i > start:
+            got, enc = _clean_lines(raws[start:i])
+            lines += got
+            encodings += enc
+        if i < len(raws):
+            lines.append(None)
+        start = i + 1
+    return lines, encodings
+
+
 def iter_bert_format(stream: BinaryIO, start: int = 0, end: int | None = None, *, block_bytes: int = 1 << 20
                      ) -> Iterator[tuple[int, list[str]] | tuple[str, str]]:
     """One sentence per line, blank line between documents. Yields (byte offset, sentences) for
@@ -188,17 +266,21 @@ def iter_bert_format(stream: BinaryIO, start: int = 0, end: int | None = None, *
     prev_blank = True
     if start > 0:
         stream.seek(start - 1)
-        pos = start - 1 + len(stream.readline())  # the first line that starts at or after ``start``
+        pos = start - 1 + read_line(stream.readline, MAX_LINE_BYTES)[1]  # the first line at or after ``start``
         prev_blank = _line_before_is_blank(stream, pos)  # a whole line: byte pos - 1 ends it
         stream.seek(pos)
         if not prev_blank:  # the tail of a document that started before ``start``: skip it without cleaning
-            for raw in stream:
+            readline = stream.readline
+            while True:
+                raw, n = read_line(readline, MAX_LINE_BYTES)
+                if not n:
+                    break
                 if end is not None and pos >= end:
                     return  # still in that document: none starts in [start, end)
-                if not _surely_not_blank(raw):
+                if raw is not None and not _surely_not_blank(raw):  # an over-long line is not blank
                     stream.seek(pos)  # this line needs the full check: the block loop reads it
                     break
-                pos += len(raw)
+                pos += n
     damaged = False
     past_end = 1 << 14
     while not damaged:
@@ -208,9 +290,11 @@ def iter_bert_format(stream: BinaryIO, start: int = 0, end: int | None = None, *
             size = block_bytes if end is None else min(block_bytes, max(end - pos, 1 << 14))
         else:
             size, past_end = past_end, min(2 * past_end, block_bytes)
-        raws, damaged = _read_lines(stream, size)
+        raws, damaged, skipped = _read_lines(stream, size)
         if raws:
-            lines, encodings = _clean_lines(raws)
+            lines, encodings = _clean_lines_around(raws, skipped) if skipped else _clean_lines(raws)
+            for _ in skipped:
+                yield ("!event", "skipped_overlong_line")
             for enc in encodings:
                 yield ("!event", "skipped_undecodable_line" if enc == "undecodable" else decoded_event(enc))
             for raw, line in zip(raws, lines):
@@ -241,9 +325,16 @@ def iter_bert_format(stream: BinaryIO, start: int = 0, end: int | None = None, *
 def iter_json_lines(stream: BinaryIO, text_field: str, id_field: str) -> Iterator[tuple[str, str] | tuple[str, str]]:
     """Yields (doc_id, text) per JSON line; bad lines yield events."""
     lineno = 0
+    readline = stream.readline
     try:
-        for raw in stream:
+        while True:
+            raw, n = read_line(readline, MAX_JSON_LINE_BYTES)
+            if not n:
+                break
             lineno += 1
+            if raw is None:
+                yield ("!event", "skipped_overlong_json_line")
+                continue
             if not raw.strip():
                 continue
             decoded = decode_document(raw)

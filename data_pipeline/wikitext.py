@@ -22,6 +22,7 @@ import mwparserfromhell
 from mwparserfromhell import nodes
 
 from data_pipeline.decoding import decode_document
+from data_pipeline.sources import MAX_LINE_BYTES, read_line
 from data_pipeline.text import clean_line
 
 DROP_TAGS = frozenset({
@@ -64,11 +65,20 @@ class Page:
 
 def iter_page_blobs(stream: BinaryIO, max_page_bytes: int) -> Iterator[tuple[str, bytes]]:
     """Yield ("page", bytes) per ``<page>`` element, or ("malformed"|"oversized", b"") for a page
-    that never closed before the next one / was larger than ``max_page_bytes``."""
+    that never closed before the next one / was larger than ``max_page_bytes`` or held a line
+    longer than MAX_LINE_BYTES. Memory stays bounded by those two whatever the stream holds."""
     buf: list[bytes] = []
     size = 0
     inside = oversized = False
-    for line in stream:
+    readline = stream.readline
+    while True:
+        line, n = read_line(readline, MAX_LINE_BYTES)
+        if not n:
+            break
+        if line is None:  # a line longer than any wikitext line: read in pieces and dropped
+            if inside:
+                oversized, buf = True, []
+            continue
         if b"<page>" in line:
             if inside:
                 yield ("malformed", b"")
