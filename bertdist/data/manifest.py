@@ -35,9 +35,11 @@ def path_inside(base: Path, entry: str, manifest: Path, error: type[Exception] =
     """``base / entry`` for a file a manifest lists, refused unless it stays inside ``base``: a
     manifest someone hands us must not point a reader (or a later deletion) anywhere else."""
     rel = Path(str(entry))
-    resolved_base = base.resolve()
-    target = (base / rel).resolve()
-    if rel.is_absolute() or ".." in rel.parts or not target.is_relative_to(resolved_base):
+    try:
+        inside = (base / rel).resolve().is_relative_to(base.resolve())
+    except (ValueError, OSError):  # a NUL byte, a loop of links
+        inside = False
+    if not str(entry) or rel.is_absolute() or ".." in rel.parts or not inside:
         raise error(f"{manifest}: lists {str(entry)!r}, which is outside {base}; a manifest's files must be "
                     "relative paths inside its folder")
     return base / rel

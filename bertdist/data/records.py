@@ -98,6 +98,15 @@ def open_records(
     if mpath.is_dir():
         mpath = mpath / MANIFEST_NAME
     manifest = load_manifest(mpath)
+    try:
+        return _open(mpath, manifest, expect_vocab_sha256, expect_max_seq_length, verify, split)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # a RecordsError passes through
+        what = f"missing key {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+        raise RecordsError(f"{mpath}: not a well-formed records manifest ({what})") from None
+
+
+def _open(mpath: Path, manifest: dict, expect_vocab_sha256: str | None, expect_max_seq_length: int | None,
+          verify: bool, split: str) -> Records:
     splits = manifest.get("splits", {})
     if split not in splits:
         raise RecordsError(f"{mpath}: no split {split!r} (has {sorted(splits)})")

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from bertdist.finetune.metrics import accuracy, binary_f1, matthews_corrcoef, pearson, spearman
-from bertdist.finetune.errors import DataError
+from bertdist.finetune.errors import DataError, not_utf8
 
 csv.field_size_limit(sys.maxsize)
 
@@ -98,7 +98,7 @@ def read_tsv(path: Path) -> list[list[str]]:
         with path.open(encoding="utf-8-sig", newline="") as f:  # -sig: MRPC's header starts with a BOM
             return [row for row in csv.reader(f, delimiter="\t", quotechar=None)]
     except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not UTF-8 text (byte {e.start} of the file); GLUE files are UTF-8 TSV") from None
+        raise not_utf8(path, e) from None
 
 
 def _col(header: list[str], name: str, path: Path) -> int:

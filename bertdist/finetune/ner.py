@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from bertdist.finetune.errors import DataError
+from bertdist.finetune.errors import DataError, not_utf8
 from bertdist.finetune.metrics import entity_spans
 
 SPLIT_FILES = {  # our split name -> candidate file names (IOB2 conversion, original release)
@@ -31,6 +31,13 @@ def read_conll(path: str | Path, limit: int | None = None) -> list[Sentence]:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: file not found")
+    try:
+        return _read_conll_lines(path, limit)
+    except UnicodeDecodeError as e:
+        raise not_utf8(path, e) from None
+
+
+def _read_conll_lines(path: Path, limit: int | None) -> list[Sentence]:
     out: list[Sentence] = []
     words: list[str] = []
     tags: list[str] = []

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bertdist.finetune.errors import DataError
+from bertdist.finetune.errors import DataError, not_utf8
 
 
 @dataclasses.dataclass
@@ -39,12 +39,25 @@ def read_squad(path: str | Path, limit_articles: tuple[int, int] | None = None) 
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise DataError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict) or "data" not in data:
+    except UnicodeDecodeError as e:
+        raise not_utf8(path, e) from None
+    if not isinstance(data, dict) or not isinstance(data.get("data"), list):
         raise DataError(f"{path}: not a SQuAD file (no top-level 'data' list)")
     version = str(data.get("version", "1.1"))
     articles = data["data"]
     if limit_articles is not None:
         articles = articles[limit_articles[0]:limit_articles[1]]
+    try:
+        return _examples(path, articles), version
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        if isinstance(e, DataError):
+            raise
+        what = f"missing key {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+        raise DataError(f"{path}: not a SQuAD file: an article, paragraph, question or answer is malformed "
+                        f"({what})") from None
+
+
+def _examples(path: Path, articles: list) -> list[SquadExample]:
     out = []
     for a in articles:
         for p in a.get("paragraphs", []):
@@ -63,7 +76,7 @@ def read_squad(path: str | Path, limit_articles: tuple[int, int] | None = None) 
                 if not impossible and not answers:
                     raise DataError(f"{path}: question {q['id']} has no answers and is not marked is_impossible")
                 out.append(SquadExample(q["id"], q["question"], ctx, answers, impossible))
-    return out, version
+    return out
 
 
 @dataclasses.dataclass

@@ -6,7 +6,7 @@ import csv
 import dataclasses
 from pathlib import Path
 
-from bertdist.finetune.errors import DataError
+from bertdist.finetune.errors import DataError, not_utf8
 
 REQUIRED = ("sent1", "sent2", "ending0", "ending1", "ending2", "ending3")
 SPLIT_FILES = {"train": "train.csv", "dev": "val.csv", "test": "test.csv"}
@@ -25,6 +25,15 @@ def read_swag(path: str | Path, test: bool = False, limit: int | None = None) ->
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: file not found")
+    try:
+        return _read_swag_rows(path, test, limit)
+    except UnicodeDecodeError as e:
+        raise not_utf8(path, e) from None
+    except csv.Error as e:  # a NUL byte, a field over csv's limit
+        raise DataError(f"{path}: not a readable CSV file ({e})") from None
+
+
+def _read_swag_rows(path: Path, test: bool, limit: int | None) -> list[ChoiceExample]:
     out = []
     with path.open(encoding="utf-8", newline="") as f:
         reader = csv.DictReader(f)
