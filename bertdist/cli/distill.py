@@ -2,6 +2,8 @@
 pseudo-labelled unlabelled text; `bertdist pseudo-label TASK`: the labelling job alone."""
 from __future__ import annotations
 
+from bertdist.cli.export import add_trust_flag
+
 
 def _overrides(args, *, labelling: bool) -> list[str]:
     out = [f"task={args.task}", f"teacher={args.teacher}", f"data={args.data}"]
@@ -23,11 +25,13 @@ def run(args) -> int:
     from bertdist.distill.config import load_distill_config
     from bertdist.distill.train import run_distill
     from bertdist.export.hf import ExportError
+    from bertdist.export.safe_load import trust_checkpoints
     from bertdist.finetune.errors import DataError
 
     cfg = load_distill_config(args.config, _overrides(args, labelling=False))
     try:
-        report = run_distill(cfg)
+        with trust_checkpoints(args.trust_checkpoint):
+            report = run_distill(cfg)
     except (DataError, ExportError, FileNotFoundError) as e:
         print(f"bertdist distill: {e}")
         return 2
@@ -43,11 +47,13 @@ def run_label(args) -> int:
     from bertdist.distill.config import load_distill_config
     from bertdist.distill.train import run_pseudo_label
     from bertdist.export.hf import ExportError
+    from bertdist.export.safe_load import trust_checkpoints
     from bertdist.finetune.errors import DataError
 
     cfg = load_distill_config(args.config, _overrides(args, labelling=True))
     try:
-        m = run_pseudo_label(cfg)
+        with trust_checkpoints(args.trust_checkpoint):
+            m = run_pseudo_label(cfg)
     except (DataError, ExportError, FileNotFoundError) as e:
         print(f"bertdist pseudo-label: {e}")
         return 2
@@ -68,6 +74,7 @@ def _common(p) -> None:
     p.add_argument("--deepspeed", action="store_true", help="DeepSpeed data parallel (launch with torchrun)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set temperature=4 --set train.learning_rate=5e-5")
+    add_trust_flag(p)
 
 
 def register(sub) -> None:

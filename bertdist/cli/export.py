@@ -6,10 +6,12 @@ def run(args) -> int:
     from bertdist.export import write_hf_dir
     from bertdist.export.sources import load_pretrained, write_torch_dir
     from bertdist.export.hf import ExportError
+    from bertdist.export.safe_load import trust_checkpoints
 
     lower = {"cased": False, "uncased": True, None: None}[args.casing]
     try:
-        w = load_pretrained(args.source, vocab_file=args.vocab, do_lower_case=lower, tag=args.tag)
+        with trust_checkpoints(args.trust_checkpoint):
+            w = load_pretrained(args.source, vocab_file=args.vocab, do_lower_case=lower, tag=args.tag)
     except (ExportError, FileNotFoundError) as e:
         print(f"bertdist export: {e}")
         return 2
@@ -52,4 +54,12 @@ def register(sub) -> None:
     p.add_argument("--casing", choices=["cased", "uncased"], default=None,
                    help="tokenizer casing (default: from the run's config, else inferred from the vocab)")
     p.add_argument("--no-verify", action="store_true", help="skip the logits comparison with transformers")
+    add_trust_flag(p)
     p.set_defaults(func=run)
+
+
+def add_trust_flag(p) -> None:
+    """``--trust-checkpoint`` (bertdist.export.safe_load.TRUST_FLAG), for the commands that read checkpoints."""
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="also load checkpoint files that need full unpickling (e.g. from an older bertdist); "
+                        "unpickling runs any code a file holds, so only for checkpoints from a source you trust")

@@ -1,10 +1,13 @@
 """`bertdist finetune <task>`: fine-tune our model on GLUE, SQuAD, CoNLL NER or SWAG."""
 from __future__ import annotations
 
+from bertdist.cli.export import add_trust_flag
+
 
 def run(args) -> int:
     from bertdist.config import load_config
     from bertdist.export.hf import ExportError
+    from bertdist.export.safe_load import trust_checkpoints
     from bertdist.finetune.config import FinetuneConfig
     from bertdist.finetune.errors import DataError
     from bertdist.finetune.train import run_finetune
@@ -18,7 +21,8 @@ def run(args) -> int:
         overrides.append("deepspeed=true")
     cfg = load_config(FinetuneConfig, args.config, overrides + list(args.set))
     try:
-        summary = run_finetune(cfg)
+        with trust_checkpoints(args.trust_checkpoint):
+            summary = run_finetune(cfg)
     except (DataError, ExportError, FileNotFoundError) as e:
         print(f"bertdist finetune: {e}")
         return 2
@@ -44,4 +48,5 @@ def register(sub) -> None:
     p.add_argument("--deepspeed", action="store_true", help="train under DeepSpeed (launch with torchrun/deepspeed)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set learning_rate=2e-5")
+    add_trust_flag(p)
     p.set_defaults(func=run)

@@ -7,19 +7,24 @@ pretraining from it (domain adaptation, BioBERT-style), and ``bertdist finetune
 """
 from __future__ import annotations
 
+from bertdist.cli.export import add_trust_flag
+
 
 def run(args) -> int:
-    from bertdist.export.hf import ExportError
+    from bertdist.export.hf import ExportError, is_hf_dir
+    from bertdist.export.safe_load import trust_checkpoints
     from bertdist.export.sources import load_pretrained, write_torch_dir
 
+    if not is_hf_dir(args.hf_dir):  # checked first: nothing else in the directory is read
+        print(f"bertdist import-hf: {args.hf_dir} is not a Hugging Face model directory "
+              "(no config.json with model.safetensors or pytorch_model.bin)")
+        return 2
     lower = {"cased": False, "uncased": True, None: None}[args.casing]
     try:
-        w = load_pretrained(args.hf_dir, vocab_file=args.vocab, do_lower_case=lower)
+        with trust_checkpoints(args.trust_checkpoint):
+            w = load_pretrained(args.hf_dir, vocab_file=args.vocab, do_lower_case=lower)
     except (ExportError, FileNotFoundError) as e:
         print(f"bertdist import-hf: {e}")
-        return 2
-    if w.origin.get("kind") != "hf":
-        print(f"bertdist import-hf: {args.hf_dir} is not a Hugging Face model directory")
         return 2
     fresh = w.origin.get("newly_initialised") or []
     if not args.no_verify:
@@ -63,4 +68,5 @@ def register(sub) -> None:
                    help="deepspeed (default): a checkpoint `bertdist pretrain` can start from (checkpoint.init_from) "
                         "and finetune/export read; torch: a plain state dict + config (fine-tuning and export only)")
     p.add_argument("--no-verify", action="store_true", help="skip the logits comparison with transformers")
+    add_trust_flag(p)
     p.set_defaults(func=run)

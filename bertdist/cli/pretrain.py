@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import sys
 
+from bertdist.cli.export import add_trust_flag
+
 
 def run(args) -> int:
     from bertdist.train import load_train_config
@@ -23,10 +25,15 @@ def run(args) -> int:
     if args.plan:
         return print_plan(cfg, args)
     from bertdist.data import RecordsError
+    from bertdist.export.safe_load import UnsafeCheckpointError, trust_checkpoints
     from bertdist.train.trainer import NonFiniteLossError, run_pretraining
 
     try:
-        result = run_pretraining(cfg, resume=args.resume)
+        with trust_checkpoints(args.trust_checkpoint):
+            result = run_pretraining(cfg, resume=args.resume)
+    except UnsafeCheckpointError as e:
+        print(f"bertdist pretrain: {e}", file=sys.stderr)
+        return 2
     except RecordsError as e:
         print(f"bertdist: data error: {e}", file=sys.stderr)
         return 2
@@ -70,6 +77,7 @@ def register(sub) -> None:
     p.add_argument("--resume", default=None, metavar="auto|PATH",
                    help="'auto': continue from the run's latest checkpoint if there is one; or a checkpoint path")
     p.add_argument("--local_rank", type=int, default=None, help=argparse_suppress())
+    add_trust_flag(p)
     p.add_argument("--plan", action="store_true",
                    help="print the resolved config, batch arithmetic, DeepSpeed JSON, optimizer, precision, kernel "
                         "cases and a memory estimate per GPU, and exit without training")

@@ -117,10 +117,13 @@ def plan_student(spec: str, teacher: Teacher, kind: str) -> StudentPlan:
             raise StudentSpecError(f"student {spec!r}: {e}") from None
         return StudentPlan(spec, cfg, None, _head_if_shapes_match(teacher, cfg, kind), None)
     from bertdist.export.hf import ExportError
+    from bertdist.export.safe_load import UnsafeCheckpointError
     from bertdist.export.sources import load_pretrained
 
     try:
         w = load_pretrained(spec)
+    except UnsafeCheckpointError:
+        raise  # its message names the file and --trust-checkpoint; "not a loadable checkpoint" would mislead
     except ExportError as e:
         raise StudentSpecError(f"student {spec!r}: not layers:K, preset:NAME or a loadable checkpoint ({e})") from None
     check_same_vocab(teacher, w.vocab_file, spec)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from bertdist.export.hf import HF_INDEX_FILES, HF_WEIGHT_FILES, ExportError, is_hf_dir, read_hf_dir
+from bertdist.export.safe_load import UnsafeCheckpointError
 from bertdist.export.tokenizer import vocab_sha256
 from bertdist.finetune.errors import DataError
 from bertdist.finetune.heads import HF_ARCHITECTURE, BertForTask
@@ -87,6 +88,8 @@ def load_teacher(path: str | Path, task: str, kind: str, num_labels: int, *, dev
                            f"{task} task model (expected {want})")
     try:
         ck = read_hf_dir(p, kernels=kernels)
+    except UnsafeCheckpointError:
+        raise  # its message names the file and --trust-checkpoint
     except ExportError as e:
         raise TeacherError(str(e)) from None
     keys = head_keys(kind)

@@ -68,7 +68,9 @@ class ConsolidatedCheckpoint:
 
 
 def _load(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=False)
+    from bertdist.export.safe_load import load_deepspeed_file
+
+    return load_deepspeed_file(path)
 
 
 def consolidate(path: str | os.PathLike, tag: str | None = None, quiet: bool = True) -> ConsolidatedCheckpoint:
@@ -78,6 +80,8 @@ def consolidate(path: str | os.PathLike, tag: str | None = None, quiet: bool = T
     if optim_files:
         from deepspeed.utils import zero_to_fp32
 
+        from bertdist.export.safe_load import safe_torch_load_in
+
         head = _load(Path(optim_files[0]))["optimizer_state_dict"]
         stage = int(head.get("zero_stage", 0))
         world = head.get("partition_count", len(optim_files))
@@ -85,7 +89,7 @@ def consolidate(path: str | os.PathLike, tag: str | None = None, quiet: bool = T
         del head
         # DeepSpeed prints progress to stdout; keep `bertdist export` output readable.
         sink = io.StringIO()
-        with contextlib.redirect_stdout(sink) if quiet else contextlib.nullcontext():
+        with contextlib.redirect_stdout(sink) if quiet else contextlib.nullcontext(), safe_torch_load_in(zero_to_fp32):
             sd = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(ref.save_dir), tag=ref.tag)
         master = True
     else:

@@ -168,7 +168,9 @@ def _read_weight_file(path: Path, keys: list[str] | None = None) -> dict[str, to
             present = set(f.keys())
             wanted = present if keys is None else [k for k in keys if k in present]
             return {k: f.get_tensor(k) for k in wanted}
-    sd = torch.load(path, map_location="cpu", weights_only=True)
+    from bertdist.export.safe_load import load_file
+
+    sd = load_file(path)
     return sd if keys is None else {k: sd[k] for k in keys if k in sd}
 
 

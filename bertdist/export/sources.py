@@ -74,7 +74,9 @@ def _load_torch_dir(p: Path) -> PretrainedWeights:
     import yaml
 
     cfg = BertConfig.from_mapping(yaml.safe_load((p / TORCH_CONFIG).read_text()))
-    sd = torch.load(p / TORCH_WEIGHTS, map_location="cpu", weights_only=True)
+    from bertdist.export.safe_load import load_file
+
+    sd = load_file(p / TORCH_WEIGHTS)
     vocab = p / "vocab.txt"
     lower = read_tokenizer_casing(p)
     return PretrainedWeights(cfg, sd, vocab if vocab.is_file() else None, lower, {"kind": "torch", "path": str(p)})

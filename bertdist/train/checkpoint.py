@@ -8,7 +8,7 @@ Layout of ``<checkpoint dir>``::
         *zero_pp_rank_<r>_mp_rank_00_optim_states.pt   # DeepSpeed: ZeRO shards, one per rank
         bertdist_config.yaml    # the resolved TrainConfig of the run
         trainer_state.json      # step, phase, loader state, world size, batch sizes, model config
-        rng_state_rank<r>.pt    # python / numpy / torch (/ cuda) RNG states of rank r
+        rng_state_rank<r>.json  # python / numpy / torch (/ cuda) RNG states of rank r (JSON: nothing to unpickle)
         COMPLETE                # written last, before the directory is published
     universal/step_00000500/    # made on demand: DeepSpeed universal checkpoint for a new world size
     .staging/                   # checkpoints being written; never read
@@ -20,6 +20,7 @@ All paths must be on a file system shared by the ranks (as DeepSpeed assumes).
 """
 from __future__ import annotations
 
+import base64
 import json
 import os
 import random
@@ -73,19 +74,64 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def rng_file(tag_dir: Path, rank: int) -> Path:
+    return Path(tag_dir) / f"rng_state_rank{rank}.json"
+
+
+def legacy_rng_file(tag_dir: Path, rank: int) -> Path:
+    """Where older checkpoints kept the RNG states, pickled (numpy arrays): readable only when trusted."""
+    return Path(tag_dir) / f"rng_state_rank{rank}.pt"
+
+
+def _bytes_b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode("ascii")
+
+
+def _b64_bytes(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """This process's RNG states as plain JSON values."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": [version, list(internal), gauss],
+             "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+             "torch": _bytes_b64(torch.get_rng_state())}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+        state["cuda"] = _bytes_b64(torch.cuda.get_rng_state())
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    """Restore ``rng_state()``'s JSON form, or the pickled form of older checkpoints."""
+    if isinstance(state["torch"], torch.Tensor):  # older checkpoints: the objects themselves
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
+        return
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_b64_bytes(state["torch"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+        torch.cuda.set_rng_state(_b64_bytes(state["cuda"]))
+
+
+def read_rng_state(tag_dir: Path, rank: int) -> dict[str, Any] | None:
+    """Rank ``rank``'s saved RNG states, or None when the checkpoint has none (a universal copy).
+    A pickled file of an older checkpoint is refused unless trusted (``--trust-checkpoint``)."""
+    new, old = rng_file(tag_dir, rank), legacy_rng_file(tag_dir, rank)
+    if new.is_file():
+        return json.loads(new.read_text())
+    if old.is_file():
+        from bertdist.export.safe_load import load_file
+
+        return load_file(old)
+    return None
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> tuple[Path, str]:
@@ -140,7 +186,7 @@ class CheckpointManager:
         engine.save_checkpoint(str(staging_root), tag=tag, client_state={"bertdist": trainer_state},
                                save_latest=False)
         sdir = staging_root / tag
-        torch.save(rng_state(), sdir / f"rng_state_rank{self.rank}.pt")
+        rng_file(sdir, self.rank).write_text(json.dumps(rng_state()))
         _barrier()
         if self.rank == 0:
             save_config(config, sdir / CONFIG_FILE)
@@ -175,6 +221,16 @@ class CheckpointManager:
                 shutil.rmtree(self.dir / UNIVERSAL / old, ignore_errors=True)
 
 
+def check_safe_to_convert(tag_dir: Path) -> None:
+    """Read each DeepSpeed file of ``tag_dir`` the safe way (bertdist.export.safe_load) before
+    DeepSpeed's converter, a separate process that unpickles them fully, reads them; a file that
+    needs full pickle is refused there unless trusted."""
+    from bertdist.export.safe_load import load_deepspeed_file
+
+    for f in sorted(Path(tag_dir).glob("*_states.pt")):
+        load_deepspeed_file(f)
+
+
 def ensure_universal(ckpt_dir: Path, tag: str, rank: int) -> Path:
     """Convert ``<ckpt_dir>/<tag>`` to a DeepSpeed universal checkpoint (rank 0; others wait).
 
@@ -184,6 +240,7 @@ def ensure_universal(ckpt_dir: Path, tag: str, rank: int) -> Path:
     out_root = ckpt_dir / UNIVERSAL
     out = out_root / tag
     if rank == 0 and not (out / COMPLETE).is_file():
+        check_safe_to_convert(ckpt_dir / tag)
         shutil.rmtree(out, ignore_errors=True)
         out_root.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ckpt_dir / tag),

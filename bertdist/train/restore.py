@@ -121,28 +121,29 @@ def new_state(cfg: TrainConfig, world_size: int, grad_accum: int) -> TrainerStat
 def restore(engine, scheduler, plan: RestorePlan, cfg: TrainConfig, rank: int, state: TrainerState) -> TrainerState:
     """Load ``plan`` into ``engine`` and seed this rank's RNGs; returns ``state`` moved to where the
     run continues (step, loader position, phase history)."""
-    import torch
-
-    from bertdist.train.checkpoint import seed_all, set_rng_state
+    from bertdist.export.safe_load import safe_deepspeed_loads
+    from bertdist.train.checkpoint import read_rng_state, seed_all, set_rng_state
 
     if plan.mode == "resume":
-        path, _ = engine.load_checkpoint(str(plan.load_dir), plan.tag, load_optimizer_states=True,
-                                         load_lr_scheduler_states=True)
+        with safe_deepspeed_loads(engine):
+            path, _ = engine.load_checkpoint(str(plan.load_dir), plan.tag, load_optimizer_states=True,
+                                             load_lr_scheduler_states=True)
         if path is None:
             raise ConfigError(f"DeepSpeed could not load checkpoint {plan.load_dir}/{plan.tag}")
         saved = plan.saved
         state = dataclasses.replace(state, step=saved.step, loader=saved.loader, phases=saved.phases)
-        rng_file = Path(plan.load_dir) / plan.tag / f"rng_state_rank{rank}.pt"  # (absent in a universal copy)
-        if saved.world_size == state.world_size and rng_file.is_file():
-            set_rng_state(torch.load(rng_file, weights_only=False))
+        rng = read_rng_state(Path(plan.load_dir) / plan.tag, rank) if saved.world_size == state.world_size else None
+        if rng is not None:
+            set_rng_state(rng)
         else:
             seed_all(cfg.seed + 7919 * (rank + 1) + state.step)
         return state
     seed_all(cfg.seed + 7919 * (rank + 1))  # per-rank dropout streams
     if plan.mode == "init":
         load_optimizer = cfg.checkpoint.init_load_optimizer
-        engine.load_checkpoint(str(plan.load_dir), plan.tag, load_optimizer_states=load_optimizer,
-                               load_lr_scheduler_states=False, load_module_only=not load_optimizer)
+        with safe_deepspeed_loads(engine):
+            engine.load_checkpoint(str(plan.load_dir), plan.tag, load_optimizer_states=load_optimizer,
+                                   load_lr_scheduler_states=False, load_module_only=not load_optimizer)
         # A fresh phase: fresh step count and warmup; the lr the first step uses is the new schedule's.
         engine.global_steps, engine.global_samples, engine.skipped_steps = 0, 0, 0
         lam = scheduler.lr_lambdas[0]

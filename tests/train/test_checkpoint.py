@@ -30,7 +30,7 @@ def test_saves_publish_atomically_and_keep_the_last_n(group, tmp_path, train_rec
     assert sorted(p.name for p in ckpt_dir.glob("step_*")) == ["step_00000002", "step_00000003"]
     saved = TrainerState.from_dict(read_checkpoint_state(ckpt_dir, "step_00000003"))
     assert saved == dataclasses.replace(state, step=3)
-    assert (ckpt_dir / "step_00000003" / COMPLETE).is_file() and (ckpt_dir / "step_00000003" / "rng_state_rank0.pt").is_file()
+    assert (ckpt_dir / "step_00000003" / COMPLETE).is_file() and (ckpt_dir / "step_00000003" / "rng_state_rank0.json").is_file()
     # saving the same step again replaces it whole
     mgr.save(engine, dataclasses.replace(state, step=3, skipped_steps=5), cfg)
     assert json.loads((ckpt_dir / "step_00000003" / "trainer_state.json").read_text())["skipped_steps"] == 5

@@ -57,7 +57,7 @@ def test_two_process_run_learns(reference_run):
     assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000020", "step_00000040"]  # keep_last_n=2
     tag = ckpt / "step_00000040"
     for name in ("COMPLETE", "bertdist_config.yaml", "trainer_state.json", "mp_rank_00_model_states.pt",
-                 "rng_state_rank0.pt", "rng_state_rank1.pt"):
+                 "rng_state_rank0.json", "rng_state_rank1.json"):
         assert (tag / name).is_file(), name
     state = json.loads((tag / "trainer_state.json").read_text())
     assert state["step"] == 40 and state["world_size"] == 2 and state["loader"] == {"epoch": 0, "position": 40 * 32}
