@@ -30,7 +30,7 @@ def run(args) -> int:
 
     try:
         with trust_checkpoints(args.trust_checkpoint):
-            result = run_pretraining(cfg, resume=args.resume)
+            result = run_pretraining(cfg, resume=args.resume, overwrite=args.overwrite)
     except UnsafeCheckpointError as e:
         print(f"bertdist pretrain: {e}", file=sys.stderr)
         return 2
@@ -76,6 +76,9 @@ def register(sub) -> None:
     p.add_argument("config", help="recipe YAML, e.g. configs/pretrain/bert-base-phase1.yaml")
     p.add_argument("--resume", default=None, metavar="auto|PATH",
                    help="'auto': continue from the run's latest checkpoint if there is one; or a checkpoint path")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh in a run_dir that holds an earlier run's checkpoints (they are replaced); "
+                        "without it such a start is refused")
     p.add_argument("--local_rank", type=int, default=None, help=argparse_suppress())
     add_trust_flag(p)
     p.add_argument("--plan", action="store_true",

@@ -80,6 +80,19 @@ def _read_state(load_dir: Path, tag: str) -> TrainerState:
         raise ConfigError(f"{load_dir / tag}: {e}") from None
 
 
+def check_fresh_start(cfg: TrainConfig, resume: str | None, overwrite: bool) -> None:
+    """A run started without ``--resume`` in a run directory that holds checkpoints would replace
+    its config.yaml and ``latest``, overwrite checkpoints at the same steps and let retention
+    delete the rest: refused unless ``--overwrite`` says so."""
+    if resume or overwrite:
+        return
+    tag = latest_tag(Path(cfg.checkpoint_dir))
+    if tag is not None:
+        raise ConfigError(f"{cfg.run_dir} holds checkpoints of an earlier run (latest: {tag} in {cfg.checkpoint_dir}); "
+                          "continue it with --resume auto, start over in it with --overwrite (its checkpoints are "
+                          "then replaced and deleted by retention), or choose another run_dir")
+
+
 def plan_restore(cfg: TrainConfig, resume: str | None, world_size: int) -> RestorePlan:
     """``resume``: None (fresh, or ``checkpoint.init_from``), "auto" (this run's latest checkpoint
     if any) or a checkpoint path. Reads only ``latest`` and ``trainer_state.json``."""

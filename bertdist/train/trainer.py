@@ -98,8 +98,9 @@ def _check_device(cfg: TrainConfig, device) -> None:
         torch.use_deterministic_algorithms(True, warn_only=device.type == "cuda")
 
 
-def run_pretraining(cfg: TrainConfig, resume: str | None = None) -> TrainResult:
-    """Train one phase. ``resume``: None (fresh), "auto" (latest checkpoint if any) or a checkpoint path."""
+def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool = False) -> TrainResult:
+    """Train one phase. ``resume``: None (fresh), "auto" (latest checkpoint if any) or a checkpoint path.
+    ``overwrite``: a fresh run may replace the checkpoints of an earlier run in ``cfg.run_dir``."""
     if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS handle
     from bertdist.ops import kernels_for_run
@@ -110,7 +111,7 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None) -> TrainResult:
     from bertdist.train.loader import LoaderState, PretrainingLoader
     from bertdist.train.metrics import RunLogger, device_peak_flops
     from bertdist.train.precision import autocast_dtype, engine_reports_grad_norm
-    from bertdist.train.restore import new_state, plan_restore, restore
+    from bertdist.train.restore import check_fresh_start, new_state, plan_restore, restore
     from bertdist.train.step import StepRunner
 
     info = init_distributed(cfg.deepspeed.dist_backend)
@@ -119,6 +120,7 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None) -> TrainResult:
     _check_device(cfg, device)
     records, cfg, continuation = _open_data(cfg)
     run_dir = Path(cfg.run_dir)
+    check_fresh_start(cfg, resume, overwrite)  # before config.yaml is written over
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")

@@ -144,3 +144,16 @@ def test_broken_checkpoints_are_refused_with_the_path(tmp_path):
     (ckpt / checkpoint_tag(20) / STATE_FILE).write_text(json.dumps({**_saved(cfg).to_dict(), "format": 7}))
     with pytest.raises(ConfigError, match="step_00000020: trainer state format 7 is not supported"):
         plan_restore(cfg, "auto", 2)
+
+
+def test_a_fresh_start_over_an_earlier_run_is_refused_unless_asked(tmp_path):
+    from bertdist.train.restore import check_fresh_start
+
+    cfg = _cfg(tmp_path)
+    check_fresh_start(cfg, None, False)  # nothing saved yet
+    _write_checkpoint(Path(cfg.checkpoint_dir), _saved(cfg))
+    with pytest.raises(ConfigError, match=r"holds checkpoints of an earlier run \(latest: step_00000020.*--resume "
+                                          r"auto.*--overwrite"):
+        check_fresh_start(cfg, None, False)
+    check_fresh_start(cfg, "auto", False)
+    check_fresh_start(cfg, None, True)
