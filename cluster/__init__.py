@@ -12,6 +12,8 @@ Modules:
   k8s        - Kubeflow PyTorchJob manifest + validation against schemas/pytorchjob.v1.json
   local      - the same launch on this machine (torchrun --standalone)
   beam       - Beam runner options for data jobs (Direct, Dataflow, Flink, Spark)
+  safe_values   - checks for values pasted into scripts and commands (names, hosts, pdsh words)
+  private_files - job files written owner-only (0600, scripts 0700)
 """
 from cluster.errors import SubmitError
 

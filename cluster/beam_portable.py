@@ -19,6 +19,10 @@ portable job API, as Dataflow, Flink and Spark run it, on one machine.
 ``up`` builds the worker environment (once; reused while requirements.lock and the boot script
 are unchanged) and the wheel, starts both services in the background and records them in
 ``build/beam-portable/services.json``; ``down`` stops them (each with its workers).
+
+Neither service authenticates its callers, and the worker pool runs whatever code a job stages:
+both listen on this machine only (the pool on 127.0.0.1) unless ``up --host ADDR`` or
+``--bind-all`` opens the pool to a network.
 """
 from __future__ import annotations
 
@@ -37,9 +41,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BOOT_SCRIPT = Path(__file__).resolve().parent / "beam_worker_boot.py"
+POOL_SCRIPT = Path(__file__).resolve().parent / "beam_worker_pool.py"
 DEFAULT_ENV = REPO / "build" / "beam-worker-env"
 DEFAULT_DIR = REPO / "build" / "beam-portable"
 BOOT_NAME = "bertdist-beam-boot"  # the boot's name inside the worker environment's bin/
+POOL_NAME = "bertdist-beam-pool"  # the pool's main, beside it
+LOCAL_HOST = "127.0.0.1"
 
 # What the data pipeline imports on a worker (besides the standard library); pinned from
 # requirements.lock, their own dependencies constrained by it too. A missing one fails the
@@ -87,7 +94,7 @@ def worker_env(path: Path = DEFAULT_ENV, *, python: str = sys.executable) -> Pat
     again from scratch. pip reaches the same indexes and local wheels as for .venv (pip.conf)."""
     lock = REPO / "requirements.lock"
     key = hashlib.sha256("\n".join([*pinned(), *build_pins(), lock.read_text(), BOOT_SCRIPT.read_text(),
-                                    sys.version]).encode()).hexdigest()
+                                    POOL_SCRIPT.read_text(), sys.version]).encode()).hexdigest()
     stamp = path / ".bertdist-worker-env"
     if stamp.is_file() and stamp.read_text() == key:
         return path
@@ -96,11 +103,17 @@ def worker_env(path: Path = DEFAULT_ENV, *, python: str = sys.executable) -> Pat
     env_python = str(path / "bin" / "python")
     subprocess.run([env_python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
                     "--constraint", str(lock), *pinned(), *build_pins()], check=True)
-    boot = path / "bin" / BOOT_NAME
-    boot.write_text(f"#!{env_python}\n" + BOOT_SCRIPT.read_text())
-    boot.chmod(0o755)
+    install_scripts(path, env_python)
     stamp.write_text(key)
     return path
+
+
+def install_scripts(env: Path, env_python: str) -> None:
+    """Copy the worker boot and the pool's main into ``env``'s bin/, run by ``env_python``."""
+    from cluster.private_files import write_file
+
+    for source, name in ((BOOT_SCRIPT, BOOT_NAME), (POOL_SCRIPT, POOL_NAME)):
+        write_file(env / "bin" / name, f"#!{env_python}\n" + source.read_text(), 0o755)
 
 
 def build_wheel(out_dir: Path) -> Path:
@@ -124,14 +137,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_listening(port: int, proc: subprocess.Popen, log: Path, what: str, timeout: float) -> None:
+def _reach(host: str) -> str:
+    """The address to check a service on: ``host``, or loopback for a wildcard bind."""
+    return LOCAL_HOST if host in ("0.0.0.0", "::", "[::]") else host.strip("[]")
+
+
+def _wait_listening(port: int, proc: subprocess.Popen, log: Path, what: str, timeout: float,
+                    host: str = LOCAL_HOST) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise PortableRunnerError(f"{what} exited with {proc.returncode} before listening on port {port}; "
                                       f"its log {log}:\n{log.read_text()[-3000:]}")
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
+        addr = _reach(host)
+        with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET) as s:
+            if s.connect_ex((addr, port)) == 0:
                 return
         time.sleep(0.2)
     raise PortableRunnerError(f"{what} not listening on port {port} after {timeout:.0f} s; its log {log}:\n"
@@ -164,7 +184,7 @@ class LocalPortableRunner:
 
     ``start()`` launches both (each leads its own process group) and waits until they listen;
     ``stop()`` ends both groups. ``pipeline_args(wheel, workers)`` are the Beam flags of a build
-    through them."""
+    through them. The pool listens on ``pool_host`` only: it runs whatever a caller stages."""
 
     workdir: Path
     env: Path = DEFAULT_ENV
@@ -172,6 +192,7 @@ class LocalPortableRunner:
     pool_port: int = 0
     job_pid: int = 0
     pool_pid: int = 0
+    pool_host: str = LOCAL_HOST
 
     def start(self, timeout: float = 60.0) -> "LocalPortableRunner":
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -191,14 +212,14 @@ class LocalPortableRunner:
         env.update(PATH=f"{self.env / 'bin'}{os.pathsep}{env.get('PATH', '')}", BERTDIST_BEAM_WORKER_DIR=str(pool_dir),
                    BERTDIST_EXTENSIONS="data")
         pool = subprocess.Popen(
-            [str(self.env / "bin" / "python"), "-m", "apache_beam.runners.worker.worker_pool_main",
+            [str(self.env / "bin" / "python"), str(self.env / "bin" / POOL_NAME), f"--host={self.pool_host}",
              f"--service_port={self.pool_port}", f"--container_executable={self.env / 'bin' / BOOT_NAME}"],
             stdout=pool_log.open("ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=pool_dir, env=env,
             start_new_session=True)
         self.pool_pid = pool.pid
         try:
             _wait_listening(self.job_port, job, job_log, "the job service", timeout)
-            _wait_listening(self.pool_port, pool, pool_log, "the worker pool", timeout)
+            _wait_listening(self.pool_port, pool, pool_log, "the worker pool", timeout, self.pool_host)
         except BaseException:
             self.stop()
             raise
@@ -220,6 +241,13 @@ class LocalPortableRunner:
     def __exit__(self, *exc) -> None:
         self.stop()
 
+    def _pool_address(self) -> str:
+        """Where the job service (on this machine) reaches the pool."""
+        host = _reach(self.pool_host)
+        if host in (LOCAL_HOST, "::1"):
+            host = "localhost"
+        return f"[{host}]:{self.pool_port}" if ":" in host else f"{host}:{self.pool_port}"
+
     def pipeline_args(self, wheel: Path | None = None, workers: int = 2, setup_file: Path | None = None) -> list[str]:
         """The Beam flags of a build through these services, staging bertdist either as ``wheel``
         (--extra_package: built once, here) or as ``setup_file`` (--setup_file: the launcher makes
@@ -228,7 +256,7 @@ class LocalPortableRunner:
             raise PortableRunnerError("pipeline_args: stage either a wheel or a setup file")
         staging = f"--extra_package={wheel}" if wheel is not None else f"--setup_file={setup_file}"
         return ["--runner=PortableRunner", f"--job_endpoint=localhost:{self.job_port}",
-                "--environment_type=EXTERNAL", f"--environment_config=localhost:{self.pool_port}",
+                "--environment_type=EXTERNAL", f"--environment_config={self._pool_address()}",
                 f"--direct_num_workers={workers}", staging]
 
 
@@ -239,12 +267,16 @@ def _up(args) -> int:
         return 1
     env = worker_env(args.env)
     wheel = build_wheel(args.dir / "wheel")
-    runner = LocalPortableRunner(args.dir, env).start()
+    runner = LocalPortableRunner(args.dir, env, pool_host=args.host).start()
     state.write_text(json.dumps({"job_pid": runner.job_pid, "pool_pid": runner.pool_pid, "job_port": runner.job_port,
-                                 "pool_port": runner.pool_port, "env": str(env), "wheel": str(wheel)}, indent=2))
+                                 "pool_port": runner.pool_port, "pool_host": runner.pool_host, "env": str(env),
+                                 "wheel": str(wheel)}, indent=2))
     print(f"job service on localhost:{runner.job_port} (pid {runner.job_pid}), worker pool on "
-          f"localhost:{runner.pool_port} (pid {runner.pool_pid}, environment {env}); logs in {args.dir}",
+          f"{runner.pool_host}:{runner.pool_port} (pid {runner.pool_pid}, environment {env}); logs in {args.dir}",
           file=sys.stderr)
+    if runner.pool_host not in (LOCAL_HOST, "::1", "localhost"):
+        print(f"warning: the worker pool listens on {runner.pool_host}, without authentication: whoever reaches "
+              "that address can make it install and run code", file=sys.stderr)
     print(" ".join(runner.pipeline_args(wheel, args.workers)))
     return 0
 
@@ -267,6 +299,14 @@ def main(argv=None) -> int:
     up = sub.add_parser("up", help="build the worker environment and the wheel, start both services, print the flags")
     up.add_argument("--workers", type=int, default=2, help="SDK workers per job (default 2)")
     up.add_argument("--env", type=Path, default=DEFAULT_ENV, help=f"worker environment (default {DEFAULT_ENV})")
+    where = up.add_mutually_exclusive_group()
+    where.add_argument("--host", default=LOCAL_HOST, metavar="ADDR",
+                       help="address the worker pool listens on (default 127.0.0.1: this machine only). The pool "
+                            "has no authentication: whoever reaches it can make it pip-install and run the code a "
+                            "job stages. Open it only on a network you trust")
+    where.add_argument("--bind-all", dest="host", action="store_const", const="0.0.0.0",
+                       help="listen on every interface (same as --host 0.0.0.0), for workers' clients on other "
+                            "machines; see --host")
     down = sub.add_parser("down", help="stop both services and their workers")
     for p in (up, down):
         p.add_argument("--dir", type=Path, default=DEFAULT_DIR, help=f"logs, wheel, state (default {DEFAULT_DIR})")

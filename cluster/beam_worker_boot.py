@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -27,6 +28,8 @@ from pathlib import Path
 # the staged names that Beam's stager gives these files (apache_beam/runners/portability/stager.py)
 REQUIREMENTS_FILE, EXTRA_PACKAGES_FILE, WORKFLOW_TARBALL_FILE = "requirements.txt", "extra_packages.txt", "workflow.tar.gz"
 WORKER_DIR_ENV = "BERTDIST_BEAM_WORKER_DIR"  # where the workers' folders go (default: the temp dir)
+# A worker's folder is named after its id and deleted at start: the id must stay one plain name.
+WORKER_ID = re.compile(r"[\w-]+", re.ASCII)
 
 
 def log(msg: str) -> None:
@@ -93,12 +96,20 @@ def install(names: list[str], staged: Path, site: Path) -> list[str]:
     return done
 
 
+def worker_id(value: str) -> str:
+    if not WORKER_ID.fullmatch(value):
+        raise SystemExit(f"[beam worker boot] --id {value!r} refused: a worker id may hold only letters, digits, "
+                         "'_' and '-' (it names the worker's folder, which is deleted at start)")
+    return value
+
+
 def main(argv=None) -> None:
     os.dup2(2, 1)  # the pool pipes stdout and never reads it: a full pipe would stall this worker
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for name in ("id", "logging_endpoint", "artifact_endpoint", "provision_endpoint", "control_endpoint"):
         ap.add_argument(f"--{name}", required=True)
     args, _ = ap.parse_known_args(argv)
+    worker_id(args.id)
     from apache_beam.portability.api import endpoints_pb2
     from google.protobuf import json_format, text_format
 

@@ -2,13 +2,14 @@
 
 Two ways to start it:
   pdsh - one `deepspeed` command on the first node; DeepSpeed reaches the others with pdsh
-         (over ssh) and forwards the variables in the env file (DS_ENV_FILE).
+         (over ssh) and forwards the variables in the env file (DS_ENV_FILE). DeepSpeed pastes
+         the variables, the arguments and the working directory unquoted into the remote shell
+         command, so each must be a plain word (safe_values.PDSH_SAFE).
   ssh  - one `deepspeed --no_ssh --node_rank=i` command per node, which you (or your tooling)
          start on each node, e.g. through ssh; they meet at master_addr:master_port.
 """
 from __future__ import annotations
 
-import re
 import shlex
 import sys
 from dataclasses import dataclass
@@ -17,10 +18,10 @@ from typing import Sequence
 
 from cluster.errors import SubmitError
 from cluster.launch import job_environment
+from cluster.safe_values import host_name, pdsh_word
 from cluster.spec import Resources
 
 LAUNCHERS = ("pdsh", "ssh")
-_HOST_RE = re.compile(r"^[A-Za-z0-9_.:\-\[\]]+$")
 
 
 def parse_hosts(hosts: str | Sequence[str]) -> list[str]:
@@ -28,8 +29,7 @@ def parse_hosts(hosts: str | Sequence[str]) -> list[str]:
     if not items:
         raise SubmitError("--hosts is empty: list the nodes, e.g. --hosts node1,node2")
     for h in items:
-        if not _HOST_RE.match(h):
-            raise SubmitError(f"--hosts: {h!r} is not a host name or address")
+        host_name(h)
     if len(set(items)) != len(items):
         raise SubmitError(f"--hosts lists a node twice: {items}")
     return items
@@ -45,7 +45,7 @@ def render_hostfile(hosts: Sequence[str], slots: int) -> str:
 def render_env_file(env: dict[str, str]) -> str:
     """DeepSpeed's env file (KEY=VALUE lines), exported by the pdsh launcher on every node."""
     for k, v in env.items():
-        if "\n" in v:
+        if "\n" in v or "\r" in v:
             raise SubmitError(f"--env {k}: a value with a newline cannot go into the DeepSpeed env file")
     return "".join(f"{k}={v}\n" for k, v in env.items())
 
@@ -59,6 +59,15 @@ class DeepSpeedLaunch:
     def shell_lines(self) -> list[str]:
         """The commands as shell lines (pdsh: one, run on the first host; ssh: one per node)."""
         return [shlex.join(argv) for _, argv in self.commands]
+
+
+def _check_pdsh(env: dict[str, str], program: Sequence[str], workdir: str) -> None:
+    """What DeepSpeed's pdsh runner pastes unquoted into the command every node's shell runs."""
+    for k, v in env.items():
+        pdsh_word(f"--env {k}", v, name=k)
+    for arg in program[1:]:
+        pdsh_word("program argument", arg)
+    pdsh_word("working directory", workdir)
 
 
 def deepspeed_launch(
@@ -84,6 +93,8 @@ def deepspeed_launch(
         raise SubmitError("internal: the DeepSpeed program must be of the form ['-m', module, ...]")
     if not 1 <= master_port <= 65535:
         raise SubmitError(f"--master-port {master_port} is not a TCP port")
+    for h in hosts:
+        host_name(h)
     ds = deepspeed_bin or str(Path(sys.executable).with_name("deepspeed"))
     env = job_environment(res, nccl_ifname=nccl_ifname)
     base = [
@@ -97,6 +108,7 @@ def deepspeed_launch(
     tail = ["--module", *program[1:]]
     wd = str(workdir or Path.cwd())
     if launcher == "pdsh":
+        _check_pdsh(env, program, wd)
         argv = [*base, "--launcher=pdsh", f"--num_nodes={res.nodes}", f"--num_gpus={res.procs}", *tail]
         commands = [(hosts[0], ["env", f"DS_ENV_FILE={env_file_path}", *argv])]
     else:

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 from cluster.errors import SubmitError
 from cluster.launch import job_environment
+from cluster.safe_values import looks_secret, one_line
 from cluster.spec import Resources
 from cluster.training import TrainingJob
 
@@ -33,6 +34,7 @@ class K8sOptions:
     shm_size: str = "16Gi"
     backoff_limit: int = 3
     python: str = "python"  # the interpreter inside the image
+    env_secrets: tuple[tuple[str, str, str], ...] = ()  # (variable, Secret name, key): spec.parse_env_secrets
 
 
 def dns_name(name: str) -> str:
@@ -57,12 +59,37 @@ def _under(p: Path, root: Path) -> bool:
         return False
 
 
+def env_entries(env: dict[str, str], secrets: Sequence[tuple[str, str, str]]) -> list[dict[str, Any]]:
+    """The container's env: plain values, then values read from Secrets (secretKeyRef). A plain value
+    whose name looks like a secret's is refused: the manifest is a file, and kubectl shows it."""
+    for k in env:
+        if looks_secret(k):
+            raise SubmitError(
+                f"--env {k}=...: a variable whose name contains key/secret/token/password/credential is not "
+                f"written into the manifest in plain text; put the value in a Kubernetes Secret and pass "
+                f"--env-secret {k}=SECRET_NAME/KEY instead")
+    clash = sorted(set(env) & {k for k, _, _ in secrets})
+    if clash:
+        raise SubmitError(f"--env and --env-secret both set {clash}: give each variable once")
+    return [*({"name": k, "value": v} for k, v in env.items()),
+            *({"name": k, "valueFrom": {"secretKeyRef": {"name": s, "key": key}}} for k, s, key in secrets)]
+
+
+def _check_options(opts: K8sOptions, paths: Sequence[Path]) -> None:
+    for key, value in (("--image", opts.image), ("--namespace", opts.namespace or ""),
+                       ("--workdir-pvc", opts.workdir_pvc), ("--data-pvc", opts.data_pvc),
+                       ("--run-pvc", opts.run_pvc), ("--shm-size", opts.shm_size), ("--python", opts.python),
+                       *(("path", str(p)) for p in paths)):
+        one_line(key, value)
+
+
 def render_pytorchjob(job: TrainingJob, res: Resources, opts: K8sOptions, *, workdir: Path | None = None) -> dict[str, Any]:
     res.validate()
     job.check_world_size(res.world_size)
     if not opts.image:
         raise SubmitError("--image is required for --scheduler k8s (the container image with bertdist installed)")
     wd = (workdir or Path.cwd()).resolve()
+    _check_options(opts, [wd, job.config_path, job.run_dir, *job.data_paths])
     mounts = [("workdir", opts.workdir_pvc, wd, True)]
     if job.data_paths:
         mounts.append(("data", opts.data_pvc, _common_parent(job.data_paths), True))
@@ -96,7 +123,7 @@ def render_pytorchjob(job: TrainingJob, res: Resources, opts: K8sOptions, *, wor
         "imagePullPolicy": "IfNotPresent",
         "workingDir": str(wd),
         "command": command,
-        "env": [{"name": k, "value": v} for k, v in env.items()],
+        "env": env_entries(env, opts.env_secrets),
         "volumeMounts": volume_mounts,
     }
     if resources:

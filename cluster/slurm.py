@@ -9,15 +9,17 @@ from typing import Sequence
 
 from cluster.errors import SubmitError
 from cluster.launch import job_environment
+from cluster.safe_values import job_name, one_line
 from cluster.spec import Resources
 from cluster.templates import render_template
 from cluster.training import TrainingJob
 
-_SAFE_DIRECTIVE = re.compile(r"^[^\s'\"\\]+$")
+_SAFE_DIRECTIVE = re.compile(r"[^\s'\"\\]+")
 
 
 def _directive_value(flag: str, value: str) -> str:
-    if not _SAFE_DIRECTIVE.match(value):
+    one_line(flag, value)
+    if not _SAFE_DIRECTIVE.fullmatch(value):
         raise SubmitError(f"{flag} {value!r}: whitespace and quotes are not allowed in a SLURM option")
     return value
 
@@ -28,7 +30,7 @@ def job_log_dir(run_dir: Path) -> Path:
 
 
 def _common_directives(res: Resources, name: str, log_dir: Path, workdir: Path) -> list[str]:
-    d = [f"--job-name={_directive_value('--job-name', name)}", f"--nodes={res.nodes}"]
+    d = [f"--job-name={job_name(name)}", f"--nodes={res.nodes}"]
     if res.partition:
         d.append(f"--partition={_directive_value('--partition', res.partition)}")
     if res.account:
@@ -42,6 +44,13 @@ def _common_directives(res: Resources, name: str, log_dir: Path, workdir: Path) 
         f"--chdir={_directive_value('working dir', str(workdir))}",
     ]
     return d
+
+
+def _check_lines(values: dict[str, str | Sequence[str]]) -> None:
+    """Every value pasted into a script stays on its line (quoting covers the rest)."""
+    for key, value in values.items():
+        for v in [value] if isinstance(value, str) else value:
+            one_line(key, v)
 
 
 def _exports(env: dict[str, str]) -> str:
@@ -93,6 +102,8 @@ def render_job_script(
     """A distributed batch script running ``program`` on ``res``, with requeue-on-SIGTERM.
     ``program``: per-process argv (srun launcher) or ``-m module args`` (torchrun launcher)."""
     res.validate()
+    _check_lines({"job label": config_label, "run_dir": str(run_dir), "--python": python, "program": program,
+                  "--nccl-ifname": nccl_ifname or ""})
     log_dir = job_log_dir(run_dir)
     directives = _common_directives(res, name, log_dir, workdir or Path.cwd())
     per_node = res.procs if res.launcher == "srun" else 1
@@ -156,6 +167,7 @@ def render_data_script(
     if cpus < 1:
         raise SubmitError(f"--cpus must be >= 1, got {cpus}")
     res = Resources(nodes=1, partition=partition, account=account, time=time).validate()
+    _check_lines({"data config": str(config_path), "command": command})
     directives = _common_directives(res, name, log_dir, workdir or Path.cwd())
     directives[2:2] = ["--ntasks=1", f"--cpus-per-task={cpus}"]
     return render_template(

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.errors import SubmitError
+from cluster.safe_values import slurm_job_id
 
 # States after which a job will not run again (unless requeued by hand).
 FINAL_STATES = {
@@ -44,10 +45,11 @@ def sbatch(script: Path, extra_args: list[str] | None = None) -> str:
     """Submit ``script``; returns the job id. A rejection raises with sbatch's message."""
     out = _run([_tool("sbatch"), "--parsable", *(extra_args or []), str(script)], "sbatch rejected the job")
     # --parsable prints "jobid" or "jobid;cluster"
-    return out.strip().split(";")[0]
+    return slurm_job_id(out.strip().split(";")[0], "sbatch printed a job id")
 
 
 def scancel(job_id: str, signal: str | None = None) -> None:
+    slurm_job_id(job_id)
     argv = [_tool("scancel")]
     if signal:
         # --batch: only the batch shell, as with SLURM's --signal=B:TERM before the time limit; its
@@ -58,6 +60,7 @@ def scancel(job_id: str, signal: str | None = None) -> None:
 
 
 def requeue(job_id: str) -> None:
+    slurm_job_id(job_id)
     _run([_tool("scontrol"), "requeue", job_id], f"scontrol requeue {job_id}")
 
 
@@ -91,6 +94,7 @@ class JobInfo:
 
 def job_info(job_id: str) -> JobInfo:
     """State of a job: scontrol (live and recently finished jobs), else sacct (accounting), else an error."""
+    slurm_job_id(job_id)
     scontrol = _tool("scontrol")
     proc = subprocess.run([scontrol, "show", "job", "-o", job_id], capture_output=True, text=True, timeout=60)
     if proc.returncode == 0 and proc.stdout.strip():

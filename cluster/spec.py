@@ -5,9 +5,10 @@ import re
 from dataclasses import dataclass, field
 
 from cluster.errors import SubmitError
+from cluster.safe_values import env_name, one_line
 
 LAUNCHERS = ("srun", "torchrun")
-_TIME_RE = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$|^\d+-\d+$")
+_TIME_RE = re.compile(r"(\d+-)?\d+(:\d{1,2}){0,2}|\d+-\d+")
 
 
 @dataclass(frozen=True)
@@ -56,15 +57,17 @@ class Resources:
             )
         if self.launcher not in LAUNCHERS:
             raise SubmitError(f"--launcher must be one of {list(LAUNCHERS)}, got {self.launcher!r}")
-        if self.time is not None and not _TIME_RE.match(self.time):
+        if self.time is not None and not _TIME_RE.fullmatch(self.time):
             raise SubmitError(
                 f"--time {self.time!r} is not a SLURM time (minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM[:SS])"
             )
         if self.requeue_grace_s < 0:
             raise SubmitError(f"--grace must be >= 0 seconds, got {self.requeue_grace_s}")
         for k, _ in self.extra_env:
-            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", k):
-                raise SubmitError(f"--env {k!r}: not a valid environment variable name")
+            env_name(k)
+        for key, value in (("--partition", self.partition), ("--account", self.account)):
+            if value is not None:
+                one_line(key, value)
         return self
 
 
@@ -89,5 +92,23 @@ def parse_env(items: list[str] | None) -> tuple[tuple[str, str], ...]:
         if "=" not in item:
             raise SubmitError(f"--env {item!r} is not of the form NAME=value")
         k, v = item.split("=", 1)
-        out.append((k, v))
+        out.append((env_name(k), v))
+    return tuple(out)
+
+
+# A Kubernetes Secret's name (DNS-1123 subdomain) and a key in it.
+_SECRET_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
+_SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")
+
+
+def parse_env_secrets(items: list[str] | None) -> tuple[tuple[str, str, str], ...]:
+    """``NAME=SECRET/KEY`` items: (variable, Secret name, key in the Secret)."""
+    out = []
+    for item in items or ():
+        k, _, ref = item.partition("=")
+        secret, _, key = ref.partition("/")
+        if not (_SECRET_NAME.fullmatch(secret) and _SECRET_KEY.fullmatch(key)):
+            raise SubmitError(f"--env-secret {item!r} is not of the form NAME=SECRET/KEY "
+                              "(a Kubernetes Secret's name and a key in it, e.g. HF_TOKEN=hf-token/token)")
+        out.append((env_name(k, "--env-secret"), secret, key))
     return tuple(out)

@@ -17,6 +17,8 @@ from typing import Callable
 
 from cluster import deepspeed_launch, k8s, local, slurm
 from cluster.errors import SubmitError
+from cluster.private_files import SCRIPT_MODE, write_file
+from cluster.safe_values import job_name
 from cluster.spec import Resources
 from cluster.training import TrainingJob
 
@@ -54,13 +56,6 @@ class LaunchRequest:
     say: Callable[[str], None] = field(default=print_text, compare=False)
 
 
-def _write(path: Path, text: str, mode: int = 0o644) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    path.chmod(mode)
-    return path
-
-
 def _stamp() -> str:
     return time.strftime("%Y%m%d-%H%M%S", time.gmtime())
 
@@ -70,11 +65,11 @@ def submit_slurm_script(script: str, *, name: str, log_dir: Path, record: dict,
     """Write the script beside the logs, sbatch it, and record the submission; returns the job id."""
     from cluster import slurm_client
 
-    path = _write(log_dir / f"{name}-{_stamp()}.sbatch", script, 0o755)
+    path = write_file(log_dir / f"{job_name(name)}-{_stamp()}.sbatch", script, SCRIPT_MODE)
     job_id = slurm_client.sbatch(path)
     info = {**record, "job_id": job_id, "script": str(path),
             "log": str(log_dir / f"{name}-{job_id}.out"), "submitted": _stamp()}
-    _write(log_dir / f"{job_id}.json", json.dumps(info, indent=1) + "\n")
+    write_file(log_dir / f"{job_id}.json", json.dumps(info, indent=1) + "\n")
     say(f"submitted SLURM job {job_id}\n  script: {path}\n  log:    {info['log']}\n"
         f"  follow: bertdist jobs logs {job_id} --follow")
     return job_id
@@ -106,8 +101,8 @@ def _launch_deepspeed(req: LaunchRequest, log_dir: Path) -> int:
         req.say(f"# {hostfile}\n{launch.hostfile}# {envfile}\n{launch.env_file}# commands")
         req.say("\n".join(launch.shell_lines()))
         return 0
-    _write(hostfile, launch.hostfile)
-    _write(envfile, launch.env_file)
+    write_file(hostfile, launch.hostfile)
+    write_file(envfile, launch.env_file)
     procs = [subprocess.Popen(argv) for _, argv in launch.commands]
     return max(p.wait() for p in procs)
 
@@ -121,7 +116,7 @@ def _launch_k8s(req: LaunchRequest, log_dir: Path) -> int:
     if req.dry_run:
         req.say(text)
         return 0
-    path = _write(log_dir / f"{req.name}.pytorchjob.yaml", text)
+    path = write_file(log_dir / f"{req.name}.pytorchjob.yaml", text)
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         raise SubmitError(f"kubectl not found on PATH; the manifest is at {path} (kubectl create -f {path})")
@@ -147,6 +142,9 @@ def launch(req: LaunchRequest) -> int:
     """Render ``req`` for its scheduler and, unless ``dry_run``, submit or run it; returns an exit code."""
     if req.scheduler not in _BACKENDS:
         raise SubmitError(f"unknown scheduler {req.scheduler!r}; choose one of {list(SCHEDULERS)}")
+    job_name(req.name)
+    if req.scheduler != "k8s" and req.k8s is not None and req.k8s.env_secrets:
+        raise SubmitError("--env-secret reads a Kubernetes Secret: it works with --scheduler k8s only")
     if req.job is not None:
         req.job.check_world_size(req.resources.world_size)
     return _BACKENDS[req.scheduler](req, slurm.job_log_dir(req.run_dir))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from bertdist.cli.errors import exit_2_on
 from cluster.errors import SubmitError
-
+from cluster.safe_values import one_line
 
 
 def _add_resources(p) -> None:
@@ -34,11 +34,15 @@ def _add_resources(p) -> None:
     g.add_argument("--grace", type=int, default=120,
                    help="seconds between SIGTERM and the time limit / pod kill, to write a checkpoint")
     g.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                   help="extra environment for every process (repeatable; overrides the NCCL defaults)")
+                   help="extra environment for every process (repeatable; overrides the NCCL defaults). "
+                        "Written into the job files (created 0600). --ds-launcher pdsh takes only values of "
+                        "letters, digits and _./:,=@%%+- (use --ds-launcher ssh for others); --scheduler k8s "
+                        "refuses names containing key/secret/token/password/credential: use --env-secret")
     g.add_argument("--nccl-ifname", default=None, help="NCCL_SOCKET_IFNAME, e.g. ib0 or ^lo,docker")
     g.add_argument("--python", default=sys.executable,
                    help="interpreter on the compute nodes (default: this one, on a shared filesystem)")
-    g.add_argument("--name", default=None, help="job name (default: bertdist-<config stem>)")
+    g.add_argument("--name", default=None, help="job name: letters, digits, '.', '_', '-' "
+                                                   "(default: bertdist-<config stem>)")
     g.add_argument("--dry-run", action="store_true", help="print what would be submitted; submit nothing")
     d = p.add_argument_group("deepspeed (no scheduler)")
     d.add_argument("--hosts", default=None, help="comma-separated node names, first = master")
@@ -51,6 +55,9 @@ def _add_resources(p) -> None:
     k.add_argument("--data-pvc", default="bertdist-data", help="PVC holding the shards, mounted at their directory")
     k.add_argument("--run-pvc", default="bertdist-runs", help="PVC for checkpoints and logs, mounted at run_dir")
     k.add_argument("--shm-size", default="16Gi", help="size of the in-memory /dev/shm volume")
+    k.add_argument("--env-secret", action="append", default=[], metavar="NAME=SECRET/KEY",
+                   help="set NAME from key KEY of the Kubernetes Secret SECRET (valueFrom.secretKeyRef): "
+                        "the value never appears in the manifest (repeatable)")
 
 
 def _resources(args):
@@ -73,6 +80,7 @@ def _request(args, *, name: str, run_dir: Path, label: str, program_argv: list[s
              job=None):
     """The launch the command line asks for (cluster.submit does the rest)."""
     from cluster import k8s
+    from cluster.spec import parse_env_secrets
     from cluster.submit import DeepSpeedHosts, LaunchRequest
 
     return LaunchRequest(
@@ -81,7 +89,8 @@ def _request(args, *, name: str, run_dir: Path, label: str, program_argv: list[s
         nccl_ifname=args.nccl_ifname, job=job, dry_run=args.dry_run,
         deepspeed=DeepSpeedHosts(args.hosts, args.ds_launcher, args.master_port) if args.hosts else None,
         k8s=k8s.K8sOptions(image=args.image or "", namespace=args.namespace, workdir_pvc=args.workdir_pvc,
-                           data_pvc=args.data_pvc, run_pvc=args.run_pvc, shm_size=args.shm_size))
+                           data_pvc=args.data_pvc, run_pvc=args.run_pvc, shm_size=args.shm_size,
+                           env_secrets=parse_env_secrets(args.env_secret)))
 
 
 def run_pretrain(args) -> int:
@@ -97,7 +106,7 @@ def run_pretrain(args) -> int:
 def run_probe(args) -> int:
     from cluster.submit import launch
 
-    out = Path(args.out).resolve()
+    out = Path(one_line("--out", args.out)).resolve()
     tail = ["cluster.probe", "--out", str(out)]
     return launch(_request(args, name=args.name or "bertdist-probe", run_dir=out, label="launch probe (cluster.probe)",
                            program_argv=[args.python, "-m", *tail], program_module=["-m", *tail]))
@@ -136,6 +145,7 @@ def pseudo_label_tail(args) -> list[str]:
 def run_pseudo_label(args) -> int:
     from cluster.submit import launch
 
+    one_line("--out", args.out)
     tail = pseudo_label_tail(args)
     out = Path(args.out).expanduser().resolve()
     return launch(_request(args, name=args.name or f"bertdist-pseudo-label-{args.task}", run_dir=out,
