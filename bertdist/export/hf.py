@@ -19,6 +19,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from bertdist.data.manifest import path_inside
 from bertdist.export.tokenizer import infer_do_lower_case, read_tokenizer_casing, write_tokenizer_files
 from bertdist.model import BertConfig
 
@@ -185,6 +186,7 @@ def read_sharded_state_dict(index_path: str | Path) -> dict[str, torch.Tensor]:
         raise ExportError(f"{index_path}: the weight_map is empty or not a mapping")
     by_shard: dict[str, list[str]] = {}
     for key, shard in weight_map.items():
+        path_inside(index_path.parent, shard, index_path, ExportError)  # never a file elsewhere
         by_shard.setdefault(shard, []).append(key)
     absent = sorted(s for s in by_shard if not (index_path.parent / s).is_file())
     if absent:

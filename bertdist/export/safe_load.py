@@ -33,6 +33,16 @@ class UnsafeCheckpointError(ExportError, ConfigError):
     An ExportError for the commands that read weights, a ConfigError for ``pretrain``'s resume."""
 
 
+class DamagedCheckpointError(ExportError, ConfigError):
+    """A checkpoint file torch cannot read (truncated, damaged); the message names it."""
+
+
+def _damaged(path, error: Exception) -> DamagedCheckpointError:
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return DamagedCheckpointError(f"{path}: cannot read this checkpoint file ({type(error).__name__}: {first}); it "
+                                  "is truncated or damaged, or not a torch file: compare it with the original")
+
+
 @contextlib.contextmanager
 def trust_checkpoints(trust: bool = True) -> Iterator[None]:
     """Within the block, files that need full pickle are read with it (with a warning), not refused."""
@@ -70,9 +80,13 @@ def load_file(path: str | os.PathLike, map_location: Any = "cpu", *, allow: list
     try:
         with torch.serialization.safe_globals(list(allow)):
             return torch.load(path, map_location=map_location, weights_only=True, **kwargs)
+    except (RuntimeError, EOFError, OSError) as e:  # a cut zip archive surfaces as any of them
+        if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
+            raise  # an open stream, or a missing file: the caller's own error
+        raise _damaged(path, e) from None
     except pickle.UnpicklingError as e:
         if "Weights only load failed" not in str(e):
-            raise  # a damaged file, not a refusal
+            raise _damaged(path, e) from None  # a damaged file, not a refusal
         if not _TRUST.get():
             raise UnsafeCheckpointError(
                 f"{path}: refused to load: {_what_it_needs(e)} only full unpickling can restore, and unpickling runs "

@@ -96,6 +96,19 @@ def test_key_absent_from_its_shard_is_an_error(hf_dirs, tmp_path):
         read_hf_dir(d)
 
 
+@pytest.mark.parametrize("where", ["../elsewhere.safetensors", "/etc/hostname"])
+def test_a_shard_index_cannot_point_outside_its_directory(hf_dirs, tmp_path, where):
+    d = shutil.copytree(hf_dirs[1], tmp_path / "escaping_index")
+    index_path = d / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    first = next(iter(index["weight_map"]))
+    shutil.copy(d / index["weight_map"][first], tmp_path / "elsewhere.safetensors")  # a real file out there
+    index["weight_map"][first] = where
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(ExportError, match=r"outside .*relative paths inside its folder"):
+        read_hf_dir(d)
+
+
 def test_import_hf_cli_reads_sharded_dir(hf_dirs, tmp_path, capsys):
     """`bertdist import-hf` (with its logits check against transformers) in both output formats; the
     DeepSpeed format twice, as a second import in one process once tripped on DeepSpeed's cached groups."""

@@ -3,6 +3,7 @@ pickle naming the file and --trust-checkpoint, and the trusted path loads it wit
 from __future__ import annotations
 
 import pytest
+import torch
 
 from bertdist.cli.main import main
 from bertdist.export.safe_load import UnsafeCheckpointError, load_file, trust_checkpoints
@@ -58,3 +59,14 @@ def test_import_hf_refuses_planted_pytorch_model_bin(tmp_path, capsys):
     out = capsys.readouterr().out
     assert str(hf / "pytorch_model.bin") in out and "--trust-checkpoint" in out, out
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("cut", [0.5, 0.02])
+def test_a_truncated_checkpoint_file_is_an_error_naming_it(tmp_path, cut):
+    from bertdist.export.safe_load import DamagedCheckpointError, load_file
+
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    torch.save({"module": {"w": torch.arange(4096.0)}}, path)
+    path.write_bytes(path.read_bytes()[: int(path.stat().st_size * cut)])
+    with pytest.raises(DamagedCheckpointError, match=r"mp_rank_00_model_states.pt: cannot read this checkpoint file"):
+        load_file(path)
