@@ -6,7 +6,10 @@ Two ways to start it:
          the variables, the arguments and the working directory unquoted into the remote shell
          command, so each must be a plain word (safe_values.PDSH_SAFE).
   ssh  - one `deepspeed --no_ssh --node_rank=i` command per node, which you (or your tooling)
-         start on each node, e.g. through ssh; they meet at master_addr:master_port.
+         start on each node, e.g. through ssh; they meet at master_addr:master_port. The variables
+         go into the env file as shell-quoted NAME='value' lines (the file is written 0600 on the
+         shared filesystem, beside the hostfile) and each node's command sources it, so no value
+         is on any command line, where `ps` on a node would show it.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from typing import Sequence
 
 from cluster.errors import SubmitError
 from cluster.launch import job_environment
-from cluster.safe_values import host_name, pdsh_word
+from cluster.safe_values import env_name, host_name, pdsh_word
 from cluster.spec import Resources
 
 LAUNCHERS = ("pdsh", "ssh")
@@ -50,10 +53,25 @@ def render_env_file(env: dict[str, str]) -> str:
     return "".join(f"{k}={v}\n" for k, v in env.items())
 
 
+def render_shell_env_file(env: dict[str, str]) -> str:
+    """The ssh launcher's env file: NAME='value' lines (shlex-quoted) that each node's shell sources."""
+    for k, v in env.items():
+        env_name(k, "--env")
+        if "\n" in v or "\r" in v:
+            raise SubmitError(f"--env {k}: a value with a newline cannot go into the DeepSpeed env file")
+    return "".join(f"{k}={shlex.quote(v)}\n" for k, v in env.items())
+
+
+def _source_path(path: Path) -> str:
+    """``path`` as the shell's ``.`` takes it: a name without '/' would be looked up on PATH."""
+    text = str(path)
+    return text if "/" in text else f"./{text}"
+
+
 @dataclass(frozen=True)
 class DeepSpeedLaunch:
     hostfile: str
-    env_file: str
+    env_file: str  # written to env_file_path: KEY=VALUE lines (pdsh), NAME='value' shell lines (ssh)
     commands: list[tuple[str, list[str]]]  # (host, argv) to run there; pdsh: one entry for the first host
 
     def shell_lines(self) -> list[str]:
@@ -111,11 +129,15 @@ def deepspeed_launch(
         _check_pdsh(env, program, wd)
         argv = [*base, "--launcher=pdsh", f"--num_nodes={res.nodes}", f"--num_gpus={res.procs}", *tail]
         commands = [(hosts[0], ["env", f"DS_ENV_FILE={env_file_path}", *argv])]
+        env_file = render_env_file(env)
     else:
+        # The values stay in the env file (0600, on the shared filesystem): each node's shell
+        # exports what it sources, so no value is on the ssh or deepspeed command line.
+        env_file = render_shell_env_file(env)
         commands = []
-        exports = [f"{k}={v}" for k, v in env.items()]
+        source = shlex.quote(_source_path(env_file_path))
         for rank, host in enumerate(hosts):
             node_argv = [*base, "--no_ssh", f"--node_rank={rank}", *tail]
-            remote = f"cd {shlex.quote(wd)} && exec env {shlex.join(exports)} {shlex.join(node_argv)}"
+            remote = f"cd {shlex.quote(wd)} && set -a && . {source} && set +a && exec {shlex.join(node_argv)}"
             commands.append((host, ["ssh", "-o", "BatchMode=yes", host, remote]))
-    return DeepSpeedLaunch(render_hostfile(hosts, res.procs), render_env_file(env), commands)
+    return DeepSpeedLaunch(render_hostfile(hosts, res.procs), env_file, commands)

@@ -80,3 +80,13 @@ def slurm_job_id(value: str, key: str = "job id") -> str:
     if not _JOB_ID.fullmatch(value):
         raise SubmitError(f"{key} {value!r} is not a SLURM job id (e.g. 1234, 1234_5 or 1234.batch)")
     return value
+
+
+_ASSIGNMENT = re.compile(r"^(\s*(?:export\s+)?)([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.M)
+
+
+def hide_secret_values(text: str) -> str:
+    """``text`` (a script or env file) with the value of every secret-looking ``NAME=value`` line
+    hidden: what a dry run prints may end up in a terminal log."""
+    return _ASSIGNMENT.sub(lambda m: f"{m.group(1)}{m.group(2)}='<hidden>'" if looks_secret(m.group(2))
+                           else m.group(0), text)

@@ -18,7 +18,7 @@ from typing import Callable
 from cluster import deepspeed_launch, k8s, local, slurm
 from cluster.errors import SubmitError
 from cluster.private_files import SCRIPT_MODE, write_file
-from cluster.safe_values import job_name
+from cluster.safe_values import hide_secret_values, job_name
 from cluster.spec import Resources
 from cluster.training import TrainingJob
 
@@ -81,7 +81,7 @@ def _launch_slurm(req: LaunchRequest, log_dir: Path) -> int:
     script = slurm.render_job_script(name=req.name, run_dir=req.run_dir, config_label=req.label, program=program,
                                      res=res, python=req.python, nccl_ifname=req.nccl_ifname)
     if req.dry_run:
-        req.say(script)
+        req.say(hide_secret_values(script))
         return 0
     submit_slurm_script(script, name=req.name, log_dir=log_dir, say=req.say,
                         record={"scheduler": "slurm", "run_dir": str(req.run_dir), "what": req.label})
@@ -98,7 +98,7 @@ def _launch_deepspeed(req: LaunchRequest, log_dir: Path) -> int:
         launcher=req.deepspeed.launcher, master_port=req.deepspeed.master_port,
         deepspeed_bin=str(Path(req.python).with_name("deepspeed")), nccl_ifname=req.nccl_ifname)
     if req.dry_run:
-        req.say(f"# {hostfile}\n{launch.hostfile}# {envfile}\n{launch.env_file}# commands")
+        req.say(f"# {hostfile}\n{launch.hostfile}# {envfile}\n{hide_secret_values(launch.env_file)}# commands")
         req.say("\n".join(launch.shell_lines()))
         return 0
     write_file(hostfile, launch.hostfile)

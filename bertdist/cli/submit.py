@@ -36,7 +36,9 @@ def _add_resources(p) -> None:
     g.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="extra environment for every process (repeatable; overrides the NCCL defaults). "
                         "Written into the job files (created 0600). --ds-launcher pdsh takes only values of "
-                        "letters, digits and _./:,=@%%+- (use --ds-launcher ssh for others); --scheduler k8s "
+                        "letters, digits and _./:,=@%%+- (use --ds-launcher ssh for others) and puts them on "
+                        "pdsh's command line, where `ps` on a node shows them; --ds-launcher ssh keeps them in "
+                        "the 0600 env file, off every command line; --scheduler k8s "
                         "refuses names containing key/secret/token/password/credential: use --env-secret")
     g.add_argument("--nccl-ifname", default=None, help="NCCL_SOCKET_IFNAME, e.g. ib0 or ^lo,docker")
     g.add_argument("--python", default=sys.executable,
@@ -46,7 +48,10 @@ def _add_resources(p) -> None:
     g.add_argument("--dry-run", action="store_true", help="print what would be submitted; submit nothing")
     d = p.add_argument_group("deepspeed (no scheduler)")
     d.add_argument("--hosts", default=None, help="comma-separated node names, first = master")
-    d.add_argument("--ds-launcher", choices=("pdsh", "ssh"), default="pdsh")
+    d.add_argument("--ds-launcher", choices=("pdsh", "ssh"), default="pdsh",
+                   help="pdsh: DeepSpeed's runner reaches the nodes with pdsh, --env values visible in `ps` "
+                        "there; ssh: one command per node, which sources the --env values from a 0600 file "
+                        "in the job folder (not visible in `ps`)")
     d.add_argument("--master-port", type=int, default=29500)
     k = p.add_argument_group("kubernetes (Kubeflow PyTorchJob)")
     k.add_argument("--image", default=None, help="container image with bertdist installed")

@@ -186,10 +186,32 @@ def test_deepspeed_launch(launcher, site, payload):
         if launcher == "ssh":
             assert argv[:4] == ["ssh", "-o", "BatchMode=yes", host]
             check_shell(argv[4])  # what the remote shell runs
+            if site == "env value":  # values stay in the env file, off the command line `ps` shows
+                assert MARK not in argv[4], argv[4]
         else:
             # DeepSpeed's pdsh runner pastes the environment, arguments and working directory unquoted
             # into the remote shell command: each must be a plain word
             assert inert(launch.env_file) and all(PLAIN.fullmatch(a) for a in argv[2:])
+    if launcher == "ssh":
+        check_shell(launch.env_file)  # each node's shell sources it
+
+
+@pytest.mark.parametrize("payload", PAYLOADS.values(), ids=PAYLOADS.keys())
+def test_deepspeed_ssh_env_file_sources_hostile_values_as_data(tmp_path, payload):
+    """The ssh launcher's env file, sourced by bash as each node's command does: the value arrives
+    exactly as given and nothing in it runs (or it is refused)."""
+    try:
+        launch = _deepspeed("ssh", env=[("FOO", payload)])
+    except SubmitError:
+        return
+    envfile = tmp_path / "env"
+    envfile.write_text(launch.env_file)
+    remote = launch.commands[0][1][4]
+    assert MARK not in remote, remote
+    out = subprocess.run(["bash", "-c", 'set -a && . ./env && set +a && exec printf %s "$FOO"'], cwd=tmp_path,
+                         capture_output=True, text=True, check=True).stdout
+    assert out == payload
+    assert not (tmp_path / MARK).exists() and not list(tmp_path.glob(f"*{MARK}*"))
 
 
 def test_pdsh_refusal_points_to_the_ssh_launcher_and_hides_secrets():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,48 @@ def test_deepspeed_hostfile_and_env_file_are_owner_only(tmp_path, monkeypatch, u
                            resources=Resources(extra_env=(("FOO", "bar"),))))
     for name in ("probe.hostfile", "probe.deepspeed_env"):
         assert _mode(tmp_path / "jobs" / name) == 0o600 & ~umask
+
+
+SECRET = "hf_Zq9 s3cr3t'value$(id)"
+
+
+def test_deepspeed_ssh_keeps_env_values_off_the_command_line(tmp_path, monkeypatch, umask):
+    """`ps` on a node shows the ssh and deepspeed command lines: the values go into the 0600 env
+    file in the job folder, which each node's command sources."""
+    started = []
+
+    class Done:
+        def __init__(self, argv):
+            started.append(argv)
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(submit.subprocess, "Popen", Done)
+    submit.launch(_request(tmp_path, "deepspeed", deepspeed=submit.DeepSpeedHosts("n0,n1", "ssh"),
+                           resources=Resources(nodes=2, extra_env=(("HF_TOKEN", SECRET),))))
+    monkeypatch.undo()  # subprocess.Popen again, for bash below
+    envfile = tmp_path / "jobs" / "probe.deepspeed_env"
+    assert len(started) == 2
+    for argv in started:
+        assert not any(SECRET in a or "hf_Zq9" in a for a in argv), argv
+        assert f"set -a && . {envfile} && set +a && exec " in argv[4]
+    assert _mode(envfile) == 0o600 & ~umask
+    assert "HF_TOKEN='hf_Zq9 s3cr3t'" in envfile.read_text()
+    # what a node's shell makes of the file: the value exactly, exported, nothing run
+    out = subprocess.run(["bash", "-c", f"set -a && . {envfile} && set +a && exec env"], cwd=tmp_path,
+                         capture_output=True, text=True, check=True).stdout
+    assert f"HF_TOKEN={SECRET}\n" in out
+
+
+def test_deepspeed_ssh_dry_run_prints_no_value_in_the_commands(tmp_path, capsys):
+    rc = main(["submit", "probe", "--out", str(tmp_path), "--scheduler", "deepspeed", "--hosts", "n0,n1",
+               "--nodes", "2", "--ds-launcher", "ssh", "--env", f"HF_TOKEN={SECRET}", "--dry-run"])
+    out = capsys.readouterr().out
+    commands = out.split("# commands\n", 1)[1]
+    assert rc == 0 and commands.count("ssh -o BatchMode=yes") == 2
+    assert "hf_Zq9" not in out, out  # neither in the commands nor in the env file as printed
+    assert "HF_TOKEN='<hidden>'" in out
 
 
 @pytest.mark.parametrize("name", ["../../evil", "a/b", "..", "-x", "job\n", "a b", "$(id)", "x..y"])
@@ -134,3 +177,16 @@ def test_env_name_with_a_trailing_newline_is_refused():
         Resources(extra_env=(("FOO\n", "1"),)).validate()
     with pytest.raises(SubmitError, match="is not a SLURM time"):
         Resources(time="10\n").validate()
+
+
+def test_a_dry_run_prints_no_secret_value(tmp_path, capsys):
+    from cluster.safe_values import hide_secret_values
+
+    rc = main(["submit", "probe", "--out", str(tmp_path), "--scheduler", "slurm", "--nodes", "1",
+               "--env", f"WANDB_API_KEY={SECRET}", "--env", "NCCL_DEBUG=INFO", "--dry-run"])
+    out = capsys.readouterr().out
+    assert rc == 0 and SECRET not in out and "NCCL_DEBUG" in out and "WANDB_API_KEY='<hidden>'" in out
+
+    text = "export NCCL_DEBUG=WARN\nexport HF_TOKEN='hf_abc123'\nAWS_SECRET_ACCESS_KEY=xyz\nPATH=/bin\n"
+    assert hide_secret_values(text) == ("export NCCL_DEBUG=WARN\nexport HF_TOKEN='<hidden>'\n"
+                                        "AWS_SECRET_ACCESS_KEY='<hidden>'\nPATH=/bin\n")

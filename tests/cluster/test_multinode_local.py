@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from cluster import deepspeed_launch
+from cluster.private_files import write_file
 from cluster.spec import Resources
 from tests.conftest import free_port
 
@@ -34,14 +35,19 @@ def test_two_deepspeed_agents_rendezvous_over_loopback(tmp_path):
     hosts = ["127.0.0.1", "127.0.0.2"]
     port = free_port()
     hostfile, envfile = tmp_path / "hostfile", tmp_path / "ds_env"
+    # a variable the probe records (NCCL_*; gloo ignores it), with a value that needs quoting
+    canary = ("NCCL_BERTDIST_CANARY", "s3cr3t canary 'q' $(false)")
     launch = deepspeed_launch.deepspeed_launch(
-        ["-m", "cluster.probe", "--out", str(out), "--timeout", "120"], Resources(nodes=2, procs_per_node=1),
+        ["-m", "cluster.probe", "--out", str(out), "--timeout", "120"],
+        Resources(nodes=2, procs_per_node=1, extra_env=(canary,)),
         hosts, hostfile_path=hostfile, env_file_path=envfile, launcher="ssh", master_port=port,
         deepspeed_bin=str(Path(sys.executable).with_name("deepspeed")), workdir=tmp_path)
     hostfile.write_text(launch.hostfile)
+    write_file(envfile, launch.env_file)  # as `bertdist submit` does: 0600, in the job folder
     agents = []
     for host, argv in launch.commands:
         assert argv[:4] == ["ssh", "-o", "BatchMode=yes", host]
+        assert "s3cr3t" not in argv[4] and "OMP_NUM_THREADS" not in argv[4], argv[4]  # no value for `ps`
         # what ssh would run on `host`: run it here
         agents.append(subprocess.Popen(["bash", "-c", argv[4]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                        text=True, start_new_session=True))
@@ -57,7 +63,8 @@ def test_two_deepspeed_agents_rendezvous_over_loopback(tmp_path):
     assert all(r["world_size"] == 2 and r["all_reduce"] == 3.0 and r["local_rank"] == 0 for r in ranks)
     assert all(r["master"] == f"127.0.0.1:{port}" for r in ranks)
     assert "[probe] rank 1/2" in "\n".join(logs)
-    # the per-node command exported the job environment on each node
+    # the per-node command exported the job environment (sourced from the env file) on each node
     assert all(r["env"].get("OMP_NUM_THREADS") == "1" for r in ranks)
+    assert all(r["env"].get(canary[0]) == canary[1] for r in ranks)
     node1 = shlex.split(launch.commands[1][1][4])
     assert "--no_ssh" in node1 and "--node_rank=1" in node1

@@ -156,6 +156,10 @@ def test_deepspeed_ssh_per_node_commands():
         ds = remote[remote.index("deepspeed") + 1:]
         a = _ds_parse(ds)
         assert a.no_ssh and a.node_rank == rank and a.master_addr == "n0" and a.hostfile == "/h"
+        # the environment comes from the env file, which the node's shell sources: not the command line
+        assert remote[3:remote.index("deepspeed")] == ["set", "-a", "&&", ".", "/e", "&&", "set", "+a", "&&", "exec"]
+        assert "NCCL_DEBUG=WARN" not in argv[4]
+    assert "NCCL_DEBUG=WARN" in launch.env_file.splitlines()
 
 
 # ---------------------------------------------------------------- Kubernetes
