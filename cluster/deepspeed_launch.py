@@ -21,7 +21,7 @@ from typing import Sequence
 
 from cluster.errors import SubmitError
 from cluster.launch import job_environment
-from cluster.safe_values import env_name, host_name, pdsh_word
+from cluster.safe_values import env_name, host_name, looks_secret, pdsh_word
 from cluster.spec import Resources
 
 LAUNCHERS = ("pdsh", "ssh")
@@ -82,6 +82,10 @@ class DeepSpeedLaunch:
 def _check_pdsh(env: dict[str, str], program: Sequence[str], workdir: str) -> None:
     """What DeepSpeed's pdsh runner pastes unquoted into the command every node's shell runs."""
     for k, v in env.items():
+        if looks_secret(k):  # the runner puts every value on pdsh's command line: `ps` shows it on every node
+            raise SubmitError(f"--env {k}: with --ds-launcher pdsh its value would be on pdsh's command line, where "
+                              "`ps` shows it on every node; use --ds-launcher ssh, which passes values in a 0600 "
+                              "file, or let the job read the secret from a file")
         pdsh_word(f"--env {k}", v, name=k)
     for arg in program[1:]:
         pdsh_word("program argument", arg)

@@ -221,6 +221,11 @@ def test_pdsh_refusal_points_to_the_ssh_launcher_and_hides_secrets():
         _deepspeed("pdsh", env=[("HF_TOKEN", "hf_$ecret")])
     assert "hf_$ecret" not in str(e.value) and "HF_TOKEN" in str(e.value)
     assert _deepspeed("ssh", env=[("FOO", "$(id)")]).commands  # the ssh launcher quotes it
+    # a secret-named variable never goes through pdsh, even with a plain value: `ps` would show it
+    with pytest.raises(SubmitError, match=r"--env WANDB_API_KEY: .*`ps` shows it.*--ds-launcher ssh") as e:
+        _deepspeed("pdsh", env=[("WANDB_API_KEY", "abc123")])
+    assert "abc123" not in str(e.value)
+    assert _deepspeed("ssh", env=[("WANDB_API_KEY", "abc123")]).commands
 
 
 def test_hosts_are_refused_with_a_leading_dash_or_a_trailing_newline():
