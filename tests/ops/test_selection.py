@@ -60,7 +60,9 @@ def test_slow_kernel_is_not_chosen_with_real_timing():
     plan = selection.decide(_ln_workload(), CPU, extra=[_cand("slow", "slow_layer_norm")], include_test_only=True)
     (d,) = plan.decisions.values()
     slow, base = d.measurement("slow"), d.measurement("torch")
-    assert slow.status == "passed" and slow.ms > 15 > base.ms
+    # it sleeps 20 ms on top of torch's own op. torch's time is not compared with a constant: a
+    # throttled machine once made even this tiny layer norm take 18-21 ms in every repeat
+    assert slow.status == "passed" and slow.ms > 15 and base.status == "passed"
     assert d.choice != "slow"
 
 
