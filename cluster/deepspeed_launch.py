@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from bertdist.redaction import is_secret_name
 from cluster.errors import SubmitError
 from cluster.launch import job_environment
-from cluster.safe_values import env_name, host_name, looks_secret, pdsh_word
+from cluster.safe_values import env_name, host_name, pdsh_word
 from cluster.spec import Resources
 
 LAUNCHERS = ("pdsh", "ssh")
@@ -45,21 +46,23 @@ def render_hostfile(hosts: Sequence[str], slots: int) -> str:
     return "".join(f"{h} slots={slots}\n" for h in hosts)
 
 
-def render_env_file(env: dict[str, str]) -> str:
-    """DeepSpeed's env file (KEY=VALUE lines), exported by the pdsh launcher on every node."""
+def _one_line_values(env: dict[str, str]) -> dict[str, str]:
     for k, v in env.items():
         if "\n" in v or "\r" in v:
             raise SubmitError(f"--env {k}: a value with a newline cannot go into the DeepSpeed env file")
-    return "".join(f"{k}={v}\n" for k, v in env.items())
+    return env
+
+
+def render_env_file(env: dict[str, str]) -> str:
+    """DeepSpeed's env file (KEY=VALUE lines), exported by the pdsh launcher on every node."""
+    return "".join(f"{k}={v}\n" for k, v in _one_line_values(env).items())
 
 
 def render_shell_env_file(env: dict[str, str]) -> str:
     """The ssh launcher's env file: NAME='value' lines (shlex-quoted) that each node's shell sources."""
-    for k, v in env.items():
+    for k in env:
         env_name(k, "--env")
-        if "\n" in v or "\r" in v:
-            raise SubmitError(f"--env {k}: a value with a newline cannot go into the DeepSpeed env file")
-    return "".join(f"{k}={shlex.quote(v)}\n" for k, v in env.items())
+    return "".join(f"{k}={shlex.quote(v)}\n" for k, v in _one_line_values(env).items())
 
 
 def _source_path(path: Path) -> str:
@@ -82,7 +85,7 @@ class DeepSpeedLaunch:
 def _check_pdsh(env: dict[str, str], program: Sequence[str], workdir: str) -> None:
     """What DeepSpeed's pdsh runner pastes unquoted into the command every node's shell runs."""
     for k, v in env.items():
-        if looks_secret(k):  # the runner puts every value on pdsh's command line: `ps` shows it on every node
+        if is_secret_name(k):  # the runner puts every value on pdsh's command line: `ps` shows it on every node
             raise SubmitError(f"--env {k}: with --ds-launcher pdsh its value would be on pdsh's command line, where "
                               "`ps` shows it on every node; use --ds-launcher ssh, which passes values in a 0600 "
                               "file, or let the job read the secret from a file")

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from bertdist.redaction import is_secret_name
 from cluster.errors import SubmitError
 from cluster.launch import job_environment
-from cluster.safe_values import looks_secret, one_line
+from cluster.safe_values import one_line
 from cluster.spec import Resources
 from cluster.training import TrainingJob
 
@@ -63,7 +64,7 @@ def env_entries(env: dict[str, str], secrets: Sequence[tuple[str, str, str]]) ->
     """The container's env: plain values, then values read from Secrets (secretKeyRef). A plain value
     whose name looks like a secret's is refused: the manifest is a file, and kubectl shows it."""
     for k in env:
-        if looks_secret(k):
+        if is_secret_name(k):
             raise SubmitError(
                 f"--env {k}=...: a variable whose name contains key/secret/token/password/credential is not "
                 f"written into the manifest in plain text; put the value in a Kubernetes Secret and pass "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+from bertdist.redaction import REDACTED, is_secret_name
 from cluster.errors import SubmitError
 
 # Job names become file names under jobs/ and SLURM job names.
@@ -17,18 +18,11 @@ _HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*|[0-9A-Fa-f]*:[0-9A-Fa-f:.]*|\[[0
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # What DeepSpeed's pdsh launcher may paste unquoted into the remote shell command.
 PDSH_SAFE = re.compile(r"[A-Za-z0-9_./:,=@%+-]*")
-_SECRET_WORDS = ("key", "secret", "token", "password", "passwd", "credential")
-
-
-def looks_secret(name: str) -> bool:
-    """Whether an environment variable's name suggests that its value is a secret."""
-    low = name.lower()
-    return any(w in low for w in _SECRET_WORDS)
 
 
 def shown(name: str, value: str) -> str:
     """``value`` as an error message may show it: hidden when ``name`` looks like a secret's."""
-    return "'<hidden>'" if looks_secret(name) else repr(value)
+    return f"'{REDACTED}'" if is_secret_name(name) else repr(value)
 
 
 def one_line(key: str, value: str) -> str:
@@ -81,12 +75,3 @@ def slurm_job_id(value: str, key: str = "job id") -> str:
         raise SubmitError(f"{key} {value!r} is not a SLURM job id (e.g. 1234, 1234_5 or 1234.batch)")
     return value
 
-
-_ASSIGNMENT = re.compile(r"^(\s*(?:export\s+)?)([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.M)
-
-
-def hide_secret_values(text: str) -> str:
-    """``text`` (a script or env file) with the value of every secret-looking ``NAME=value`` line
-    hidden: what a dry run prints may end up in a terminal log."""
-    return _ASSIGNMENT.sub(lambda m: f"{m.group(1)}{m.group(2)}='<hidden>'" if looks_secret(m.group(2))
-                           else m.group(0), text)

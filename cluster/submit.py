@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from bertdist.redaction import hide_secret_values
 from cluster import deepspeed_launch, k8s, local, slurm
 from cluster.errors import SubmitError
 from cluster.private_files import SCRIPT_MODE, write_file
-from cluster.safe_values import hide_secret_values, job_name
+from cluster.safe_values import job_name
 from cluster.spec import Resources
 from cluster.training import TrainingJob
 

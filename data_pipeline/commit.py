@@ -26,7 +26,7 @@ from bertdist.config import to_dict
 from bertdist.data.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME
 from bertdist.data.records import record_schema
 from bertdist.data.vocab import special_token_ids, vocab_sha256
-from data_pipeline.redaction import redact_args
+from bertdist.redaction import redact_args
 from data_pipeline.beam.metrics import NS
 from data_pipeline.beam.shards import parquet_writer_options, shard_name
 from data_pipeline.config import BuildConfig, source_label

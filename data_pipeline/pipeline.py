@@ -17,12 +17,12 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from bertdist.config import from_dict, to_dict
 from bertdist.data.manifest import MANIFEST_NAME
 from bertdist.data.vocab import load_vocab, special_token_ids
+from bertdist.redaction import redact_args
 from data_pipeline.config import BuildConfig, InputConfig, source_label
 from data_pipeline.instance_algorithm import InstanceParams, expected_instances
 from data_pipeline.instance_native import choose_builder
 from data_pipeline.negatives import slot_bits
 from data_pipeline.output_dir import OutputDir
-from data_pipeline.redaction import redact_args
 from data_pipeline.tokenization import vocab_is_cased
 from data_pipeline.beam.instance_transform import CreateInstances
 from data_pipeline.beam.dedup import Deduplicate

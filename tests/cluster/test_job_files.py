@@ -180,7 +180,7 @@ def test_env_name_with_a_trailing_newline_is_refused():
 
 
 def test_a_dry_run_prints_no_secret_value(tmp_path, capsys):
-    from cluster.safe_values import hide_secret_values
+    from bertdist.redaction import hide_secret_values
 
     rc = main(["submit", "probe", "--out", str(tmp_path), "--scheduler", "slurm", "--nodes", "1",
                "--env", f"WANDB_API_KEY={SECRET}", "--env", "NCCL_DEBUG=INFO", "--dry-run"])

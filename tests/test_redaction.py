@@ -3,7 +3,7 @@ import json
 import logging
 
 from data_pipeline import build_records
-from data_pipeline.redaction import REDACTED, redact_args
+from bertdist.redaction import REDACTED, redact_args
 
 
 def test_secret_named_options_lose_their_values_in_both_forms():
