@@ -337,10 +337,14 @@ def stage_recipes(recipes: list[Path], manifests: dict[int, str], vocab: str, ou
     return rows
 
 
-def _manifest_for(recipe: Path, manifests: dict[int, str]) -> str:
+def _seq_of(recipe: Path) -> int:
     import yaml
 
-    seq = int(yaml.safe_load(recipe.read_text())["data"]["max_seq_length"])
+    return int(yaml.safe_load(recipe.read_text())["data"]["max_seq_length"])
+
+
+def _manifest_for(recipe: Path, manifests: dict[int, str]) -> str:
+    seq = _seq_of(recipe)
     if seq not in manifests:
         raise ValueError(f"no records with max_seq_length {seq} for {recipe.name} (have {sorted(manifests)})")
     return manifests[seq]
@@ -610,12 +614,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="interleaved runs of each side for auto vs reference (default 2)")
     ap.add_argument("--skip", default="", help=f"comma-separated stages to skip: {','.join(STAGES)}")
     return ap.parse_args(argv)
-
-
-def _seq_of(recipe: Path) -> int:
-    import yaml
-
-    return int(yaml.safe_load(recipe.read_text())["data"]["max_seq_length"])
 
 
 def bench_records(args, seqs: list[int], tmp: Path) -> tuple[dict[int, str], str]:

@@ -120,8 +120,9 @@ class Node:
         self.run("install", [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                              "--disable-pip-version-check", "--upgrade", "--target", str(self.site), *wheels],
                  min(180.0, self.clock.left()))
-        modules = {"deepspeed": "deepspeed", "pydantic": "pydantic", "hjson": "hjson"}
-        names = [modules.get(w["name"], w["name"].replace("-", "_")) for w in kit["wheels"]]
+        # each shipped wheel's import name is its distribution name with '_' for '-'; a wheel where
+        # that does not hold fails here, by name
+        names = [w["name"].replace("-", "_") for w in kit["wheels"]]
         check = ("import importlib, sys\nbad = []\nfor m in sys.argv[1:]:\n    try:\n        importlib.import_module(m)\n"
                  "    except Exception as e:\n        bad.append(f'{m}: {type(e).__name__}: {e}')\n"
                  "print('\\n'.join(bad) or 'all import: ' + ', '.join(sys.argv[1:]))\nsys.exit(1 if bad else 0)")

@@ -67,7 +67,6 @@ def _tail(proc: subprocess.CompletedProcess, n: int = 6) -> str:
 
 def download(need: Needed, image: ImageManifest, dest: Path) -> Path:
     """A binary wheel of ``need`` for the image, else one built from its sdist; checked to fit."""
-    before = set(dest.glob("*.whl"))
     cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(dest),
            "--python-version", image.python, "--implementation", "cp", "--abi", image.python_tag, "--abi", "abi3",
            "--abi", "none"]
@@ -85,10 +84,8 @@ def download(need: Needed, image: ImageManifest, dest: Path) -> Path:
             raise WheelError(f"{need.name}=={need.version} ({need.why}): no wheel for {image.python_tag} "
                              f"{image.platform} ({_tail(got, 2)}) and building one from its sdist failed: {_tail(built)}")
         how = "built from its sdist"
-    new = [p for p in set(dest.glob("*.whl")) - before if canonical(parse_wheel_filename(p.name)[0]) == need.name]
-    if not new:  # already there from an earlier kit build
-        new = [p for p in dest.glob("*.whl") if canonical(parse_wheel_filename(p.name)[0]) == need.name
-               and str(parse_wheel_filename(p.name)[1]) == need.version]
+    new = [p for p in dest.glob("*.whl")
+           if (canonical(parse_wheel_filename(p.name)[0]), str(parse_wheel_filename(p.name)[1])) == (need.name, need.version)]
     if len(new) != 1:
         raise WheelError(f"{need.name}=={need.version}: expected one wheel in {dest}, found {sorted(p.name for p in new)}")
     wheel = new[0]
