@@ -8,6 +8,8 @@ def run(args) -> int:
     from bertdist.export.hf import ExportError
     from bertdist.export.safe_load import trust_checkpoints
 
+    if args.format == "onnx":
+        return run_onnx(args)
     lower = {"cased": False, "uncased": True, None: None}[args.casing]
     try:
         with trust_checkpoints(args.trust_checkpoint):
@@ -44,16 +46,66 @@ def run(args) -> int:
     return 0
 
 
+def run_onnx(args) -> int:
+    """``--format onnx``: an HF directory (task model, student, encoder) as is; a run or checkpoint
+    through a temporary HF directory of its encoder."""
+    import tempfile
+
+    from bertdist.export.hf import ExportError as HFExportError
+    from bertdist.export.hf import is_hf_dir
+    from bertdist.serve.card import ExportError
+    from bertdist.serve.onnx_export import ExportOptions, export_onnx
+
+    opts = ExportOptions(optimize=args.optimize, quantize=args.quantize, task=args.task, dev=args.dev,
+                         max_eval_examples=args.max_eval_examples, tolerance_points=args.int8_tolerance,
+                         skip_metric_check=args.skip_metric_check, threads=args.threads, overwrite=args.overwrite)
+    try:
+        if is_hf_dir(args.source):
+            export_onnx(args.source, args.out, opts)
+            return 0
+        from bertdist.export import write_hf_dir
+        from bertdist.export.safe_load import trust_checkpoints
+        from bertdist.export.sources import load_pretrained
+
+        lower = {"cased": False, "uncased": True, None: None}[args.casing]
+        with trust_checkpoints(args.trust_checkpoint):
+            w = load_pretrained(args.source, vocab_file=args.vocab, do_lower_case=lower, tag=args.tag)
+        if w.vocab_file is None:
+            print("bertdist export: the checkpoint does not name its vocab file; pass --vocab FILE")
+            return 2
+        with tempfile.TemporaryDirectory(prefix="bertdist-onnx-") as tmp:
+            hf = write_hf_dir(f"{tmp}/hf", w.config, w.state_dict, w.vocab_file, w.do_lower_case)
+            export_onnx(hf, args.out, opts)
+        return 0
+    except (ExportError, HFExportError, FileNotFoundError) as e:
+        print(f"bertdist export: {e}")
+        return 1 if "refused" in str(e) else 2
+
+
 def register(sub) -> None:
     p = sub.add_parser("export", help="export a run/checkpoint to a Hugging Face (or torch) model directory")
     p.add_argument("source", help="run dir, DeepSpeed save dir (with `latest`), one checkpoint dir, or an HF dir")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--format", choices=["hf", "torch"], default="hf")
+    p.add_argument("--format", choices=["hf", "torch", "onnx"], default="hf",
+                   help="onnx: fp32 ONNX with dynamic axes, checked against PyTorch (see docs/serving.md)")
     p.add_argument("--tag", default=None, help="checkpoint tag (default: the one named in `latest`)")
     p.add_argument("--vocab", default=None, help="vocab.txt, when the run's config does not name it")
     p.add_argument("--casing", choices=["cased", "uncased"], default=None,
                    help="tokenizer casing (default: from the run's config, else inferred from the vocab)")
     p.add_argument("--no-verify", action="store_true", help="skip the logits comparison with transformers")
+    o = p.add_argument_group("ONNX (--format onnx)")
+    o.add_argument("--optimize", action="store_true",
+                   help="also write model.optimized.onnx with onnxruntime's BERT fusions (attention, LayerNorm, GELU)")
+    o.add_argument("--quantize", choices=["int8"], default=None,
+                   help="also write model.int8.onnx (dynamic int8), refused if the dev metric drops beyond --int8-tolerance")
+    o.add_argument("--task", default=None, help="the task of --dev for the int8 check (sst2, stsb, mrpc, ner, squad...)")
+    o.add_argument("--dev", default=None, help="the task's data directory or dev file, for the int8 metric check")
+    o.add_argument("--max-eval-examples", type=int, default=None, help="check int8 on the first N dev examples")
+    o.add_argument("--int8-tolerance", type=float, default=1.0,
+                   help="largest accepted drop of the dev metric, in points (0.01 accuracy/F1/Spearman; default 1)")
+    o.add_argument("--skip-metric-check", action="store_true", help="write int8 without checking a dev metric")
+    o.add_argument("--threads", type=int, default=None, help="onnxruntime threads for the checks")
+    o.add_argument("--overwrite", action="store_true", help="replace an earlier ONNX export in --out")
     add_trust_flag(p)
     p.set_defaults(func=run)
 

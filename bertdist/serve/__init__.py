@@ -1,0 +1,1 @@
+"""Serving: ONNX export with parity checks, and an HTTP server with dynamic batching."""

@@ -1,0 +1,55 @@
+"""The exported ONNX directory's layout and its JSON card (``onnx_card.json``).
+
+The card says what a served model is: its task and label names, its opset, which files hold
+which variant, what was fused and quantised, and the parity figures measured at export.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CARD = "onnx_card.json"
+OPSET = 17
+# Variant -> file. The int8 file's name says int8.
+FILES = {"fp32": "model.onnx", "optimized": "model.optimized.onnx", "int8": "model.int8.onnx"}
+# The variant a server loads by default: the fastest one the export wrote and checked.
+PREFERENCE = ("int8", "optimized", "fp32")
+TASK_ARCHITECTURES = {
+    "BertModel": "encoder",
+    "BertForPreTraining": "encoder",
+    "BertForMaskedLM": "encoder",
+    "BertForSequenceClassification": "classification",
+    "BertForTokenClassification": "token",
+    "BertForQuestionAnswering": "span",
+    "BertForMultipleChoice": "choice",
+}
+
+
+class ExportError(Exception):
+    pass
+
+
+def read_card(model_dir: str | Path) -> dict:
+    p = Path(model_dir) / CARD
+    if not p.is_file():
+        raise ExportError(f"{model_dir}: no {CARD}: not a directory written by `bertdist export --format onnx`")
+    card = json.loads(p.read_text())
+    for key in ("task", "files", "max_length"):
+        if key not in card:
+            raise ExportError(f"{p}: the card has no {key!r}")
+    return card
+
+
+def write_card(model_dir: Path, card: dict) -> Path:
+    p = Path(model_dir) / CARD
+    p.write_text(json.dumps(card, indent=2, sort_keys=True) + "\n")
+    return p
+
+
+def pick_variant(card: dict, variant: str = "auto") -> str:
+    files = card["files"]
+    if variant == "auto":
+        return next(v for v in PREFERENCE if v in files)
+    if variant not in files:
+        raise ExportError(f"variant {variant!r} was not exported (this directory has {sorted(files)})")
+    return variant

@@ -1,0 +1,295 @@
+"""A Hugging Face BERT directory -> ONNX models: fp32, ORT-optimised fp32, dynamic int8.
+
+The graph comes from torch's ONNX exporter (the TorchScript-based one, ``dynamo=False``) over
+the transformers model loaded with eager attention: onnxruntime's BERT fusion recognises that
+attention pattern (6 of 6 MiniLM layers fused into ``Attention``), while the SDPA graph keeps
+attention unfused. Optimisation is onnxruntime's transformer optimizer, quantisation its
+``quantize_dynamic``: no graph is written by hand here.
+
+Every model has dynamic batch and sequence axes (and a choice axis for multiple choice).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from bertdist.serve.card import FILES, OPSET, TASK_ARCHITECTURES, ExportError
+
+INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+@dataclasses.dataclass
+class SourceModel:
+    """What the export reads from an HF directory."""
+
+    path: Path
+    task: str  # classification | regression | token | span | choice | encoder
+    config: dict
+    labels: list[str] | None
+
+
+def read_source(hf_dir: str | os.PathLike) -> SourceModel:
+    p = Path(hf_dir)
+    conf_path = p / "config.json"
+    if not conf_path.is_file():
+        raise ExportError(f"{p}: no config.json: not a Hugging Face model directory (export a run with "
+                          f"`bertdist export RUN --out DIR` first, or pass the run itself)")
+    conf = json.loads(conf_path.read_text())
+    if conf.get("model_type") != "bert":
+        raise ExportError(f"{conf_path}: model_type {conf.get('model_type')!r}; the ONNX export handles BERT models")
+    if not (p / "tokenizer.json").is_file() and not (p / "vocab.txt").is_file():
+        raise ExportError(f"{p}: no tokenizer.json or vocab.txt; the served model needs its tokenizer")
+    arch = (conf.get("architectures") or ["BertModel"])[0]
+    if arch not in TASK_ARCHITECTURES:
+        raise ExportError(f"{conf_path}: architecture {arch!r} is not one the export knows "
+                          f"({sorted(TASK_ARCHITECTURES)})")
+    task = TASK_ARCHITECTURES[arch]
+    n = len(conf.get("id2label") or {}) or conf.get("num_labels", 2)
+    if task == "classification" and (conf.get("problem_type") == "regression" or n == 1):
+        task = "regression"
+    labels = None
+    if task in ("classification", "token") and conf.get("id2label"):
+        labels = [conf["id2label"][str(i)] for i in range(len(conf["id2label"]))]
+    return SourceModel(p, task, conf, labels)
+
+
+class _ExportWrapper(nn.Module):
+    """The transformers model with plain tensor outputs (and, for encoders, mean pooling in the graph)."""
+
+    def __init__(self, model: nn.Module, task: str):
+        super().__init__()
+        self.model, self.task = model, task
+
+    def forward(self, input_ids, attention_mask, token_type_ids):
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+        if self.task == "encoder":
+            hidden = out.last_hidden_state
+            m = attention_mask.unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
+            return hidden, pooled
+        if self.task == "span":
+            return out.start_logits, out.end_logits
+        return out.logits
+
+
+def output_names(task: str) -> tuple[str, ...]:
+    return {"encoder": ("last_hidden_state", "sentence_embedding"), "span": ("start_logits", "end_logits")}.get(
+        task, ("logits",))
+
+
+def load_torch_model(src: SourceModel) -> nn.Module:
+    """The transformers model, eager attention, eval mode: the export's input and the parity reference."""
+    import transformers
+
+    cls = {"encoder": transformers.BertModel, "classification": transformers.BertForSequenceClassification,
+           "regression": transformers.BertForSequenceClassification,
+           "token": transformers.BertForTokenClassification, "span": transformers.BertForQuestionAnswering,
+           "choice": transformers.BertForMultipleChoice}[src.task]
+    kwargs = {"add_pooling_layer": False} if src.task == "encoder" else {}
+    model = cls.from_pretrained(str(src.path), attn_implementation="eager", **kwargs)
+    return _ExportWrapper(model, src.task).eval()  # eval on the wrapper: the exporter restores its mode after tracing
+
+
+def example_inputs(task: str, batch: int = 2, seq: int = 8, choices: int = 4) -> tuple[torch.Tensor, ...]:
+    shape = (batch, choices, seq) if task == "choice" else (batch, seq)
+    ids = torch.full(shape, 5, dtype=torch.long)
+    mask = torch.ones(shape, dtype=torch.long)
+    mask[..., -2:] = 0  # padded positions, so the mask path is traced
+    return ids, mask, torch.zeros(shape, dtype=torch.long)
+
+
+def export_fp32(model: nn.Module, task: str, out_file: Path) -> None:
+    axes = {0: "batch", 1: "choice", 2: "sequence"} if task == "choice" else {0: "batch", 1: "sequence"}
+    dyn = {name: axes for name in INPUTS}
+    for name in output_names(task):
+        dyn[name] = {0: "batch", 1: "choice"} if task == "choice" else (
+            {0: "batch"} if name in ("logits", "sentence_embedding") and task != "token" else {0: "batch", 1: "sequence"})
+    with torch.no_grad():
+        torch.onnx.export(model, example_inputs(task), str(out_file), input_names=list(INPUTS),
+                          output_names=list(output_names(task)), dynamic_axes=dyn, opset_version=OPSET,
+                          dynamo=False)
+
+
+def optimize(fp32_file: Path, out_file: Path, config: dict) -> dict[str, int]:
+    """onnxruntime's BERT fusions; returns the count of each fused operator found."""
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    opt = optimize_model(str(fp32_file), model_type="bert", num_heads=int(config["num_attention_heads"]),
+                         hidden_size=int(config["hidden_size"]), opt_level=0)
+    opt.save_model_to_file(str(out_file))
+    return {k: int(v) for k, v in opt.get_fused_operator_statistics().items() if v}
+
+
+def quantize_int8(in_file: Path, out_file: Path) -> dict:
+    """Dynamic int8 (weights int8 per channel, activations quantised at run time), onnxruntime's tool."""
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    settings = {"weight_type": "QInt8", "per_channel": True, "reduce_range": False,
+                "op_types": ["MatMul", "Attention"]}
+    quantize_dynamic(str(in_file), str(out_file), weight_type=QuantType.QInt8, per_channel=True,
+                     reduce_range=False, op_types_to_quantize=settings["op_types"],
+                     # fused com.microsoft ops have no ONNX shape inference; their outputs are float
+                     extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+    settings["source"] = in_file.name
+    return settings
+
+
+def copy_tokenizer(src: Path, out: Path) -> list[str]:
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out / name)
+            copied.append(name)
+    if "tokenizer.json" not in copied:  # a vocab-only directory: write the fast tokenizer's file
+        from bertdist.export.tokenizer import read_tokenizer_casing, write_tokenizer_files
+
+        lower = read_tokenizer_casing(src)
+        write_tokenizer_files(out, src / "vocab.txt", True if lower is None else lower,
+                              int(json.loads((src / "config.json").read_text()).get("max_position_embeddings", 512)))
+        copied = [n for n in TOKENIZER_FILES if (out / n).is_file()]
+    return copied
+
+
+def staging_dir(out: Path) -> Path:
+    """A fresh directory beside ``out``; renamed onto it only once every check has passed."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+
+
+def files_for(optimize_graph: bool, quantize: str | None) -> dict[str, str]:
+    names = {"fp32": FILES["fp32"]}
+    if optimize_graph:
+        names["optimized"] = FILES["optimized"]
+    if quantize:
+        names[quantize] = FILES[quantize]
+    return names
+
+
+@dataclasses.dataclass
+class ExportOptions:
+    optimize: bool = False
+    quantize: str | None = None  # "int8"
+    task: str | None = None  # the fine-tuning task name of the dev set (sst2, stsb, ner, squad...)
+    dev: str | None = None  # the task's data directory or dev file, for the int8 metric check
+    max_eval_examples: int | None = None
+    tolerance_points: float = 1.0
+    skip_metric_check: bool = False  # int8 without a dev set: the card says the metric was not checked
+    max_length: int | None = None  # default: the model's max_position_embeddings
+    threads: int | None = None
+    overwrite: bool = False  # replace an earlier ONNX export in --out (never anything else)
+
+
+def export_onnx(source: str | os.PathLike, out: str | os.PathLike, opts: ExportOptions | None = None,
+                log=print) -> dict:
+    """Export, check parity, write the card; the output appears only once every check has passed."""
+    import onnxruntime
+    from transformers import AutoTokenizer
+
+    from bertdist.serve import parity
+    from bertdist.serve.card import CARD, write_card
+    from bertdist.serve.runtime import make_session
+
+    opts = opts or ExportOptions()
+    out = Path(out)
+    _check_out(out, opts.overwrite)
+    if opts.quantize not in (None, "int8"):
+        raise ExportError(f"--quantize {opts.quantize!r}: only int8 is supported")
+    src = read_source(source)
+    if opts.quantize and src.task != "encoder" and not (opts.dev and opts.task) and not opts.skip_metric_check:
+        raise ExportError("int8 export of a task model checks the task metric before and after: pass --task NAME "
+                          "and --dev DIR_OR_FILE (the dev set), or --skip-metric-check to export it unchecked")
+    max_length = opts.max_length or int(src.config.get("max_position_embeddings", 512))
+    stage = staging_dir(out)
+    try:
+        model = load_torch_model(src)
+        files = files_for(opts.optimize, opts.quantize)
+        export_fp32(model, src.task, stage / files["fp32"])
+        card = {"task": src.task, "labels": src.labels, "opset": OPSET, "max_length": max_length,
+                "source": str(src.path), "architecture": (src.config.get("architectures") or ["BertModel"])[0],
+                "inputs": list(INPUTS), "outputs": list(output_names(src.task)), "files": files,
+                "pooling": "mean" if src.task == "encoder" else None,
+                "versions": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__},
+                "parity": {}}
+        copy_tokenizer(src.path, stage)
+        shutil.copyfile(src.path / "config.json", stage / "config.json")
+        tok = AutoTokenizer.from_pretrained(str(stage))
+        sample = parity.encode_sample(tok, src.task, parity.sample_texts(), max_length)
+        sessions = {"fp32": make_session(stage / files["fp32"], opts.threads)}
+        if opts.optimize:
+            card["fused"] = optimize(stage / files["fp32"], stage / files["optimized"], src.config)
+            sessions["optimized"] = make_session(stage / files["optimized"], opts.threads)
+        for name in sessions:
+            d = parity.output_diff(model, sessions[name], sample)
+            parity.check_fp32(f"{name} ({files[name]})", d)
+            card["parity"][name] = {**d.as_dict(), "tolerance": parity.FP32_TOLERANCE}
+            log(f"parity {name}: max |ONNX - PyTorch| {d.max_abs_diff:.2e} over {d.texts} texts "
+                f"({d.tokens_min}-{d.tokens_max} tokens)")
+        if opts.quantize:
+            base = "optimized" if opts.optimize else "fp32"
+            card["quantization"] = quantize_int8(stage / files[base], stage / files["int8"])
+            sessions["int8"] = make_session(stage / files["int8"], opts.threads)
+            card["parity"]["int8"] = _judge_int8(src, stage, sessions, sample, max_length, opts, log)
+        write_card(stage, card)
+        if out.exists():
+            shutil.rmtree(out)  # an earlier ONNX export, replaced as asked (checked by _check_out)
+        os.replace(stage, out)
+        log(f"wrote {out}: {', '.join(files.values())}, tokenizer files, {CARD}")
+        return card
+    finally:
+        if stage.exists():
+            shutil.rmtree(stage, ignore_errors=True)
+
+
+def _judge_int8(src: SourceModel, stage: Path, sessions: dict, sample, max_length: int, opts: ExportOptions,
+                log) -> dict:
+    from bertdist.serve import parity
+
+    if src.task == "encoder":
+        res = parity.embedding_cosines(sessions["fp32"], sessions["int8"], sample)
+        log(f"parity int8: sentence-embedding cosine to fp32 min {res['min_cosine']:.4f}, mean "
+            f"{res['mean_cosine']:.4f} over {res['texts']} texts")
+        if res["min_cosine"] < parity.MIN_EMBEDDING_COSINE and not opts.skip_metric_check:
+            raise parity.ParityError(f"int8 refused: its sentence embeddings' lowest cosine to fp32's is "
+                                     f"{res['min_cosine']:.4f} (< {parity.MIN_EMBEDDING_COSINE}) over {res['texts']} texts")
+        return res
+    if opts.skip_metric_check:
+        log("parity int8: task metric NOT checked (--skip-metric-check)")
+        return {"metric": None, "checked": False}
+    runner = parity.dev_runner(opts.task, opts.dev, stage, max_length, opts.max_eval_examples)
+    metric, before = parity.task_metric(runner, sessions["fp32"])
+    _, after = parity.task_metric(runner, sessions["int8"])
+    n = len(runner.eval_sets()[0].features)
+    res = parity.judge_int8(metric, before, after, opts.tolerance_points, n)
+    log(f"parity int8: {opts.task} dev {metric} fp32 {before:.4f} -> int8 {after:.4f} "
+        f"(drop {res['drop_points']:+.2f} points; tolerance {opts.tolerance_points} points; {n} examples)")
+    if not res["within_tolerance"]:
+        raise parity.ParityError(
+            f"int8 refused: {opts.task} dev {metric} drops from {before:.4f} to {after:.4f}, "
+            f"{res['drop_points']:.2f} points, above the tolerance of {opts.tolerance_points} points "
+            f"({n} examples); raise it with --int8-tolerance POINTS to accept the loss, or export without --quantize")
+    return res
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    from bertdist.serve.card import CARD
+
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ExportError(f"--out {out} exists and is not a directory")
+    if not any(out.iterdir()):
+        out.rmdir()
+        return
+    if not (out / CARD).is_file():
+        raise ExportError(f"--out {out} exists and holds files that are not an ONNX export; choose another directory")
+    if not overwrite:
+        raise ExportError(f"--out {out} holds an earlier ONNX export; pass --overwrite to replace it")

@@ -1,0 +1,65 @@
+"""Tiny Hugging Face BERT directories of every exported kind, and their ONNX exports."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+ARCHITECTURES = {
+    "classification": "BertForSequenceClassification",
+    "regression": "BertForSequenceClassification",
+    "token": "BertForTokenClassification",
+    "span": "BertForQuestionAnswering",
+    "choice": "BertForMultipleChoice",
+    "encoder": "BertModel",
+}
+
+
+def make_hf_dir(out: Path, kind: str, vocab: Path, seed: int = 0) -> Path:
+    """A randomly initialised tiny BERT of ``kind`` with its tokenizer files."""
+    import torch
+    import transformers
+
+    from bertdist.export.tokenizer import read_vocab, write_tokenizer_files
+
+    torch.manual_seed(seed)
+    labels = {"classification": ["negative", "positive"], "token": ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]}.get(kind)
+    conf = transformers.BertConfig(vocab_size=len(read_vocab(vocab)), hidden_size=32, num_hidden_layers=2,
+                                   num_attention_heads=2, intermediate_size=64, max_position_embeddings=128)
+    if labels:
+        conf.id2label = dict(enumerate(labels))
+        conf.label2id = {n: i for i, n in enumerate(labels)}
+    if kind == "regression":
+        conf.num_labels, conf.problem_type = 1, "regression"
+    model = getattr(transformers, ARCHITECTURES[kind])(conf).eval()
+    model.save_pretrained(str(out))
+    write_tokenizer_files(out, vocab, True, 128)
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_model(tmp_path_factory, small_vocab):
+    """``hf_model(kind)`` -> a tiny HF directory of that kind (made once per session)."""
+    made: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in made:
+            made[kind] = make_hf_dir(tmp_path_factory.mktemp(f"hf_{kind}"), kind, small_vocab)
+        return made[kind]
+    return get
+
+
+@pytest.fixture(scope="session")
+def onnx_model(tmp_path_factory, hf_model):
+    """``onnx_model(kind)`` -> its ONNX export (fp32 + optimised, made once per session)."""
+    from bertdist.serve.onnx_export import ExportOptions, export_onnx
+
+    made: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in made:
+            out = tmp_path_factory.mktemp(f"onnx_{kind}") / "model"
+            export_onnx(hf_model(kind), out, ExportOptions(optimize=True), log=lambda *_: None)
+            made[kind] = out
+        return made[kind]
+    return get

@@ -1,0 +1,188 @@
+"""`bertdist export --format onnx`: parity for every task type, the int8 gate, and the output directory rules."""
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import pytest
+
+from bertdist.serve.card import CARD, FILES, read_card
+from bertdist.serve.onnx_export import ExportOptions, export_onnx
+from bertdist.serve.runtime import make_session
+from tests.serve.conftest import make_hf_dir
+
+KINDS = ["classification", "regression", "token", "span", "choice", "encoder"]
+SENTENCES = ["A short one.", "The captain walked slowly along the deck, thinking of the letter he had not sent.",
+             "Yes", "It was the best of times, it was the worst of times, it was the age of wisdom, it was the "
+             "age of foolishness, it was the epoch of belief, it was the epoch of incredulity.", "Rain again."]
+
+
+def hf_outputs(hf_dir, kind, enc):
+    """The transformers model as users load it (default attention), independent of the export's own reference."""
+    import torch
+    import transformers
+
+    from tests.serve.conftest import ARCHITECTURES
+
+    model = getattr(transformers, ARCHITECTURES[kind]).from_pretrained(str(hf_dir)).eval()
+    with torch.no_grad():
+        out = model(**{k: torch.from_numpy(v) for k, v in enc.items()})
+    if kind == "encoder":
+        h = out.last_hidden_state.numpy()
+        m = enc["attention_mask"][..., None]
+        return [h, (h * m).sum(1) / m.sum(1)]
+    if kind == "span":
+        return [out.start_logits.numpy(), out.end_logits.numpy()]
+    return [out.logits.numpy()]
+
+
+def encode(hf_dir, kind, texts):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(hf_dir))
+    if kind == "choice":
+        firsts = [t for t in texts for _ in range(3)]
+        seconds = [texts[(i + c + 1) % len(texts)] for i in range(len(texts)) for c in range(3)]
+        enc = tok(firsts, seconds, padding=True, return_tensors="np")
+        return {k: enc[k].reshape(len(texts), 3, -1).astype(np.int64) for k in ("input_ids", "attention_mask", "token_type_ids")}
+    enc = tok(texts, padding=True, return_tensors="np")
+    return {k: enc[k].astype(np.int64) for k in ("input_ids", "attention_mask", "token_type_ids")}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_task_type_exports_with_parity(kind, hf_model, onnx_model):
+    out = onnx_model(kind)
+    card = read_card(out)
+    assert card["task"] == kind and card["opset"] >= 17
+    assert set(card["files"]) == {"fp32", "optimized"}
+    for variant in ("fp32", "optimized"):
+        assert card["parity"][variant]["max_abs_diff"] <= 1e-4
+        assert card["parity"][variant]["tokens_max"] > 3 * card["parity"][variant]["tokens_min"]  # varied lengths
+    assert (out / "tokenizer.json").is_file() and (out / "vocab.txt").is_file()
+    if kind in ("classification", "token"):
+        id2label = json.loads((hf_model(kind) / "config.json").read_text())["id2label"]
+        assert card["labels"] == [id2label[str(i)] for i in range(len(id2label))]
+    # dynamic axes: batch sizes 1 and 5, sequence lengths other than the traced example's
+    for texts in (SENTENCES[:1], SENTENCES):
+        enc = encode(hf_model(kind), kind, texts)
+        ref = hf_outputs(hf_model(kind), kind, enc)
+        for variant in ("fp32", "optimized"):
+            got = make_session(out / FILES[variant]).run(None, enc)
+            assert len(got) == len(ref)
+            for r, g in zip(ref, got):
+                assert r.shape == g.shape
+                if kind == "encoder" and r.ndim == 3:
+                    r, g = r * enc["attention_mask"][..., None], g * enc["attention_mask"][..., None]
+                np.testing.assert_allclose(g, r, atol=1e-4, rtol=0)
+
+
+def test_pretraining_directory_exports_as_an_encoder(tmp_path, small_vocab):
+    src = make_hf_dir(tmp_path / "hf", "encoder", small_vocab)
+    import transformers
+
+    conf = transformers.BertConfig.from_pretrained(str(src))
+    transformers.BertForPreTraining(conf).save_pretrained(str(tmp_path / "pre"))
+    (tmp_path / "pre" / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
+    (tmp_path / "pre" / "vocab.txt").write_bytes((src / "vocab.txt").read_bytes())
+    card = export_onnx(tmp_path / "pre", tmp_path / "out", ExportOptions(quantize="int8"), log=lambda *_: None)
+    assert card["task"] == "encoder" and card["outputs"] == ["last_hidden_state", "sentence_embedding"]
+    assert (tmp_path / "out" / "model.int8.onnx").is_file()
+    assert card["parity"]["int8"]["min_cosine"] >= 0.98
+
+
+def _self_labelled_sst2(tmp_path, onnx_dir, n=64):
+    """An SST-2-layout dev set labelled by the fp32 model itself: fp32 accuracy is 1.0 by construction."""
+    from bertdist.serve.runtime import load_served_model
+
+    from bertdist.serve.parity import sample_texts
+
+    texts = [t[:300].replace("\t", " ") for t in sample_texts(n)]
+    m = load_served_model(onnx_dir, variant="fp32")
+    job = m.prepare("predict", {"inputs": [[t] for t in texts], "raw_scores": True})
+    answers = job.finish(m.run(job.items))
+    d = tmp_path / "SST-2"
+    d.mkdir()
+    with (d / "dev.tsv").open("w", newline="") as f:
+        w = csv.writer(f, delimiter="\t", quoting=csv.QUOTE_NONE, escapechar="\\")
+        w.writerow(["sentence", "label"])
+        for t, a in zip(texts, answers):
+            w.writerow([t, 1 if a[0]["label"] == "positive" else 0])
+    return d
+
+
+def _negate_logits(path):
+    """Turn an ONNX classifier into its opposite: every argmax flips (for two labels)."""
+    import onnx
+
+    m = onnx.load(str(path))
+    out = m.graph.output[0].name
+    for node in m.graph.node:
+        node.output[:] = [o + "_raw" if o == out else o for o in node.output]
+    m.graph.node.append(onnx.helper.make_node("Neg", [out + "_raw"], [out]))
+    onnx.save(m, str(path))
+
+
+def test_int8_is_refused_when_the_dev_metric_drops(tmp_path, hf_model, onnx_model, monkeypatch):
+    from bertdist.serve import onnx_export
+
+    dev = _self_labelled_sst2(tmp_path, onnx_model("classification"))
+    ok = export_onnx(hf_model("classification"), tmp_path / "ok", ExportOptions(
+        quantize="int8", task="sst2", dev=str(dev), tolerance_points=10.0), log=lambda *_: None)
+    p = ok["parity"]["int8"]
+    assert p["metric"] == "accuracy" and p["fp32"] == 1.0 and p["examples"] == 64
+    assert p["int8"] >= 0.9 and p["within_tolerance"]
+    assert ok["files"]["int8"] == "model.int8.onnx"
+
+    real = onnx_export.quantize_int8
+
+    def broken_int8(src, dst):  # a real int8 model, made wrong on purpose
+        settings = real(src, dst)
+        _negate_logits(dst)
+        return settings
+
+    monkeypatch.setattr(onnx_export, "quantize_int8", broken_int8)
+    with pytest.raises(onnx_export.ExportError, match=r"int8 refused: sst2 dev accuracy drops from 1.0000 to 0.0000, "
+                                                      r"100.00 points, above the tolerance of 1.0 points \(64 examples\)"):
+        export_onnx(hf_model("classification"), tmp_path / "bad", ExportOptions(quantize="int8", task="sst2", dev=str(dev)),
+                    log=lambda *_: None)
+    assert not (tmp_path / "bad").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".bad.")]  # no staging left behind
+
+
+def test_cli_needs_a_dev_set_for_int8_of_a_task_model(tmp_path, hf_model, capsys):
+    from bertdist.cli.main import main
+
+    rc = main(["export", str(hf_model("classification")), "--format", "onnx", "--quantize", "int8",
+               "--out", str(tmp_path / "o")])
+    assert rc == 2
+    assert "pass --task NAME and --dev DIR_OR_FILE" in capsys.readouterr().out
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_never_writes_over_a_users_directory(tmp_path, hf_model, capsys):
+    from bertdist.cli.main import main
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    rc = main(["export", str(hf_model("token")), "--format", "onnx", "--out", str(mine)])
+    assert rc == 2 and "not an ONNX export" in capsys.readouterr().out
+    assert (mine / "notes.txt").read_text() == "keep me" and len(list(mine.iterdir())) == 1
+
+    out = tmp_path / "o"
+    assert main(["export", str(hf_model("token")), "--format", "onnx", "--out", str(out)]) == 0
+    assert main(["export", str(hf_model("token")), "--format", "onnx", "--out", str(out)]) == 2
+    assert "--overwrite" in capsys.readouterr().out
+    assert main(["export", str(hf_model("token")), "--format", "onnx", "--optimize", "--overwrite", "--out", str(out)]) == 0
+    assert set(json.loads((out / CARD).read_text())["files"]) == {"fp32", "optimized"}
+
+
+def test_a_non_bert_or_non_model_directory_is_refused(tmp_path, capsys):
+    from bertdist.cli.main import main
+
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2Model"]}))
+    (tmp_path / "x" / "model.safetensors").write_bytes(b"")
+    assert main(["export", str(tmp_path / "x"), "--format", "onnx", "--out", str(tmp_path / "o")]) == 2
+    assert "model_type 'gpt2'" in capsys.readouterr().out
