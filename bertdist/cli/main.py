@@ -14,6 +14,7 @@ COMMANDS = {
     "bertdist.cli.data": ("data",),
     "bertdist.cli.pretrain": ("pretrain",),
     "bertdist.cli.export": ("export",),
+    "bertdist.cli.serve": ("serve",),
     "bertdist.cli.import_hf": ("import-hf",),
     "bertdist.cli.finetune": ("finetune",),
     "bertdist.cli.distill": ("distill", "pseudo-label"),

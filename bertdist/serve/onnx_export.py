@@ -129,17 +129,21 @@ def optimize(fp32_file: Path, out_file: Path, config: dict) -> dict[str, int]:
 
 
 def quantize_int8(in_file: Path, out_file: Path) -> dict:
-    """Dynamic int8 (weights int8 per channel, activations quantised at run time), onnxruntime's tool."""
+    """Dynamic int8 (int8 weights, activations quantised at run time), onnxruntime's own tool.
+
+    It quantises the plain fp32 graph, per tensor: onnxruntime fuses that graph when it loads it,
+    and on the MiniLM SST-2 teacher at batch 32 on 2 cores this ran 2.36x ORT fp32, against 2.12x
+    per channel and 1.99x from the offline-optimised graph (interleaved in one run, beside another job).
+    """
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    settings = {"weight_type": "QInt8", "per_channel": True, "reduce_range": False,
-                "op_types": ["MatMul", "Attention"]}
-    quantize_dynamic(str(in_file), str(out_file), weight_type=QuantType.QInt8, per_channel=True,
+    settings = {"weight_type": "QInt8", "per_channel": False, "reduce_range": False,
+                "op_types": ["MatMul", "Attention"], "source": in_file.name}
+    quantize_dynamic(str(in_file), str(out_file), weight_type=QuantType.QInt8, per_channel=False,
                      reduce_range=False, op_types_to_quantize=settings["op_types"],
                      # fused com.microsoft ops have no ONNX shape inference; their outputs are float
                      extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
-    settings["source"] = in_file.name
     return settings
 
 
@@ -234,8 +238,7 @@ def export_onnx(source: str | os.PathLike, out: str | os.PathLike, opts: ExportO
             log(f"parity {name}: max |ONNX - PyTorch| {d.max_abs_diff:.2e} over {d.texts} texts "
                 f"({d.tokens_min}-{d.tokens_max} tokens)")
         if opts.quantize:
-            base = "optimized" if opts.optimize else "fp32"
-            card["quantization"] = quantize_int8(stage / files[base], stage / files["int8"])
+            card["quantization"] = quantize_int8(stage / files["fp32"], stage / files["int8"])
             sessions["int8"] = make_session(stage / files["int8"], opts.threads)
             card["parity"]["int8"] = _judge_int8(src, stage, sessions, sample, max_length, opts, log)
         write_card(stage, card)

@@ -368,7 +368,57 @@ def _run_dirs() -> set[str]:
 
 def check_export(cmd, ws):
     args = parse_bertdist(bertdist_argv(cmd))
+    if args.format == "onnx":
+        from bertdist.finetune.tasks import TASKS
+
+        models = _run_dirs() | _finetune_model_dirs() | _distill_model_dirs()
+        assert args.source in models, f"{cmd}: exports {args.source}, which no pretrain, finetune or distill line writes"
+        assert not args.quantize or args.task in TASKS or args.source in _run_dirs(), \
+            f"{cmd}: int8 of a task model needs --task (one of {TASKS}) and --dev"
+        return
     assert args.source in _run_dirs(), f"{cmd}: exports {args.source}, not a run the pages' pretrain lines write"
+
+
+def _distill_model_dirs() -> set[str]:
+    """OUT/model of the pages' distill lines: the student each writes."""
+    return {f"{parse_bertdist(bertdist_argv(c)).out}/model" for c in all_commands() if c.startswith("bertdist", "distill")}
+
+
+def _onnx_exports() -> set[str]:
+    outs = set()
+    for c in all_commands():
+        if c.startswith("bertdist", "export"):
+            args = parse_bertdist(bertdist_argv(c))
+            if args.format == "onnx":
+                outs.add(args.out)
+    return outs
+
+
+def check_serve(cmd, ws):
+    args = parse_bertdist(bertdist_argv(cmd))
+    missing = [d for d in args.dirs if d not in _onnx_exports()]
+    assert not missing, f"{cmd}: serves {missing}, which no `bertdist export --format onnx` line of the pages writes"
+    assert not args.name or len(args.name) == len(args.dirs), f"{cmd}: one --name per directory"
+
+
+def check_curl(cmd, ws):
+    """A curl line: a request to a port a serve line of the pages listens on, on a route it serves,
+    with a JSON body whose fields that route accepts."""
+    import json
+    from urllib.parse import urlparse
+
+    from bertdist.serve.runtime import FIELDS
+
+    url = next(a for a in cmd.argv[1:] if "localhost" in a or "127.0.0.1" in a)
+    u = urlparse(url if "://" in url else f"http://{url}")
+    ports = {str(parse_bertdist(bertdist_argv(c)).port) for c in all_commands() if c.startswith("bertdist", "serve")}
+    assert str(u.port) in ports, f"{cmd}: port {u.port}; the pages' serve lines listen on {sorted(ports)}"
+    route = u.path.rsplit("/", 1)[-1]
+    if route in FIELDS:
+        body = json.loads(option(cmd.argv, "-d"))
+        assert isinstance(body, dict) and set(body) <= FIELDS[route], f"{cmd}: fields {sorted(body)} for /{route}"
+    else:
+        assert u.path in ("/health", "/info", "/metrics"), f"{cmd}: no route {u.path}"
 
 
 def check_import_hf(cmd, ws):
@@ -525,6 +575,8 @@ CHECKS = [
     Check(("torchrun",), None, check_torchrun_pretrain, "make demo; tests/train (DeepSpeed on 2 ranks, ~80 s here)"),
     Check(("bertdist", "pretrain"), check_pretrain_plan, check_pretrain, "tests/train (resume); needs a run first"),
     Check(("bertdist", "export"), None, check_export, "make demo; tests/export (needs a pretraining run)"),
+    Check(("bertdist", "serve"), None, check_serve, "tests/serve/test_server.py (a real server under a bounded load)"),
+    Check(("curl",), None, check_curl, "tests/serve/test_server.py (the same bodies over real HTTP)"),
     Check(("bertdist", "import-hf"), None, check_import_hf,
           "tests/export/test_import_pretrain.py (DeepSpeed CPU init, ~60 s here)"),
     Check(("bertdist", "finetune"), None, check_finetune, "make demo; tests/finetune (full SST-2 is slow)"),

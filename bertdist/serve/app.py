@@ -1,0 +1,256 @@
+"""The HTTP server around served models: Starlette routes, one dynamic batcher per model, metrics.
+
+Routes (bodies as in Hugging Face text-embeddings-inference; see bertdist.serve.runtime):
+``POST /predict``, ``/embed``, ``/rerank`` go to the one loaded model that answers them;
+``POST /models/{name}/{route}`` names the model (needed once several models answer a route);
+``GET /health``, ``/info``, ``/metrics``. Errors are ``{"error": "...", "error_type": "..."}``.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+from typing import Any, Sequence
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from bertdist.serve.batcher import Batcher, BatchFailed, Refused, TooManyItems
+from bertdist.serve.metrics import ServeMetrics
+from bertdist.serve.runtime import RequestError
+
+log = logging.getLogger(__name__)
+
+ROUTES = ("predict", "embed", "rerank")
+# TEI's error types, by the HTTP status of a bad request.
+ERROR_TYPES = {400: "Validation", 404: "NotFound", 405: "Validation", 413: "Validation", 422: "Validation",
+               500: "Backend", 503: "Overloaded"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeSettings:
+    max_batch_size: int = 32
+    max_wait_ms: float = 5.0
+    max_queue: int = 256  # items waiting, per model
+    batching: bool = True
+    max_body_bytes: int = 1 << 20
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, error_type: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status = status
+        self.error_type = error_type or ERROR_TYPES.get(status, "Validation")
+        self.headers = headers or {}
+
+
+def _json_default(x: Any):
+    # Answers are built from numpy outputs; a numpy scalar or array left in one is still JSON.
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    raise TypeError(f"{type(x).__name__} is not JSON serializable")
+
+
+class Json(JSONResponse):
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"),
+                          default=_json_default).encode("utf-8")
+
+
+def error_response(status: int, message: str, error_type: str | None = None, headers: dict | None = None) -> Json:
+    return Json({"error": message, "error_type": error_type or ERROR_TYPES.get(status, "Validation")}, status,
+                headers=headers)
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+async def read_json_object(request: Request, limit: int) -> dict:
+    """The body as a JSON object, read at most ``limit`` bytes far."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise HTTPError(400, f"bad Content-Length header {declared!r}") from None
+        if size > limit:
+            raise HTTPError(413, f"the body is {size} bytes, over this server's limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:  # a chunked body or a lying Content-Length
+            raise HTTPError(413, f"the body is over this server's limit of {limit} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise HTTPError(400, "empty body: expected a JSON object")
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except json.JSONDecodeError as e:
+        raise HTTPError(400, f"malformed JSON: {e.msg} at line {e.lineno} column {e.colno} (char {e.pos})") from None
+    except UnicodeDecodeError as e:
+        raise HTTPError(400, f"the body is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except ValueError as e:  # NaN, Infinity
+        raise HTTPError(400, f"malformed JSON: {e}") from None
+    except RecursionError:
+        raise HTTPError(400, "malformed JSON: nested too deeply") from None
+    if not isinstance(body, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(body), "a number")
+        raise HTTPError(400, f"the body must be a JSON object, got {kind}")
+    return body
+
+
+class ServeState:
+    """The models, their batchers and the metrics of one app."""
+
+    def __init__(self, models: Sequence, settings: ServeSettings):
+        names = [m.name for m in models]
+        if not models:
+            raise ValueError("no model to serve")
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"two models are named {dupes[0]!r}; give each its own name")
+        self.settings = settings
+        self.models = {m.name: m for m in models}
+        self.metrics = ServeMetrics()
+        self.batchers = {}
+        for m in models:
+            self.metrics.add_model(m.name)
+            self.batchers[m.name] = Batcher(m.run, name=m.name, max_batch_size=settings.max_batch_size,
+                                            max_wait_ms=settings.max_wait_ms, max_queue=settings.max_queue,
+                                            batching=settings.batching, observer=self.metrics)
+        self.serving = False  # after startup
+        self.stopping = False  # once shutdown begins: /health answers 503; accepted requests are still answered
+
+    def begin_stop(self) -> None:
+        """Shutdown has begun: /health answers 503, and queued items stop waiting for batches to
+        fill; accepted requests are still answered."""
+        self.stopping = True
+        for b in self.batchers.values():
+            b.stop_waiting()
+
+    def served(self) -> str:
+        """Which model answers which route, for messages."""
+        return "; ".join(f"{name} ({', '.join('/' + r for r in m.routes) or 'no route'})"
+                         for name, m in self.models.items())
+
+    def model_for(self, route: str, name: str | None):
+        if name is not None:
+            model = self.models.get(name)
+            if model is None:
+                raise HTTPError(404, f"no model named {name!r}; loaded: {self.served()}")
+            if route not in ROUTES or route not in model.routes:
+                raise HTTPError(404, f"model {name!r} does not answer /{route}; it answers "
+                                     f"{', '.join('/' + r for r in model.routes)}")
+            return model
+        answering = [m for m in self.models.values() if route in m.routes]
+        if not answering:
+            raise HTTPError(404, f"no loaded model answers /{route}; served: {self.served()}")
+        if len(answering) > 1:
+            raise HTTPError(400, f"several models answer /{route} ({', '.join(m.name for m in answering)}); "
+                                 f"name one: POST /models/NAME/{route}")
+        return answering[0]
+
+    async def answer(self, request: Request, route: str, name: str | None) -> Response:
+        start = time.perf_counter()
+        label_model = ""  # only names of loaded models become label values
+        model = None
+        try:
+            model = self.model_for(route, name)
+            label_model = model.name
+            self.metrics.in_flight.labels(model.name).inc()
+            body = await read_json_object(request, self.settings.max_body_bytes)
+            # Tokenizing runs here, on the event loop: the tokenizer is not shared across
+            # threads, and the loop is free while the model runs on its worker thread.
+            job = model.prepare(route, body)
+            response = Json(await self.batchers[model.name].submit(job))
+        except HTTPError as e:
+            response = error_response(e.status, str(e), e.error_type, e.headers)
+        except RequestError as e:
+            response = error_response(e.status, str(e), getattr(e, "error_type", None))
+        except Refused as e:
+            response = error_response(503, str(e), e.error_type, {"Retry-After": str(e.retry_after)})
+        except TooManyItems as e:
+            response = error_response(413, str(e))
+        except BatchFailed as e:
+            response = error_response(500, str(e), "Backend")
+        except ClientDisconnect:
+            response = Response(status_code=499)  # nobody reads it; counted as such
+        except Exception as e:  # noqa: BLE001 - any other failure is this request's 500, never the server's
+            log.exception("%s /%s failed", label_model or "?", route)
+            response = error_response(500, f"internal error: {type(e).__name__}: {e}", "Backend")
+        finally:
+            if model is not None:
+                self.metrics.in_flight.labels(model.name).dec()
+        self.metrics.observe_request(label_model, route if route in ROUTES else "other", response.status_code,
+                                     time.perf_counter() - start)
+        return response
+
+
+def make_app(models: Sequence, settings: ServeSettings | None = None) -> Starlette:
+    """A Starlette app serving ``models`` (bertdist.serve.runtime.ServedModel objects). Its
+    lifespan starts one batcher per model and, at shutdown, drains them."""
+    state = ServeState(models, settings or ServeSettings())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        for b in state.batchers.values():
+            await b.start()
+        state.serving = True
+        try:
+            yield
+        finally:
+            state.begin_stop()
+            await asyncio.gather(*(b.drain() for b in state.batchers.values()))
+            state.serving = False
+
+    def unprefixed(route: str):
+        async def endpoint(request: Request) -> Response:
+            return await state.answer(request, route, None)
+        endpoint.__name__ = route
+        return endpoint
+
+    async def named(request: Request) -> Response:
+        return await state.answer(request, request.path_params["route"], request.path_params["name"])
+
+    async def health(request: Request) -> Response:
+        if state.serving and not state.stopping:
+            return Json({"status": "ok"})
+        return Json({"status": "draining" if state.stopping else "starting"}, 503)
+
+    async def info(request: Request) -> Response:
+        s = state.settings
+        return Json({"models": [{"name": m.name, **m.info()} for m in state.models.values()],
+                     "batching": {"enabled": s.batching, "max_batch_size": s.max_batch_size,
+                                  "max_wait_ms": s.max_wait_ms, "max_queue": s.max_queue},
+                     "max_body_bytes": s.max_body_bytes})
+
+    async def metrics(request: Request) -> Response:
+        data, content_type = state.metrics.render()
+        return Response(data, headers={"Content-Type": content_type})
+
+    async def http_exception(request: Request, exc: HTTPException) -> Response:
+        if exc.status_code == 404:
+            return error_response(404, f"no route {request.method} {request.url.path}; this server answers POST "
+                                       f"/predict, /embed, /rerank, /models/NAME/ROUTE and GET /health, /info, "
+                                       f"/metrics; models: {state.served()}")
+        if exc.status_code == 405:
+            return error_response(405, f"{request.method} is not allowed on {request.url.path}",
+                                  headers=dict(exc.headers or {}))
+        return error_response(exc.status_code, str(exc.detail), headers=dict(exc.headers or {}))
+
+    routes = [Route(f"/{r}", unprefixed(r), methods=["POST"]) for r in ROUTES]
+    routes += [Route("/models/{name}/{route}", named, methods=["POST"]),
+               Route("/health", health, methods=["GET"]),
+               Route("/info", info, methods=["GET"]),
+               Route("/metrics", metrics, methods=["GET"])]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_exception})
+    app.state.serve = state
+    return app

@@ -1,0 +1,355 @@
+"""Dynamic batching of one model's requests.
+
+A request (a *job*) holds one or more items (tokenized texts). Items wait in a bounded queue,
+grouped by length bucket so that a batch pads little; a batch is one ``run`` call over up to
+``max_batch_size`` items of one bucket, on the model's single worker thread. A job's answer is
+``job.finish(outputs)`` once all its items are done, whichever batches they rode in.
+
+When a batch runs: a bucket is ready once it holds ``max_batch_size`` items, or its oldest item
+has waited ``max_wait_ms``, or the batcher is draining; among the ready buckets, the one whose
+oldest item is oldest goes first, so a rarely used length still gets its turn.
+"""
+from __future__ import annotations
+
+import asyncio
+import bisect
+import collections
+import logging
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Protocol, Sequence
+
+log = logging.getLogger(__name__)
+
+# Upper edges (in tokens) of the length buckets; longer items share one last bucket. Short texts
+# dominate most traffic, so everything up to 16 tokens goes together.
+DEFAULT_BUCKET_EDGES = (16, 32, 64, 128, 256, 512)
+
+
+class Refused(Exception):
+    """The job was not queued (HTTP 503); ``retry_after`` is a hint in whole seconds."""
+
+    error_type = "Overloaded"
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class Overloaded(Refused):
+    """The queue has no room for the job's items."""
+
+
+class Draining(Refused):
+    """The batcher is shutting down and takes no new work."""
+
+    error_type = "Unhealthy"
+
+
+class TooManyItems(ValueError):
+    """The job has more items than the queue can ever hold (HTTP 413: retrying cannot help)."""
+
+
+class BatchFailed(RuntimeError):
+    """The model's run failed for the batch that held one of the job's items (HTTP 500)."""
+
+
+class Observer(Protocol):
+    """What the batcher reports (bertdist.serve.metrics.ServeMetrics implements it)."""
+
+    def observe_batch(self, model: str, size: int, queue_waits: Sequence[float], run_seconds: float) -> None: ...
+
+    def set_queue_depth(self, model: str, items: int) -> None: ...
+
+
+def length_bucket(length: int, edges: Sequence[int] = DEFAULT_BUCKET_EDGES) -> int:
+    """Index of the bucket for an item of ``length`` tokens: the first edge >= length."""
+    return bisect.bisect_left(edges, length)
+
+
+class _Pending:
+    """One submitted job: where its outputs gather, and the future its submitter awaits."""
+
+    __slots__ = ("job", "future", "outputs", "left", "items")
+
+    def __init__(self, job, future: asyncio.Future):
+        self.job = job
+        self.future = future
+        self.outputs: list[Any] = [None] * len(job.items)
+        self.left = len(job.items)
+        self.items: list[_Item] = []
+
+    @property
+    def done(self) -> bool:
+        return self.future.done()
+
+
+class _Item:
+    __slots__ = ("pending", "index", "encoded", "bucket", "queued_at")
+
+    def __init__(self, pending: _Pending, index: int, encoded, bucket: int, queued_at: float):
+        self.pending = pending
+        self.index = index
+        self.encoded = encoded
+        self.bucket = bucket
+        self.queued_at = queued_at
+
+
+class Batcher:
+    """Batches the items of submitted jobs into calls of ``run(list_of_items) -> list_of_outputs``.
+
+    ``run`` is blocking and not thread-safe; it is only ever called from this batcher's one
+    worker thread. With ``batching=False`` every job runs alone (its items as one batch), in
+    arrival order, under the same queue bound: the baseline for comparing batching.
+    """
+
+    def __init__(self, run: Callable[[list], list], *, name: str = "model", max_batch_size: int = 32,
+                 max_wait_ms: float = 5.0, max_queue: int = 256, batching: bool = True,
+                 bucket_edges: Sequence[int] = DEFAULT_BUCKET_EDGES, observer: Observer | None = None):
+        if max_batch_size < 1 or max_queue < 1 or max_wait_ms < 0:
+            raise ValueError(f"need max_batch_size >= 1, max_queue >= 1, max_wait_ms >= 0; got "
+                             f"{max_batch_size}, {max_queue}, {max_wait_ms}")
+        if list(bucket_edges) != sorted(set(bucket_edges)):
+            raise ValueError(f"bucket edges must increase strictly: {list(bucket_edges)}")
+        self._run = run
+        self.name = name
+        self.max_batch_size = max_batch_size
+        self.max_wait = max_wait_ms / 1000.0
+        self.max_queue = max_queue
+        self.batching = batching
+        self.bucket_edges = tuple(bucket_edges)
+        self._observer = observer
+        self._buckets: dict[int, collections.deque[_Item]] = {}  # batching: items by bucket
+        self._jobs: collections.deque[_Pending] = collections.deque()  # no batching: whole jobs
+        self._queued = 0  # items waiting (not in flight)
+        self._in_flight = 0  # items in the batch now running
+        self._batch_seconds = 0.05  # moving average of a batch's run, for Retry-After
+        self._accepting = False
+        self._closing = False
+        self._no_wait = False  # stopping: run partial batches at once
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._executor: ThreadPoolExecutor | None = None
+
+    # -- state ----------------------------------------------------------------------------------
+
+    @property
+    def queue_depth(self) -> int:
+        """Items waiting for a batch (the bound ``max_queue`` applies to these)."""
+        return self._queued
+
+    @property
+    def in_flight(self) -> int:
+        """Items in the batch now running."""
+        return self._in_flight
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    def retry_after(self) -> int:
+        """Seconds until the queue has likely emptied: whole batches ahead times a batch's run."""
+        batches = math.ceil((self._queued + self._in_flight) / self.max_batch_size) + 1
+        return max(1, math.ceil(batches * self._batch_seconds))
+
+    # -- life cycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Starts the worker thread and the batching task on the running event loop."""
+        if self._task is not None:
+            raise RuntimeError(f"batcher {self.name!r} already started")
+        self._wakeup = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"serve-{self.name}")
+        self._task = asyncio.get_running_loop().create_task(self._serve(), name=f"batcher-{self.name}")
+        self._task.add_done_callback(self._on_task_done)
+        self._accepting = True
+
+    def stop_waiting(self) -> None:
+        """Runs queued items without waiting for batches to fill, from now on: the server is
+        stopping, no new connections will come, and accepted requests should not wait out
+        ``max_wait_ms`` for company that cannot arrive. Jobs are still accepted."""
+        self._no_wait = True
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def drain(self) -> None:
+        """Graceful stop: refuse new jobs at once, finish every queued and running one, then
+        stop the worker thread."""
+        self._accepting = False
+        self._closing = True
+        if self._task is None:
+            return
+        self._wakeup.set()
+        await asyncio.shield(self._task)
+        self._executor.shutdown(wait=True)
+
+    def _on_task_done(self, task: asyncio.Task) -> None:
+        # The loop only ends by draining; anything else is a bug, and no job may then hang.
+        self._accepting = False
+        if task.cancelled() or task.exception() is not None:
+            why = "was cancelled" if task.cancelled() else f"failed: {task.exception()!r}"
+            log.error("the batcher of model %s %s", self.name, why)
+            self._fail_all(BatchFailed(f"the batcher of model {self.name!r} {why}"))
+
+    # -- submitting -----------------------------------------------------------------------------
+
+    async def submit(self, job) -> Any:
+        """Queues the job's items and returns ``job.finish(outputs)`` once all are done.
+
+        Raises at once (nothing queued): ``Draining`` after ``drain()``, ``Overloaded`` when the
+        queue has no room for all the job's items, ``TooManyItems`` when it never could.
+        Raises ``BatchFailed`` when a batch holding one of its items failed.
+        """
+        if not self._accepting:
+            raise Draining(f"model {self.name!r} is shutting down (or not started)", self.retry_after())
+        n = len(job.items)
+        if n > self.max_queue:
+            raise TooManyItems(f"the request holds {n} items; this server queues at most {self.max_queue} "
+                               f"per model (send fewer per request)")
+        if n == 0:
+            return job.finish([])
+        if self._queued + n > self.max_queue:
+            raise Overloaded(f"model {self.name!r} is overloaded: {self._queued} items queued, {n} more do not fit "
+                             f"(queue limit {self.max_queue})", self.retry_after())
+        pending = _Pending(job, asyncio.get_running_loop().create_future())
+        now = time.monotonic()
+        for i, enc in enumerate(job.items):
+            item = _Item(pending, i, enc, length_bucket(enc.length, self.bucket_edges), now)
+            pending.items.append(item)
+            if self.batching:
+                self._buckets.setdefault(item.bucket, collections.deque()).append(item)
+        if not self.batching:
+            self._jobs.append(pending)
+        self._queued += n
+        self._report_depth()
+        self._wakeup.set()
+        try:
+            return await pending.future
+        except asyncio.CancelledError:
+            # The caller went away (client disconnect, shutdown): its waiting items leave the
+            # queue; an item already running finishes and is dropped.
+            self._withdraw(pending)
+            if not pending.future.done():
+                pending.future.cancel()
+            raise
+
+    def _withdraw(self, pending: _Pending) -> None:
+        """Removes the job's still-queued items from the queue."""
+        if self.batching:
+            removed = 0
+            for bucket in {it.bucket for it in pending.items}:
+                q = self._buckets.get(bucket)
+                if q:
+                    kept = collections.deque(it for it in q if it.pending is not pending)
+                    removed += len(q) - len(kept)
+                    self._buckets[bucket] = kept
+        else:
+            removed = len(pending.items) if pending in self._jobs else 0
+            if removed:
+                self._jobs.remove(pending)
+        self._queued -= removed
+        self._report_depth()
+
+    def _fail_all(self, err: Exception) -> None:
+        jobs = {id(it.pending): it.pending for q in self._buckets.values() for it in q}
+        jobs.update({id(p): p for p in self._jobs})
+        self._buckets.clear()
+        self._jobs.clear()
+        self._queued = 0
+        self._report_depth()
+        for p in jobs.values():
+            if not p.done:
+                p.future.set_exception(err)
+
+    # -- the batching loop ----------------------------------------------------------------------
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            now = time.monotonic()
+            batch = self._take_batch(now)
+            if batch is None:
+                if self._closing and self._queued == 0:
+                    return
+                deadline = self._next_deadline()
+                self._wakeup.clear()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), None if deadline is None else max(0.0, deadline - now))
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            await self._run_batch(loop, batch, now)
+
+    def _take_batch(self, now: float) -> list[_Item] | None:
+        """The next batch to run, taken off the queue; None when no bucket is ready yet."""
+        if not self.batching:
+            if not self._jobs:
+                return None
+            pending = self._jobs.popleft()
+            self._queued -= len(pending.items)
+            return list(pending.items)
+        best = None
+        for bucket, q in self._buckets.items():
+            if not q:
+                continue
+            head = q[0].queued_at
+            ready = len(q) >= self.max_batch_size or now - head >= self.max_wait or self._closing or self._no_wait
+            if ready and (best is None or head < self._buckets[best][0].queued_at):
+                best = bucket
+        if best is None:
+            return None
+        q = self._buckets[best]
+        batch = [q.popleft() for _ in range(min(self.max_batch_size, len(q)))]
+        self._queued -= len(batch)
+        return batch
+
+    def _next_deadline(self) -> float | None:
+        heads = [q[0].queued_at for q in self._buckets.values() if q]
+        return min(heads) + self.max_wait if heads else None
+
+    async def _run_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_Item], now: float) -> None:
+        self._in_flight = len(batch)
+        self._report_depth()
+        start = time.monotonic()
+        try:
+            outputs = await loop.run_in_executor(self._executor, self._run, [it.encoded for it in batch])
+            if len(outputs) != len(batch):
+                raise RuntimeError(f"the model returned {len(outputs)} outputs for a batch of {len(batch)} items")
+        except Exception as e:  # noqa: BLE001 - one failed batch must not stop the model's service
+            log.warning("model %s: a batch of %d items failed: %s: %s", self.name, len(batch), type(e).__name__, e)
+            self._fail_batch(batch, BatchFailed(f"inference failed: {type(e).__name__}: {e}"))
+            return
+        except asyncio.CancelledError:
+            self._fail_batch(batch, BatchFailed(f"the batcher of model {self.name!r} was cancelled"))
+            raise
+        finally:
+            seconds = time.monotonic() - start
+            self._in_flight = 0
+            self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * seconds
+            if self._observer is not None:
+                self._observer.observe_batch(self.name, len(batch), [start - it.queued_at for it in batch], seconds)
+            self._report_depth()
+        for it, out in zip(batch, outputs):
+            pending = it.pending
+            if pending.done:  # withdrawn or failed meanwhile
+                continue
+            pending.outputs[it.index] = out
+            pending.left -= 1
+            if pending.left == 0:
+                try:
+                    pending.future.set_result(pending.job.finish(pending.outputs))
+                except Exception as e:  # noqa: BLE001 - a bad answer fails its own request only
+                    log.warning("model %s: building an answer failed: %s: %s", self.name, type(e).__name__, e)
+                    pending.future.set_exception(BatchFailed(f"building the answer failed: {type(e).__name__}: {e}"))
+
+    def _fail_batch(self, batch: list[_Item], err: Exception) -> None:
+        """Fails every job with an item in the batch, and takes their other items off the queue."""
+        for pending in {id(it.pending): it.pending for it in batch}.values():
+            self._withdraw(pending)
+            if not pending.done:
+                pending.future.set_exception(err)
+
+    def _report_depth(self) -> None:
+        if self._observer is not None:
+            self._observer.set_queue_depth(self.name, self._queued)
