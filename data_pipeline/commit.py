@@ -275,8 +275,11 @@ def commit(cfg, out: OutputDir, staging: str, final: str, run_id: str, tokens, l
         "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "records": {
             "max_seq_length": cfg.max_seq_length, "masking": cfg.masking, "objective": cfg.objective,
-            "whole_word_mask": cfg.whole_word_mask, "masked_lm_prob": cfg.masked_lm_prob,
-            "max_predictions_per_seq": cfg.max_predictions_per_seq,
+            # masking_mode is the setting; whole_word_mask (masking_mode == whole_word) stays for
+            # readers that know only it
+            "masking_mode": cfg.resolved_masking_mode, "whole_word_mask": cfg.resolved_masking_mode == "whole_word",
+            "mask_replace_prob": cfg.mask_replace_prob, "random_replace_prob": cfg.random_replace_prob,
+            "masked_lm_prob": cfg.masked_lm_prob, "max_predictions_per_seq": cfg.max_predictions_per_seq,
             "id_dtype": str(record_schema(len(tokens)).field("input_ids").type.value_type),
             "columns": [f.name for f in record_schema(len(tokens))],
         },

@@ -9,6 +9,7 @@ InstanceBuilder = Literal["auto", "native", "reference"]
 INSTANCE_BUILDERS = get_args(InstanceBuilder)
 ParquetEncoding = Literal["dictionary", "byte_stream_split"]
 PARQUET_ENCODINGS = get_args(ParquetEncoding)
+MaskingMode = Literal["token", "whole_word", "span"]
 
 
 @dataclass
@@ -98,7 +99,16 @@ class BuildConfig:
     masking: Literal["static", "dynamic"] = "static"
     masked_lm_prob: float = 0.15
     max_predictions_per_seq: int = 20
-    whole_word_mask: bool = False
+    # which positions are masked: "token" (BERT), "whole_word" (all pieces of a word together) or
+    # "span" (SpanBERT: spans of whole words; bertdist/data/masking.py has the rules). None: from
+    # whole_word_mask, the older setting (true is whole_word, false or unset token); both set and
+    # meaning different modes is an error
+    masking_mode: Optional[MaskingMode] = None
+    whole_word_mask: Optional[bool] = None  # the older setting: true is masking_mode whole_word, false token
+    # a masked position becomes [MASK] with mask_replace_prob, a random token with
+    # random_replace_prob and stays itself otherwise (BERT: 0.8 / 0.1; 1.0 / 0.0 is all [MASK])
+    mask_replace_prob: float = 0.8
+    random_replace_prob: float = 0.1  # mask_replace_prob + random_replace_prob <= 1
     # An NSP negative comes from the document's bucket: documents grouped by hash into buckets of
     # about this many tokens (4.2 M: about 5,000 Wikipedia articles or 40 books; a small corpus is
     # one bucket per split, so there the choice is corpus-wide). A worker holds up to two buckets:
@@ -159,10 +169,23 @@ class BuildConfig:
                 groups.setdefault(dedup_group_key(d), []).append(i)
         return list(groups.values())
 
+    @property
+    def resolved_masking_mode(self) -> str:
+        """token, whole_word or span, from masking_mode and whole_word_mask (checked to agree)."""
+        from bertdist.data.masking import resolve_masking_mode
+
+        return resolve_masking_mode(self.masking_mode, self.whole_word_mask) or "token"
+
     def __post_init__(self):
+        from bertdist.config import ConfigError
+        from bertdist.data.masking import check_replace_probs
+
         # from_dict checks the Literal fields; this also catches a BuildConfig built in code
         for name, allowed in (("instance_builder", INSTANCE_BUILDERS), ("parquet_encoding", PARQUET_ENCODINGS)):
             if getattr(self, name) not in allowed:
-                from bertdist.config import ConfigError
-
                 raise ConfigError(f"{name}: {getattr(self, name)!r} is not one of {list(allowed)}")
+        try:
+            _ = self.resolved_masking_mode
+            check_replace_probs(self.mask_replace_prob, self.random_replace_prob)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None

@@ -40,6 +40,9 @@ Differences from the reference, on purpose:
     reference, drawn as one batch of random bits.
   - Whole-word groups never cross [SEP] (the reference joins a '##' piece that starts segment B
     to the last word of A).
+  - Span masking (``masking_mode: span``, SpanBERT's selection with whole words, see
+    :mod:`bertdist.data.masking`) is not in the reference; it masks row by row through the oracle,
+    as whole-word masking does.
   - A chunk that would hold a single sentence (longer than the target) also takes the next
     sentence, so A/B are split and the 50% coin is tossed; the reference forces a random B
     there, which pushes the random-next rate above 50% (by ~4 points on real text). Only a
@@ -55,7 +58,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bertdist.data.masking import mask_sequence
+from bertdist.data.masking import MASKING_MODES, check_replace_probs, mask_sequence
 from data_pipeline.instance_batch import InstanceBatch
 from data_pipeline.negatives import DocumentDeal
 from data_pipeline.seeds import derive_seed
@@ -70,11 +73,28 @@ class InstanceParams:
     masking: str  # static | dynamic
     masked_lm_prob: float
     max_predictions_per_seq: int
-    whole_word_mask: bool
+    whole_word_mask: bool  # the older setting: True is masking_mode whole_word, False token
     cls_id: int
     sep_id: int
     mask_id: int
     vocab_size: int
+    masking_mode: str = ""  # token | whole_word | span; "" = from whole_word_mask
+    mask_replace_prob: float = 0.8  # a chosen position becomes [MASK] ...
+    random_replace_prob: float = 0.1  # ... or a random id; the rest keep their token
+
+    def __post_init__(self):
+        # whole_word_mask here is a plain bool, so only True can disagree with a masking_mode
+        mode = self.masking_mode or ("whole_word" if self.whole_word_mask else "token")
+        if mode not in MASKING_MODES or (self.whole_word_mask and mode != "whole_word"):
+            raise ValueError(f"masking_mode {self.masking_mode!r} with whole_word_mask={self.whole_word_mask}: "
+                             f"expected one of {list(MASKING_MODES)}, and whole_word_mask=True only with whole_word")
+        object.__setattr__(self, "masking_mode", mode)  # resolved once: the builders read only this
+        check_replace_probs(self.mask_replace_prob, self.random_replace_prob)
+
+    @property
+    def needs_words(self) -> bool:
+        """Whether static masking needs the vocab's continuation mask (whole words or spans)."""
+        return self.masking == "static" and self.masking_mode != "token"
 
 
 @dataclass
@@ -270,8 +290,8 @@ def _assemble(doc_id, dupe, segs_a, segs_b, labels, dtype, p: InstanceParams, se
         z = np.zeros(m + 1, np.int64)
         return InstanceBatch(keys, flat, offs, num_a, nsp, np.empty(0, np.uint16), np.empty(0, dtype), z)
     mrng = np.random.Generator(np.random.PCG64(derive_seed(seed, "mask", doc_id, dupe)))
-    if p.whole_word_mask:
-        flat, mpos, mids, moffs = _mask_rows_wwm(flat, offs, num_a, has_b, mrng, p, continuation)
+    if p.masking_mode != "token":
+        flat, mpos, mids, moffs = _mask_rows_words(flat, offs, num_a, has_b, mrng, p, continuation)
     else:
         flat, mpos, mids, moffs = _mask_rows(flat, offs, num_a, has_b, mrng, p)
     return InstanceBatch(keys, flat, offs, num_a, nsp, mpos, mids, moffs)
@@ -286,7 +306,8 @@ def _special_positions(offs, num_a, has_b):
 
 def _mask_rows(flat, offs, num_a, has_b, rng: np.random.Generator, p: InstanceParams):
     """Token-level masking of all rows at once: per row, a uniformly random subset of
-    ``min(max_pred, max(1, round(len * prob)))`` non-special positions, 80/10/10."""
+    ``min(max_pred, max(1, round(len * prob)))`` non-special positions, 80/10/10 (the params'
+    ``mask_replace_prob`` / ``random_replace_prob``)."""
     m = offs.shape[0] - 1
     lengths = np.diff(offs)
     width = int(lengths.max())
@@ -308,8 +329,8 @@ def _mask_rows(flat, offs, num_a, has_b, rng: np.random.Generator, p: InstancePa
     out = flat.copy()
     u = rng.random(chosen.shape[0])
     rand_ids = rng.integers(0, p.vocab_size, size=chosen.shape[0]).astype(flat.dtype)
-    out[chosen[u < 0.8]] = p.mask_id
-    rnd = u >= 0.9
+    out[chosen[u < p.mask_replace_prob]] = p.mask_id
+    rnd = u >= 1.0 - p.random_replace_prob
     out[chosen[rnd]] = rand_ids[rnd]
     counts = np.bincount(r_idx, minlength=m)
     moffs = np.zeros(m + 1, np.int64)
@@ -318,9 +339,11 @@ def _mask_rows(flat, offs, num_a, has_b, rng: np.random.Generator, p: InstancePa
     return out, mpos, labels, moffs
 
 
-def _mask_rows_wwm(flat, offs, num_a, has_b, rng: np.random.Generator, p: InstanceParams, continuation):
+def _mask_rows_words(flat, offs, num_a, has_b, rng: np.random.Generator, p: InstanceParams, continuation):
+    """Whole-word or span masking: the oracle row by row, one Generator for all rows."""
     if continuation is None:
-        raise ValueError("whole-word masking needs the vocab's continuation mask")
+        what = "whole-word" if p.masking_mode == "whole_word" else "span"
+        raise ValueError(f"{what} masking needs the vocab's continuation mask")
     m = offs.shape[0] - 1
     special_flat = np.zeros(flat.shape[0], bool)
     special_flat[_special_positions(offs, num_a, has_b)] = True
@@ -332,7 +355,8 @@ def _mask_rows_wwm(flat, offs, num_a, has_b, rng: np.random.Generator, p: Instan
         masked, pos, lab = mask_sequence(
             row_ids, rng, special=special_flat[s:e], masked_lm_prob=p.masked_lm_prob,
             max_predictions=p.max_predictions_per_seq, mask_id=p.mask_id, vocab_size=p.vocab_size,
-            continuation=continuation[row_ids],
+            continuation=continuation[row_ids], mode=p.masking_mode, mask_replace_prob=p.mask_replace_prob,
+            random_replace_prob=p.random_replace_prob,
         )
         out[s:e] = masked
         pos_parts.append(pos.astype(np.uint16))

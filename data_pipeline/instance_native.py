@@ -103,7 +103,7 @@ def create_document_instances(doc_id: str, ids: np.ndarray, bounds: np.ndarray, 
     range(dupe_factor)])`` with ``deal = negatives.dealer(doc_index)``, in one native call;
     ``stats`` gets the same counts as the reference's after ``stats.count_windows(deal)``.
     ``continuation`` (the vocab's '##' mask, :func:`bertdist.data.vocab.continuation_mask`) is
-    needed for static whole-word masking, as in the reference."""
+    needed for static whole-word and span masking, as in the reference."""
     if _ext is None:
         raise RuntimeError(unavailable_reason())
     source = packed(negatives) if params.objective == "nsp" else None
@@ -115,7 +115,9 @@ def create_document_instances(doc_id: str, ids: np.ndarray, bounds: np.ndarray, 
         np.ascontiguousarray(ids), np.ascontiguousarray(bounds, dtype=np.int64), mt, rows, masks,
         max_seq_length=int(p.max_seq_length), short_seq_prob=float(p.short_seq_prob), objective=p.objective,
         nsp_random_prob=float(p.nsp_random_prob), masking=p.masking, masked_lm_prob=float(p.masked_lm_prob),
-        max_predictions_per_seq=int(p.max_predictions_per_seq), whole_word_mask=bool(p.whole_word_mask),
+        max_predictions_per_seq=int(p.max_predictions_per_seq),
+        whole_word_mask=p.masking_mode == "whole_word", masking_mode=p.masking_mode,
+        mask_replace_prob=float(p.mask_replace_prob), random_replace_prob=float(p.random_replace_prob),
         cls_id=int(p.cls_id), sep_id=int(p.sep_id), mask_id=int(p.mask_id), vocab_size=int(p.vocab_size),
         negatives=source, doc_index=int(doc_index) if source is not None else -1,
         continuation=None if continuation is None else np.ascontiguousarray(continuation, dtype=np.bool_),

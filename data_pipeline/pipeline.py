@@ -91,7 +91,9 @@ def instance_params(cfg: BuildConfig, tokens: list[str]) -> InstanceParams:
     return InstanceParams(
         max_seq_length=cfg.max_seq_length, short_seq_prob=cfg.short_seq_prob, objective=cfg.objective,
         nsp_random_prob=cfg.nsp_random_prob, masking=cfg.masking, masked_lm_prob=cfg.masked_lm_prob,
-        max_predictions_per_seq=cfg.max_predictions_per_seq, whole_word_mask=cfg.whole_word_mask,
+        max_predictions_per_seq=cfg.max_predictions_per_seq,
+        whole_word_mask=cfg.resolved_masking_mode == "whole_word", masking_mode=cfg.resolved_masking_mode,
+        mask_replace_prob=cfg.mask_replace_prob, random_replace_prob=cfg.random_replace_prob,
         cls_id=sp["cls"], sep_id=sp["sep"], mask_id=sp["mask"], vocab_size=len(tokens),
     )
 

@@ -16,7 +16,8 @@ Record columns (one row per training instance, no padding stored):
 
 The manifest holds two splits, ``train`` and ``heldout`` (a document-hash held-out split);
 ``open_records(..., split="train")`` picks one (default ``train``). ``records.record_format``
-(= ``manifest["records"]``) gives max_seq_length, masking, objective, whole_word_mask,
+(= ``manifest["records"]``) gives max_seq_length, masking, objective, masking_mode (token,
+whole_word or span; whole_word_mask, its older form, too), mask_replace_prob, random_replace_prob,
 masked_lm_prob, max_predictions_per_seq and id_dtype in one place; ``records.special_token_ids``
 and ``records.vocab`` (path, sha256, size) likewise.
 

@@ -26,7 +26,15 @@ class LoaderConfig:
     masking: Literal["auto", "static", "dynamic"] = "auto"  # auto: dynamic iff the records are unmasked
     mask_prob: Optional[float] = None  # None: the manifest's masked_lm_prob
     max_predictions_per_seq: Optional[int] = None  # None: the manifest's
+    # dynamic masking: "token", "whole_word" or "span" (SpanBERT; bertdist/data/masking.py has the
+    # rules). None: from whole_word_mask (the older setting: true is whole_word, false token), else
+    # the manifest's; both set and meaning different modes is an error
+    masking_mode: Optional[Literal["token", "whole_word", "span"]] = None
     whole_word_mask: Optional[bool] = None  # None: the manifest's setting
+    # dynamic masking: a masked position becomes [MASK] with mask_replace_prob, a random token with
+    # random_replace_prob, else stays. None: the manifest's (BERT's 0.8 / 0.1 when it has none)
+    mask_replace_prob: Optional[float] = None
+    random_replace_prob: Optional[float] = None  # mask_replace_prob + random_replace_prob <= 1
     shuffle_window_shards: int = 8  # rows are shuffled within windows of this many shards
     pad_to_multiple_of: int = 8  # batches are padded to their longest row, rounded up to this
     seed: int = 12345  # data order and masking
@@ -35,6 +43,14 @@ class LoaderConfig:
     def __post_init__(self) -> None:
         if self.mask_prob is not None and not 0.0 < self.mask_prob < 1.0:
             raise ConfigError(f"data.mask_prob must be in (0, 1), got {self.mask_prob}")
+        from bertdist.data.masking import check_replace_probs, resolve_masking_mode
+
+        try:
+            resolve_masking_mode(self.masking_mode, self.whole_word_mask, "data.")
+            check_replace_probs(0.8 if self.mask_replace_prob is None else self.mask_replace_prob,
+                                0.1 if self.random_replace_prob is None else self.random_replace_prob, "data.")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         for name in ("micro_batch_size", "global_batch_size", "max_seq_length", "shuffle_window_shards",
                      "pad_to_multiple_of", "max_predictions_per_seq"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from bertdist.config import ConfigError
+from bertdist.data.masking import resolve_masking_mode
 from bertdist.model.config import IGNORE_INDEX
 from bertdist.train.config import LoaderConfig
 from bertdist.train.masking import SpecialIds, dynamic_mask, pad_rows, special_ids_from_manifest, static_labels
@@ -106,6 +107,15 @@ class _Window:
         self.rows = len(self.tok_start)
 
 
+def records_masking_mode(cfg: LoaderConfig, fmt: dict) -> str:
+    """The dynamic masking mode: the config's (masking_mode, or whole_word_mask), else the
+    manifest's records (masking_mode, or whole_word_mask for records that predate it)."""
+    mode = resolve_masking_mode(cfg.masking_mode, cfg.whole_word_mask, "data.")
+    if mode is None:
+        mode = fmt.get("masking_mode") or ("whole_word" if fmt.get("whole_word_mask") else "token")
+    return mode
+
+
 class PretrainingLoader:
     """Yields, per optimizer step, this rank's ``accum`` micro-batches (dicts of int64 tensors)."""
 
@@ -127,16 +137,25 @@ class PretrainingLoader:
                               f"with max_seq_length {fmt['max_seq_length']}; use matching shards or change the config")
         if cfg.masking == "static" and fmt["masking"] == "dynamic":
             raise ConfigError(f"data.masking=static but the records of {where} are unmasked (masking: dynamic)")
+        if cfg.masking == "dynamic" and fmt["masking"] == "static":
+            # their input_ids already hold [MASK] and random ids: masking them again would train on those
+            raise ConfigError(f"data.masking=dynamic but the records of {where} are already masked (masking: static); "
+                              "build unmasked records (masking: dynamic) or set data.masking to auto or static")
         self.dynamic = cfg.masking == "dynamic" or fmt["masking"] == "dynamic"
         self.mask_prob = cfg.mask_prob if cfg.mask_prob is not None else float(fmt.get("masked_lm_prob", 0.15))
         self.max_predictions = (cfg.max_predictions_per_seq if cfg.max_predictions_per_seq is not None
                                 else int(fmt.get("max_predictions_per_seq", 20)))
         self.vocab_size = int(source.manifest["vocab"]["size"])
         self.special = special_ids_from_manifest(source.manifest["special_token_ids"])
-        wwm = bool(fmt.get("whole_word_mask", False)) if cfg.whole_word_mask is None else cfg.whole_word_mask
-        if wwm and self.dynamic and continuation is None:
-            raise ValueError("whole-word masking needs the vocab's continuation table")
-        self.continuation = continuation if wwm else None
+        self.masking_mode = records_masking_mode(cfg, fmt)
+        if self.masking_mode != "token" and self.dynamic and continuation is None:
+            raise ValueError(f"masking_mode {self.masking_mode!r} needs the vocab's continuation table ('##' pieces)")
+        self.continuation = continuation if self.masking_mode != "token" else None
+        # None in the config: the manifest's split (BERT's 80/10/10 for records that predate the keys)
+        self.mask_replace_prob = float(cfg.mask_replace_prob if cfg.mask_replace_prob is not None
+                                       else fmt.get("mask_replace_prob", 0.8))
+        self.random_replace_prob = float(cfg.random_replace_prob if cfg.random_replace_prob is not None
+                                         else fmt.get("random_replace_prob", 0.1))
         self.has_nsp = fmt.get("objective", "nsp") in ("nsp", "sop")
         self.seed = cfg.seed if mask_seed is None else mask_seed
         self.shard_rows = np.array([int(r) for _, r in source.shards], dtype=np.int64)
@@ -200,7 +219,9 @@ class PretrainingLoader:
         token_type = ((cols[None, :] >= num_a[:, None]) & (attention == 1)).astype(np.int64)
         if self.dynamic:
             ids, labels = dynamic_mask(ids, lens, self.special, self.vocab_size, rng, self.mask_prob,
-                                       self.max_predictions, self.continuation)
+                                       self.max_predictions, self.continuation, mode=self.masking_mode,
+                                       mask_replace_prob=self.mask_replace_prob,
+                                       random_replace_prob=self.random_replace_prob)
         else:
             labels = np.concatenate([
                 static_labels((len(r), width), w.mpos, w.mids, w.mpos_start[r], w.mpos_len[r]) for w, r in parts

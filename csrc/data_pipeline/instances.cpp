@@ -10,8 +10,9 @@
 // the seeds themselves (blake2b of the seed, document and dupe) come from Python. The ragged
 // gather behind InstanceBatch.take, bound in this module too, is in instance_batch.h.
 //
-// Supported: objectives nsp | sop | none, short_seq_prob, static masking (token-level or whole
-// words, given the vocab's continuation mask), dynamic masking.
+// Supported: objectives nsp | sop | none, short_seq_prob, static masking (token-level, whole
+// words or spans of whole words, given the vocab's continuation mask; any [MASK] / random / keep
+// split), dynamic masking.
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -65,6 +66,31 @@ inline int64_t mask_budget(int64_t length, double prob, int64_t max_predictions,
   return std::min(std::min(max_predictions, want), candidates);
 }
 
+// bertdist/data/masking.py::span_length_cdf: P(length <= k), k = 1..max_words, of the geometric
+// distribution p (1 - p)^(k - 1) truncated at max_words and renormalised, with the same sums and
+// products in the same order, so the doubles are the same (and the last is exactly 1.0).
+inline std::vector<double> span_length_cdf(double p, int64_t max_words) {
+  std::vector<double> weights;
+  double w = p;
+  for (int64_t k = 0; k < max_words; k++) {
+    weights.push_back(w);
+    w *= 1.0 - p;
+  }
+  double total = 0.0;
+  for (double x : weights) total += x;
+  std::vector<double> cdf;
+  double acc = 0.0;
+  for (double x : weights) {
+    acc += x;
+    cdf.push_back(acc / total);
+  }
+  return cdf;
+}
+
+// SpanBERT's span lengths, as bertdist/data/masking.py (SPAN_GEOMETRIC_P, SPAN_MAX_WORDS).
+constexpr double kSpanGeometricP = 0.2;
+constexpr int64_t kSpanMaxWords = 10;
+
 // ------------------------------------------------------------------ inputs
 
 enum class Objective { nsp, sop, none };
@@ -79,8 +105,12 @@ struct Params {
   int64_t max_predictions_per_seq;
   uint32_t cls_id, sep_id, mask_id;
   uint64_t vocab_size;
-  const bool* continuation = nullptr;  // whole-word masking: per vocab id, "is a '##' piece"
+  const bool* continuation = nullptr;  // whole-word and span masking: per vocab id, "is a '##' piece"
   uint64_t continuation_size = 0;
+  bool span = false;               // span masking (needs the continuation mask)
+  std::vector<double> span_cdf;    // span_length_cdf(kSpanGeometricP, kSpanMaxWords)
+  double mask_replace_prob = 0.8;  // a chosen position becomes [MASK] if u < this,
+  double random_from = 0.9;        // a random id if u >= this (1 - random_replace_prob), else stays
 };
 
 // negatives.py::NegativeSource: one bucket's documents in canonical order, packed once per bucket
@@ -476,22 +506,25 @@ class DocumentBuilder {
       out_.m_offsets.insert(out_.m_offsets.end(), m, last);
       return;
     }
-    if (p_.continuation != nullptr) mask_rows_wwm(flat0, row0, m, mask_seed);
+    if (p_.continuation != nullptr) mask_rows_words(flat0, row0, m, mask_seed);
     else mask_rows(flat0, row0, m, mask_seed);
   }
 
-  // instances.py::_mask_rows_wwm: bertdist.data.masking.mask_sequence row by row, with one
+  // instances.py::_mask_rows_words: bertdist.data.masking.mask_sequence row by row, with one
   // Generator for all rows. Per row: the candidates are the non-special positions; a word is a
   // candidate that is not a '##' piece (or follows a special token) plus the '##' pieces right
-  // after it; words are visited in the order of rng.permutation(words) and taken greedily while
-  // they fit the budget (a word that would overshoot is skipped); then u = random(k) and k random
-  // ids for the k chosen positions (ascending), as the token-level path does.
-  void mask_rows_wwm(int64_t flat0, size_t row0, size_t m, uint64_t mask_seed) {
+  // after it; words are visited in the order of rng.permutation(words). Whole words: each is taken
+  // greedily while it fits the budget (a word that would overshoot is skipped). Spans: one
+  // uniform per word (its span length) follows the permutation, and each visited word starts a
+  // span as choose_span_positions grows it. Then u = random(k) and k random ids for the k chosen
+  // positions (ascending), as the token-level path does.
+  void mask_rows_words(int64_t flat0, size_t row0, size_t m, uint64_t mask_seed) {
     Pcg64 rng(mask_seed);  // np.random.Generator(np.random.PCG64(mask_seed))
     T* flat = out_.ids.data() + flat0;
     const uint64_t high = p_.vocab_size - 1;
     std::vector<int64_t> cand, starts, order, positions;
-    std::vector<double> u;
+    std::vector<double> u, span_u;
+    std::vector<char> taken;
     for (size_t r = 0; r < m; r++) {
       const int64_t start = out_.ids_offsets[row0 + r] - flat0;
       const int64_t length = out_.ids_offsets[row0 + r + 1] - flat0 - start;
@@ -511,7 +544,7 @@ class DocumentBuilder {
         for (size_t i = 0; i < cand.size(); i++) {
           const uint64_t id = row[cand[i]];
           if (id >= p_.continuation_size)
-            throw py::value_error("whole-word masking: id " + std::to_string(id) + " is outside the continuation mask (" +
+            throw py::value_error("word masking: id " + std::to_string(id) + " is outside the continuation mask (" +
                                   std::to_string(p_.continuation_size) + " vocab ids)");
           const bool cont = i > 0 && p_.continuation[id] && cand[i] - cand[i - 1] == 1;
           if (!cont) starts.push_back(static_cast<int64_t>(i));
@@ -520,14 +553,41 @@ class DocumentBuilder {
         order.resize(words);
         for (int64_t w = 0; w < words; w++) order[w] = w;
         for (int64_t i = words - 1; i >= 1; i--) std::swap(order[i], order[random_interval(rng, i)]);
+        // word w is cand[starts[w] .. word_end(w)), cand indices
+        auto word_end = [&](int64_t w) { return w + 1 < words ? starts[w + 1] : static_cast<int64_t>(cand.size()); };
         int64_t total = 0;
-        for (int64_t w : order) {
-          if (total >= budget) break;
-          const int64_t first = starts[w];
-          const int64_t last = w + 1 < words ? starts[w + 1] : static_cast<int64_t>(cand.size());
-          if (total + (last - first) > budget) continue;
-          for (int64_t i = first; i < last; i++) positions.push_back(cand[i]);
-          total += last - first;
+        if (!p_.span) {
+          for (int64_t w : order) {
+            if (total >= budget) break;
+            const int64_t first = starts[w];
+            const int64_t last = word_end(w);
+            if (total + (last - first) > budget) continue;
+            for (int64_t i = first; i < last; i++) positions.push_back(cand[i]);
+            total += last - first;
+          }
+        } else {  // masking.py::choose_span_positions, lengths from span_lengths(rng.random(words))
+          span_u.resize(words);
+          rng.fill_doubles(span_u.data(), words);
+          taken.assign(words, 0);
+          for (int64_t w : order) {
+            if (total >= budget) break;
+            int64_t size = word_end(w) - starts[w];
+            if (taken[w] || total + size > budget) continue;
+            int64_t want = 1;  // 1 + #{k : cdf[k] <= u}
+            for (double c : p_.span_cdf) want += c <= span_u[w];
+            int64_t end = w + 1;
+            while (end < words && end - w < want && !taken[end] &&
+                   cand[starts[end]] == cand[starts[end] - 1] + 1 &&  // no special token between the words
+                   total + size + (word_end(end) - starts[end]) <= budget) {
+              size += word_end(end) - starts[end];
+              end++;
+            }
+            for (int64_t x = w; x < end; x++) {
+              taken[x] = 1;
+              for (int64_t i = starts[x]; i < word_end(x); i++) positions.push_back(cand[i]);
+            }
+            total += size;
+          }
         }
         std::sort(positions.begin(), positions.end());
       }
@@ -540,8 +600,8 @@ class DocumentBuilder {
       }
       for (size_t j = 0; j < k; j++) {
         const T rand_id = static_cast<T>(rng.bounded(high));  // every random id is drawn, whatever u says
-        if (u[j] < 0.8) row[positions[j]] = static_cast<T>(p_.mask_id);
-        else if (u[j] >= 0.9) row[positions[j]] = rand_id;
+        if (u[j] < p_.mask_replace_prob) row[positions[j]] = static_cast<T>(p_.mask_id);
+        else if (u[j] >= p_.random_from) row[positions[j]] = rand_id;
       }
       out_.m_offsets.push_back(out_.m_offsets.back() + static_cast<int64_t>(k));
     }
@@ -585,8 +645,8 @@ class DocumentBuilder {
     for (size_t j = 0; j < nc; j++) {
       // every random id is drawn, whatever u says, and cast to the id dtype as .astype() does
       const T rand_id = static_cast<T>(rng.bounded(high));
-      if (u[j] < 0.8) flat[chosen_[j]] = static_cast<T>(p_.mask_id);
-      else if (u[j] >= 0.9) flat[chosen_[j]] = rand_id;
+      if (u[j] < p_.mask_replace_prob) flat[chosen_[j]] = static_cast<T>(p_.mask_id);
+      else if (u[j] >= p_.random_from) flat[chosen_[j]] = rand_id;
     }
     size_t j = 0;
     for (size_t r = 0; r < m; r++) {
@@ -633,7 +693,8 @@ py::tuple build_document(py::array ids, py::array bounds, py::array mt_seeds, py
                          double nsp_random_prob, const std::string& masking, double masked_lm_prob,
                          int64_t max_predictions_per_seq, bool whole_word_mask, int64_t cls_id, int64_t sep_id,
                          int64_t mask_id, int64_t vocab_size, const NegativeSource* negatives, int64_t doc_index,
-                         py::object continuation) {
+                         py::object continuation, const std::string& masking_mode, double mask_replace_prob,
+                         double random_replace_prob) {
   check_array(ids, "ids", 1);
   const bool u16 = has_dtype<uint16_t>(ids);
   if (!u16 && !has_dtype<uint32_t>(ids))
@@ -675,10 +736,27 @@ py::tuple build_document(py::array ids, py::array bounds, py::array mt_seeds, py
   if (masking != "static" && masking != "dynamic")
     throw py::value_error("masking: expected static or dynamic, got '" + masking + "'");
   p.static_masking = masking == "static";
+  // masking_mode "" follows whole_word_mask; given, it must agree with it (InstanceParams resolves
+  // both the same way, so the bridge always passes a pair that agrees)
+  std::string mode = masking_mode.empty() ? (whole_word_mask ? "whole_word" : "token") : masking_mode;
+  if (mode != "token" && mode != "whole_word" && mode != "span")
+    throw py::value_error("masking_mode: expected token, whole_word or span, got '" + masking_mode + "'");
+  if (whole_word_mask != (mode == "whole_word"))
+    throw py::value_error("masking_mode: '" + mode + "' disagrees with whole_word_mask=" +
+                          (whole_word_mask ? "True" : "False") + " (True is whole_word, False token or span)");
+  p.span = mode == "span";
+  if (p.span) p.span_cdf = span_length_cdf(kSpanGeometricP, kSpanMaxWords);
+  if (!(mask_replace_prob >= 0.0 && mask_replace_prob <= 1.0 && random_replace_prob >= 0.0 &&
+        random_replace_prob <= 1.0 && mask_replace_prob + random_replace_prob <= 1.0))
+    throw py::value_error("mask_replace_prob " + std::to_string(mask_replace_prob) + " and random_replace_prob " +
+                          std::to_string(random_replace_prob) + ": expected each in [0, 1], adding up to at most 1");
+  p.mask_replace_prob = mask_replace_prob;
+  p.random_from = 1.0 - random_replace_prob;  // as the reference computes its threshold
   py::array cont_array;  // kept alive until the build is done
-  if (p.static_masking && whole_word_mask) {
+  if (p.static_masking && mode != "token") {
     if (continuation.is_none())
-      throw py::value_error("continuation: whole-word masking needs the vocab's continuation mask, got None");
+      throw py::value_error("continuation: " + std::string(p.span ? "span" : "whole-word") +
+                            " masking needs the vocab's continuation mask, got None");
     cont_array = continuation.cast<py::array>();
     check_array(cont_array, "continuation", 1);
     check_dtype<bool>(cont_array, "continuation");
@@ -737,7 +815,8 @@ PYBIND11_MODULE(_native_instances, m) {
         py::arg("max_seq_length"), py::arg("short_seq_prob"), py::arg("objective"), py::arg("nsp_random_prob"),
         py::arg("masking"), py::arg("masked_lm_prob"), py::arg("max_predictions_per_seq"), py::arg("whole_word_mask"),
         py::arg("cls_id"), py::arg("sep_id"), py::arg("mask_id"), py::arg("vocab_size"), py::arg("negatives").none(true),
-        py::arg("doc_index"), py::arg("continuation") = py::none());
+        py::arg("doc_index"), py::arg("continuation") = py::none(), py::arg("masking_mode") = "",
+        py::arg("mask_replace_prob") = 0.8, py::arg("random_replace_prob") = 0.1);
 
   m.def("gather_ragged", &gather_ragged,
         "Rows `rows` (int64) of the ragged column (values: uint16/uint32/int64, offsets: int64, n_rows + 1): "
@@ -798,6 +877,7 @@ PYBIND11_MODULE(_native_instances, m) {
     for (int64_t j = 1; j <= m; j++) out.push_back(row_key(base, static_cast<uint64_t>(j)));
     return to_numpy(std::move(out));
   });
+  t.def("span_length_cdf", &span_length_cdf, py::arg("p"), py::arg("max_words"));
   t.def("mask_budget", &mask_budget, py::arg("length"), py::arg("prob"), py::arg("max_predictions"),
         py::arg("candidates"));
 }

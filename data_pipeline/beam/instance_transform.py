@@ -207,7 +207,7 @@ class _CreateInstancesDoFn(beam.DoFn):
         from bertdist.data.vocab import continuation_mask
         from data_pipeline import instance_native
 
-        self.continuation = continuation_mask(self.vocab_path) if self.params.whole_word_mask else None
+        self.continuation = continuation_mask(self.vocab_path) if self.params.needs_words else None
         chosen, why = instance_native.choose_builder(self.builder)
         instance_native.log_choice(chosen, why)
         self.native = instance_native.create_document_instances if chosen == "native" else None

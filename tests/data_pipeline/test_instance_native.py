@@ -490,11 +490,12 @@ def test_transforms_write_identical_shards_with_either_builder(tmp_path, small_v
     assert ref_counts["train_random_next"] == nat_counts["train_random_next"]
 
 
-@pytest.mark.slow  # four builds: about 17 s
+@pytest.mark.slow  # six builds: about 15 s
 @needs_native
-@pytest.mark.parametrize("whole_word_mask", [False, True])
+@pytest.mark.parametrize("masking", [dict(whole_word_mask=False), dict(whole_word_mask=True), dict(masking_mode="span")],
+                         ids=["token", "whole_word", "span"])
 def test_build_records_identical_with_and_without_the_extension(tmp_path, small_vocab, monkeypatch, caplog,
-                                                                whole_word_mask):
+                                                                masking):
     """The whole pipeline (bundled wiki + books, in-process): auto takes the native builder;
     with the extension hidden it falls back to the reference, and every shard is byte-identical."""
     import json
@@ -510,8 +511,7 @@ def test_build_records_identical_with_and_without_the_extension(tmp_path, small_
 
     def build(out: Path) -> dict[str, bytes]:
         return shard_bytes(build_records([f"wiki:{SAMPLES / 'wiki'}", f"books:{SAMPLES / 'books'}"], out, small_vocab,
-                                         max_seq_length=64, dupe_factor=2, num_shards=2,
-                                         whole_word_mask=whole_word_mask))
+                                         max_seq_length=64, dupe_factor=2, num_shards=2, **masking))
 
     caplog.set_level(logging.INFO, logger="data_pipeline")
     monkeypatch.setattr(instance_native, "_logged", set())
