@@ -123,6 +123,23 @@ def run_vocab(args) -> int:
     return 0
 
 
+def run_squad_retrieval(args) -> int:
+    from bertdist.finetune.errors import DataError
+    from bertdist.retrieval.squad_split import load_squad_retrieval, write_retrieval_dir
+
+    try:
+        split = load_squad_retrieval(args.squad)
+        counts = write_retrieval_dir(split, args.out)
+    except DataError as e:
+        print(f"bertdist data squad-retrieval: {e}")
+        return 2
+    c = split.counts()
+    print(f"{args.out}: train.jsonl {counts['train.jsonl']:,} questions ({c['train_articles']} articles), dev.jsonl "
+          f"{counts['dev.jsonl']:,} questions and corpus.jsonl {counts['corpus.jsonl']:,} paragraphs "
+          f"({c['eval_articles']} other articles), queries.txt")
+    return 0
+
+
 def _pass_unknown_options_to_beam(parser) -> None:
     """Unknown options of `data build` are Beam pipeline options: keep them instead of failing.
 
@@ -165,7 +182,15 @@ def register(sub) -> None:
     v.add_argument("--existing", help="use this vocab.txt instead of training (checked, then copied)")
     v.set_defaults(func=run_vocab)
 
+    r = dsub.add_parser("squad-retrieval", help="SQuAD v1.1 JSON -> retrieval train/dev JSONL, a corpus and queries, "
+                                                "split by article")
+    r.add_argument("--squad", required=True, help="a SQuAD v1.1 JSON file, e.g. ../shared/data/squad/dev-v1.1.json")
+    r.add_argument("--out", required=True, help="directory for train.jsonl, dev.jsonl, corpus.jsonl, queries.txt")
+    r.set_defaults(_squad_retrieval=True)
+
     def dispatch(args):
+        if getattr(args, "_squad_retrieval", False):
+            return run_squad_retrieval(args)
         if getattr(args, "_data_build", False):
             return run_build(args, getattr(args, "_beam_args", []))
         return run_vocab(args)

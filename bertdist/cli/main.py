@@ -18,6 +18,7 @@ COMMANDS = {
     "bertdist.cli.import_hf": ("import-hf",),
     "bertdist.cli.finetune": ("finetune",),
     "bertdist.cli.distill": ("distill", "pseudo-label"),
+    "bertdist.cli.embed": ("embed", "index", "search"),
     "bertdist.cli.submit": ("submit",),
     "bertdist.cli.jobs": ("jobs",),
     "bertdist.cli.bench": ("bench",),

@@ -82,3 +82,28 @@ def load_squad_retrieval(path: str | Path) -> RetrievalSplit:
     if not split.eval_articles:
         raise DataError(f"{path}: one article only: the alternate split needs at least two")
     return split
+
+
+def write_retrieval_dir(split: RetrievalSplit, out: str | Path) -> dict[str, int]:
+    """The split as files the retrieval commands read: ``train.jsonl`` (train half) and
+    ``dev.jsonl`` (eval half), rows ``{"query", "positive"}`` for `bertdist finetune embed|rerank`;
+    ``corpus.jsonl`` (``{"id", "text"}``, the eval paragraphs) for `bertdist embed`; ``queries.txt``
+    (the eval questions, one a line) for `bertdist search --query-file`. Existing files are never
+    overwritten."""
+    out = Path(out)
+    names = ("train.jsonl", "dev.jsonl", "corpus.jsonl", "queries.txt")
+    taken = [n for n in names if (out / n).exists()]
+    if taken:
+        raise DataError(f"{out}: already holds {taken}; choose an empty directory")
+    out.mkdir(parents=True, exist_ok=True)
+    text = dict(zip(split.corpus_ids, split.corpus))
+    rows = {
+        "train.jsonl": [{"query": q, "positive": p} for q, p in split.train_pairs],
+        "dev.jsonl": [{"query": q, "positive": text[next(iter(rel))]} for q, rel in zip(split.eval_queries, split.eval_relevant)],
+        "corpus.jsonl": [{"id": i, "text": t} for i, t in zip(split.corpus_ids, split.corpus)],
+    }
+    for name, items in rows.items():
+        (out / name).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in items), encoding="utf-8")
+    # a question is one line: SQuAD has a few with line breaks inside
+    (out / "queries.txt").write_text("".join(" ".join(q.split()) + "\n" for q in split.eval_queries), encoding="utf-8")
+    return {name: len(items) for name, items in rows.items()} | {"queries.txt": len(split.eval_queries)}

@@ -323,12 +323,20 @@ def _pretrain_config(cmd: ReadmeCommand, ws: Workspace, world_size: int):
 
 
 def is_pretrain(cmd: ReadmeCommand) -> bool:
-    return cmd.startswith("torchrun") or cmd.startswith("bertdist", "pretrain")
+    return (cmd.startswith("torchrun") and bertdist_argv(cmd)[:1] == ["pretrain"]) or cmd.startswith("bertdist", "pretrain")
 
 
-def check_torchrun_pretrain(cmd, ws):
-    nproc = int(option(cmd.argv, "--nproc_per_node", option(cmd.argv, "--nproc-per-node", "1")))
-    _pretrain_config(cmd, ws, world_size=nproc)
+def check_torchrun(cmd, ws):
+    """torchrun ... -m bertdist.cli.main COMMAND: the pretraining config for that world size, or the
+    command's own check."""
+    sub = bertdist_argv(cmd)[:1]
+    if sub == ["pretrain"]:
+        nproc = int(option(cmd.argv, "--nproc_per_node", option(cmd.argv, "--nproc-per-node", "1")))
+        _pretrain_config(cmd, ws, world_size=nproc)
+    elif sub == ["embed"]:
+        check_embed(cmd, ws)
+    else:
+        raise AssertionError(f"{cmd}: no check for torchrun running `bertdist {sub[0] if sub else ''}`")
 
 
 def check_pretrain(cmd, ws):
@@ -426,12 +434,81 @@ def check_import_hf(cmd, ws):
     assert args.out and args.hf_dir
 
 
+def _outs(*prefix: str, **where) -> set[str]:
+    """The --out (or `out_attr`) of the pages' lines starting with ``prefix`` whose parsed options match ``where``."""
+    attr = where.pop("out_attr", "out")
+    found = set()
+    for c in all_commands():
+        if c.startswith(*prefix) or (c.startswith("torchrun") and bertdist_argv(c)[: len(prefix) - 1] == list(prefix[1:])):
+            args = parse_bertdist(bertdist_argv(c))
+            if all(getattr(args, k) == v for k, v in where.items()):
+                found.add(getattr(args, attr))
+    return found
+
+
+def check_data_squad_retrieval(cmd, ws):
+    args = parse_bertdist(bertdist_argv(cmd))
+    assert args.squad.endswith("squad/dev-v1.1.json"), f"{cmd}: the shared SQuAD v1.1 dev file"
+    if (REPO / args.squad).parent.is_dir():
+        assert (REPO / args.squad).is_file(), f"{cmd}: no {args.squad}"
+
+
+def _embed_models(task: str) -> set[str]:
+    return {f"{o}/model" for o in _outs("bertdist", "finetune", task=task)}
+
+
+def check_embed_family(cmd, ws, args):
+    """finetune embed|sts|rerank: the CLI's overrides load against the embedding schema; the
+    checkpoint, data and teacher are what earlier lines of the pages write."""
+    from bertdist.embed.config import load_embed_config
+
+    overrides = [f"task={args.task}", f"checkpoint={args.checkpoint}", f"data={args.data}", f"output_dir={args.out}"]
+    cfg = load_embed_config(args.config and str(REPO / args.config), overrides + list(args.set))
+    exports = {parse_bertdist(bertdist_argv(c)).out for c in all_commands() if c.startswith("bertdist", "export")}
+    assert cfg.checkpoint in exports | _embed_models("embed") | _embed_models("sts"), \
+        f"{cmd}: starts from {cfg.checkpoint}, which no export or earlier finetune line of the pages writes"
+    data = _outs("bertdist", "data", "squad-retrieval") | {"../shared/data/glue/STS-B"}
+    assert cfg.data in data, f"{cmd}: --data {cfg.data} is none of {sorted(data)}"
+    if cfg.distill_from:
+        assert cfg.distill_from in _embed_models("rerank") | _embed_models("embed"), \
+            f"{cmd}: distills from {cfg.distill_from}, which no finetune rerank/embed line writes"
+
+
+def check_embed(cmd, ws):
+    args = parse_bertdist(bertdist_argv(cmd))
+    models = _embed_models("embed") | _embed_models("sts")
+    assert args.model in models, f"{cmd}: --model {args.model} is none of the pages' bi-encoders {sorted(models)}"
+    data = _outs("bertdist", "data", "squad-retrieval")
+    for f in args.input:
+        assert str(Path(f).parent) in data, f"{cmd}: --input {f} is not a file `bertdist data squad-retrieval` writes"
+
+
+def check_index(cmd, ws):
+    args = parse_bertdist(bertdist_argv(cmd))
+    embedded = _outs("bertdist", "embed")
+    assert args.embeddings in embedded, f"{cmd}: --embeddings {args.embeddings} is none of {sorted(embedded)}"
+
+
+def check_search(cmd, ws):
+    args = parse_bertdist(bertdist_argv(cmd))
+    indexes = _outs("bertdist", "index")
+    assert args.index in indexes, f"{cmd}: --index {args.index} is none of {sorted(indexes)}"
+    assert args.query or args.query_file, f"{cmd}: no query"
+    if args.query_file:
+        assert str(Path(args.query_file).parent) in _outs("bertdist", "data", "squad-retrieval"), cmd
+    if args.rerank:
+        assert args.rerank in _embed_models("rerank"), f"{cmd}: --rerank {args.rerank} is no finetune rerank model"
+
+
 def check_finetune(cmd, ws):
     from bertdist.config import load_config
     from bertdist.finetune.config import FinetuneConfig
     from bertdist.finetune.tasks import TASKS
 
     args = parse_bertdist(bertdist_argv(cmd))
+    if args.task in ("embed", "sts", "rerank"):
+        check_embed_family(cmd, ws, args)
+        return
     assert args.task in TASKS, f"{cmd}: unknown task {args.task}"
     exports = [parse_bertdist(bertdist_argv(c)).out for c in all_commands() if c.startswith("bertdist", "export")]
     assert args.checkpoint in exports, f"{cmd}: fine-tunes {args.checkpoint}, which no export line of the pages writes"
@@ -572,9 +649,14 @@ CHECKS = [
     Check(("bertdist", "model", "summary"), check_model_summary),
     Check(("bertdist", "data", "vocab"), check_data_vocab),
     Check(("bertdist", "data", "build"), check_data_build),
-    Check(("torchrun",), None, check_torchrun_pretrain, "make demo; tests/train (DeepSpeed on 2 ranks, ~80 s here)"),
+    Check(("torchrun",), None, check_torchrun, "make demo; tests/train (DeepSpeed on 2 ranks, ~80 s here)"),
     Check(("bertdist", "pretrain"), check_pretrain_plan, check_pretrain, "tests/train (resume); needs a run first"),
     Check(("bertdist", "export"), None, check_export, "make demo; tests/export (needs a pretraining run)"),
+    Check(("bertdist", "data", "squad-retrieval"), None, check_data_squad_retrieval,
+          "tests/retrieval/test_squad_split.py (the real SQuAD file)"),
+    Check(("bertdist", "embed"), None, check_embed, "tests/retrieval/test_embed_job.py (2 ranks, a kill and a resume)"),
+    Check(("bertdist", "index"), None, check_index, "tests/retrieval/test_index.py"),
+    Check(("bertdist", "search"), None, check_search, "tests/retrieval/test_search.py (rerank and hybrid)"),
     Check(("bertdist", "serve"), None, check_serve, "tests/serve/test_server.py (a real server under a bounded load)"),
     Check(("curl",), None, check_curl, "tests/serve/test_server.py (the same bodies over real HTTP)"),
     Check(("bertdist", "import-hf"), None, check_import_hf,

@@ -68,3 +68,25 @@ def test_bad_files(tmp_path):
     p.write_text(json.dumps({"data": []}))
     with pytest.raises(DataError, match="no articles"):
         load_squad_retrieval(p)
+
+
+def test_data_squad_retrieval_writes_the_commands_inputs_and_never_overwrites(tmp_path, capsys):
+    from bertdist.cli.main import main
+    from bertdist.embed.data import read_pairs
+
+    src = tmp_path / "squad.json"
+    src.write_text(json.dumps(_squad([("A", [("alpha text one.", ["q a1?", "q a2?"])]),
+                                      ("B", [("beta text one.", ["q b1?"]), ("beta two.", ["q\nb2?"])])])))
+    out = tmp_path / "r"
+    assert main(["data", "squad-retrieval", "--squad", str(src), "--out", str(out)]) == 0
+    assert [(r.query, r.positive) for r in read_pairs(out / "train.jsonl")] == [("q a1?", "alpha text one."),
+                                                                                ("q a2?", "alpha text one.")]
+    assert [(r.query, r.positive) for r in read_pairs(out / "dev.jsonl")] == [("q b1?", "beta text one."),
+                                                                              ("q\nb2?", "beta two.")]
+    corpus = [json.loads(line) for line in (out / "corpus.jsonl").read_text().splitlines()]
+    assert corpus == [{"id": "a1-p0", "text": "beta text one."}, {"id": "a1-p1", "text": "beta two."}]
+    assert (out / "queries.txt").read_text() == "q b1?\nq b2?\n"  # one question a line
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert main(["data", "squad-retrieval", "--squad", str(src), "--out", str(out)]) == 2
+    assert "already holds" in capsys.readouterr().out
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
