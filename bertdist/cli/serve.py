@@ -131,7 +131,8 @@ def _serve(app, sock) -> int:
             state.begin_stop()
             await super().shutdown(sockets)
 
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", http="h11",
+    # http and loop "auto": httptools and uvloop (C parsers and event loop) when installed, else h11 and asyncio
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", http="auto", loop="auto",
                             timeout_graceful_shutdown=60, timeout_keep_alive=5)
     server = Server(config)
     stopped_by = []
