@@ -32,15 +32,21 @@ def run(args) -> int:
     except ExportError as e:
         print(f"bertdist export: {e}")
         return 2
-    print(f"wrote {out}: config.json, model.safetensors (BertForPreTraining), vocab.txt, tokenizer files "
+    from bertdist.model.config import ElectraConfig
+
+    electra = isinstance(w.config, ElectraConfig)
+    what = ("ElectraForPreTraining (the discriminator; the generator, ElectraForMaskedLM, in generator/)" if electra
+            else "BertForPreTraining")
+    print(f"wrote {out}: config.json, model.safetensors ({what}), vocab.txt, tokenizer files "
           f"({'uncased' if w.do_lower_case else 'cased'})")
     if not args.no_verify:
         from bertdist.export.verify import max_logit_diff
 
         d = max_logit_diff(out, w.config, w.state_dict)
         ok = d["mlm"] <= 1e-4 and d["nsp"] <= 1e-4
-        print(f"verify: max |ours - transformers| logits on a padded fp32 batch: MLM {d['mlm']:.2e}, NSP {d['nsp']:.2e}"
-              f" -> {'OK' if ok else 'MISMATCH'}")
+        names = ("generator MLM", "discriminator") if electra else ("MLM", "NSP")
+        print(f"verify: max |ours - transformers| logits on a padded fp32 batch: {names[0]} {d['mlm']:.2e}, "
+              f"{names[1]} {d['nsp']:.2e} -> {'OK' if ok else 'MISMATCH'}")
         if not ok:
             return 1
     return 0

@@ -1,4 +1,4 @@
-"""`bertdist import-hf`: an existing Hugging Face BERT -> a bertdist init checkpoint.
+"""`bertdist import-hf`: an existing Hugging Face BERT (or ELECTRA) -> a bertdist init checkpoint.
 
 The default output is a DeepSpeed checkpoint in the trainer's layout: ``bertdist
 pretrain ... checkpoint.init_from=OUT checkpoint.init_load_optimizer=false`` continues
@@ -14,6 +14,7 @@ def run(args) -> int:
     from bertdist.export.hf import ExportError, is_hf_dir
     from bertdist.export.safe_load import trust_checkpoints
     from bertdist.export.sources import load_pretrained, write_torch_dir
+    from bertdist.model import ElectraConfig
 
     if not is_hf_dir(args.hf_dir):  # checked first: nothing else in the directory is read
         print(f"bertdist import-hf: {args.hf_dir} is not a Hugging Face model directory "
@@ -27,23 +28,38 @@ def run(args) -> int:
         print(f"bertdist import-hf: {e}")
         return 2
     fresh = w.origin.get("newly_initialised") or []
+    electra = isinstance(w.config, ElectraConfig)
     if not args.no_verify:
-        from bertdist.export.verify import max_logit_diff
+        from bertdist.export.verify import electra_max_logit_diff, max_logit_diff
 
-        if not fresh:
+        if not fresh and electra:
+            d = electra_max_logit_diff(args.hf_dir, w.config, w.state_dict)
+            names = {"discriminator": "discriminator", "generator_mlm": "generator MLM"}
+            print("verify: max |ours - transformers| logits: "
+                  + ", ".join(f"{names[k]} {v:.2e}" for k, v in d.items()))
+        elif not fresh:
             d = max_logit_diff(args.hf_dir, w.config, w.state_dict)
             print(f"verify: max |ours - transformers| logits: MLM {d['mlm']:.2e}, NSP {d['nsp']:.2e}")
-            if max(d.values()) > 1e-4:
-                print("bertdist import-hf: our model does not reproduce the HF model's outputs")
-                return 1
-    if args.format == "torch":
-        out = write_torch_dir(args.out, w)
-    else:
-        from bertdist.export.trainer_init import write_trainer_init
+        if not fresh and max(d.values()) > 1e-4:
+            print("bertdist import-hf: our model does not reproduce the HF model's outputs")
+            return 1
+    try:
+        if args.format == "torch":
+            out = write_torch_dir(args.out, w)
+        else:
+            from bertdist.export.trainer_init import write_trainer_init
 
-        out = write_trainer_init(args.out, w, str(args.hf_dir))
+            out = write_trainer_init(args.out, w, str(args.hf_dir))
+    except ExportError as e:
+        print(f"bertdist import-hf: {e}")
+        return 2
     c = w.config
-    print(f"wrote {out}: BERT L={c.num_hidden_layers} H={c.hidden_size} A={c.num_attention_heads} "
+    what = "BERT"
+    if electra:
+        what = (f"ELECTRA discriminator E={c.embedding_width}" + (
+            f" + generator L={c.generator_num_hidden_layers} H={c.generator_hidden_size}" if c.has_generator else
+            " (no generator)") + ",")
+    print(f"wrote {out}: {what} L={c.num_hidden_layers} H={c.hidden_size} A={c.num_attention_heads} "
           f"vocab={c.vocab_size} ({'uncased' if w.do_lower_case else 'cased'})")
     if fresh:
         print(f"note: the HF checkpoint had no {sorted({k.rsplit('.', 1)[0] for k in fresh})}; newly initialised")
@@ -54,13 +70,18 @@ def run(args) -> int:
               f"model.preset=custom model.hidden_size={c.hidden_size} model.num_hidden_layers={c.num_hidden_layers} "
               f"model.num_attention_heads={c.num_attention_heads} model.intermediate_size={c.intermediate_size} "
               f"model.max_position_embeddings={c.max_position_embeddings} model.type_vocab_size={c.type_vocab_size}"
-              " (records must be built with the same vocab)")
+              + (f" electra.embedding_size={c.embedding_width} electra.generator_hidden_size={c.generator_hidden_size}"
+                 f" electra.generator_num_hidden_layers={c.generator_num_hidden_layers}"
+                 f" electra.generator_num_attention_heads={c.generator_num_attention_heads}"
+                 f" electra.generator_intermediate_size={c.generator_intermediate_size}" if electra else "")
+              + " (records must be built with the same vocab)")
     return 0
 
 
 def register(sub) -> None:
-    p = sub.add_parser("import-hf", help="turn a Hugging Face BERT directory into a bertdist init checkpoint")
-    p.add_argument("hf_dir", help="directory with config.json, model.safetensors (or pytorch_model.bin), vocab.txt")
+    p = sub.add_parser("import-hf", help="turn a Hugging Face BERT or ELECTRA directory into a bertdist init checkpoint")
+    p.add_argument("hf_dir", help="directory with config.json, model.safetensors (or pytorch_model.bin), vocab.txt; "
+                                  "ELECTRA: the discriminator's, with the generator's in generator/")
     p.add_argument("--out", required=True)
     p.add_argument("--vocab", default=None, help="vocab.txt, when the HF dir has none")
     p.add_argument("--casing", choices=["cased", "uncased"], default=None)

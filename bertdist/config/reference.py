@@ -30,7 +30,7 @@ SCHEMAS = (
      "`bertdist data build --config CONFIG --set key.path=value`"),
     ("Fine-tuning", "bertdist.finetune.config:FinetuneConfig", "configs/finetune/*.yaml",
      "`bertdist finetune TASK --config CONFIG --set key.path=value`"),
-    ("Embeddings, similarity and re-ranking", "bertdist.embed.config:EmbedConfig", "configs/embed/*.yaml",
+    ("Embeddings and re-ranking", "bertdist.embed.config:EmbedConfig", "configs/embed/*.yaml",
      "`bertdist finetune embed|sts|rerank --config CONFIG --set key=value` ([embeddings](embeddings.md))"),
     ("Task distillation", "bertdist.distill.config:DistillConfig", "configs/distill/*.yaml",
      "`bertdist distill TASK --config CONFIG --set key.path=value` (`bertdist pseudo-label` reads the same keys)"),

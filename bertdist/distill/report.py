@@ -68,7 +68,7 @@ def _cpu_copy(model: torch.nn.Module, build) -> torch.nn.Module:
 def build_report(cfg, runner, teacher, plan, teacher_eval: dict, best: dict, direct: dict | None,
                  student_dir: Path, direct_dir: Path | None, label_info: dict, labelled_rows: int,
                  device: torch.device) -> dict:
-    from bertdist.finetune.heads import BertForTask
+    from bertdist.finetune.heads import task_model
 
     metric = runner.main_metric
     t_score = teacher_eval["score"]
@@ -80,7 +80,7 @@ def build_report(cfg, runner, teacher, plan, teacher_eval: dict, best: dict, dir
                 "train_seconds": round(result["train_seconds"], 1), "history": result["history"]}
 
     tcfg = dataclasses.replace(teacher.config, kernels="reference")
-    t_cpu = _cpu_copy(teacher.model, lambda: BertForTask(tcfg, runner.kind, runner.num_labels, device_type="cpu"))
+    t_cpu = _cpu_copy(teacher.model, lambda: task_model(tcfg, runner.kind, runner.num_labels, device_type="cpu"))
     s_cpu = plan.build(runner.kind, runner.num_labels, "cpu", kernels="reference")
     s_cpu.load_state_dict(best["_state"])
     s_cpu.eval()

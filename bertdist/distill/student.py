@@ -6,10 +6,12 @@
 * ``preset:NAME``: one of our presets (tiny, mini, base, large), randomly initialised, with the
   teacher's vocabulary size and position count;
 * a path: our run or checkpoint, a torch-format or Hugging Face directory (e.g. a ``mini`` we
-  pretrained, or one made by general distillation); its vocabulary must be the teacher's.
+  pretrained, or one made by general distillation, or an ELECTRA discriminator); its vocabulary
+  must be the teacher's.
 
 The task head is copied from the teacher wherever the shapes match (always for ``layers:K``);
-otherwise it starts fresh.
+otherwise it starts fresh. BERT's and ELECTRA's task heads differ in form, so a student of the
+other family than its teacher starts with a fresh head.
 """
 from __future__ import annotations
 
@@ -18,11 +20,11 @@ import dataclasses
 import torch
 
 from bertdist.distill.losses import default_layer_map
-from bertdist.distill.teacher import Teacher, head_keys
+from bertdist.distill.teacher import Teacher
 from bertdist.export.tokenizer import read_vocab, vocab_sha256
 from bertdist.finetune.errors import DataError
-from bertdist.finetune.heads import BertForTask
-from bertdist.model import BertConfig
+from bertdist.finetune.heads import BertForTask, head_keys, task_model
+from bertdist.model import BertConfig, ElectraConfig
 
 
 class StudentSpecError(DataError):
@@ -51,7 +53,7 @@ class StudentPlan:
             cfg = dataclasses.replace(cfg, kernels=kernels)
         if hidden_dropout_prob is not None:
             cfg = dataclasses.replace(cfg, hidden_dropout_prob=hidden_dropout_prob)
-        model = BertForTask(cfg, kind, num_labels, device_type=device_type)
+        model = task_model(cfg, kind, num_labels, device_type=device_type)
         if self.backbone_state is not None:
             model.load_backbone(self.backbone_state)
         if self.head_state:
@@ -62,7 +64,8 @@ class StudentPlan:
 def _layer_state(sd: dict[str, torch.Tensor], teacher_layers: list[int]) -> dict[str, torch.Tensor]:
     """The teacher's state dict with encoder layer ``teacher_layers[i]`` renamed to layer ``i``."""
     out = {}
-    prefix = "bert.encoder.layer."
+    electra = any(k.startswith("discriminator.electra.") for k in sd)
+    prefix = "discriminator.electra.encoder.layer." if electra else "bert.encoder.layer."
     for k, v in sd.items():
         if not k.startswith(prefix):
             out[k] = v
@@ -74,9 +77,11 @@ def _layer_state(sd: dict[str, torch.Tensor], teacher_layers: list[int]) -> dict
 
 
 def _head_if_shapes_match(teacher: Teacher, cfg: BertConfig, kind: str) -> dict[str, torch.Tensor]:
-    head = {k: teacher.head_state[k].float() for k in head_keys(kind)}
-    w = head[head_keys(kind)[0]]
-    return head if w.shape[1] == cfg.hidden_size else {}
+    if isinstance(teacher.config, ElectraConfig) != isinstance(cfg, ElectraConfig):
+        return {}
+    keys = head_keys(kind, cfg)
+    head = {k: teacher.head_state[k].float() for k in keys}
+    return head if head[keys[0]].shape[1] == cfg.hidden_size else {}
 
 
 def check_same_vocab(teacher: Teacher, vocab_file, what: str) -> None:

@@ -1,5 +1,5 @@
 """The teacher: a fine-tuned task model directory (ours from `finetune` with ``save_model``, or any
-Hugging Face ``BertFor<Task>`` directory), loaded once, in eval mode; bf16 on a GPU.
+Hugging Face ``BertFor<Task>`` or ``ElectraFor<Task>`` directory), loaded once, in eval mode; bf16 on a GPU.
 
 Its identity (weights sha256, vocab sha256, casing) is what a pseudo-label set records and what a
 student run checks before it reuses one.
@@ -17,7 +17,7 @@ from bertdist.export.hf import HF_INDEX_FILES, HF_WEIGHT_FILES, ExportError, is_
 from bertdist.export.safe_load import UnsafeCheckpointError
 from bertdist.export.tokenizer import vocab_sha256
 from bertdist.finetune.errors import DataError
-from bertdist.finetune.heads import HF_ARCHITECTURE, BertForTask
+from bertdist.finetune.heads import HF_ARCHITECTURE, HF_ELECTRA_ARCHITECTURE, BertForTask, head_keys, task_model
 from bertdist.model import BertConfig
 
 
@@ -28,10 +28,10 @@ class TeacherError(DataError):
 @dataclasses.dataclass
 class Teacher:
     path: Path
-    model: BertForTask  # eval mode, on `device`
+    model: BertForTask  # eval mode, on `device` (an ElectraForTask on an ELECTRA backbone)
     config: BertConfig
     head_state: dict[str, torch.Tensor]  # the task head's tensors (classifier.* or qa_outputs.*)
-    backbone_state: dict[str, torch.Tensor]  # BertForPreTraining layout (bert.*, cls.*)
+    backbone_state: dict[str, torch.Tensor]  # BertForPreTraining layout (bert.*, cls.*); ELECTRA: discriminator.*
     vocab_file: Path
     do_lower_case: bool
     weights_sha256: str
@@ -68,10 +68,6 @@ def _line_of(path: Path, key: str) -> int:
     return 1
 
 
-def head_keys(kind: str) -> tuple[str, ...]:
-    return ("qa_outputs.weight", "qa_outputs.bias") if kind == "span" else ("classifier.weight", "classifier.bias")
-
-
 def load_teacher(path: str | Path, task: str, kind: str, num_labels: int, *, device: torch.device,
                  precision: str = "auto", kernels: str = "auto") -> Teacher:
     """The task model at ``path`` for a runner of head ``kind`` with ``num_labels`` outputs."""
@@ -81,7 +77,7 @@ def load_teacher(path: str | Path, task: str, kind: str, num_labels: int, *, dev
                            f"pytorch_model.bin); make one with `bertdist finetune ... --set save_model=true`")
     conf_path = p / "config.json"
     hf = json.loads(conf_path.read_text())
-    want = HF_ARCHITECTURE[kind]
+    want = (HF_ELECTRA_ARCHITECTURE if hf.get("model_type") == "electra" else HF_ARCHITECTURE)[kind]
     archs = hf.get("architectures") or []
     if want not in archs:
         raise TeacherError(f"{conf_path}:{_line_of(conf_path, 'architectures')}: architectures {archs} is not a "
@@ -92,7 +88,7 @@ def load_teacher(path: str | Path, task: str, kind: str, num_labels: int, *, dev
         raise  # its message names the file and --trust-checkpoint
     except ExportError as e:
         raise TeacherError(str(e)) from None
-    keys = head_keys(kind)
+    keys = head_keys(kind, ck.config)
     head = {k: ck.raw_state_dict[k] for k in keys if k in ck.raw_state_dict}
     if len(head) != len(keys):
         raise TeacherError(f"{p}: {want} in config.json but the weights lack the task head "
@@ -102,7 +98,7 @@ def load_teacher(path: str | Path, task: str, kind: str, num_labels: int, *, dev
         n = hf.get("num_labels", len(hf.get("id2label") or {}))
         raise TeacherError(f"{conf_path}:{_line_of(conf_path, 'id2label')}: the teacher's head has "
                            f"{head[keys[0]].shape[0]} outputs (num_labels {n}); {task} needs {out_dim}")
-    model = BertForTask(ck.config, kind, num_labels, device_type=device.type)
+    model = task_model(ck.config, kind, num_labels, device_type=device.type)
     model.load_backbone(ck.state_dict)
     model.load_state_dict({**model.state_dict(), **{k: v.float() for k, v in head.items()}})
     dtype = torch.float32

@@ -156,8 +156,8 @@ def train_student(cfg: DistillConfig, runner, plan: StudentPlan, rows: list[dict
 
         projection = losses.HiddenProjection(plan.config.hidden_size, teacher.config.hidden_size).to(device)
         extra = list(projection.parameters())
-        s_cap = LayerCapture(model.bert, cfg.attention_weight > 0)
-        t_cap = LayerCapture(teacher.model.bert, cfg.attention_weight > 0)
+        s_cap = LayerCapture(model.backbone, cfg.attention_weight > 0)
+        t_cap = LayerCapture(teacher.model.backbone, cfg.attention_weight > 0)
     rank, world = _dist()
     if fcfg.batch_size % world:
         raise DataError(f"batch_size {fcfg.batch_size} is not divisible by the {world} processes")

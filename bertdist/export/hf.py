@@ -8,7 +8,8 @@ conversion is about the edges: HF leaves the two tied keys
 and carry a ``position_ids`` buffer; a bare ``BertModel`` has no ``bert.``
 prefix; a masked-LM-only checkpoint has no NSP head or pooler. Big models come
 sharded: an index (``model.safetensors.index.json`` / ``pytorch_model.bin.index.json``)
-whose ``weight_map`` names the shard file of every key.
+whose ``weight_map`` names the shard file of every key. ELECTRA models (an ``ElectraConfig``;
+``model_type: electra``) go through ``electra_hf.py``: the same entry points dispatch to it.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch
 
 from bertdist.data.manifest import path_inside
 from bertdist.export.tokenizer import infer_do_lower_case, read_tokenizer_casing, write_tokenizer_files
-from bertdist.model import BertConfig
+from bertdist.model import BertConfig, ElectraConfig
 
 TIED = {  # key HF drops on save -> the key holding the same tensor
     "cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
@@ -48,15 +49,20 @@ def to_hf_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.
     return out
 
 
+# The word embeddings' key in our BertForPreTraining and ElectraForPreTraining state dicts.
+ANCHORS = ("bert.embeddings.word_embeddings.weight", "discriminator.electra.embeddings.word_embeddings.weight")
+
+
 def strip_wrapper_prefix(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Remove a wrapper's prefix (``module.``, ``model.``) so keys start at ``bert.``/``cls.``."""
-    anchor = "bert.embeddings.word_embeddings.weight"
-    hits = [k for k in state_dict if k.endswith(anchor)]
+    """Remove a wrapper's prefix (``module.``, ``model.``) so keys start at ``bert.``/``cls.``
+    (ELECTRA: ``discriminator.``/``generator.``)."""
+    hits = [(k, anchor) for anchor in ANCHORS for k in state_dict if k.endswith(anchor)]
     if not hits:
         if "embeddings.word_embeddings.weight" in state_dict:  # a bare BertModel
             return {f"bert.{k}": v for k, v in state_dict.items()}
         raise ExportError(f"no BERT word embeddings in the state dict (keys: {sorted(state_dict)[:8]} ...)")
-    prefix = hits[0][: -len(anchor)]
+    key, anchor = min(hits, key=lambda hit: len(hit[0]))
+    prefix = key[: -len(anchor)]
     if not prefix:
         return dict(state_dict)
     return {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
@@ -108,6 +114,10 @@ def from_hf_state_dict(
 
 
 def hf_config_dict(cfg: BertConfig, architectures: list[str]) -> dict:
+    if isinstance(cfg, ElectraConfig):  # the discriminator's (the encoder task models build on)
+        from bertdist.export.electra_hf import hf_config_dict as electra_config
+
+        return electra_config(cfg, architectures)
     d = cfg.to_hf_dict()
     d.update(model_type="bert", architectures=architectures, tie_word_embeddings=True,
              position_embedding_type="absolute", classifier_dropout=None, torch_dtype="float32")
@@ -121,13 +131,20 @@ def write_hf_dir(
     vocab_file: str | Path,
     do_lower_case: bool | None = None,
     extra_config: Mapping | None = None,
-    architectures: tuple[str, ...] = ("BertForPreTraining",),
+    architectures: tuple[str, ...] | None = None,
 ) -> Path:
-    """config.json + model.safetensors (+ tokenizer files) that ``from_pretrained`` loads cleanly."""
+    """config.json + model.safetensors (+ tokenizer files) that ``from_pretrained`` loads cleanly.
+    ``architectures``: None is the pretraining model's (``BertForPreTraining``). An ELECTRA model
+    writes its discriminator here and its generator in ``generator/`` (electra_hf.py)."""
     from safetensors.torch import save_file
 
     from bertdist.export.tokenizer import read_vocab
 
+    if isinstance(cfg, ElectraConfig):
+        from bertdist.export.electra_hf import write_electra_hf_dir
+
+        return write_electra_hf_dir(out_dir, cfg, state_dict, vocab_file, do_lower_case, extra_config)
+    architectures = ("BertForPreTraining",) if architectures is None else architectures
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     n_vocab = len(read_vocab(vocab_file))
@@ -215,13 +232,18 @@ def read_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 def read_hf_dir(hf_dir: str | Path, kernels: str = "auto") -> HFCheckpoint:
-    """Load an HF BERT directory as our config + a state dict for our ``BertForPreTraining``."""
+    """Load an HF BERT directory as our config + a state dict for our ``BertForPreTraining`` (an
+    ELECTRA directory: an ``ElectraConfig`` and a state dict for our ``ElectraForPreTraining``)."""
     from bertdist.model import BertForPreTraining
 
     p = Path(hf_dir)
     if not (p / "config.json").is_file():
         raise ExportError(f"{p}: not a Hugging Face model directory (no config.json)")
     hf_config = json.loads((p / "config.json").read_text())
+    if hf_config.get("model_type") == "electra":
+        from bertdist.export.electra_hf import read_electra_hf_dir
+
+        return read_electra_hf_dir(p, hf_config, kernels)
     if hf_config.get("model_type", "bert") != "bert":
         raise ExportError(f"{p}: model_type {hf_config.get('model_type')!r} is not 'bert'")
     if hf_config.get("position_embedding_type", "absolute") != "absolute":

@@ -4,7 +4,8 @@ checkpoint, a Hugging Face directory, or a bertdist torch-format directory
 
 Everything ends up as one ``PretrainedWeights``: our ``BertConfig``, a state
 dict that loads strictly into our ``BertForPreTraining``, and the vocab and
-casing the weights were trained with.
+casing the weights were trained with. ELECTRA (a run with an ``electra`` section, or an HF
+ELECTRA directory): an ``ElectraConfig`` and a state dict for our ``ElectraForPreTraining``.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import torch
 
 from bertdist.export.hf import ExportError, is_hf_dir, read_hf_dir
 from bertdist.export.tokenizer import infer_do_lower_case, read_tokenizer_casing
-from bertdist.model import BertConfig
+from bertdist.model import BertConfig, ElectraConfig
+from bertdist.model.config import model_config_from_mapping
 
 TORCH_WEIGHTS = "bertdist_model.pt"
 TORCH_CONFIG = "bertdist_model.yaml"
@@ -73,7 +75,7 @@ def load_pretrained(
 def _load_torch_dir(p: Path) -> PretrainedWeights:
     import yaml
 
-    cfg = BertConfig.from_mapping(yaml.safe_load((p / TORCH_CONFIG).read_text()))
+    cfg = model_config_from_mapping(yaml.safe_load((p / TORCH_CONFIG).read_text()))
     from bertdist.export.safe_load import load_file
 
     sd = load_file(p / TORCH_WEIGHTS)
@@ -133,16 +135,25 @@ def _find_key(tree: Any, names: tuple[str, ...]) -> list[Any]:
 
 
 def _model_config(run_cfg: dict, cfg_path: Path, sd: dict[str, torch.Tensor]) -> BertConfig:
-    section = run_cfg.get("model")
-    if not isinstance(section, dict):
-        raise ExportError(f"{cfg_path}: no `model:` section")
-    cfg = BertConfig.from_mapping(section)
-    emb = sd.get("bert.embeddings.word_embeddings.weight")
-    if emb is not None and tuple(emb.shape) != (cfg.vocab_size, cfg.hidden_size):
+    """The run's model: its ``model`` section, an ELECTRA model with an ``electra`` section."""
+    from bertdist.config import ConfigError
+    from bertdist.train.config import model_config_of
+
+    try:
+        cfg = model_config_of(run_cfg)
+    except ConfigError as e:
+        raise ExportError(f"{cfg_path}: {e}") from None
+    electra = isinstance(cfg, ElectraConfig)
+    emb = sd.get("discriminator.electra.embeddings.word_embeddings.weight" if electra
+                 else "bert.embeddings.word_embeddings.weight")
+    width = cfg.embedding_width if electra else cfg.hidden_size
+    if emb is not None and tuple(emb.shape) != (cfg.vocab_size, width):
         raise ExportError(
-            f"{cfg_path}: model config says vocab {cfg.vocab_size} x hidden {cfg.hidden_size}, "
+            f"{cfg_path}: model config says vocab {cfg.vocab_size} x {'embedding' if electra else 'hidden'} {width}, "
             f"but the checkpoint's embeddings are {tuple(emb.shape)}"
         )
+    if electra and cfg.has_generator and not any(k.startswith("generator.") for k in sd):
+        cfg = cfg.without_generator()
     return cfg
 
 

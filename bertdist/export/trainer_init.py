@@ -29,15 +29,23 @@ def write_trainer_init(out_dir: str | os.PathLike, w: PretrainedWeights, source:
     import deepspeed
     import yaml
 
-    from bertdist.model import BertForPreTraining
+    from bertdist.export.hf import ExportError
+    from bertdist.model import BertForPreTraining, ElectraConfig
+    from bertdist.model.electra import ElectraForPreTraining
     from bertdist.train.checkpoint import COMPLETE, CONFIG_FILE, LATEST, STATE_FILE
     from bertdist.train.distributed import single_process_group
 
+    electra = isinstance(w.config, ElectraConfig)
+    if electra and not w.config.has_generator:
+        raise ExportError(f"{source}: an ELECTRA discriminator without its generator (no generator/ directory "
+                          "beside it): ELECTRA pretraining cannot continue from it. Fine-tune or distil the "
+                          "directory itself (finetune --checkpoint / distill --student take it as it is), or "
+                          "import it with --format torch")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with single_process_group():
         cfg = dataclasses.replace(w.config, kernels="reference")
-        model = BertForPreTraining(cfg, device_type="cpu")
+        model = ElectraForPreTraining(cfg, device_type="cpu") if electra else BertForPreTraining(cfg, device_type="cpu")
         model.load_state_dict(w.state_dict, strict=True)
         opt = torch.optim.AdamW(model.parameters(), lr=0.0)
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, dist_init_required=False, config={

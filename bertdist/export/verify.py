@@ -1,4 +1,5 @@
-"""Check an HF directory against our model: same logits on a padded batch (fp32)."""
+"""Check an HF directory against our model: same logits on a padded batch (fp32); for ELECTRA,
+the discriminator's directory and the generator's (``generator/``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,13 +8,13 @@ from typing import Mapping
 
 import torch
 
-from bertdist.model import BertConfig, BertForPreTraining
+from bertdist.model import BertConfig, BertForPreTraining, ElectraConfig
 
 
 def padded_batch(vocab_size: int, batch: int = 4, seq: int = 32, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random ids with [CLS]/[SEP]-like structure, two segments and different amounts of padding."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(999, vocab_size, (batch, seq), generator=g)
+    ids = torch.randint(min(999, vocab_size // 2), vocab_size, (batch, seq), generator=g)  # past the specials
     mask = torch.zeros(batch, seq, dtype=torch.long)
     types = torch.zeros(batch, seq, dtype=torch.long)
     for i in range(batch):
@@ -26,7 +27,13 @@ def padded_batch(vocab_size: int, batch: int = 4, seq: int = 32, seed: int = 0) 
 
 @torch.no_grad()
 def max_logit_diff(hf_dir: str | Path, cfg: BertConfig, state_dict: Mapping[str, torch.Tensor]) -> dict[str, float]:
-    """Max |ours - HF| over real (unpadded) positions for MLM logits, and for the NSP logits."""
+    """Max |ours - HF| over real (unpadded) positions for MLM logits, and for the NSP logits. For an
+    ELECTRA model (``electra_max_logit_diff``) the two keys the export command checks hold its two
+    heads: "mlm" the generator's MLM logits (0 without a generator), "nsp" the discriminator's
+    replaced-token logits (ELECTRA has no NSP head)."""
+    if isinstance(cfg, ElectraConfig):
+        d = electra_max_logit_diff(hf_dir, cfg, state_dict)
+        return {"mlm": d.get("generator_mlm", 0.0), "nsp": d["discriminator"]}
     from transformers import BertForPreTraining as HFBertForPreTraining
 
     ours = BertForPreTraining(dataclasses.replace(cfg, kernels="reference"), device_type="cpu")
@@ -41,3 +48,26 @@ def max_logit_diff(hf_dir: str | Path, cfg: BertConfig, state_dict: Mapping[str,
         "mlm": (a.prediction_logits - b.prediction_logits)[real].abs().max().item(),
         "nsp": (a.seq_relationship_logits - b.seq_relationship_logits).abs().max().item(),
     }
+
+
+@torch.no_grad()
+def electra_max_logit_diff(hf_dir: str | Path, cfg: ElectraConfig, state_dict: Mapping[str, torch.Tensor]
+                           ) -> dict[str, float]:
+    """Max |ours - HF| over real positions: "discriminator" (``ElectraForPreTraining`` at ``hf_dir``)
+    and, with a generator, "generator_mlm" (``ElectraForMaskedLM`` at ``hf_dir/generator``)."""
+    from transformers import ElectraForMaskedLM, ElectraForPreTraining as HFElectraForPreTraining
+
+    from bertdist.export.electra_hf import GENERATOR_DIR
+    from bertdist.model.electra import ElectraForPreTraining
+
+    ours = ElectraForPreTraining(dataclasses.replace(cfg, kernels="reference"), device_type="cpu")
+    ours.load_state_dict(state_dict, strict=True)
+    ours.eval()
+    batch = padded_batch(cfg.vocab_size, seq=min(32, cfg.max_position_embeddings))
+    real = batch["attention_mask"].bool()
+    hf = HFElectraForPreTraining.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    out = {"discriminator": (ours.discriminator(**batch) - hf(**batch).logits)[real].abs().max().item()}
+    if ours.generator is not None:
+        gen = ElectraForMaskedLM.from_pretrained(str(Path(hf_dir) / GENERATOR_DIR), dtype=torch.float32).eval()
+        out["generator_mlm"] = (ours.generator(**batch) - gen(**batch).logits)[real].abs().max().item()
+    return out

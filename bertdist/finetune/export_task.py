@@ -1,4 +1,5 @@
-"""A fine-tuned task model as a Hugging Face directory (``BertFor<Task>`` with its label names)."""
+"""A fine-tuned task model as a Hugging Face directory (``BertFor<Task>``, or ``ElectraFor<Task>`` on
+an ELECTRA backbone, with its label names)."""
 from __future__ import annotations
 
 import json
@@ -6,7 +7,7 @@ from pathlib import Path
 
 from bertdist.export.hf import hf_config_dict
 from bertdist.export.tokenizer import write_tokenizer_files
-from bertdist.finetune.heads import HF_ARCHITECTURE
+from bertdist.finetune.heads import hf_architecture
 
 
 def write_task_model(out_dir: Path, model, runner, w, cfg) -> Path:
@@ -16,7 +17,7 @@ def write_task_model(out_dir: Path, model, runner, w, cfg) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()}
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    conf = hf_config_dict(w.config, [HF_ARCHITECTURE[runner.kind]])
+    conf = hf_config_dict(w.config, [hf_architecture(runner.kind, w.config)])
     if runner.kind == "regression":
         conf.update(num_labels=1, problem_type="regression")
     elif runner.label_names:

@@ -26,7 +26,7 @@ from bertdist.export.sources import PretrainedWeights, load_pretrained
 from bertdist.export.tokenizer import bert_tokenizer, read_vocab, vocab_sha256
 from bertdist.finetune.config import FinetuneConfig
 from bertdist.finetune.errors import DataError
-from bertdist.finetune.heads import BertForTask
+from bertdist.finetune.heads import BertForTask, task_model
 from bertdist.finetune.tasks import EvalSet, Runner, dump_json, make_runner
 from bertdist.model import IGNORE_INDEX
 
@@ -196,7 +196,7 @@ def train_once(cfg: FinetuneConfig, runner: Runner, w: PretrainedWeights, train_
     mcfg = w.config if cfg.hidden_dropout_prob is None else dataclasses.replace(
         w.config, hidden_dropout_prob=cfg.hidden_dropout_prob)
     mcfg = dataclasses.replace(mcfg, kernels=cfg.kernels)
-    model = BertForTask(mcfg, runner.kind, runner.num_labels, device_type=device.type)
+    model = task_model(mcfg, runner.kind, runner.num_labels, device_type=device.type)
     model.load_backbone(w.state_dict)
     model.to(device)
     rank, world = _dist()
@@ -257,7 +257,7 @@ def train_once(cfg: FinetuneConfig, runner: Runner, w: PretrainedWeights, train_
     best["train_seconds"] = time.time() - t0
     best["history"] = history
     best["lr"], best["seed"], best["steps"] = lr, seed, total
-    best["kernel_sources"] = dict(model.bert.kernels.sources)  # what `kernels` resolved to, per op
+    best["kernel_sources"] = dict(model.backbone.kernels.sources)  # what `kernels` resolved to, per op
     return best
 
 
@@ -336,8 +336,8 @@ def _write_outputs(cfg, runner, w, best, eval_sets, out: Path, summary: dict) ->
     state = best.get("_state")
     if state is not None and (cfg.predict_test or cfg.save_model):
         device = _device(cfg)
-        model = BertForTask(dataclasses.replace(w.config, kernels=cfg.kernels), runner.kind, runner.num_labels,
-                            device_type=device.type)
+        model = task_model(dataclasses.replace(w.config, kernels=cfg.kernels), runner.kind, runner.num_labels,
+                           device_type=device.type)
         model.load_state_dict(state)
         model.to(device)
         if cfg.predict_test:

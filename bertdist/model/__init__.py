@@ -1,12 +1,14 @@
-"""The BERT model (bert.py), its config and presets (config.py), FLOP accounting (flops.py).
+"""The BERT model (bert.py), ELECTRA built from its parts (electra.py), their configs and presets
+(config.py), FLOP accounting (flops.py).
 
 The config and the FLOP accounting import no torch, so schemas and tooling can use them without
 it; the model classes load torch when first asked for.
 """
-from bertdist.model.config import BERT_VOCAB_SIZE, IGNORE_INDEX, PRESETS, BertConfig
+from bertdist.model.config import BERT_VOCAB_SIZE, IGNORE_INDEX, PRESETS, BertConfig, ElectraConfig
 from bertdist.model.flops import forward_flops_per_sequence, mfu, train_flops_per_sequence
 
 _MODEL_NAMES = ("BertForPreTraining", "BertModel", "PreTrainingOutput", "count_parameters", "mlm_loss", "nsp_loss")
+_ELECTRA_NAMES = ("ElectraForPreTraining", "ElectraModel", "ElectraPreTrainingOutput")
 
 
 def __getattr__(name: str):
@@ -14,6 +16,10 @@ def __getattr__(name: str):
         from bertdist.model import bert
 
         return getattr(bert, name)
+    if name in _ELECTRA_NAMES:
+        from bertdist.model import electra
+
+        return getattr(electra, name)
     raise AttributeError(f"module 'bertdist.model' has no attribute {name!r}")
 
 
@@ -24,6 +30,10 @@ __all__ = [
     "BertConfig",
     "BertForPreTraining",
     "BertModel",
+    "ElectraConfig",
+    "ElectraForPreTraining",
+    "ElectraModel",
+    "ElectraPreTrainingOutput",
     "PreTrainingOutput",
     "count_parameters",
     "forward_flops_per_sequence",

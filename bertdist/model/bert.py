@@ -32,12 +32,16 @@ class LayerNorm(nn.LayerNorm):
 
 
 class BertEmbeddings(nn.Module):
-    def __init__(self, cfg: BertConfig, kernels: KernelSet):
+    """Word + position + token-type embeddings, layer norm, dropout. ``width``: the embedding size
+    when it is not the hidden size (ELECTRA's factorised embeddings, bertdist/model/electra.py)."""
+
+    def __init__(self, cfg: BertConfig, kernels: KernelSet, width: int | None = None):
         super().__init__()
-        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
-        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
-        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
-        self.LayerNorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, kernels)
+        width = cfg.hidden_size if width is None else width
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, width, padding_idx=cfg.pad_token_id)
+        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, width)
+        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, width)
+        self.LayerNorm = LayerNorm(width, cfg.layer_norm_eps, kernels)
         self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
         self.max_positions = cfg.max_position_embeddings
 
@@ -240,15 +244,25 @@ class BertModel(nn.Module):
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         h = self.embeddings(input_ids, token_type_ids)
-        if attention_mask is not None and self.config.unpad:
-            if token_index is not None and cu_seqlens is not None and max_seqlen is not None:
-                unpadded = Unpadded.from_packing(token_index, cu_seqlens, max_seqlen, *input_ids.shape)
-            else:
-                unpadded = Unpadded.from_mask(attention_mask)
-            h = unpadded.unpack(self.encoder(unpadded.pack(h), unpadded))
-        else:
-            h = self.encoder(h, None if attention_mask is None else attention_mask.bool())
+        h = encode(self.encoder, h, attention_mask, self.config.unpad, token_index=token_index,
+                   cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         return h, (self.pooler(h) if self.pooler is not None else None)
+
+
+def encode(encoder: BertEncoder, h: torch.Tensor, attention_mask: torch.Tensor | None, unpad: bool, *,
+           token_index: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+           max_seqlen: "int | torch.Tensor | None" = None) -> torch.Tensor:
+    """The encoder over embedded inputs ``h`` [B, S, hidden]: on the packed real tokens with
+    ``unpad`` and a padding mask (the output scattered back, zeros at padding), else padded.
+    The packing arguments: see ``BertModel.forward``."""
+    if attention_mask is not None and unpad:
+        b, s = attention_mask.shape
+        if token_index is not None and cu_seqlens is not None and max_seqlen is not None:
+            unpadded = Unpadded.from_packing(token_index, cu_seqlens, max_seqlen, b, s)
+        else:
+            unpadded = Unpadded.from_mask(attention_mask)
+        return unpadded.unpack(encoder(unpadded.pack(h), unpadded))
+    return encoder(h, None if attention_mask is None else attention_mask.bool())
 
 
 class BertPredictionHeadTransform(nn.Module):

@@ -1,4 +1,5 @@
-"""BertConfig: the model's schema, with the tiny/mini/base/large presets.
+"""BertConfig: the model's schema, with the tiny/mini/base/large presets; ElectraConfig: an ELECTRA
+pretraining model (a BertConfig for the discriminator plus the embedding and generator sizes).
 
 Field names follow Hugging Face's ``transformers.BertConfig`` so that export
 is a straight copy. ``vocab_size`` is normally taken from the vocab file
@@ -9,7 +10,7 @@ and summaries work without a vocab.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Mapping, Optional
 
 from bertdist.config import ConfigError, from_dict
 
@@ -116,3 +117,77 @@ class BertConfig:
         fields = {f.name for f in dataclasses.fields(cls)}
         kept = {k: v for k, v in data.items() if k in fields and k != "preset"}
         return cls(preset="custom", **kept, **overrides)
+
+
+GENERATOR_FIELDS = ("generator_hidden_size", "generator_num_hidden_layers", "generator_num_attention_heads",
+                    "generator_intermediate_size")
+
+
+@dataclasses.dataclass
+class ElectraConfig(BertConfig):
+    """ELECTRA (Clark et al., 2020), bertdist/model/electra.py: the BertConfig fields are the
+    discriminator's, the model being pretrained and then fine-tuned. The generator is a narrower
+    BERT with the same vocabulary, positions, token types, dropout and layer-norm eps. Both read
+    one set of embeddings of width ``embedding_size`` (None: ``hidden_size``), projected to each
+    tower's hidden size where it differs (HF's ``embeddings_project``).
+
+    The ``generator_*`` sizes are all set, or all None for a discriminator alone (a published
+    ``ElectraForPreTraining`` or ``ElectraModel`` without its generator): a backbone for
+    fine-tuning and distillation, not a model ELECTRA pretraining can continue.
+    """
+
+    model_type: Literal["electra"] = "electra"  # marks the mapping form (YAML) as ELECTRA's
+    embedding_size: Optional[int] = None
+    generator_hidden_size: Optional[int] = None
+    generator_num_hidden_layers: Optional[int] = None
+    generator_num_attention_heads: Optional[int] = None
+    generator_intermediate_size: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.embedding_size is not None and self.embedding_size <= 0:
+            raise ConfigError(f"model.embedding_size must be positive, got {self.embedding_size}")
+        given = {name: getattr(self, name) for name in GENERATOR_FIELDS}
+        if any(v is None for v in given.values()) and any(v is not None for v in given.values()):
+            raise ConfigError(f"model: the generator sizes are all set or all null, got {given}")
+        if self.has_generator:
+            for name, value in given.items():
+                if value <= 0:
+                    raise ConfigError(f"model.{name} must be positive, got {value}")
+            h, a = self.generator_hidden_size, self.generator_num_attention_heads
+            if h % a:
+                raise ConfigError(f"model: generator_hidden_size ({h}) must be divisible by "
+                                  f"generator_num_attention_heads ({a}); {h} / {a} = {h / a:.3f}")
+
+    @property
+    def embedding_width(self) -> int:
+        return self.hidden_size if self.embedding_size is None else self.embedding_size
+
+    @property
+    def has_generator(self) -> bool:
+        return self.generator_hidden_size is not None
+
+    def discriminator_config(self) -> BertConfig:
+        """The discriminator as a plain BertConfig (the encoder fine-tuning builds on)."""
+        return BertConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(BertConfig)})
+
+    def generator_config(self) -> BertConfig:
+        """The generator's encoder: the discriminator's config with the generator's four sizes."""
+        if not self.has_generator:
+            raise ConfigError("this ELECTRA config has no generator (a discriminator alone)")
+        return dataclasses.replace(self.discriminator_config(), preset="custom",
+                                   hidden_size=self.generator_hidden_size,
+                                   num_hidden_layers=self.generator_num_hidden_layers,
+                                   num_attention_heads=self.generator_num_attention_heads,
+                                   intermediate_size=self.generator_intermediate_size)
+
+    def without_generator(self) -> "ElectraConfig":
+        return dataclasses.replace(self, **{name: None for name in GENERATOR_FIELDS})
+
+
+def model_config_from_mapping(data: Mapping[str, Any]) -> BertConfig:
+    """A ``model:`` mapping (a run's YAML, a torch-format dir): ElectraConfig when it says
+    ``model_type: electra``, else BertConfig."""
+    if data.get("model_type") == "electra":
+        return ElectraConfig.from_mapping(data)
+    return BertConfig.from_mapping(data)

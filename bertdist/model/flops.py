@@ -9,13 +9,20 @@ backward for activations and for weights). Per sequence of ``seq`` real tokens:
 - MLM head: 2 * P * (d^2 + d V) for P predicted positions (P = seq for a dense head);
 - pooler and NSP head: 2 * (d^2 + 2 d).
 Embedding lookups and element-wise ops are not counted, as is customary for MFU.
+
+ELECTRA (``ElectraConfig``) counts both towers, each trained: the generator's encoder and its MLM
+head (2 * P * (h_g * E + E * V) at the P masked positions), the discriminator's encoder and its
+replaced-token head on every token (2 * seq * (d^2 + d)), and each tower's projection from the
+embedding size E where it differs from its hidden size (2 * seq * E * h). Sampling is not counted.
 """
 from __future__ import annotations
 
-from bertdist.model.config import BertConfig
+from bertdist.model.config import BertConfig, ElectraConfig
 
 
 def forward_flops_per_sequence(cfg: BertConfig, seq: int, predicted: int | None = None) -> dict[str, int]:
+    if isinstance(cfg, ElectraConfig):
+        return electra_forward_flops_per_sequence(cfg, seq, predicted)
     d, f, v, L = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers
     p = seq if predicted is None else predicted
     parts = {
@@ -24,6 +31,30 @@ def forward_flops_per_sequence(cfg: BertConfig, seq: int, predicted: int | None 
         "mlm_head": 2 * p * (d * d + d * v),
         "pooler_nsp": 2 * (d * d + 2 * d),
     }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def _encoder(cfg: BertConfig, seq: int) -> tuple[int, int]:
+    d, f, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    return L * 2 * seq * (4 * d * d + 2 * d * f), L * 2 * (2 * seq * seq * d)
+
+
+def electra_forward_flops_per_sequence(cfg: ElectraConfig, seq: int, predicted: int | None = None) -> dict[str, int]:
+    """Generator + discriminator (the module docstring); without generator sizes, the discriminator alone."""
+    e, v, d = cfg.embedding_width, cfg.vocab_size, cfg.hidden_size
+    p = seq if predicted is None else predicted
+    gemm, attention = _encoder(cfg, seq)
+    parts = {"discriminator_encoder_gemm": gemm, "discriminator_attention": attention,
+             "discriminator_head": 2 * seq * (d * d + d),
+             "embeddings_project": 2 * seq * e * d if e != d else 0}
+    if cfg.has_generator:
+        g = cfg.generator_config()
+        gemm, attention = _encoder(g, seq)
+        h = g.hidden_size
+        parts.update(generator_encoder_gemm=gemm, generator_attention=attention,
+                     generator_mlm_head=2 * p * (h * e + e * v))
+        parts["embeddings_project"] += 2 * seq * e * h if e != h else 0
     parts["total"] = sum(parts.values())
     return parts
 

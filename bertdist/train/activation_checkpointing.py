@@ -51,9 +51,11 @@ def checkpoint_modules(modules: Iterable[nn.Module], fn: Callable) -> int:
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, ds_config: dict | None = None) -> int:
-    """Checkpoint every encoder layer of a ``BertForPreTraining``/``BertModel``; returns how many."""
+    """Checkpoint every encoder layer of a ``BertForPreTraining``/``BertModel`` (of both towers of
+    an ``ElectraForPreTraining``); returns how many."""
+    from bertdist.model.bert import BertLayer
+
     fn = checkpoint_function(mode, ds_config)
     if fn is None:
         return 0
-    bert = getattr(model, "bert", model)
-    return checkpoint_modules(bert.encoder.layer, fn)
+    return checkpoint_modules([m for m in model.modules() if isinstance(m, BertLayer)], fn)

@@ -8,7 +8,8 @@ Layout of ``<checkpoint dir>``::
         *zero_pp_rank_<r>_mp_rank_00_optim_states.pt   # DeepSpeed: ZeRO shards, one per rank
         bertdist_config.yaml    # the resolved TrainConfig of the run
         trainer_state.json      # step, phase, loader state, world size, batch sizes, model config
-        rng_state_rank<r>.json  # python / numpy / torch (/ cuda) RNG states of rank r (JSON: nothing to unpickle)
+        rng_state_rank<r>.json  # python / numpy / torch (/ cuda) RNG states of rank r, and those of an
+                                # objective's own generators (ELECTRA's sampling); JSON: nothing to unpickle
         COMPLETE                # written last, before the directory is published
     universal/step_00000500/    # made on demand: DeepSpeed universal checkpoint for a new world size
     .staging/                   # checkpoints being written; never read
@@ -27,8 +28,9 @@ import random
 import shutil
 import subprocess
 import sys
+import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -91,8 +93,9 @@ def _b64_bytes(s: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
 
 
-def rng_state() -> dict[str, Any]:
-    """This process's RNG states as plain JSON values."""
+def rng_state(generators: Mapping[str, torch.Generator] | None = None) -> dict[str, Any]:
+    """This process's RNG states as plain JSON values; ``generators``: named ``torch.Generator``s
+    of the run besides the global ones (ELECTRA's sampling RNG), saved under "generators"."""
     version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {"python": [version, list(internal), gauss],
@@ -100,18 +103,21 @@ def rng_state() -> dict[str, Any]:
              "torch": _bytes_b64(torch.get_rng_state())}
     if torch.cuda.is_available():
         state["cuda"] = _bytes_b64(torch.cuda.get_rng_state())
+    if generators:
+        state["generators"] = {name: _bytes_b64(g.get_state()) for name, g in generators.items()}
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore ``rng_state()``'s JSON form, or the pickled form of older checkpoints."""
+def set_rng_state(state: dict[str, Any], generators: Mapping[str, torch.Generator] | None = None) -> list[str]:
+    """Restore ``rng_state()``'s JSON form, or the pickled form of older checkpoints, into the
+    global RNGs and ``generators``; returns the names of ``generators`` the state does not hold."""
     if isinstance(state["torch"], torch.Tensor):  # older checkpoints: the objects themselves
         random.setstate(state["python"])
         np.random.set_state(state["numpy"])
         torch.set_rng_state(state["torch"])
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda"])
-        return
+        return sorted(generators or {})
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     kind, keys, pos, has_gauss, cached = state["numpy"]
@@ -119,6 +125,19 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(_b64_bytes(state["torch"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(_b64_bytes(state["cuda"]))
+    saved = state.get("generators") or {}
+    for name, g in (generators or {}).items():
+        if name in saved:
+            g.set_state(_b64_bytes(saved[name]))
+    return sorted(set(generators or {}) - set(saved))
+
+
+def seed_generators(generators: Mapping[str, torch.Generator] | None, seed: int, rank: int, step: int) -> None:
+    """Seed each named generator from (seed, rank, step, its name): one stream per rank, none
+    shared with the global RNGs (dropout) or another generator."""
+    for name, g in (generators or {}).items():
+        key = np.random.SeedSequence([seed, rank, step, zlib.crc32(name.encode())]).generate_state(1)[0]
+        g.manual_seed(int(key))
 
 
 def read_rng_state(tag_dir: Path, rank: int) -> dict[str, Any] | None:
@@ -174,8 +193,10 @@ class CheckpointManager:
             shutil.rmtree(self.dir / STAGING, ignore_errors=True)  # leftovers of a save that crashed
         _barrier()
 
-    def save(self, engine, state: TrainerState, config) -> str:
-        """All ranks call this. Returns the tag once ``latest`` points at it."""
+    def save(self, engine, state: TrainerState, config,
+             generators: Mapping[str, torch.Generator] | None = None) -> str:
+        """All ranks call this. Returns the tag once ``latest`` points at it. ``generators``: the
+        objective's named RNGs, saved with this rank's RNG states."""
         tag = checkpoint_tag(state.step)
         trainer_state = state.to_dict()
         staging_root = self.dir / STAGING
@@ -186,7 +207,7 @@ class CheckpointManager:
         engine.save_checkpoint(str(staging_root), tag=tag, client_state={"bertdist": trainer_state},
                                save_latest=False)
         sdir = staging_root / tag
-        rng_file(sdir, self.rank).write_text(json.dumps(rng_state()))
+        rng_file(sdir, self.rank).write_text(json.dumps(rng_state(generators)))
         _barrier()
         if self.rank == 0:
             save_config(config, sdir / CONFIG_FILE)

@@ -12,7 +12,7 @@ import os
 from typing import Literal, Optional, Sequence
 
 from bertdist.config import ConfigError, apply_overrides, from_dict, load_yaml
-from bertdist.model.config import PRESETS, BertConfig
+from bertdist.model.config import PRESETS, BertConfig, ElectraConfig, model_config_from_mapping
 
 
 @dataclasses.dataclass
@@ -179,6 +179,67 @@ class PretrainDistillConfig:
 
 
 @dataclasses.dataclass
+class PretrainElectraConfig:
+    """ELECTRA replaced-token detection (Clark et al., 2020; bertdist/train/electra_objective.py):
+    a small generator (an MLM over the same masked batches) fills each masked position with a token
+    sampled from its prediction, and the model being pretrained (the discriminator, sized by
+    `model`) tells every real token replaced or original. Both share the embeddings. loss =
+    gen_weight * generator MLM cross-entropy + disc_weight * discriminator binary cross-entropy
+    averaged over the real tokens. No NSP: records that carry NSP labels train without them."""
+    # width of the shared embeddings; null: model.hidden_size. Narrower (ELECTRA-Small: 128 under
+    # hidden 256) adds a projection to each tower's hidden size
+    embedding_size: Optional[int] = None
+    # the generator: hidden round(ratio x model.hidden_size), heads max(1, hidden / 64), FFN 4 x hidden,
+    # the discriminator's depth (the paper: 1/4 for Small and Large, 1/3 for Base); sizes set below win
+    generator_size_ratio: float = 0.25
+    generator_hidden_size: Optional[int] = None
+    generator_num_hidden_layers: Optional[int] = None
+    generator_num_attention_heads: Optional[int] = None
+    generator_intermediate_size: Optional[int] = None
+    disc_weight: float = 50.0  # lambda, the paper's 50
+    gen_weight: float = 1.0
+    temperature: float = 1.0  # the generator's logits are divided by it before sampling
+    # the draw from softmax(logits / T), the same distribution either way. multinomial: one uniform per
+    # masked position against the cumulative softmax (inverse CDF); gumbel: argmax(logits / T + Gumbel
+    # noise), the original's, with a uniform and two logarithms per logit: ~3x the cost, 1.41x instead of
+    # 1.23x an MLM step's time on a CPU (benchmarks/electra_step_time.py)
+    sampling: Literal["multinomial", "gumbel"] = "multinomial"
+
+    def __post_init__(self) -> None:
+        if self.generator_size_ratio <= 0:
+            raise ConfigError(f"electra.generator_size_ratio must be positive, got {self.generator_size_ratio}")
+        if self.temperature <= 0:
+            raise ConfigError(f"electra.temperature must be positive, got {self.temperature}")
+        weights = {"gen_weight": self.gen_weight, "disc_weight": self.disc_weight}
+        if any(w < 0 for w in weights.values()) or not any(weights.values()):
+            raise ConfigError(f"electra: the loss weights must be >= 0 and not all 0, got {weights}")
+        for name in ("embedding_size", "generator_hidden_size", "generator_num_hidden_layers",
+                     "generator_num_attention_heads", "generator_intermediate_size"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ConfigError(f"electra.{name} must be positive, got {getattr(self, name)}")
+
+    def model_config(self, model: BertConfig) -> ElectraConfig:
+        """The ELECTRA model of a run whose discriminator is ``model``, its generator sizes resolved."""
+        hidden = self.generator_hidden_size or int(round(self.generator_size_ratio * model.hidden_size))
+        if hidden <= 0:
+            raise ConfigError(f"electra: generator hidden size round({self.generator_size_ratio} x "
+                              f"{model.hidden_size}) = {hidden}; raise generator_size_ratio or set "
+                              f"generator_hidden_size")
+        heads = self.generator_num_attention_heads or max(1, hidden // 64)
+        if hidden % heads:
+            raise ConfigError(
+                f"electra: the generator's hidden size {hidden} (generator_hidden_size "
+                f"{self.generator_hidden_size}, or round({self.generator_size_ratio} x {model.hidden_size})) is not "
+                f"divisible by its {heads} heads (generator_num_attention_heads {self.generator_num_attention_heads}, "
+                f"or max(1, {hidden} // 64)); {hidden} / {heads} = {hidden / heads:.3f}")
+        fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(BertConfig)}
+        return ElectraConfig(**fields, embedding_size=self.embedding_size, generator_hidden_size=hidden,
+                             generator_num_hidden_layers=self.generator_num_hidden_layers or model.num_hidden_layers,
+                             generator_num_attention_heads=heads,
+                             generator_intermediate_size=self.generator_intermediate_size or 4 * hidden)
+
+
+@dataclasses.dataclass
 class TrainConfig:
     run_dir: str = "runs/pretrain"
     phase: int = 1  # bookkeeping: 1 = seq 128, 2 = seq 512 (from a phase-1 checkpoint)
@@ -195,8 +256,14 @@ class TrainConfig:
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     distill: Optional[PretrainDistillConfig] = None  # general distillation from a teacher; null: plain pretraining
+    electra: Optional[PretrainElectraConfig] = None  # ELECTRA replaced-token detection; null: MLM (+ NSP)
 
     def __post_init__(self) -> None:
+        if self.distill is not None and self.electra is not None:
+            raise ConfigError("distill and electra are both set: general distillation trains a BERT's MLM head "
+                              "towards a teacher, ELECTRA trains a discriminator; set one of them to null")
+        if self.electra is not None:
+            self.electra.model_config(self.model)  # the generator's sizes resolve, or an error with the numbers
         if self.optimizer.name == "lamb" and self.deepspeed.zero_stage > 0:
             # ZeRO flattens and partitions the parameters, so the optimizer would see slices of a flat
             # buffer instead of layers, and LAMB's per-layer trust ratio ||w|| / ||update|| would be wrong.
@@ -205,6 +272,12 @@ class TrainConfig:
                 "per-layer trust ratio needs whole parameter tensors, and ZeRO 1-3 hand the optimizer flat "
                 "partitions. Use zero_stage 0 with LAMB (NVIDIA's BERT recipe), or adamw with ZeRO."
             )
+
+    @property
+    def model_config(self) -> BertConfig:
+        """The model the run trains: ``model``, or with an ``electra`` section the ELECTRA model
+        (``model`` is its discriminator)."""
+        return self.electra.model_config(self.model) if self.electra is not None else self.model
 
     @property
     def checkpoint_dir(self) -> str:
@@ -225,6 +298,19 @@ def _expand_model_preset(data: dict) -> dict:
 
 def train_config_from_dict(data: dict) -> TrainConfig:
     return from_dict(TrainConfig, _expand_model_preset(data))
+
+
+def model_config_of(run_cfg: dict) -> BertConfig:
+    """The model a saved run config (``bertdist_config.yaml``, a run's ``config.yaml``) describes: its
+    ``model`` section, made an ELECTRA model by an ``electra`` section or by ``model_type: electra``
+    (the form ``bertdist import-hf`` writes)."""
+    model = run_cfg.get("model")
+    if not isinstance(model, dict):
+        raise ConfigError("no `model:` section")
+    if run_cfg.get("electra") is not None:
+        bert = from_dict(BertConfig, _expand_model_preset({"model": model})["model"])
+        return from_dict(PretrainElectraConfig, run_cfg["electra"], _where="electra").model_config(bert)
+    return model_config_from_mapping(model)
 
 
 def load_train_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> TrainConfig:

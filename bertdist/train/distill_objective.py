@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from bertdist.config import ConfigError
-from bertdist.model import IGNORE_INDEX, BertConfig
+from bertdist.model import IGNORE_INDEX, BertConfig, ElectraConfig
 from bertdist.model.bert import BertForPreTraining, PreTrainingOutput
 from bertdist.train.config import PretrainDistillConfig, TrainConfig
 
@@ -136,6 +136,9 @@ def load_teacher(cfg: TrainConfig, device: torch.device, kernels=None) -> Loaded
         w = load_pretrained(d.teacher)
     except (ExportError, FileNotFoundError) as e:
         raise ConfigError(f"distill.teacher {d.teacher}: cannot load a BERT with an MLM head from it: {e}") from None
+    if isinstance(w.config, ElectraConfig):
+        raise ConfigError(f"distill.teacher {d.teacher}: an ELECTRA model; general distillation learns a BERT's "
+                          f"MLM distribution (an ELECTRA discriminator has no MLM head)")
     check_vocab(d.teacher, w.config, w.vocab_file, cfg.model, cfg.data.vocab_file)
     if d.alpha_hidden_cos and w.config.hidden_size != cfg.model.hidden_size:
         raise ConfigError(

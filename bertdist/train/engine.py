@@ -32,7 +32,12 @@ def build_engine(cfg: TrainConfig, plan: RestorePlan, world_size: int, grad_accu
 
     use_tf32(device_type)
     seed_all(cfg.seed)
-    model = BertForPreTraining(cfg.model, device_type=device_type, kernels=kernels)
+    if cfg.electra is not None:  # generator + discriminator; the objective is applied from outside
+        from bertdist.model.electra import ElectraForPreTraining
+
+        model = ElectraForPreTraining(cfg.model_config, device_type=device_type, kernels=kernels)
+    else:
+        model = BertForPreTraining(cfg.model, device_type=device_type, kernels=kernels)
     optimizer = build_optimizer(model, cfg.optimizer, device_type)
     scheduler = build_scheduler(optimizer, cfg.schedule)
     ds_config = build_ds_config(cfg, world_size, grad_accum)

@@ -84,7 +84,7 @@ def launch_plan(cfg: TrainConfig, world_size: int, profile) -> dict[str, Any]:
     cfg = dataclasses.replace(cfg, model=cfg.model.with_vocab(vocab))
     d = cfg.deepspeed
     ds = build_ds_config(cfg, world_size, accum)
-    mem = estimate_memory(cfg.model, micro_batch=cfg.data.micro_batch_size, seq=cfg.data.max_seq_length,
+    mem = estimate_memory(cfg.model_config, micro_batch=cfg.data.micro_batch_size, seq=cfg.data.max_seq_length,
                           precision=d.precision, zero_stage=d.zero_stage, world_size=world_size,
                           max_predictions=cfg.data.max_predictions_per_seq,
                           sparse_mlm_head=cfg.model.sparse_mlm_head)
@@ -95,8 +95,17 @@ def launch_plan(cfg: TrainConfig, world_size: int, profile) -> dict[str, Any]:
                          "moments, partitioned by ZeRO; activations per layer s*b*h*(16e+2) + a*s^2*b*(2e+1) "
                          "(e = bytes per activation element), x layers, + MLM head logits; checkpointed: layer "
                          "inputs + one layer (bertdist/train/memory.py)")
+    model = cfg.model_config
+    model_row = {"type": "bert", "layers": model.num_hidden_layers, "hidden_size": model.hidden_size}
+    if cfg.electra is not None:  # the resolved generator sizes, which the recipe may give as a ratio
+        model_row.update(type="electra", embedding_size=model.embedding_width,
+                         generator={"layers": model.generator_num_hidden_layers,
+                                    "hidden_size": model.generator_hidden_size,
+                                    "heads": model.generator_num_attention_heads,
+                                    "intermediate_size": model.generator_intermediate_size})
     return {
         "recipe_config": to_dict(cfg),
+        "model": model_row,
         "vocab_size": {"value": vocab, "source": vocab_note},
         "device_profile": profile.to_dict(),
         "world_size": world_size,
@@ -122,14 +131,20 @@ def format_launch_plan(plan: dict[str, Any]) -> str:
     lines = [f"bertdist pretrain --plan: world size {plan['world_size']} on {prof['name']} ({prof['type']})", "",
              "resolved config:",
              *("  " + ln for ln in yaml.safe_dump(plan["recipe_config"], sort_keys=False).splitlines()),
-             f"  (vocab size {plan['vocab_size']['value']}: {plan['vocab_size']['source']})", "",
-             f"batch: global {b['global']} = micro {b['micro']} x accumulation {b['grad_accum']} x world "
-             f"{b['world_size']}", "",
-             f"optimizer: {o['name']} -> {o['implementation']} ({o['why']})", "",
-             f"precision {p['precision']}: weights {p['weights']}, master weights {p['master_weights']}, compute "
-             f"{p['compute']}, gradient accumulation {p['grad_accumulation']}, communication {p['communication']}, "
-             f"loss scaling {p['loss_scaling']} ({p['how']})", "",
-             f"kernels: {k['mode']}: {k['why']}"]
+             f"  (vocab size {plan['vocab_size']['value']}: {plan['vocab_size']['source']})", ""]
+    mr = plan["model"]
+    if mr["type"] == "electra":
+        g = mr["generator"]
+        lines += [f"model: ELECTRA: discriminator {mr['layers']} x {mr['hidden_size']}, generator {g['layers']} x "
+                  f"{g['hidden_size']} ({g['heads']} heads, FFN {g['intermediate_size']}), shared embeddings of width "
+                  f"{mr['embedding_size']}", ""]
+    lines += [f"batch: global {b['global']} = micro {b['micro']} x accumulation {b['grad_accum']} x world "
+              f"{b['world_size']}", "",
+              f"optimizer: {o['name']} -> {o['implementation']} ({o['why']})", "",
+              f"precision {p['precision']}: weights {p['weights']}, master weights {p['master_weights']}, compute "
+              f"{p['compute']}, gradient accumulation {p['grad_accumulation']}, communication {p['communication']}, "
+              f"loss scaling {p['loss_scaling']} ({p['how']})", "",
+              f"kernels: {k['mode']}: {k['why']}"]
     for c in k["cases"]:
         runs = [x["name"] for x in c["candidates"] if not x["unsupported"]]
         cannot = [f"{x['name']} ({x['unsupported']})" for x in c["candidates"] if x["unsupported"]]

@@ -23,6 +23,12 @@ that stage partitions it):
 - with activation checkpointing of every layer: the L layer inputs (s*b*h*e each) plus one
   layer's activations, rebuilt during its backward.
 
+ELECTRA (an ``ElectraConfig``): P counts both towers and the shared embeddings
+(``electra_parameter_count``); activations add the generator's layers (its h and a) to the
+discriminator's, and the head term is the generator's MLM head over the predicted positions (at
+the embedding size) plus the discriminator's head over all s tokens; the per-layer figures
+reported are the discriminator's.
+
 Not included: the CUDA context and libraries (about 0.5-1 GiB), allocator fragmentation,
 communication buffers and temporaries such as the largest matmul's workspace.
 """
@@ -31,18 +37,44 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from bertdist.model.config import ElectraConfig
+
 GIB = 2**30
 
 
+def _layer_parameters(h: int, f: int) -> int:
+    return (4 * h * h + 4 * h) + 2 * h + (h * f + f) + (f * h + h) + 2 * h
+
+
 def bert_parameter_count(m) -> int:
-    """Parameters of ``BertForPreTraining`` for a ``BertConfig`` (the MLM decoder tied to the embeddings)."""
+    """Parameters of ``BertForPreTraining`` for a ``BertConfig`` (the MLM decoder tied to the embeddings);
+    of ``ElectraForPreTraining`` for an ``ElectraConfig``."""
+    if isinstance(m, ElectraConfig):
+        return electra_parameter_count(m)
     h, f, v = m.hidden_size, m.intermediate_size, m.vocab_size
     embeddings = (v + m.max_position_embeddings + m.type_vocab_size) * h + 2 * h
-    layer = (4 * h * h + 4 * h) + 2 * h + (h * f + f) + (f * h + h) + 2 * h
     pooler = h * h + h
     mlm_head = (h * h + h) + 2 * h + v  # transform, its LayerNorm, the decoder bias
     nsp_head = 2 * h + 2
-    return embeddings + m.num_hidden_layers * layer + pooler + mlm_head + nsp_head
+    return embeddings + m.num_hidden_layers * _layer_parameters(h, f) + pooler + mlm_head + nsp_head
+
+
+def electra_parameter_count(m: ElectraConfig) -> int:
+    """Parameters of ``ElectraForPreTraining``: the shared embeddings (width E) once; per tower a
+    projection from E where its hidden size differs, and its layers; the discriminator's head
+    (dense, dense_prediction); the generator's (dense to E, LayerNorm, the tied decoder's bias)."""
+    e, v = m.embedding_width, m.vocab_size
+    total = (v + m.max_position_embeddings + m.type_vocab_size) * e + 2 * e
+
+    def tower(h: int, f: int, layers: int) -> int:
+        return (e * h + h if e != h else 0) + layers * _layer_parameters(h, f)
+
+    h = m.hidden_size
+    total += tower(h, m.intermediate_size, m.num_hidden_layers) + (h * h + h) + (h + 1)
+    if m.has_generator:
+        g = m.generator_hidden_size
+        total += tower(g, m.generator_intermediate_size, m.generator_num_hidden_layers) + (g * e + e) + 2 * e + v
+    return total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +120,12 @@ def estimate_memory(model, *, micro_batch: int, seq: int, precision: str, zero_s
     head = 2 * b * m * model.vocab_size * 4 + b * m * h * e * 2
     activations = L * (per_layer + probs) + head
     checkpointed = L * s * b * h * e + per_layer + probs + head
+    if isinstance(model, ElectraConfig) and model.has_generator:
+        hg, ag, Lg = model.generator_hidden_size, model.generator_num_attention_heads, model.generator_num_hidden_layers
+        g_layer, g_probs = s * b * hg * (16 * e + 2), ag * s * s * b * (2 * e + 1)
+        head = 2 * b * m * model.vocab_size * 4 + b * m * model.embedding_width * e * 2 + b * s * h * e * 2
+        activations = L * (per_layer + probs) + Lg * (g_layer + g_probs) + head
+        checkpointed = (L * h + Lg * hg) * s * b * e + max(per_layer + probs, g_layer + g_probs) + head
     states = weights + masters + copies + grads + opt
     return MemoryEstimate(p, weights, masters, copies, grads, opt, per_layer, probs, head, activations, checkpointed,
                           states + activations, states + checkpointed)

@@ -131,11 +131,14 @@ def new_state(cfg: TrainConfig, world_size: int, grad_accum: int) -> TrainerStat
         grad_accum=grad_accum, schedule={"lr": cfg.optimizer.lr, **to_dict(cfg.schedule)})
 
 
-def restore(engine, scheduler, plan: RestorePlan, cfg: TrainConfig, rank: int, state: TrainerState) -> TrainerState:
+def restore(engine, scheduler, plan: RestorePlan, cfg: TrainConfig, rank: int, state: TrainerState,
+            generators=None) -> TrainerState:
     """Load ``plan`` into ``engine`` and seed this rank's RNGs; returns ``state`` moved to where the
-    run continues (step, loader position, phase history)."""
+    run continues (step, loader position, phase history). ``generators``: the objective's named
+    ``torch.Generator``s (ELECTRA's sampling), restored from the checkpoint with the global RNGs, or
+    seeded where it has none for them (a fresh start, a new phase, a new world size)."""
     from bertdist.export.safe_load import safe_deepspeed_loads
-    from bertdist.train.checkpoint import read_rng_state, seed_all, set_rng_state
+    from bertdist.train.checkpoint import read_rng_state, seed_all, seed_generators, set_rng_state
 
     if plan.mode == "resume":
         with safe_deepspeed_loads(engine):
@@ -147,11 +150,14 @@ def restore(engine, scheduler, plan: RestorePlan, cfg: TrainConfig, rank: int, s
         state = dataclasses.replace(state, step=saved.step, loader=saved.loader, phases=saved.phases)
         rng = read_rng_state(Path(plan.load_dir) / plan.tag, rank) if saved.world_size == state.world_size else None
         if rng is not None:
-            set_rng_state(rng)
+            missing = set_rng_state(rng, generators)
+            seed_generators({k: generators[k] for k in missing}, cfg.seed, rank, state.step)
         else:
             seed_all(cfg.seed + 7919 * (rank + 1) + state.step)
+            seed_generators(generators, cfg.seed, rank, state.step)
         return state
     seed_all(cfg.seed + 7919 * (rank + 1))  # per-rank dropout streams
+    seed_generators(generators, cfg.seed, rank, 0)
     if plan.mode == "init":
         load_optimizer = cfg.checkpoint.init_load_optimizer
         with safe_deepspeed_loads(engine):

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-from bertdist.model import IGNORE_INDEX, BertConfig, train_flops_per_sequence
+from bertdist.model import IGNORE_INDEX, BertConfig, ElectraConfig, train_flops_per_sequence
 from bertdist.train.loader import batch_to_device
 
 
@@ -42,20 +42,28 @@ class DeviceSums:
 
 # Per-step sums: losses are averaged over the accumulation steps on each rank, everything else counts.
 STEP_FIELDS = ("loss", "mlm_loss", "nsp_loss", "mlm_correct", "mlm_count", "nsp_correct", "nsp_count",
-               "real_tokens", "padded_tokens", "sequences", "flops", "nonfinite", "stop", "mlm_kl", "hidden_cos")
+               "real_tokens", "padded_tokens", "sequences", "flops", "nonfinite", "stop", "mlm_kl", "hidden_cos",
+               "disc_loss", "disc_correct", "disc_count", "replaced_count")
 # The parts of a distillation objective's loss (train/distill_objective.py), logged when it has them.
 DISTILL_FIELDS = ("mlm_kl", "hidden_cos")
-EVAL_FIELDS = ("mlm_loss_sum", "mlm_correct", "mlm_count", "nsp_correct", "nsp_count", "nsp_loss_sum")
+EVAL_FIELDS = ("mlm_loss_sum", "mlm_correct", "mlm_count", "nsp_correct", "nsp_count", "nsp_loss_sum",
+               "disc_loss_sum", "disc_correct", "disc_count", "replaced_count")
 
 
 def batch_stats(out, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """MLM and NSP (or SOP) correct/count of one micro-batch, as device tensors (no sync)."""
+    """MLM and NSP (or SOP) correct/count of one micro-batch, as device tensors (no sync). ELECTRA
+    (bertdist/model/electra.py): MLM is the generator's; no NSP; the discriminator's correct,
+    count (real tokens) and replaced tokens."""
     labels = out.mlm_labels
     keep = labels != IGNORE_INDEX
     stats = {"mlm_correct": ((out.prediction_logits.argmax(-1) == labels) & keep).sum(), "mlm_count": keep.sum()}
-    if "next_sentence_label" in mb:
+    if "next_sentence_label" in mb and out.seq_relationship_logits is not None:
         stats["nsp_correct"] = (out.seq_relationship_logits.argmax(-1) == mb["next_sentence_label"]).sum()
         stats["nsp_count"] = mb["next_sentence_label"].numel()
+    if getattr(out, "discriminator_logits", None) is not None:
+        stats["disc_correct"] = (((out.discriminator_logits > 0) == out.replaced) & out.real).sum()
+        stats["disc_count"] = out.real.sum()
+        stats["replaced_count"] = out.replaced.sum()
     return stats
 
 
@@ -77,6 +85,9 @@ class StepRunner:
         self.params = list({id(p): p for p in self.engine.module.parameters()}.values())
         d, v = self.model.hidden_size, self.model.vocab_size
         self.head_flops = 3 * 2 * (d * d + d * v)  # training FLOPs of the MLM head per predicted position
+        if isinstance(self.model, ElectraConfig):  # the generator's head: its hidden size to the embeddings, then V
+            e, h = self.model.embedding_width, self.model.generator_hidden_size
+            self.head_flops = 3 * 2 * (h * e + e * v)
 
     def flops(self, mb: dict[str, torch.Tensor], mlm_count) -> torch.Tensor | float:
         n_seq, width = mb["input_ids"].shape
@@ -99,6 +110,8 @@ def _accumulate(r: StepRunner, sums: DeviceSums, out, mb: dict[str, torch.Tensor
     sums.add("mlm_loss", out.mlm_loss.detach().float().double() / r.grad_accum)
     if out.nsp_loss is not None:
         sums.add("nsp_loss", out.nsp_loss.detach().float().double() / r.grad_accum)
+    if getattr(out, "disc_loss", None) is not None:
+        sums.add("disc_loss", out.disc_loss.detach().float().double() / r.grad_accum)
     for name in DISTILL_FIELDS:
         if getattr(out, name, None) is not None:
             sums.add(name, getattr(out, name).detach().double() / r.grad_accum)
@@ -171,27 +184,41 @@ def step_metrics(res: StepResult, seconds: float, world_size: int, peak_flops: f
         m["nsp_loss"] = s["nsp_loss"] / world_size
         m["nsp_acc"] = s["nsp_correct"] / s["nsp_count"]
     m.update({name: s[name] / world_size for name in DISTILL_FIELDS if s[name] != 0.0})
+    if s["disc_count"] > 0:  # ELECTRA: mlm_* are the generator's
+        m.update(disc_loss=s["disc_loss"] / world_size, disc_acc=s["disc_correct"] / s["disc_count"],
+                 replaced_rate=s["replaced_count"] / s["disc_count"])
     return m
 
 
 @torch.no_grad()
-def evaluate(engine, batches: list[dict[str, torch.Tensor]], device: torch.device) -> dict[str, float]:
-    """Held-out MLM loss / accuracy and NSP (or SOP) accuracy and loss, summed over all ranks."""
+def evaluate(engine, batches: list[dict[str, torch.Tensor]], device: torch.device,
+             objective=None) -> dict[str, float]:
+    """Held-out MLM loss / accuracy and NSP (or SOP) accuracy and loss, summed over all ranks; for
+    ELECTRA the generator's MLM and the discriminator's loss, accuracy and replaced-token rate, with
+    replacements drawn inside ``objective.evaluation()`` (a fixed seed per evaluation)."""
+    import contextlib
+
     import torch.nn.functional as F
 
     engine.eval()
     sums = DeviceSums(EVAL_FIELDS, device)
-    for mb in batches:
-        mb = batch_to_device(mb, device)
-        out = engine(**mb)
-        logits = out.prediction_logits.float()
-        sums.add("mlm_loss_sum", F.cross_entropy(logits.reshape(-1, logits.shape[-1]), out.mlm_labels.reshape(-1),
-                                                 ignore_index=IGNORE_INDEX, reduction="sum").double())
-        for name, value in batch_stats(out, mb).items():
-            sums.add(name, value)
-        if "next_sentence_label" in mb:
-            sums.add("nsp_loss_sum", F.cross_entropy(out.seq_relationship_logits.float(), mb["next_sentence_label"],
+    with getattr(objective, "evaluation", contextlib.nullcontext)():
+        for mb in batches:
+            mb = batch_to_device(mb, device)
+            out = engine(**mb)
+            logits = out.prediction_logits.float()
+            sums.add("mlm_loss_sum", F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                     out.mlm_labels.reshape(-1), ignore_index=IGNORE_INDEX,
                                                      reduction="sum").double())
+            for name, value in batch_stats(out, mb).items():
+                sums.add(name, value)
+            if "next_sentence_label" in mb and out.seq_relationship_logits is not None:
+                sums.add("nsp_loss_sum", F.cross_entropy(out.seq_relationship_logits.float(),
+                                                         mb["next_sentence_label"], reduction="sum").double())
+            if getattr(out, "discriminator_logits", None) is not None:
+                bce = F.binary_cross_entropy_with_logits(out.discriminator_logits.float(), out.replaced.float(),
+                                                         reduction="none")
+                sums.add("disc_loss_sum", (bce * out.real).sum().double())
     engine.train()
     s = sums.all_reduce()
     res = {"mlm_loss": s["mlm_loss_sum"] / max(1.0, s["mlm_count"]),
@@ -199,6 +226,9 @@ def evaluate(engine, batches: list[dict[str, torch.Tensor]], device: torch.devic
     if s["nsp_count"] > 0:
         res.update(nsp_acc=s["nsp_correct"] / s["nsp_count"], nsp_loss=s["nsp_loss_sum"] / s["nsp_count"],
                    sequences=s["nsp_count"])
+    if s["disc_count"] > 0:
+        res.update(disc_loss=s["disc_loss_sum"] / s["disc_count"], disc_acc=s["disc_correct"] / s["disc_count"],
+                   replaced_rate=s["replaced_count"] / s["disc_count"])
     return res
 
 

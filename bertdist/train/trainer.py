@@ -129,6 +129,10 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool
         from bertdist.train.distill_objective import check_resume
 
         check_resume(cfg, plan.load_dir, plan.tag)
+    if plan.mode in ("resume", "init"):  # ELECTRA with the same section (resume) or the same model (new phase)
+        from bertdist.train.electra_objective import check_checkpoint
+
+        check_checkpoint(cfg, plan.load_dir, plan.tag, plan.mode)
     ckpt = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep_last_n, rank, world)
     if plan.universal:  # per-rank optimizer shards must be re-partitioned for this world size
         plan = dataclasses.replace(plan, load_dir=ensure_universal(plan.load_dir, plan.tag, rank))
@@ -148,7 +152,12 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool
         from bertdist.train.distill_objective import build_objective
 
         objective, teacher = build_objective(cfg, engine.module, device)
-    state = restore(engine, built.scheduler, plan, cfg, rank, new_state(cfg, world, grad_accum))
+    elif cfg.electra is not None:  # the loss weights and the sampler (with its checkpointed RNG)
+        from bertdist.train.electra_objective import ReplacedTokenDetection
+
+        objective = ReplacedTokenDetection(cfg, engine.module, device, rank)
+    generators = getattr(objective, "generators", None)
+    state = restore(engine, built.scheduler, plan, cfg, rank, new_state(cfg, world, grad_accum), generators)
     engine.train()
 
     loader = PretrainingLoader(records, cfg.data, rank=rank, world_size=world, grad_accum=grad_accum,
@@ -167,12 +176,16 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool
                                    "steps_per_epoch": loader.steps_per_epoch,
                                    "dropped_per_epoch": loader.dropped_per_epoch, "loader": state.loader},
                tensorboard=False)
-    runner = StepRunner(engine, device, grad_accum, cfg.deepspeed.precision, cfg.model,
+    runner = StepRunner(engine, device, grad_accum, cfg.deepspeed.precision, cfg.model_config,
                         own_grad_norm=not engine_reports_grad_norm(cfg.deepspeed.precision, cfg.deepspeed.zero_stage),
                         objective=objective)
-    if objective is not None:
+    if teacher is not None:
         log.message(objective.describe(teacher.origin))
-    session = _Session(cfg, engine, ckpt, log, eval_set, device, world, state)
+    elif objective is not None:
+        log.message(objective.describe())
+    if cfg.electra is not None and loader.has_nsp:
+        log.message("the records carry NSP labels: ELECTRA has no NSP head, so they are not used")
+    session = _Session(cfg, engine, ckpt, log, eval_set, device, world, state, objective)
     stop = _Stop()
     if cfg.checkpoint.save_on_sigterm:
         stop.install()
@@ -192,9 +205,11 @@ class _Session:
     """The training loop of ``run_pretraining`` and what it updates: the state, the last
     checkpoint, how it stopped, the final evaluation."""
 
-    def __init__(self, cfg: TrainConfig, engine, ckpt, log, eval_set, device, world: int, state: TrainerState):
+    def __init__(self, cfg: TrainConfig, engine, ckpt, log, eval_set, device, world: int, state: TrainerState,
+                 objective=None):
         self.cfg, self.engine, self.ckpt, self.log = cfg, engine, ckpt, log
         self.eval_set, self.device, self.world, self.state = eval_set, device, world, state
+        self.objective = objective
         self.last_checkpoint: str | None = None
         self.final_eval: dict[str, float] | None = None
         self.stopped_by = "end" if cfg.steps_to_run == cfg.schedule.total_steps else "max_steps"
@@ -202,7 +217,7 @@ class _Session:
     def save(self) -> None:
         t = time.time()
         self.state = dataclasses.replace(self.state, skipped_steps=int(self.engine.skipped_steps))
-        tag = self.ckpt.save(self.engine, self.state, self.cfg)
+        tag = self.ckpt.save(self.engine, self.state, self.cfg, getattr(self.objective, "generators", None))
         self.log.message(f"checkpoint {self.ckpt.dir / tag} saved in {time.time() - t:.1f}s")
         self.log.record("checkpoint", self.state.step, {"tag": tag, "seconds": time.time() - t}, tensorboard=False)
         self.last_checkpoint = tag
@@ -213,7 +228,7 @@ class _Session:
         if self.eval_set is None:
             return None
         t = time.time()
-        res = evaluate(self.engine, self.eval_set, self.device)
+        res = evaluate(self.engine, self.eval_set, self.device, self.objective)
         res["seconds"] = time.time() - t
         self.log.record("eval", self.state.step, res)
         self.log.message(f"eval @ step {self.state.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in res.items()))
