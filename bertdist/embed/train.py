@@ -299,8 +299,11 @@ class Trainer:
         b = len(units)
         kind = self.distill.get("loss")
         kw = {"normalize": self.distill["teacher_normalize"]} if kind == "embedding_mse" else {}
-        e = self._embed(fwd, qs + ps + flat, **kw)
-        q, p, n = e[:b], e[b:2 * b], (e[2 * b:] if flat else None)
+        # Queries and passages in separate forwards, each padded to its own longest: padding short
+        # queries to passage length doubled a MiniLM step at seq 256 (5.0 s against 2.6 s).
+        q = self._embed(fwd, qs, **kw)
+        d = self._embed(fwd, ps + flat, **kw)
+        p, n = d[:b], (d[b:] if flat else None)
         if kind is None:
             return mnrl_loss(q, p, n, self.cfg)
         from bertdist.embed.distill import embedding_mse, margin_mse
