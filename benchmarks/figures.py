@@ -337,6 +337,39 @@ def general_distill_table() -> list[str]:
     return out
 
 
+SERVING_RESULTS = ("serving_cpu_2026-11-26.json", "serving_cpu_2026-11-26_wait0.json")
+
+
+def serving_offline_table() -> list[str]:
+    name = SERVING_RESULTS[0]
+    d = json.loads(read(name))["offline"]
+    out = ["| model | variant | seq/s at batch 32 | x PyTorch eager fp32 | batch-1 p50 ms | SST-2 dev accuracy | raw results |",
+           "|---|---|---|---|---|---|---|"]
+    labels = {"torch_fp32": "PyTorch eager fp32", "torch_int8": "PyTorch dynamic int8", "ort_fp32": "ONNX Runtime fp32",
+              "ort_optimized": "ONNX Runtime optimised fp32", "ort_int8": "ONNX Runtime int8"}
+    for model, variants in d.items():
+        base = variants["torch_fp32"]["b32_seq_per_s"]
+        for v, label in labels.items():
+            r = variants[v]
+            out.append(f"| {model} | {label} | {r['b32_seq_per_s']:.1f} | {r['b32_seq_per_s'] / base:.2f}x | "
+                       f"{r['b1_p50_ms']:.1f} | {r['dev_accuracy']:.4f} | {link(name.replace('.json', '.md'))} |")
+    return out
+
+
+def serving_load_table() -> list[str]:
+    out = ["| max wait | batching | clients | req/s | p50 ms | p99 ms | lost or failed | raw results |",
+           "|---|---|---|---|---|---|---|---|"]
+    for name in SERVING_RESULTS:
+        d = json.loads(read(name))
+        wait = d["args"]["max_wait_ms"]
+        for r in d["load"]:
+            if r["clients"] in (1, 32):
+                out.append(f"| {wait:g} ms | {'on' if r['batching'] else 'off'} | {r['clients']} | {r['throughput_rps']:.1f} | "
+                           f"{r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['errors'] + r['lost']} | "
+                           f"{link(name.replace('.json', '.md'))} |")
+    return out
+
+
 TABLES = (
     ("GPU: bertdist bench through the GPU kit on one H200 (bf16, BERT-large batch 64 x 128)", gpu_table),
     ("Data build", data_build_table),
@@ -351,6 +384,8 @@ TABLES = (
     ("bertdist bench on CPU (the quick variant: no GPU claim)", acceptance_table),
     ("Task distillation on CPU (2,000 labelled rows, MiniLM-L6 teacher, 3-layer students)", distill_table),
     ("General distillation on CPU (held-out MLM loss at equal steps)", general_distill_table),
+    ("Serving offline on 2 CPU cores (SST-2 dev, 872 sentences, 2 threads)", serving_offline_table),
+    ("Serving under load: bertdist serve, the distilled student, ONNX Runtime int8", serving_load_table),
 )
 
 

@@ -165,8 +165,9 @@ def register(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (0: any free one; the URL is printed)")
     p.add_argument("--max-batch-size", type=int, default=32, help="items per model run")
-    p.add_argument("--max-wait-ms", type=float, default=5.0,
-                   help="how long the first queued item waits for more to batch with")
+    p.add_argument("--max-wait-ms", type=float, default=0.0,
+                   help="how long the first queued item waits for more to batch with (0: none; a batch is "
+                        "what queued while the previous one ran)")
     p.add_argument("--max-queue", type=int, default=256,
                    help="items waiting per model; a request that does not fit gets 503 with Retry-After")
     p.add_argument("--no-batching", action="store_true", help="run each request alone (for comparison)")

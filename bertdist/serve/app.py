@@ -36,7 +36,9 @@ ERROR_TYPES = {400: "Validation", 404: "NotFound", 405: "Validation", 413: "Vali
 @dataclasses.dataclass(frozen=True)
 class ServeSettings:
     max_batch_size: int = 32
-    max_wait_ms: float = 5.0
+    # 0: continuous batching, what queued while the previous batch ran; measured on the SST-2
+    # student at 32 clients: as fast as a 2 ms wait, and at 1 client 2.2x faster (no idle wait).
+    max_wait_ms: float = 0.0
     max_queue: int = 256  # items waiting, per model
     batching: bool = True
     max_body_bytes: int = 1 << 20

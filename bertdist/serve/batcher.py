@@ -105,7 +105,7 @@ class Batcher:
     """
 
     def __init__(self, run: Callable[[list], list], *, name: str = "model", max_batch_size: int = 32,
-                 max_wait_ms: float = 5.0, max_queue: int = 256, batching: bool = True,
+                 max_wait_ms: float = 0.0, max_queue: int = 256, batching: bool = True,
                  bucket_edges: Sequence[int] = DEFAULT_BUCKET_EDGES, observer: Observer | None = None):
         if max_batch_size < 1 or max_queue < 1 or max_wait_ms < 0:
             raise ValueError(f"need max_batch_size >= 1, max_queue >= 1, max_wait_ms >= 0; got "
