@@ -34,10 +34,20 @@ class SourceModel:
     task: str  # classification | regression | token | span | choice | encoder
     config: dict
     labels: list[str] | None
+    # A sentence-transformers bi-encoder: its pooling, Dense and Normalize go into the graph.
+    st_layout: object | None = None
+    # A one-score model's activation for its served scores: "sigmoid" or "identity" (a
+    # cross-encoder's config names it, as sentence-transformers reads it); None: raw (regression).
+    activation: str | None = None
 
 
 def read_source(hf_dir: str | os.PathLike) -> SourceModel:
     p = Path(hf_dir)
+    from bertdist.embed.model import is_sentence_transformers_dir, read_st_layout
+
+    layout = read_st_layout(p) if is_sentence_transformers_dir(p) else None
+    if layout is not None and layout.transformer_dir != p:
+        p = layout.transformer_dir  # the weights and tokenizer live in the Transformer module's folder
     conf_path = p / "config.json"
     if not conf_path.is_file():
         raise ExportError(f"{p}: no config.json: not a Hugging Face model directory (export a run with "
@@ -58,23 +68,57 @@ def read_source(hf_dir: str | os.PathLike) -> SourceModel:
     labels = None
     if task in ("classification", "token") and conf.get("id2label"):
         labels = [conf["id2label"][str(i)] for i in range(len(conf["id2label"]))]
-    return SourceModel(p, task, conf, labels)
+    activation = None
+    if task == "regression":
+        fn = str((conf.get("sentence_transformers") or {}).get("activation_fn", ""))
+        activation = "sigmoid" if fn.endswith("Sigmoid") else ("identity" if fn else None)
+    if layout is not None and task != "encoder":
+        raise ExportError(f"{hf_dir}: modules.json (a sentence-transformers bi-encoder) over a {task} model")
+    return SourceModel(p, task, conf, labels, layout, activation)
+
+
+def default_max_length(src: SourceModel) -> int:
+    """The length the model was trained and is used at: a bi-encoder's max_seq_length, else the
+    tokenizer's model_max_length, capped by the position table (never past what the model can read)."""
+    limit = int(src.config.get("max_position_embeddings", 512))
+    if src.st_layout is not None and src.st_layout.max_seq_length:
+        return min(int(src.st_layout.max_seq_length), limit)
+    tc = src.path / "tokenizer_config.json"
+    n = json.loads(tc.read_text()).get("model_max_length") if tc.is_file() else None
+    return min(int(n), limit) if isinstance(n, (int, float)) and 0 < n < 1e9 else limit
 
 
 class _ExportWrapper(nn.Module):
-    """The transformers model with plain tensor outputs (and, for encoders, mean pooling in the graph)."""
+    """The transformers model with plain tensor outputs; for encoders the sentence embedding in the
+    graph: mean pooling, or a sentence-transformers bi-encoder's pooling, Dense and Normalize."""
 
-    def __init__(self, model: nn.Module, task: str):
+    def __init__(self, model: nn.Module, task: str, layout=None):
         super().__init__()
         self.model, self.task = model, task
+        self.pooling = layout.pooling if layout is not None else "mean"
+        self.normalize = bool(layout is not None and layout.normalize)
+        self.dense, self.dense_act = None, None
+        if layout is not None and layout.dense is not None:
+            w = layout.dense["weight"]
+            self.dense = nn.Linear(w.shape[1], w.shape[0])
+            with torch.no_grad():
+                self.dense.weight.copy_(w.float())
+                b = layout.dense["bias"]
+                self.dense.bias.copy_(b.float() if b is not None else torch.zeros(w.shape[0]))
+            self.dense_act = nn.Tanh() if layout.dense["activation"] == "tanh" else nn.Identity()
 
     def forward(self, input_ids, attention_mask, token_type_ids):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
         if self.task == "encoder":
+            from bertdist.embed.pooling import pool
+
             hidden = out.last_hidden_state
-            m = attention_mask.unsqueeze(-1).to(hidden.dtype)
-            pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
-            return hidden, pooled
+            emb = pool(hidden, attention_mask, self.pooling)
+            if self.dense is not None:
+                emb = self.dense_act(self.dense(emb))
+            if self.normalize:
+                emb = nn.functional.normalize(emb, p=2, dim=-1)
+            return hidden, emb
         if self.task == "span":
             return out.start_logits, out.end_logits
         return out.logits
@@ -95,7 +139,7 @@ def load_torch_model(src: SourceModel) -> nn.Module:
            "choice": transformers.BertForMultipleChoice}[src.task]
     kwargs = {"add_pooling_layer": False} if src.task == "encoder" else {}
     model = cls.from_pretrained(str(src.path), attn_implementation="eager", **kwargs)
-    return _ExportWrapper(model, src.task).eval()  # eval on the wrapper: the exporter restores its mode after tracing
+    return _ExportWrapper(model, src.task, src.st_layout).eval()  # eval on the wrapper: the exporter restores its mode after tracing
 
 
 def example_inputs(task: str, batch: int = 2, seq: int = 8, choices: int = 4) -> tuple[torch.Tensor, ...]:
@@ -211,7 +255,7 @@ def export_onnx(source: str | os.PathLike, out: str | os.PathLike, opts: ExportO
     if opts.quantize and src.task != "encoder" and not (opts.dev and opts.task) and not opts.skip_metric_check:
         raise ExportError("int8 export of a task model checks the task metric before and after: pass --task NAME "
                           "and --dev DIR_OR_FILE (the dev set), or --skip-metric-check to export it unchecked")
-    max_length = opts.max_length or int(src.config.get("max_position_embeddings", 512))
+    max_length = opts.max_length or default_max_length(src)
     stage = staging_dir(out)
     try:
         model = load_torch_model(src)
@@ -220,7 +264,9 @@ def export_onnx(source: str | os.PathLike, out: str | os.PathLike, opts: ExportO
         card = {"task": src.task, "labels": src.labels, "opset": OPSET, "max_length": max_length,
                 "source": str(src.path), "architecture": (src.config.get("architectures") or ["BertModel"])[0],
                 "inputs": list(INPUTS), "outputs": list(output_names(src.task)), "files": files,
-                "pooling": "mean" if src.task == "encoder" else None,
+                "pooling": (src.st_layout.pooling if src.st_layout is not None else "mean") if src.task == "encoder" else None,
+                "normalized": bool(src.st_layout is not None and src.st_layout.normalize),
+                "activation": src.activation,
                 "versions": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__},
                 "parity": {}}
         copy_tokenizer(src.path, stage)

@@ -113,6 +113,9 @@ class ServedModel:
         self.variant = pick_variant(self.card, variant)
         self.max_length = int(self.card["max_length"])
         self.labels = self.card.get("labels")
+        # One-score models: regression scores are served raw; a cross-encoder's card names the
+        # activation its training meant (sigmoid after BCE, identity after a listwise loss).
+        self.activation = self.card.get("activation") or ("identity" if self.task == "regression" else "sigmoid")
         self.truncate_default = truncate
         self.session = make_session(self.dir / self.card["files"][self.variant], threads)
         self._tok = _tokenizer(self.dir, None)
@@ -207,7 +210,7 @@ class ServedModel:
     def _label_scores(self, logits: np.ndarray, raw: bool) -> list[dict]:
         logits = np.asarray(logits, dtype=np.float64).reshape(-1)
         if logits.size == 1:
-            score = float(logits[0]) if raw or self.task == "regression" else float(_sigmoid(logits[0]))
+            score = float(logits[0]) if raw or self.activation == "identity" else float(_sigmoid(logits[0]))
             return [{"label": (self.labels or ["score"])[0], "score": score}]
         scores = logits if raw else _softmax(logits)
         names = self.labels or [f"LABEL_{i}" for i in range(logits.size)]
@@ -256,7 +259,7 @@ class ServedModel:
 
         def finish(outputs):
             logits = [float(np.asarray(o).reshape(-1)[0]) for o in outputs]
-            scores = logits if raw or self.task == "regression" else [float(_sigmoid(x)) for x in logits]
+            scores = logits if raw or self.activation == "identity" else [float(_sigmoid(x)) for x in logits]
             order = sorted(range(len(texts)), key=lambda i: -scores[i])
             return [{"index": i, "score": scores[i], **({"text": texts[i]} if ret_text else {})} for i in order]
         return Job(items, finish)

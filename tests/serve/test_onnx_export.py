@@ -186,3 +186,60 @@ def test_a_non_bert_or_non_model_directory_is_refused(tmp_path, capsys):
     (tmp_path / "x" / "model.safetensors").write_bytes(b"")
     assert main(["export", str(tmp_path / "x"), "--format", "onnx", "--out", str(tmp_path / "o")]) == 2
     assert "model_type 'gpt2'" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def embed_ckpt(tmp_path_factory):
+    from tests.embed import fixtures
+
+    d = tmp_path_factory.mktemp("embed_ckpt")
+    return fixtures.tiny_checkpoint(d / "tiny", fixtures.word_vocab(d / "vocab.txt"))
+
+
+@pytest.mark.parametrize("pooling,normalize,truncate", [("cls", True, None), ("max", False, 48)])
+def test_bi_encoder_exports_with_its_pooling_in_the_graph(embed_ckpt, tmp_path, pooling, normalize, truncate):
+    """A sentence-transformers directory written by `finetune embed`: the ONNX sentence embedding is
+    SentenceTransformer(DIR)'s (pooling, Dense, Normalize in the graph), and /embed serves it."""
+    st = pytest.importorskip("sentence_transformers")
+    from bertdist.embed.export import write_bi_encoder
+    from bertdist.embed.model import load_bi_encoder
+    from bertdist.serve.runtime import load_served_model
+    from tests.embed import fixtures
+
+    model = load_bi_encoder(embed_ckpt, pooling=pooling, normalize=normalize, truncate_dim=truncate,
+                            max_seq_length=64, kernels="reference")
+    src = write_bi_encoder(tmp_path / "st", model)
+    card = export_onnx(src, tmp_path / "onnx", ExportOptions(quantize="int8"), log=lambda *_: None)
+    assert card["task"] == "encoder" and card["pooling"] == pooling and card["normalized"] is normalize
+    texts = [r["query"] for r in fixtures.book_pairs(n=6)] + [r["positive"] for r in fixtures.book_pairs(n=6)]
+    want = st.SentenceTransformer(str(src), device="cpu").encode(texts, batch_size=4, convert_to_numpy=True)
+    served = load_served_model(tmp_path / "onnx", variant="fp32")
+    job = served.prepare("embed", {"inputs": texts, "normalize": False})
+    got = np.asarray(job.finish(served.run(job.items)))
+    assert got.shape == want.shape == (len(texts), truncate or 128)
+    assert np.abs(got - want).max() < 1e-5
+
+
+def test_cross_encoder_exports_and_reranks_as_sentence_transformers_scores(embed_ckpt, tmp_path):
+    st = pytest.importorskip("sentence_transformers")
+    from bertdist.embed.export import write_cross_encoder
+    from bertdist.embed.model import load_cross_encoder
+    from bertdist.serve.runtime import load_served_model
+    from tests.embed import fixtures
+
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    ce = load_cross_encoder(embed_ckpt, max_seq_length=96, activation="sigmoid", kernels="reference")
+    src = write_cross_encoder(tmp_path / "ce", ce)
+    card = export_onnx(src, tmp_path / "onnx", ExportOptions(), log=lambda *_: None)
+    assert card["task"] == "regression" and card["activation"] == "sigmoid"
+    rows = fixtures.book_pairs(n=5)
+    query, texts = rows[0]["query"], [r["positive"] for r in rows]
+    want = st.CrossEncoder(str(src), device="cpu").predict([(query, t) for t in texts])
+    served = load_served_model(tmp_path / "onnx")
+    assert served.routes == ("predict", "rerank")
+    job = served.prepare("rerank", {"query": query, "texts": texts})
+    answer = job.finish(served.run(job.items))
+    assert [a["index"] for a in answer] == list(np.argsort(-np.asarray(want), kind="stable"))
+    got = {a["index"]: a["score"] for a in answer}
+    assert max(abs(got[i] - float(want[i])) for i in range(len(texts))) < 1e-5
