@@ -60,7 +60,8 @@ def test_plan_of_every_recipe(recipe, world, capsys):
     else:
         assert not k["decides"] and k["cases"] == []
     m = plan["memory"]
-    assert m["parameters"] > 4_000_000 and m["weights"] == m["parameters"] * 4
+    # the smallest recipe, electra-tiny (64-wide embeddings shared by its two towers), has 2.47 M
+    assert m["parameters"] > 2_000_000 and m["weights"] == m["parameters"] * 4
     assert 0 < m["activations_checkpointed"] < m["activations"]
     assert m["total"] > m["total_checkpointed"] > m["weights"] + m["gradients"] + m["optimizer_state"]
     assert 0 < m["total_gib"] < plan["device_profile"]["memory_gib"], m  # every recipe fits its 80 GB target
