@@ -229,7 +229,7 @@ def run_labelling(task: str, runner, teacher, cfg, paths: list[str], out_dir: st
     if group:
         group.barrier()  # every rank's shards are written
     if rank == 0:
-        _wait_for_shards(out, n)
+        wait_for_shards(out, n)
         manifest = {**plan, "shards": [shard_name(k, n) for k in range(n)],
                     "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "last_run": stats}
         tmp = out / f".manifest.json.tmp-{os.getpid()}"
@@ -255,7 +255,7 @@ def _predict_cfg(cfg, batch_size: int):
     return dataclasses.replace(cfg, eval_batch_size=batch_size, precision="fp32")  # the teacher's dtype is set on load
 
 
-def _wait_for_shards(out: Path, n: int, timeout_s: float = 3600.0) -> None:
+def wait_for_shards(out: Path, n: int, timeout_s: float = 3600.0) -> None:
     """Ranks launched without a process group (plain RANK/WORLD_SIZE) finish at their own pace."""
     t0 = time.time()
     while True:
@@ -263,7 +263,7 @@ def _wait_for_shards(out: Path, n: int, timeout_s: float = 3600.0) -> None:
         if not missing:
             return
         if time.time() - t0 > timeout_s:
-            raise DataError(f"{out}: shards {missing[:10]} still missing after {timeout_s:.0f} s")
+            raise DataError(f"{out}: shards {missing[:10]} of {n} still missing after {timeout_s:.0f} s")
         time.sleep(1.0)
 
 

@@ -42,6 +42,8 @@ from typing import Sequence
 import numpy as np
 
 from bertdist.data.manifest import file_sha256, path_inside
+# the pseudo-label job's shard layout and wait: the same resumable-set mechanism
+from bertdist.distill.pseudolabel import shard_name, wait_for_shards
 from bertdist.finetune.errors import DataError, not_utf8
 
 FORMAT = "bertdist-embeddings/1"
@@ -204,10 +206,6 @@ def model_identity(model, path: str | Path, max_seq_length: int | None = None) -
 
 
 # ---------------------------------------------------------------- plan and shards
-def shard_name(k: int, n: int) -> str:
-    return f"shard-{k:05d}-of-{n:05d}.parquet"
-
-
 def make_plan(model: dict, sources: list[TextSource], shard_rows: int) -> dict:
     rows = sum(len(s.texts) for s in sources)
     return {"format": FORMAT, "model": model,
@@ -306,18 +304,6 @@ def default_device() -> str:
     return "cpu"
 
 
-def _wait_for_shards(out: Path, n: int, timeout_s: float = 3600.0) -> None:
-    """Ranks launched without a process group (plain RANK/WORLD_SIZE) finish at their own pace."""
-    t0 = time.time()
-    while True:
-        missing = [k for k in range(n) if not (out / shard_name(k, n)).is_file()]
-        if not missing:
-            return
-        if time.time() - t0 > timeout_s:
-            raise DataError(f"{out}: shards {missing[:10]} of {n} still missing after {timeout_s:.0f} s")
-        time.sleep(1.0)
-
-
 def run_embedding(model_path: str | Path, inputs: Sequence[str | Path], out_dir: str | Path, *,
                   batch_size: int = 64, max_seq_length: int | None = None, shard_rows: int = 10000,
                   progress: bool = True, model=None, device: str | None = None) -> dict:
@@ -373,7 +359,7 @@ def run_embedding(model_path: str | Path, inputs: Sequence[str | Path], out_dir:
     if group:
         group.barrier()  # every rank's shards are written
     if rank == 0:
-        _wait_for_shards(out, n)
+        wait_for_shards(out, n)
         shards = [{"file": shard_name(k, n), "rows": len(texts[k * shard_rows:(k + 1) * shard_rows])} for k in range(n)]
         manifest = {**plan, "shards": shards, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "last_run": stats}
         _write_json(out / MANIFEST, manifest)
