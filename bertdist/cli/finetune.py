@@ -7,6 +7,18 @@ from bertdist.cli.export import add_trust_flag
 EMBED_TASKS = ("embed", "sts", "rerank")  # bertdist.embed.config.TASKS, without importing it here
 
 
+def cli_overrides(args) -> list[str]:
+    """The command line as dotted overrides (both schemas have these keys), then the --set ones."""
+    overrides = [f"task={args.task}", f"checkpoint={args.checkpoint}", f"data={args.data}"]
+    if args.out:
+        overrides.append(f"output_dir={args.out}")
+    if args.vocab:
+        overrides.append(f"vocab_file={args.vocab}")
+    if args.deepspeed:
+        overrides.append("deepspeed=true")
+    return overrides + list(args.set)
+
+
 def run(args) -> int:
     if args.task in EMBED_TASKS:
         return run_embed_task(args)
@@ -23,14 +35,7 @@ def run(args) -> int:
     except DataError as e:
         print(f"bertdist finetune: {e}, or one of {list(EMBED_TASKS)} (retriever, similarity model, re-ranker)")
         return 2
-    overrides = [f"task={args.task}", f"checkpoint={args.checkpoint}", f"data={args.data}"]
-    if args.out:
-        overrides.append(f"output_dir={args.out}")
-    if args.vocab:
-        overrides.append(f"vocab_file={args.vocab}")
-    if args.deepspeed:
-        overrides.append("deepspeed=true")
-    cfg = load_config(FinetuneConfig, args.config, overrides + list(args.set))
+    cfg = load_config(FinetuneConfig, args.config, cli_overrides(args))
     try:
         with trust_checkpoints(args.trust_checkpoint):
             summary = run_finetune(cfg)
@@ -53,14 +58,7 @@ def run_embed_task(args) -> int:
     from bertdist.export.safe_load import trust_checkpoints
     from bertdist.finetune.errors import DataError
 
-    overrides = [f"task={args.task}", f"checkpoint={args.checkpoint}", f"data={args.data}"]
-    if args.out:
-        overrides.append(f"output_dir={args.out}")
-    if args.vocab:
-        overrides.append(f"vocab_file={args.vocab}")
-    if args.deepspeed:
-        overrides.append("deepspeed=true")
-    cfg = load_embed_config(args.config, overrides + list(args.set))
+    cfg = load_embed_config(args.config, cli_overrides(args))
     try:
         with trust_checkpoints(args.trust_checkpoint):
             summary = run_embed(cfg)

@@ -460,10 +460,10 @@ def _embed_models(task: str) -> set[str]:
 def check_embed_family(cmd, ws, args):
     """finetune embed|sts|rerank: the CLI's overrides load against the embedding schema; the
     checkpoint, data and teacher are what earlier lines of the pages write."""
+    from bertdist.cli.finetune import cli_overrides
     from bertdist.embed.config import load_embed_config
 
-    overrides = [f"task={args.task}", f"checkpoint={args.checkpoint}", f"data={args.data}", f"output_dir={args.out}"]
-    cfg = load_embed_config(args.config and str(REPO / args.config), overrides + list(args.set))
+    cfg = load_embed_config(args.config and str(REPO / args.config), cli_overrides(args))
     exports = {parse_bertdist(bertdist_argv(c)).out for c in all_commands() if c.startswith("bertdist", "export")}
     assert cfg.checkpoint in exports | _embed_models("embed") | _embed_models("sts"), \
         f"{cmd}: starts from {cfg.checkpoint}, which no export or earlier finetune line of the pages writes"
