@@ -62,6 +62,7 @@ TARGET_LARGE_128_SEQ_PER_S = 1850
 TARGET_LARGE_128_MFU = 0.45
 TARGET_VS_HF = 1.5
 TARGET_VS_HF_COMPILE = 1.2
+TARGET_ELECTRA_STEP_RATIO = 1.35  # ELECTRA's step over an MLM step of the same discriminator
 # (preset, seq, batch) in the order they are measured: the target configuration first.
 GPU_CONFIGS = [("large", 128, 64), ("large", 512, 16), ("base", 128, 64), ("base", 512, 16)]
 CPU_CONFIGS = [("mini", 64, 2)]
@@ -295,7 +296,8 @@ def run_recipe(recipe: Path, manifest: str, vocab: str, out_dir: Path, scale: Re
 
     run_dir = out_dir / (recipe.stem + "".join("_" + re.sub(r"[^a-z0-9]+", "-", e.lower()) for e in extra))
     cmd = recipe_command(recipe, manifest, vocab, run_dir, scale, extra)
-    row = {"recipe": recipe.name, "command": shlex.join(cmd), "scaled": scale.describe(), "status": "failed"}
+    row = {"recipe": recipe.name, "command": shlex.join(cmd), "scaled": scale.describe(), "status": "failed",
+           **({"overrides": list(extra)} if extra else {})}
     if timeout <= 0:
         return {**row, "status": "skipped", "error": "deadline reached before it could start"}
     r = run_child(cmd, timeout)
@@ -320,9 +322,11 @@ def run_recipe(recipe: Path, manifest: str, vocab: str, out_dir: Path, scale: Re
     return row
 
 
-def stage_recipes(recipes: list[Path], manifests: dict[int, str], vocab: str, out_dir: Path, scale: RecipeScale,
-                  deadline: Deadline, rows: list[dict], saved=lambda: None) -> list[dict]:
-    """Each recipe once, appended to ``rows`` (the report's list) and saved after every run."""
+def stage_recipes(recipes: list[Path], manifests: dict[str, dict[int, str]], vocab: str, out_dir: Path,
+                  scale: RecipeScale, deadline: Deadline, rows: list[dict], saved=lambda: None) -> list[dict]:
+    """Each recipe once, appended to ``rows`` (the report's list) and saved after every run. An
+    ELECTRA recipe runs a second time with ``electra=null``: the same discriminator trained by MLM,
+    the denominator of ELECTRA's step-cost ratio."""
     for recipe in recipes:
         print(f"[bench] pretrain {recipe.name} ...", file=sys.stderr, flush=True)
         try:
@@ -334,7 +338,34 @@ def stage_recipes(recipes: list[Path], manifests: dict[int, str], vocab: str, ou
             continue
         rows.append(run_recipe(recipe, manifest, vocab, out_dir, scale, timeout=deadline.cap()))
         saved()
+        if _is_electra(recipe) and rows[-1]["status"] == "ok":
+            rows.append(run_recipe(recipe, manifest, vocab, out_dir, scale, ELECTRA_AS_MLM, timeout=deadline.cap()))
+            saved()
     return rows
+
+
+# The override that trains an ELECTRA recipe's discriminator by MLM alone (same model, data, batch).
+ELECTRA_AS_MLM = ("electra=null",)
+
+
+def _is_electra(recipe: Path) -> bool:
+    import yaml
+
+    return yaml.safe_load(recipe.read_text()).get("electra") is not None
+
+
+def electra_step_ratios(recipes: list[dict]) -> list[dict]:
+    """ELECTRA's step time over MLM's, per ELECTRA recipe with both rows measured."""
+    out = []
+    for r in recipes:
+        if r["status"] != "ok" or r.get("overrides"):
+            continue
+        mlm = next((m for m in recipes if m["recipe"] == r["recipe"] and m.get("overrides") == list(ELECTRA_AS_MLM)
+                    and m["status"] == "ok"), None)
+        if mlm is not None:
+            out.append({"recipe": r["recipe"], "electra_ms": r["step_time_s"] * 1e3, "mlm_ms": mlm["step_time_s"] * 1e3,
+                        "ratio": r["step_time_s"] / mlm["step_time_s"]})
+    return out
 
 
 def _seq_of(recipe: Path) -> int:
@@ -343,11 +374,22 @@ def _seq_of(recipe: Path) -> int:
     return int(yaml.safe_load(recipe.read_text())["data"]["max_seq_length"])
 
 
-def _manifest_for(recipe: Path, manifests: dict[int, str]) -> str:
-    seq = _seq_of(recipe)
-    if seq not in manifests:
-        raise ValueError(f"no records with max_seq_length {seq} for {recipe.name} (have {sorted(manifests)})")
-    return manifests[seq]
+def _records_kind(recipe: Path) -> str:
+    """The kind of records (bertdist/gpu_kit/records.py) the recipe's data.masking reads."""
+    import yaml
+
+    from bertdist.gpu_kit import records
+
+    return records.kind_for_masking(yaml.safe_load(recipe.read_text())["data"].get("masking", "auto"))
+
+
+def _manifest_for(recipe: Path, manifests: dict[str, dict[int, str]]) -> str:
+    seq, kind = _seq_of(recipe), _records_kind(recipe)
+    have = manifests.get(kind, {})
+    if seq not in have:
+        raise ValueError(f"no {kind} records with max_seq_length {seq} for {recipe.name} (have {kind} records at "
+                         f"seq {sorted(have)})")
+    return have[seq]
 
 
 def compare_auto_reference(auto_s: list[float], reference_s: list[float]) -> dict:
@@ -361,7 +403,7 @@ def compare_auto_reference(auto_s: list[float], reference_s: list[float]) -> dic
             "spread_s": spread, "auto_slower_by_s": a - r, "verdict": "NOT met" if a - r > spread else "met"}
 
 
-def stage_auto_vs_reference(recipe: Path, manifests: dict[int, str], vocab: str, out_dir: Path,
+def stage_auto_vs_reference(recipe: Path, manifests: dict[str, dict[int, str]], vocab: str, out_dir: Path,
                             scale: RecipeScale, repeats: int, deadline: Deadline, res: dict,
                             saved=lambda: None) -> dict:
     """Whole training steps with kernels: auto and kernels: reference, interleaved (the order
@@ -456,7 +498,17 @@ def targets(env: dict, runs: list[dict], auto_ref: dict | None,
         else:
             measured = "-"
         out.append((label, measured, auto_ref.get("verdict", "NOT met (no measurement)")))
+    for e in electra_step_ratios(recipes or []):
+        out.append((f"{e['recipe']}: ELECTRA step <= {TARGET_ELECTRA_STEP_RATIO}x the MLM step of the same "
+                    f"discriminator ({' '.join(ELECTRA_AS_MLM)}, bertdist pretrain)",
+                    f"{e['ratio']:.2f}x ({e['electra_ms']:.1f} ms vs {e['mlm_ms']:.1f} ms)",
+                    ("met" if e["ratio"] <= TARGET_ELECTRA_STEP_RATIO else "NOT met") if gpu
+                    else "n/a (CPU: no GPU claim)"))
     return out
+
+
+def _recipe_label(row: dict) -> str:
+    return row["recipe"] + "".join(f" `{o}`" for o in row.get("overrides") or [])
 
 
 def exit_status(report: dict) -> int:
@@ -523,9 +575,9 @@ def markdown(report: dict) -> str:
                   "real tok/s | MFU | step (ms) |", "|---|---|---:|---:|---|---|---:|---|---|---|---:|---:|---:|---:|"]
         for r in recipes:
             if r["status"] != "ok":
-                lines.append(f"| {r['recipe']} | {r['status'].upper()}: {r['error']} | | | | | | | | | | | | |")
+                lines.append(f"| {_recipe_label(r)} | {r['status'].upper()}: {r['error']} | | | | | | | | | | | | |")
                 continue
-            lines.append(f"| {r['recipe']} | {r['model']} | {r['seq']} | {r['micro_batch']} | {r['optimizer']} | "
+            lines.append(f"| {_recipe_label(r)} | {r['model']} | {r['seq']} | {r['micro_batch']} | {r['optimizer']} | "
                          f"{r['precision']} | {r['zero_stage']} | {r['unpad']} | {r['kernels']} | "
                          f"{r['compile']} ({'compiled' if r.get('compiled') else 'eager'}) | "
                          f"{r['seq_per_s']:.1f} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.2f}% | "
@@ -616,17 +668,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def bench_records(args, seqs: list[int], tmp: Path) -> tuple[dict[int, str], str]:
-    """{seq: manifest} and the vocab: the kit's or --records' pre-built records, else built here."""
+def bench_records(args, seqs: list[int], tmp: Path, kinds: tuple[str, ...]) -> tuple[dict[str, dict[int, str]], str]:
+    """{kind: {seq: manifest}} and the vocab: the kit's or --records' pre-built records, else
+    built here (of ``kinds`` only)."""
     sys.path.insert(0, str(REPO))
     from bertdist.gpu_kit import records
 
     folder = Path(args.records) if args.records else (Path(args.kit) / "records" if args.kit else None)
     if folder is not None:
-        # The sequence lengths it has; a recipe at another one is a failed row of its own.
-        have = [s for s in seqs if records.manifest_path(folder, s).is_file()] or seqs
-        return records.find(folder, have), str(folder / records.VOCAB_NAME)
-    return records.build(seqs, tmp / "records"), str(tmp / "records" / records.VOCAB_NAME)
+        # The sequence lengths and kinds it has; a recipe needing another is a failed row of its own.
+        found = {}
+        for kind in records.KINDS:
+            have = [s for s in seqs if records.manifest_path(folder, s, kind).is_file()]
+            if kind == "static":
+                have = have or seqs  # none at all: find's error names what is missing
+            found[kind] = records.find(folder, have, kind)
+        return found, str(folder / records.VOCAB_NAME)
+    return records.build(seqs, tmp / "records", kinds=kinds), str(tmp / "records" / records.VOCAB_NAME)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -704,7 +762,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     def throughput(preset: str, seq: int, batch: int) -> None:
         label = f"throughput {preset} seq {seq}"
-        pool = lengths or manifests
+        pool = lengths or manifests.get("static", {})
         manifest = pool.get(seq) or next(iter(pool.values()), None)
         failed_before = len(report["failed_stages"])
         r = timed("throughput", label, stage_throughput, preset, seq, batch, manifest, variants, steps, precision,
@@ -733,7 +791,8 @@ def main(argv: list[str] | None = None) -> dict:
         save()
         recipe_seq = {r: _seq_of(r) for r in recipes}
         seqs = sorted({s for _, s, _ in configs} | set(recipe_seq.values()))
-        got = timed("records", "records", bench_records, args, seqs, tmp)
+        kinds = tuple(sorted({"static"} | {_records_kind(r) for r in recipes}))
+        got = timed("records", "records", bench_records, args, seqs, tmp, kinds)
         manifests, vocab = got if got else ({}, "")
         lengths = ({int(json.loads(Path(m).read_text())["records"]["max_seq_length"]): m for m in args.lengths_from}
                    if args.lengths_from else {})

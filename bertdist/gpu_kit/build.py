@@ -104,20 +104,23 @@ def build_kit(image: ImageManifest, image_path: Path, out: Path, *, lock: Path, 
                        "version_from": n.version_from, "bytes": w.stat().st_size, "sha256": _sha256(w)})
         log(f"[gpu-kit]   {w.name} ({w.stat().st_size / 2**20:.2f} MiB): {n.why}")
     if records_from is not None:
-        found = records.find(records_from, BENCH_SEQS)
+        for kind in records.KINDS:
+            records.find(records_from, BENCH_SEQS, kind)
         shutil.copytree(records_from, out / "records", ignore=shutil.ignore_patterns("*.tmp"))
-        log(f"[gpu-kit] records copied from {records_from} (seq {sorted(found)})")
+        log(f"[gpu-kit] records copied from {records_from} (seq {BENCH_SEQS}, {', '.join(records.KINDS)})")
     else:
-        log(f"[gpu-kit] building records at seq {BENCH_SEQS} from the bundled samples (Beam, DirectRunner) ...")
+        log(f"[gpu-kit] building records at seq {BENCH_SEQS}, {', '.join(records.KINDS)}, from the bundled samples "
+            "(Beam, DirectRunner) ...")
         records.build(BENCH_SEQS, out / "records")
-    for manifest in records.find(out / "records", BENCH_SEQS).values():
-        relative_vocab(Path(manifest), out / "records" / records.VOCAB_NAME)
+    for kind in records.KINDS:
+        for manifest in records.find(out / "records", BENCH_SEQS, kind).values():
+            relative_vocab(Path(manifest), out / "records" / records.VOCAB_NAME)
     shutil.copyfile(image_path, out / "image.yaml")
     write_run_sh(out)
     kit = {"format": KIT_FORMAT, "image": dataclasses.asdict(image) | {"packages": len(image.packages)},
            "built": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "built_with": {"python": sys.version.split()[0], "bertdist_git": _git_rev(REPO)},
-           "wheels": wheels, "records": {"folder": "records", "seqs": BENCH_SEQS,
+           "wheels": wheels, "records": {"folder": "records", "seqs": BENCH_SEQS, "kinds": list(records.KINDS),
                                          "vocab": f"records/{records.VOCAB_NAME}"}}
     kit_bytes = folder_bytes(out)  # all but kit.json itself, a few KB written last
     repo_bytes = sum(p.stat().st_size for p in repository_files(REPO, exclude=out))

@@ -187,3 +187,26 @@ def test_the_environment_is_recorded_without_git_or_nvidia_smi(acceptance, monke
                                              "wheels": [{"name": "deepspeed", "version": "0.19.8"}]})
     assert "git unknown: no git or no repository" in env["bertdist"]
     assert env["kit"] == "image site, built d from git g; deepspeed 0.19.8"
+
+
+def test_an_electra_recipe_reads_unmasked_records_and_is_judged_against_its_own_mlm_twin(acceptance):
+    manifests = {"static": {128: "static-128.json", 512: "static-512.json"}, "unmasked": {128: "unmasked-128.json"}}
+    recipes = REPO / "configs" / "pretrain"
+    assert acceptance._manifest_for(recipes / "electra-small.yaml", manifests) == "unmasked-128.json"
+    assert acceptance._manifest_for(recipes / "bert-base-paper.yaml", manifests) == "static-128.json"
+    with pytest.raises(ValueError, match=r"no unmasked records with max_seq_length 512 for electra-base.yaml"):
+        acceptance._manifest_for(recipes / "electra-base.yaml", manifests)
+    assert acceptance._is_electra(recipes / "electra-base.yaml") and not acceptance._is_electra(recipes / "tiny.yaml")
+
+    def row(step_s, overrides=None):
+        return {"recipe": "electra-base.yaml", "status": "ok", "step_time_s": step_s,
+                **({"overrides": overrides} if overrides else {})}
+
+    for electra_s, verdict in ((0.130, "met"), (0.140, "NOT met")):
+        rows = [row(electra_s), row(0.100, ["electra=null"])]
+        (t,) = [t for t in acceptance.targets(H200_ENV, [], None, rows) if "ELECTRA step" in t[0]]
+        assert t[1].startswith(f"{electra_s / 0.100:.2f}x") and t[2] == verdict
+    # a CPU run shows the ratio but claims nothing; without the MLM twin there is no ratio at all
+    (t,) = [t for t in acceptance.targets(CPU_ENV, [], None, [row(0.2), row(0.1, ["electra=null"])]) if "ELECTRA" in t[0]]
+    assert t[1].startswith("2.00x") and t[2].startswith("n/a")
+    assert not [t for t in acceptance.targets(H200_ENV, [], None, [row(0.2)]) if "ELECTRA" in t[0]]
