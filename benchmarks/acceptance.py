@@ -323,7 +323,8 @@ def run_recipe(recipe: Path, manifest: str, vocab: str, out_dir: Path, scale: Re
 
 
 def stage_recipes(recipes: list[Path], manifests: dict[str, dict[int, str]], vocab: str, out_dir: Path,
-                  scale: RecipeScale, deadline: Deadline, rows: list[dict], saved=lambda: None) -> list[dict]:
+                  scale: RecipeScale, deadline: Deadline, rows: list[dict], saved=lambda: None,
+                  overrides: tuple[str, ...] = ()) -> list[dict]:
     """Each recipe once, appended to ``rows`` (the report's list) and saved after every run. An
     ELECTRA recipe runs a second time with ``electra=null``: the same discriminator trained by MLM,
     the denominator of ELECTRA's step-cost ratio."""
@@ -336,10 +337,11 @@ def stage_recipes(recipes: list[Path], manifests: dict[str, dict[int, str]], voc
                          "command": "-"})
             saved()
             continue
-        rows.append(run_recipe(recipe, manifest, vocab, out_dir, scale, timeout=deadline.cap()))
+        rows.append(run_recipe(recipe, manifest, vocab, out_dir, scale, overrides, timeout=deadline.cap()))
         saved()
         if _is_electra(recipe) and rows[-1]["status"] == "ok":
-            rows.append(run_recipe(recipe, manifest, vocab, out_dir, scale, ELECTRA_AS_MLM, timeout=deadline.cap()))
+            rows.append(run_recipe(recipe, manifest, vocab, out_dir, scale, (*overrides, *ELECTRA_AS_MLM),
+                                   timeout=deadline.cap()))
             saved()
     return rows
 
@@ -358,12 +360,15 @@ def electra_step_ratios(recipes: list[dict]) -> list[dict]:
     """ELECTRA's step time over MLM's, per ELECTRA recipe with both rows measured."""
     out = []
     for r in recipes:
-        if r["status"] != "ok" or r.get("overrides"):
+        overrides = r.get("overrides") or []
+        if r["status"] != "ok" or ELECTRA_AS_MLM[0] in overrides:
             continue
-        mlm = next((m for m in recipes if m["recipe"] == r["recipe"] and m.get("overrides") == list(ELECTRA_AS_MLM)
+        twin = [*overrides, *ELECTRA_AS_MLM]
+        mlm = next((m for m in recipes if m["recipe"] == r["recipe"] and m.get("overrides") == twin
                     and m["status"] == "ok"), None)
         if mlm is not None:
-            out.append({"recipe": r["recipe"], "electra_ms": r["step_time_s"] * 1e3, "mlm_ms": mlm["step_time_s"] * 1e3,
+            out.append({"recipe": _recipe_label(r), "electra_ms": r["step_time_s"] * 1e3,
+                        "mlm_ms": mlm["step_time_s"] * 1e3,
                         "ratio": r["step_time_s"] / mlm["step_time_s"]})
     return out
 
@@ -660,6 +665,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="interleaved rounds of the throughput variants (default 5 on CUDA, 2 on CPU)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per variant (default 30 on CUDA, 2 on CPU)")
     ap.add_argument("--recipes", help="comma-separated recipe files under configs/pretrain (default: all)")
+    ap.add_argument("--recipe-overrides", default="",
+                    help="comma-separated dotted overrides for every recipe run (e.g. model.compile=true)")
     ap.add_argument("--recipe-steps", type=int, default=None,
                     help="steps of each bertdist pretrain run (default 30 on CUDA, 4 on CPU)")
     ap.add_argument("--repeats", type=int, default=None,
@@ -708,6 +715,7 @@ def main(argv: list[str] | None = None) -> dict:
     scale = RecipeScale.for_device(gpu, quick, args.recipe_steps)
     recipes = [RECIPES / name for name in args.recipes.split(",")] if args.recipes else sorted(RECIPES.glob("*.yaml"))
     repeats = args.repeats or 2
+    recipe_overrides = tuple(o for o in args.recipe_overrides.split(",") if o)
     precision = "bf16" if gpu and not quick else "fp32"
     command = shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))
     setup = json.loads(Path(args.setup_json).read_text())["rows"] if args.setup_json else None
@@ -781,7 +789,7 @@ def main(argv: list[str] | None = None) -> dict:
             not_run(label, "no records (see the records stage)")
             return
         timed("recipes", label, stage_recipes, selected, manifests, vocab, tmp / "runs", scale, deadline,
-              report["recipes"], save)
+              report["recipes"], save, recipe_overrides)
 
     old_cache = os.environ.get("BERTDIST_CACHE_DIR")
     with tempfile.TemporaryDirectory(prefix="bertdist_bench_") as tmp_name:

@@ -34,7 +34,8 @@ def run(args) -> int:
     argv = ["--out", args.out, "--deadline-s", str(args.deadline_s)]
     for flag, value in (("--configs", args.configs), ("--variants", args.variants), ("--skip", args.skip),
                         ("--steps", args.steps), ("--rounds", args.rounds), ("--recipes", args.recipes),
-                        ("--recipe-steps", args.recipe_steps), ("--repeats", args.repeats), ("--kit", args.kit),
+                        ("--recipe-steps", args.recipe_steps),
+                        ("--recipe-overrides", args.recipe_overrides), ("--repeats", args.repeats), ("--kit", args.kit),
                         ("--records", args.records), ("--setup-json", args.setup_json)):
         if value:
             argv += [flag, str(value)]
@@ -67,6 +68,8 @@ def register(sub) -> None:
     p.add_argument("--recipes", help="recipe files under configs/pretrain to time with bertdist pretrain "
                                      "(default: all)")
     p.add_argument("--recipe-steps", type=int, help="steps of each bertdist pretrain run")
+    p.add_argument("--recipe-overrides", help="comma-separated dotted overrides for every recipe run "
+                                              "(e.g. model.compile=true)")
     p.add_argument("--repeats", type=int, help="interleaved runs per side of kernels auto vs reference")
     p.add_argument("--skip", help="stages to skip: records,throughput,auto_vs_reference,recipes,tests,kernels,"
                                   "decisions")
