@@ -267,6 +267,32 @@ def gpu_table() -> list[str]:
     return out
 
 
+GPU_ELECTRA_RUN = "gpu-node_nvidia-h200_2026-11-26_electra"
+GPU_ELECTRA_REPORTS = (f"{GPU_ELECTRA_RUN}/acceptance_electra-recipes.json",
+                       f"{GPU_ELECTRA_RUN}/acceptance_electra-recipes-compiled.json")
+
+
+def gpu_electra_table() -> list[str]:
+    """The ELECTRA recipes and their MLM twins (electra=null) on one H200: step time and the ratio."""
+    out = ["| run | recipe | seq x micro batch | compile | seq/s | step (ms) | raw results |", "|---|---|---|---|---|---|---|"]
+    for i, name in enumerate(GPU_ELECTRA_REPORTS, 1):
+        d = json.loads(read(name))
+        for r in d["recipes"]:
+            label = r["recipe"] + "".join(f" `{o}`" for o in r.get("overrides") or [])
+            if r["status"] != "ok":
+                out.append(f"| {i} | {label} | - | - | {r['status']} | - | {link(name)} |")
+                continue
+            out.append(f"| {i} | {label} | {r['seq']} x {r['micro_batch']} | "
+                       f"{'compiled' if r.get('compiled') else 'eager'} | {r['seq_per_s']:,.0f} | "
+                       f"{1000 * r['step_time_s']:.1f} | {link(name)} |")
+    out += ["", "| run | target | measured | verdict | raw results |", "|---|---|---|---|---|"]
+    for i, name in enumerate(GPU_ELECTRA_REPORTS, 1):
+        for target, measured, verdict in json.loads(read(name))["targets"]:
+            if "ELECTRA" in target:
+                out.append(f"| {i} | {target} | {measured} | {verdict} | {link(name)} |")
+    return out
+
+
 DISTILL_RESULTS = ("distill_sst2_cpu_2026-11-25.json", "distill_ner_cpu_2026-11-25.json")
 
 
@@ -372,6 +398,8 @@ def serving_load_table() -> list[str]:
 
 TABLES = (
     ("GPU: bertdist bench through the GPU kit on one H200 (bf16, BERT-large batch 64 x 128)", gpu_table),
+    ("GPU: the ELECTRA recipes and their MLM twins through the GPU kit on one H200 (bf16, 30 steps each)",
+     gpu_electra_table),
     ("Data build", data_build_table),
     ("NSP negatives: distinct (document, start sentence) windows per random-next row", negatives_table),
     ("Model step on CPU against Hugging Face (batch 8 × 128, fp32, forward + backward)", model_table),
