@@ -1,0 +1,133 @@
+"""benchmarks/objectives.py: the equal-FLOP step counts, the budget points and the seed-spread
+verdicts (pure helpers; nothing is trained)."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def objectives():
+    spec = importlib.util.spec_from_file_location("objectives_under_test", REPO / "benchmarks" / "objectives.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_equal_flop_steps_spend_the_budget_in_multiples_of_the_points(objectives):
+    assert objectives.equal_flop_steps(600 * 100.0, 100.0) == 600
+    # a step 25% dearer gets 480 steps; 600 / 1.07 = 560.7 rounds to the nearest multiple of 3, 561
+    assert objectives.equal_flop_steps(600 * 100.0, 125.0) == 480
+    assert objectives.equal_flop_steps(600 * 100.0, 107.0) == 561
+    # never fewer than one step per point
+    assert objectives.equal_flop_steps(10.0, 100.0) == 3
+    with pytest.raises(ValueError, match="must be positive"):
+        objectives.equal_flop_steps(0.0, 100.0)
+
+
+def test_budget_points_fall_on_whole_steps(objectives):
+    assert objectives.budget_points(600) == [200, 400, 600]
+    assert objectives.budget_points(477) == [159, 318, 477]
+    with pytest.raises(ValueError, match="do not split into 3 equal parts"):
+        objectives.budget_points(100)
+
+
+def test_the_flop_count_is_the_model_files_for_each_objective(objectives):
+    from bertdist.model import BertConfig
+    from bertdist.model.flops import train_flops_per_sequence
+    from bertdist.train.config import PretrainElectraConfig
+
+    bert = BertConfig.from_preset("mini", vocab_size=30522)
+    electra = PretrainElectraConfig().model_config(bert)
+    assert objectives.predicted_per_sequence(128, 0.15) == 19
+    assert objectives.predicted_per_sequence(128, 0.30) == 38
+    assert objectives.step_flops(bert, 32, 128, 19) == 32 * train_flops_per_sequence(bert, 128, 19)
+    # the second tower costs FLOPs, and 30% masking predicts twice the positions: both get fewer steps
+    mlm15, mlm30 = (objectives.step_flops(bert, 32, 128, p) for p in (19, 38))
+    rtd = objectives.step_flops(electra, 32, 128, 19)
+    assert mlm15 < rtd < mlm30
+    budget = 600 * mlm15
+    assert objectives.equal_flop_steps(budget, rtd) < 600
+    assert objectives.equal_flop_steps(budget, mlm30) < objectives.equal_flop_steps(budget, rtd)
+
+
+def test_the_arms_plan_uses_the_recipes_models(objectives):
+    args = objectives.parse_args(["--out-md", "/tmp/unused.md", "--budget-steps", "600"])
+    plan = objectives.plan_arms(args)
+    assert plan["mlm_nsp"]["steps"] == 600 and plan["span"]["steps"] == 600
+    assert plan["electra"]["steps"] < 600 and plan["mlm30"]["steps"] < plan["electra"]["steps"]
+    for p in plan.values():
+        assert p["points"][-1] == p["steps"]
+        assert abs(p["flops"] - p["budget_flops"]) <= 1.5 * p["flops_per_step"]  # rounding to a multiple of 3
+
+
+def test_seed_means_need_every_task(objectives):
+    per_task = {"sst2": {"1": 80.0, "2": 82.0}, "stsb": {"1": 20.0, "2": 30.0}, "author": {"1": 90.0}}
+    assert objectives.seed_means(per_task, ["sst2", "stsb"]) == {"1": 50.0, "2": 56.0}
+    assert objectives.seed_means(per_task, ["sst2", "stsb", "author"]) == {"1": 190.0 / 3}
+    s = objectives.spread([50.0, 56.0])
+    assert (s["mean"], s["min"], s["max"], s["half_range"], s["n"]) == (53.0, 50.0, 56.0, 3.0, 2)
+
+
+def test_separated_means_the_seed_ranges_do_not_overlap(objectives):
+    assert objectives.separated([60.0, 61.0], [58.0, 59.5]) == 1
+    assert objectives.separated([58.0, 59.5], [60.0, 61.0]) == -1
+    assert objectives.separated([60.0, 62.0], [59.0, 60.5]) == 0  # overlap
+    assert objectives.separated([60.0, 61.0], [61.0, 62.0]) == 0  # touching is not beyond the spread
+    assert objectives.separated([60.0], [50.0, 51.0]) == 0  # one seed: no spread to compare with
+
+
+def test_target_verdict_needs_the_margin_and_the_separation(objectives):
+    met = objectives.target_verdict([63.0, 64.0], [60.0, 61.0])
+    assert met["verdict"] == "met" and met["difference"] == pytest.approx(3.0) and met["separated"]
+    # 2.5 points apart on average, but the ranges overlap: NOT met
+    wide = objectives.target_verdict([60.0, 67.0], [59.0, 63.0])
+    assert wide["verdict"] == "NOT met" and not wide["separated"] and "within the seed spread" in wide["why"]
+    # separated, but by less than the margin: NOT met
+    close = objectives.target_verdict([61.5, 62.0], [60.0, 60.5])
+    assert close["verdict"] == "NOT met" and close["separated"] and "< 2.0" in close["why"]
+    # the wrong way round: NOT met
+    lower = objectives.target_verdict([55.0, 56.0], [60.0, 61.0])
+    assert lower["verdict"] == "NOT met" and "the other way" in lower["why"]
+    assert objectives.target_verdict([63.0], [60.0, 61.0])["verdict"] == "not evaluable"
+
+
+def test_pairwise_orders_each_pair_and_flags_the_separated_ones(objectives):
+    rows = objectives.pairwise({"mlm_nsp": [60.0, 61.0], "electra": [64.0, 65.0], "span": [60.5, 62.0]})
+    by_pair = {(r["higher"], r["lower"]): r for r in rows}
+    assert set(by_pair) == {("electra", "mlm_nsp"), ("span", "mlm_nsp"), ("electra", "span")}
+    assert by_pair[("electra", "mlm_nsp")]["separated"] and by_pair[("electra", "span")]["separated"]
+    assert not by_pair[("span", "mlm_nsp")]["separated"]
+    assert by_pair[("span", "mlm_nsp")]["difference"] == pytest.approx(0.75)
+
+
+def test_summary_and_markdown_from_partial_results(objectives):
+    """A run killed after some fine-tunes still summarises and renders what it has."""
+    pretrain = {name: {"label": objectives.ARMS[name].label, "recipe": objectives.ARMS[name].recipe,
+                       "flops_per_step": 1e11, "steps": 6, "points": [2, 4, 6], "flops": 6e11, "budget_flops": 6e11,
+                       "trainer_flops": 6e11, "median_step_s": 0.5, "train_s": 3.0, "wall_s": 10.0,
+                       "first_loss": 10.0, "last_loss": 8.0} for name in ("mlm_nsp", "electra")}
+
+    def scores(base):
+        return {t: {"1": {"score": base, "wall_s": 1.0}, "2": {"score": base + 1, "wall_s": 1.0}}
+                for t in ("sst2", "stsb", "author")}
+
+    results = {"command": "python benchmarks/objectives.py", "date": "today", "machine": "test", "status": "partial",
+               "args": {"tasks": ["sst2", "stsb", "author"], "preset": "mini", "batch": 32, "seq": 128, "lr": 1e-3,
+                        "warmup_fraction": 0.06, "seeds": 2},
+               "data": {"nsp": {"rows": 10, "tokens": 1280, "documents": 1, "build_s": 1.0, "inputs": ["wiki:x"]}},
+               "pretrain": pretrain, "finetune_settings": {"learning_rate": 1e-4, "batch_size": 32, "epochs": 2.0,
+                                                           "max_seq_length": 64},
+               "task_rows": {t: {"train": 100, "dev": 50} for t in ("sst2", "stsb", "author")},
+               "finetune": {"electra": {"3/3": scores(70.0)}, "mlm_nsp": {"3/3": scores(60.0)}},
+               "finetune_count": 12, "finetune_wall_s": 12.0, "wall_s": 60.0}
+    results["summary"] = objectives.summarize(results)
+    assert results["summary"]["target"]["verdict"] == "met"
+    assert results["summary"]["table"]["electra"]["3/3"]["mean"]["mean"] == pytest.approx(70.5)
+    assert results["summary"]["table"]["electra"]["1/3"] == {}
+    md = objectives.render_md(results)
+    assert "**met**" in md and "1 of 1" in md and "| (d) ELECTRA (RTD, generator 1/4) | 1/3 |" in md
