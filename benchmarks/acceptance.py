@@ -257,9 +257,7 @@ class RecipeScale:
 def recipe_command(recipe: Path, manifest: str, vocab: str, run_dir: Path, scale: RecipeScale,
                    extra: tuple[str, ...] = ()) -> list[str]:
     """``bertdist pretrain RECIPE`` with the scaling overrides (and no checkpoints or evaluation)."""
-    import yaml
-
-    data = yaml.safe_load(recipe.read_text())
+    data = _recipe(recipe)
     micro = scale.micro_batch or int(data["data"]["micro_batch_size"])
     args = [str(recipe), f"run_dir={run_dir}", f"data.train_manifest={manifest}", f"data.vocab_file={vocab}",
             f"data.micro_batch_size={micro}", f"data.global_batch_size={micro}", f"max_steps={scale.steps}",
@@ -351,9 +349,7 @@ ELECTRA_AS_MLM = ("electra=null",)
 
 
 def _is_electra(recipe: Path) -> bool:
-    import yaml
-
-    return yaml.safe_load(recipe.read_text()).get("electra") is not None
+    return _recipe(recipe).get("electra") is not None
 
 
 def electra_step_ratios(recipes: list[dict]) -> list[dict]:
@@ -373,19 +369,22 @@ def electra_step_ratios(recipes: list[dict]) -> list[dict]:
     return out
 
 
-def _seq_of(recipe: Path) -> int:
+def _recipe(recipe: Path) -> dict:
+    """The recipe file's mapping, as written (no overrides, no defaults)."""
     import yaml
 
-    return int(yaml.safe_load(recipe.read_text())["data"]["max_seq_length"])
+    return yaml.safe_load(recipe.read_text())
+
+
+def _seq_of(recipe: Path) -> int:
+    return int(_recipe(recipe)["data"]["max_seq_length"])
 
 
 def _records_kind(recipe: Path) -> str:
     """The kind of records (bertdist/gpu_kit/records.py) the recipe's data.masking reads."""
-    import yaml
-
     from bertdist.gpu_kit import records
 
-    return records.kind_for_masking(yaml.safe_load(recipe.read_text())["data"].get("masking", "auto"))
+    return records.kind_for_masking(_recipe(recipe)["data"].get("masking", "auto"))
 
 
 def _manifest_for(recipe: Path, manifests: dict[str, dict[int, str]]) -> str:

@@ -1,6 +1,5 @@
 """`bertdist bench`: its verdicts can fail, a failing stage is a row of the report, and on CPU the
 quick variant times `bertdist pretrain` itself and writes the report."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,12 +12,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def acceptance():
-    spec = importlib.util.spec_from_file_location("acceptance_under_test", REPO / "benchmarks" / "acceptance.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+def acceptance(load_benchmark):
+    return load_benchmark("acceptance")
 
 
 CPU_ENV = {"device_type": "cpu", "device": "CPU (test)"}

@@ -1,21 +1,11 @@
 """benchmarks/objectives.py: the equal-FLOP step counts, the budget points and the seed-spread
 verdicts (pure helpers; nothing is trained)."""
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def objectives():
-    spec = importlib.util.spec_from_file_location("objectives_under_test", REPO / "benchmarks" / "objectives.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+def objectives(load_benchmark):
+    return load_benchmark("objectives")
 
 
 def test_equal_flop_steps_spend_the_budget_in_multiples_of_the_points(objectives):

@@ -1,8 +1,6 @@
 """benchmarks/train_throughput.py on CPU: tiny preset, one timed step, the cheap variants."""
-import importlib.util
 import json
 import math
-import sys
 
 import numpy as np
 import pytest
@@ -12,13 +10,8 @@ from bertdist.data import open_records
 
 
 @pytest.fixture(scope="module")
-def harness(repo_root):
-    spec = importlib.util.spec_from_file_location("bench_train_throughput", repo_root / "benchmarks" / "train_throughput.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop(spec.name, None)
+def harness(load_benchmark):
+    return load_benchmark("train_throughput")
 
 
 def test_lengths_come_from_the_shards(harness, sample_records):
