@@ -37,7 +37,7 @@ from bertdist.embed.config import EmbedConfig, check_config, resolved_loss, reso
 from bertdist.embed.data import PairExample, read_pairs, read_scored_pairs, read_stsb
 from bertdist.embed.evaluate import (MAIN_METRIC, build_rerank_dev, build_retrieval_dev, rerank_eval, retrieval_eval,
                                      sts_eval)
-from bertdist.embed.model import BiEncoder, CrossEncoder, load_bi_encoder, load_cross_encoder, pad_batch
+from bertdist.embed.model import BiEncoder, CrossEncoder, forward_by_length, load_bi_encoder, load_cross_encoder
 from bertdist.finetune.errors import DataError
 from bertdist.finetune.train import _device, _dist, apply_update, build_optimization, seed_everything
 
@@ -274,11 +274,18 @@ class Trainer:
         self.cfg, self.model, self.loss, self.distill = cfg, model, loss, distill or {}
         self.k = resolved_negatives(cfg)
 
+    def _autocast(self, device: torch.device):
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16" and not self.ds)
+
     def _embed(self, fwd, texts: list[str], **kw) -> torch.Tensor:
         device = next(self.model.parameters()).device
-        batch = pad_batch(self.model.features(texts, self.cfg.max_seq_length), device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16" and not self.ds):
-            return fwd(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], full_width=True, **kw)
+
+        def one(batch):
+            with self._autocast(device):
+                return fwd(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], full_width=True, **kw)
+
+        return forward_by_length(one, self.model.features(texts, self.cfg.max_seq_length), self.cfg.length_groups,
+                                 device)
 
     def step_loss(self, fwd, units: list[dict], rng: random.Random) -> torch.Tensor:
         self.ds = fwd is not self.model
@@ -339,9 +346,13 @@ class Trainer:
         width = max(len(g) for g in groups)
         pairs = [(u["q"], c) for u, g in zip(units, groups) for c in g]
         device = next(self.model.parameters()).device
-        batch = pad_batch(self.model.features(pairs, self.cfg.max_seq_length), device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16" and not self.ds):
-            logits, _ = fwd(batch)
+
+        def one(batch):
+            with self._autocast(device):
+                return fwd(batch)[0].reshape(-1)
+
+        logits = forward_by_length(one, self.model.features(pairs, self.cfg.max_seq_length), self.cfg.length_groups,
+                                   device)
         # [groups, 1 + k] with the positive in column 0; rows with fewer negatives are masked
         mask = torch.tensor([[j < len(g) for j in range(width)] for g in groups], device=device)
         scores = logits.float().new_zeros(mask.shape).masked_scatter(mask, logits.float().reshape(-1))

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from bertdist.embed.model import (BiEncoder, is_cross_encoder_dir, is_sentence_transformers_dir, load_bi_encoder,
-                                  load_cross_encoder, read_st_layout)
+from bertdist.embed.model import (BiEncoder, forward_by_length, is_cross_encoder_dir, is_sentence_transformers_dir,
+                                  length_groups, load_bi_encoder, load_cross_encoder, pad_batch, read_st_layout)
 from bertdist.export.hf import ExportError
 from tests.embed import fixtures
 
@@ -62,6 +62,42 @@ def test_encode_returns_input_order_whatever_the_batching(ckpt, texts):
     # the rows are not all alike: order would matter
     assert np.abs(batched[0] - batched[-1]).max() > 1e-3
     assert model.encode([], batch_size=4).shape == (0, 128)
+
+
+def test_length_groups_partition_the_batch_by_length():
+    feats = [{"input_ids": [0] * n} for n in (9, 2, 7, 3, 5, 2, 8)]
+    runs = length_groups(feats, 3)
+    assert sorted(i for r in runs for i in r) == list(range(7))
+    assert [len(r) for r in runs] == [2, 3, 2]
+    assert [[len(feats[i]["input_ids"]) for i in r] for r in runs] == [[2, 2], [3, 5, 7], [8, 9]]
+    assert length_groups(feats, 1) == [sorted(range(7), key=lambda i: len(feats[i]["input_ids"]))]
+    assert len(length_groups(feats[:2], 4)) == 2  # never an empty group
+
+
+@pytest.mark.parametrize("groups", [2, 4])
+def test_forward_by_length_gives_the_one_batch_outputs_and_gradients(ckpt, texts, groups):
+    model = load_bi_encoder(ckpt, max_seq_length=48, kernels="reference").eval()  # no dropout: comparable
+    feats = model.features(texts, 48)
+    assert len({len(f["input_ids"]) for f in feats}) > groups  # the groups really pad differently
+
+    def run(g):
+        model.zero_grad()
+        emb = forward_by_length(lambda b: model(b["input_ids"], b["attention_mask"], b["token_type_ids"]), feats, g,
+                                "cpu")
+        (emb * torch.linspace(-1, 1, emb.shape[1])).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return emb.detach(), grads
+
+    one = pad_batch(feats)
+    with torch.no_grad():
+        direct = model(one["input_ids"], one["attention_mask"], one["token_type_ids"])
+    emb1, g1 = run(1)
+    embg, gg = run(groups)
+    assert torch.allclose(emb1, direct, atol=1e-6)
+    assert (embg - emb1).abs().max() < 1e-5
+    assert g1.keys() == gg.keys() and len(g1) > 10
+    for name in g1:
+        assert torch.allclose(g1[name], gg[name], atol=1e-5, rtol=1e-4), name
 
 
 def test_truncation_and_no_normalisation(ckpt, texts):
