@@ -98,7 +98,9 @@ def bm25_rankings(split: Split, k: int = 100) -> list[list[int]]:
 
 
 # ---------------------------------------------------------------- bi-encoders
-def ours_embed(split: Split, work: Path, args) -> tuple[object, dict]:
+def ours_embed(split: Split, work: Path, args, checkpoint: str | None = None, seq: int | None = None,
+               lr: float | None = None, name: str = "ours-embed") -> tuple[object, dict]:
+    """`bertdist finetune embed` from ``checkpoint`` (default: the base) on the split's train pairs."""
     from bertdist.embed.config import load_embed_config
     from bertdist.embed.model import load_bi_encoder
     from bertdist.embed.train import run_embed
@@ -108,12 +110,32 @@ def ours_embed(split: Split, work: Path, args) -> tuple[object, dict]:
     with (data / "train.jsonl").open("w") as f:
         for q, p in split.train:
             f.write(json.dumps({"query": q, "positive": p}) + "\n")
-    cfg = load_embed_config(None, [f"task=embed", f"checkpoint={args.base}", f"data={data}", f"output_dir={work / 'ours-embed'}",
-                                   f"batch_size={args.batch_size}", f"max_seq_length={args.seq}",
-                                   f"learning_rate={args.lr}", f"max_steps={peer_steps(len(split.train), args.batch_size, args)}",
+    cfg = load_embed_config(None, ["task=embed", f"checkpoint={checkpoint or args.base}", f"data={data}",
+                                   f"output_dir={work / name}", f"batch_size={args.batch_size}",
+                                   f"max_seq_length={seq or args.seq}", f"learning_rate={lr or args.lr}",
+                                   f"max_steps={peer_steps(len(split.train), args.batch_size, args)}",
                                    f"seed={args.seed}", "save_model=true", "progress=false"])
     summary = run_embed(cfg)
-    return load_bi_encoder(work / "ours-embed" / "model"), summary
+    return load_bi_encoder(work / name / "model"), summary
+
+
+def own_encoder(split: Split, work: Path, args) -> dict:
+    """A bi-encoder from our own MLM-pretrained checkpoint: untrained (mean pooling) and trained the
+    same way as the base, at the checkpoint's own sequence length and learning rate."""
+    from bertdist.embed.model import load_bi_encoder
+
+    seq = args.own_seq
+    enc = lambda m, texts: m.encode(texts, 64, seq)  # noqa: E731
+    untrained = load_bi_encoder(args.own_checkpoint, max_seq_length=seq)
+    res = {"checkpoint": args.own_checkpoint, "seq": seq, "lr": args.own_lr,
+           "untrained": retrieval_scores(rank_dense(enc(untrained, split.queries), enc(untrained, split.corpus)),
+                                         split.relevant)}
+    model, s = ours_embed(split, work, args, checkpoint=args.own_checkpoint, seq=seq, lr=args.own_lr,
+                          name="own-embed")
+    res["trained"] = {**retrieval_scores(rank_dense(enc(model, split.queries), enc(model, split.corpus)),
+                                         split.relevant), "steps": s.get("steps"),
+                      "seconds_per_step": s.get("seconds_per_step")}
+    return res
 
 
 def peer_steps(rows: int, batch: int, args) -> int:
@@ -123,6 +145,16 @@ def peer_steps(rows: int, batch: int, args) -> int:
     import math
 
     return max(1, math.ceil(math.ceil(rows / batch) * args.epochs))
+
+
+def peer_optimizer() -> dict:
+    """Our trainer's AdamW settings, given to sentence-transformers' trainer too (its defaults
+    differ: no weight decay, epsilon 1e-8)."""
+    from bertdist.embed.config import EmbedConfig
+
+    c = EmbedConfig()
+    return {"weight_decay": c.weight_decay, "adam_epsilon": c.adam_epsilon, "max_grad_norm": c.max_grad_norm,
+            "warmup_steps": c.warmup_ratio}
 
 
 def st_embed(split: Split, work: Path, args):
@@ -136,7 +168,7 @@ def st_embed(split: Split, work: Path, args):
     ds = Dataset.from_dict({"anchor": [q for q, _ in split.train], "positive": [p for _, p in split.train]})
     targs = SentenceTransformerTrainingArguments(
         output_dir=str(work / "st-embed"), num_train_epochs=args.epochs, per_device_train_batch_size=args.batch_size,
-        learning_rate=args.lr, warmup_steps=0.1, seed=args.seed, batch_sampler=BatchSamplers.NO_DUPLICATES,
+        learning_rate=args.lr, seed=args.seed, batch_sampler=BatchSamplers.NO_DUPLICATES, **peer_optimizer(),
         save_strategy="no", report_to="none", logging_steps=1000, use_cpu=True, dataloader_num_workers=0)
     trainer = SentenceTransformerTrainer(model=model, args=targs, train_dataset=ds,
                                          loss=losses.MultipleNegativesRankingLoss(model))
@@ -154,20 +186,27 @@ def encode_st(model, texts, args) -> np.ndarray:
 
 # ---------------------------------------------------------------- cross-encoders
 def rerank_groups(split: Split, args) -> list[dict]:
-    """(question, its paragraph, k BM25 negatives from the other train paragraphs) for the first
-    ``rerank_train`` train questions: the same groups for both trainers."""
+    """(question, its paragraph, k BM25 negatives) for ``rerank_train`` train questions sampled across
+    every train article: the same groups for both trainers. The negatives come from the sampled
+    questions' own paragraphs (what ``mine: bm25`` does: BM25 over the other rows' positives), so
+    every passage a re-ranker trains on is a positive for some question and a negative for others.
+    Negatives from the whole train half would let it score passages without reading the question:
+    most of them never occur as a positive (trained so, both re-rankers stayed at chance)."""
     from bertdist.retrieval.bm25 import BM25Index
 
-    paras = sorted(set(split.raw.train_paragraph_ids))  # every train-half paragraph, as the pool
-    text = {pid: p for (_, p), pid in zip(split.raw.train_pairs, split.raw.train_paragraph_ids)}
+    rows = list(zip(split.raw.train_pairs, split.raw.train_paragraph_ids))
+    rows = [rows[i] for i in sorted(random.Random(args.seed).sample(range(len(rows)), min(args.rerank_train,
+                                                                                       len(rows))))]
+    text = {pid: p for (_, p), pid in rows}
+    paras = sorted(text)
     idx = BM25Index([text[p] for p in paras])
-    rows = list(zip(split.raw.train_pairs, split.raw.train_paragraph_ids))[:args.rerank_train]
     ids, _ = idx.search([q for (q, _), _ in rows], args.negatives + 1)
     groups = []
     for ((q, p), pid), hits in zip(rows, ids):
         negs = [text[paras[int(h)]] for h in hits if paras[int(h)] != pid][:args.negatives]
         if len(negs) == args.negatives:
             groups.append({"query": q, "positive": p, "negatives": negs})
+    random.Random(args.seed).shuffle(groups)
     return groups
 
 
@@ -209,7 +248,7 @@ def st_rerank(groups, work: Path, args):
     ds = Dataset.from_dict({"query": qs, "passage": ps, "label": ls})
     targs = CrossEncoderTrainingArguments(
         output_dir=str(work / "st-rerank"), num_train_epochs=args.epochs,
-        per_device_train_batch_size=args.rerank_pairs_per_step, learning_rate=args.rerank_lr, warmup_steps=0.1,
+        per_device_train_batch_size=args.rerank_pairs_per_step, learning_rate=args.rerank_lr, **peer_optimizer(),
         seed=args.seed, save_strategy="no", report_to="none", logging_steps=1000, use_cpu=True, dataloader_num_workers=0)
     loss = BinaryCrossEntropyLoss(model, pos_weight=torch.tensor(float(args.negatives)))
     out = CrossEncoderTrainer(model=model, args=targs, train_dataset=ds, loss=loss).train()
@@ -229,14 +268,12 @@ def rerank_eval(score_pairs, split: Split, candidates: list[list[int]], top: int
 
 # ---------------------------------------------------------------- STS-B
 def stsb(args, work: Path) -> dict:
+    """Ours and sentence-transformers on the same STS-B train pairs, once per seed in ``--sts-seeds``
+    (the two alternate which goes first): per-seed Spearman, medians, and seconds per step."""
     from scipy.stats import spearmanr
-    from sentence_transformers import (SentenceTransformer, SentenceTransformerTrainer,
-                                       SentenceTransformerTrainingArguments, losses)
 
-    from bertdist.embed.config import load_embed_config
     from bertdist.embed.data import read_stsb
     from bertdist.embed.model import load_bi_encoder
-    from bertdist.embed.train import run_embed
 
     train = read_stsb(SHARED / "glue" / "STS-B" / "train.tsv")[:args.sts_train]
     dev = read_stsb(SHARED / "glue" / "STS-B" / "dev.tsv")
@@ -248,32 +285,53 @@ def stsb(args, work: Path) -> dict:
         return 100 * float(spearmanr(cos, gold).statistic)
 
     base = load_bi_encoder(args.base)
-    res = {"untrained": spearman(lambda t: base.encode(t, 64, 128))}
+    res = {"untrained": spearman(lambda t: base.encode(t, 64, 128)), "seeds": list(args.sts_seeds), "train_pairs": len(train),
+           "ours_runs": [], "st_runs": [], "ours_seconds_per_step": [], "st_seconds_per_step": []}
+    for i, seed in enumerate(args.sts_seeds):
+        for who in (("ours", "st") if i % 2 == 0 else ("st", "ours")):
+            score, sps, steps = (_sts_ours if who == "ours" else _sts_st)(args, work, train, seed, spearman)
+            res[f"{who}_runs"].append(score)
+            res[f"{who}_seconds_per_step"].append(sps)
+            res.setdefault("steps", {})[who] = steps
+            print("stsb", who, seed, round(score, 2), round(sps, 3), flush=True)
+    for who in ("ours", "st"):
+        res[who] = float(np.median(res[f"{who}_runs"]))
+        res[f"{who}_time_per_step"] = float(np.median(res[f"{who}_seconds_per_step"]))
+    return res
+
+
+def _sts_ours(args, work: Path, train: list, seed: int, spearman) -> tuple[float, float, int]:
+    from bertdist.embed.config import load_embed_config
+    from bertdist.embed.model import load_bi_encoder
+    from bertdist.embed.train import run_embed
+
+    out = work / f"ours-sts-{seed}"
     cfg = load_embed_config(None, ["task=sts", f"checkpoint={args.base}", f"data={SHARED / 'glue' / 'STS-B'}",
-                                   f"output_dir={work / 'ours-sts'}", f"batch_size={args.sts_batch}", "max_seq_length=128",
-                                   f"max_train_examples={len(train)}",
-                                   f"learning_rate={args.lr}", f"max_steps={peer_steps(len(train), args.sts_batch, args)}",
-                                   f"seed={args.seed}",
+                                   f"output_dir={out}", f"batch_size={args.sts_batch}", "max_seq_length=128",
+                                   f"max_train_examples={len(train)}", f"learning_rate={args.lr}",
+                                   f"max_steps={peer_steps(len(train), args.sts_batch, args)}", f"seed={seed}",
                                    "save_model=true", "progress=false"])
-    ours_summary = run_embed(cfg)
-    ours = load_bi_encoder(work / "ours-sts" / "model")
-    res["ours"] = spearman(lambda t: ours.encode(t, 64, 128))
-    res["ours_time_per_step"] = ours_summary.get("seconds_per_step")
+    summary = run_embed(cfg)
+    model = load_bi_encoder(out / "model")
+    return spearman(lambda t: model.encode(t, 64, 128)), summary["seconds_per_step"], summary["steps"]
+
+
+def _sts_st(args, work: Path, train: list, seed: int, spearman) -> tuple[float, float, int]:
     from datasets import Dataset
+    from sentence_transformers import (SentenceTransformer, SentenceTransformerTrainer,
+                                       SentenceTransformerTrainingArguments, losses)
 
     st = SentenceTransformer(args.base, device="cpu")
     st.max_seq_length = 128
     ds = Dataset.from_dict({"sentence1": [p.text_a for p in train], "sentence2": [p.text_b for p in train],
                             "score": [p.score / 5.0 for p in train]})
     targs = SentenceTransformerTrainingArguments(
-        output_dir=str(work / "st-sts"), num_train_epochs=args.epochs, per_device_train_batch_size=args.sts_batch,
-        learning_rate=args.lr, warmup_steps=0.1, seed=args.seed, save_strategy="no", report_to="none",
+        output_dir=str(work / f"st-sts-{seed}"), num_train_epochs=args.epochs, per_device_train_batch_size=args.sts_batch,
+        learning_rate=args.lr, seed=seed, **peer_optimizer(), save_strategy="no", report_to="none",
         logging_steps=1000, use_cpu=True, dataloader_num_workers=0)
     out = SentenceTransformerTrainer(model=st, args=targs, train_dataset=ds, loss=losses.CoSENTLoss(st)).train()
-    res["st"] = spearman(lambda t: st.encode(t, batch_size=64, convert_to_numpy=True))
-    res["st_time_per_step"] = out.metrics["train_runtime"] / max(out.global_step, 1)
-    res["steps"] = {"ours": ours_summary.get("steps"), "st": out.global_step}
-    return res
+    score = spearman(lambda t: st.encode(t, batch_size=64, convert_to_numpy=True))
+    return score, out.metrics["train_runtime"] / max(out.global_step, 1), out.global_step
 
 
 # ---------------------------------------------------------------- the run
@@ -296,6 +354,12 @@ def main(argv=None) -> int:
     p.add_argument("--rerank-questions", type=int, default=300, help="eval questions re-ranked")
     p.add_argument("--sts-batch", type=int, default=16)
     p.add_argument("--sts-train", type=int, default=None, help="default: every STS-B train pair")
+    p.add_argument("--sts-seeds", type=int, nargs="+", default=[42, 43, 44],
+                   help="one STS-B run of each trainer per seed; the verdict compares the medians")
+    p.add_argument("--own-checkpoint", default=None,
+                   help="also train a bi-encoder from this MLM-pretrained bertdist run or checkpoint")
+    p.add_argument("--own-seq", type=int, default=128, help="its sequence length (what it was pretrained at)")
+    p.add_argument("--own-lr", type=float, default=1e-4)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--skip", nargs="*", default=[], choices=["retrieval", "rerank", "sts"])
     args = p.parse_args(argv)
@@ -333,6 +397,9 @@ def main(argv=None) -> int:
                      "seconds_per_step": s["seconds"] / max(s["steps"], 1)}
         print("st", res["st"], flush=True)
         res["_ours_rank"] = ours_rank
+        if args.own_checkpoint:
+            res["own"] = own_encoder(split, work, args)
+            print("own", res["own"], flush=True)
     if "rerank" not in args.skip:
         groups = rerank_groups(split, args)
         sub = argparse.Namespace(**vars(args))
@@ -386,6 +453,18 @@ def report(res: dict, args) -> str:
             lines.append(f"| {name} | {r['ndcg@10']:.1f} | {r['recall@1']:.1f} | {r['recall@5']:.1f} | "
                          f"{r['recall@20']:.1f} | {r['mrr@10']:.1f} | {r.get('steps') or ''} | {sps} |")
         lines.append("")
+    if "own" in res:
+        o = res["own"]
+        lines += ["### From our own MLM-pretrained encoder", "",
+                  f"`{o['checkpoint']}`, at seq {o['seq']} and learning rate {o['lr']:g}, the same train pairs, batch "
+                  "and steps as above.", "",
+                  "| model | nDCG@10 | Recall@1 | Recall@5 | Recall@20 | MRR@10 | steps | s/step |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for name, r in (("untrained (mean pooling)", o["untrained"]), ("bertdist (MNRL)", o["trained"])):
+            sps = f"{r['seconds_per_step']:.2f}" if r.get("seconds_per_step") else ""
+            lines.append(f"| {name} | {r['ndcg@10']:.1f} | {r['recall@1']:.1f} | {r['recall@5']:.1f} | "
+                         f"{r['recall@20']:.1f} | {r['mrr@10']:.1f} | {r.get('steps') or ''} | {sps} |")
+        lines.append("")
     if "rerank" in res:
         r = res["rerank"]
         lines += ["## Cross-encoder re-ranking (nDCG@10)", "",
@@ -402,10 +481,15 @@ def report(res: dict, args) -> str:
         lines.append("")
     if "stsb" in res:
         s = res["stsb"]
-        lines += ["## STS-B dev (Spearman x 100)", "", "| model | Spearman | s/step |", "|---|---|---|",
-                  f"| untrained base | {s['untrained']:.2f} | |",
-                  f"| bertdist (CoSENT) | {s['ours']:.2f} | {s['ours_time_per_step'] or float('nan'):.3f} |",
-                  f"| sentence-transformers (CoSENTLoss) | {s['st']:.2f} | {s['st_time_per_step']:.3f} |", ""]
+        runs = lambda who: ", ".join(f"{x:.2f}" for x in s[f"{who}_runs"])  # noqa: E731
+        lines += ["## STS-B dev (Spearman x 100)", "",
+                  f"{s['train_pairs']} train pairs, {s['steps']['ours']} steps of {args.sts_batch}, one run per seed "
+                  f"({', '.join(map(str, s['seeds']))}); the median and every run.", "",
+                  "| model | Spearman (median) | runs | s/step (median) |", "|---|---|---|---|",
+                  f"| untrained base | {s['untrained']:.2f} | | |",
+                  f"| bertdist (CoSENT) | {s['ours']:.2f} | {runs('ours')} | {s['ours_time_per_step']:.3f} |",
+                  f"| sentence-transformers (CoSENTLoss) | {s['st']:.2f} | {runs('st')} | {s['st_time_per_step']:.3f} |",
+                  ""]
     lines += ["## Targets", ""] + [f"- {v}" for v in verdicts(res)] + ["", f"Wall time: {res['seconds']:.0f} s", ""]
     return "\n".join(lines)
 
@@ -432,8 +516,10 @@ def verdicts(res: dict) -> list[str]:
     if "stsb" in res:
         s = res["stsb"]
         d = s["ours"] - s["st"]
-        out.append(f"STS-B Spearman {s['ours']:.2f} vs sentence-transformers {s['st']:.2f} ({d:+.2f} points; target >= "
-                   f"-{TARGETS['sts_minus']}: {_met(d >= -TARGETS['sts_minus'])})")
+        spread = max(max(s["ours_runs"]) - min(s["ours_runs"]), max(s["st_runs"]) - min(s["st_runs"]))
+        out.append(f"STS-B Spearman, medians over {len(s['seeds'])} seeds: {s['ours']:.2f} vs sentence-transformers "
+                   f"{s['st']:.2f} ({d:+.2f} points; target >= -{TARGETS['sts_minus']}: "
+                   f"{_met(d >= -TARGETS['sts_minus'])}); the widest seed spread of either is {spread:.2f}")
     return out
 
 
