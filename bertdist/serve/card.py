@@ -22,7 +22,16 @@ TASK_ARCHITECTURES = {
     "BertForTokenClassification": "token",
     "BertForQuestionAnswering": "span",
     "BertForMultipleChoice": "choice",
+    # ELECTRA: the discriminator (what pretraining keeps) and the generator serve as encoders.
+    "ElectraModel": "encoder",
+    "ElectraForPreTraining": "encoder",
+    "ElectraForMaskedLM": "encoder",
+    "ElectraForSequenceClassification": "classification",
+    "ElectraForTokenClassification": "token",
+    "ElectraForQuestionAnswering": "span",
+    "ElectraForMultipleChoice": "choice",
 }
+MODEL_TYPES = ("bert", "electra")
 
 
 class ExportError(Exception):

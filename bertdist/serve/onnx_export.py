@@ -1,4 +1,4 @@
-"""A Hugging Face BERT directory -> ONNX models: fp32, ORT-optimised fp32, dynamic int8.
+"""A Hugging Face BERT or ELECTRA directory -> ONNX models: fp32, ORT-optimised fp32, dynamic int8.
 
 The graph comes from torch's ONNX exporter (the TorchScript-based one, ``dynamo=False``) over
 the transformers model loaded with eager attention: onnxruntime's BERT fusion recognises that
@@ -7,6 +7,7 @@ attention unfused. Optimisation is onnxruntime's transformer optimizer, quantisa
 ``quantize_dynamic``: no graph is written by hand here.
 
 Every model has dynamic batch and sequence axes (and a choice axis for multiple choice).
+ELECTRA's layers are BERT's, and onnxruntime's BERT fusions find the same patterns in them.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from bertdist.serve.card import FILES, OPSET, TASK_ARCHITECTURES, ExportError
+from bertdist.serve.card import FILES, MODEL_TYPES, OPSET, TASK_ARCHITECTURES, ExportError
 
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -41,6 +42,15 @@ class SourceModel:
     activation: str | None = None
 
 
+def family(config: dict) -> str:
+    """The transformers class prefix of a config's model type: Bert or Electra."""
+    return "Electra" if config.get("model_type") == "electra" else "Bert"
+
+
+def architecture(config: dict) -> str:
+    return (config.get("architectures") or [f"{family(config)}Model"])[0]
+
+
 def read_source(hf_dir: str | os.PathLike) -> SourceModel:
     p = Path(hf_dir)
     from bertdist.embed.model import is_sentence_transformers_dir, read_st_layout
@@ -53,12 +63,13 @@ def read_source(hf_dir: str | os.PathLike) -> SourceModel:
         raise ExportError(f"{p}: no config.json: not a Hugging Face model directory (export a run with "
                           f"`bertdist export RUN --out DIR` first, or pass the run itself)")
     conf = json.loads(conf_path.read_text())
-    if conf.get("model_type") != "bert":
-        raise ExportError(f"{conf_path}: model_type {conf.get('model_type')!r}; the ONNX export handles BERT models")
+    if conf.get("model_type") not in MODEL_TYPES:
+        raise ExportError(f"{conf_path}: model_type {conf.get('model_type')!r}; the ONNX export handles "
+                          f"{' and '.join(MODEL_TYPES)} models")
     if not (p / "tokenizer.json").is_file() and not (p / "vocab.txt").is_file():
         raise ExportError(f"{p}: no tokenizer.json or vocab.txt; the served model needs its tokenizer")
-    arch = (conf.get("architectures") or ["BertModel"])[0]
-    if arch not in TASK_ARCHITECTURES:
+    arch = architecture(conf)
+    if arch not in TASK_ARCHITECTURES or not arch.startswith(family(conf)):
         raise ExportError(f"{conf_path}: architecture {arch!r} is not one the export knows "
                           f"({sorted(TASK_ARCHITECTURES)})")
     task = TASK_ARCHITECTURES[arch]
@@ -133,11 +144,12 @@ def load_torch_model(src: SourceModel) -> nn.Module:
     """The transformers model, eager attention, eval mode: the export's input and the parity reference."""
     import transformers
 
-    cls = {"encoder": transformers.BertModel, "classification": transformers.BertForSequenceClassification,
-           "regression": transformers.BertForSequenceClassification,
-           "token": transformers.BertForTokenClassification, "span": transformers.BertForQuestionAnswering,
-           "choice": transformers.BertForMultipleChoice}[src.task]
-    kwargs = {"add_pooling_layer": False} if src.task == "encoder" else {}
+    prefix = family(src.config)
+    name = {"encoder": "Model", "classification": "ForSequenceClassification", "regression": "ForSequenceClassification",
+            "token": "ForTokenClassification", "span": "ForQuestionAnswering", "choice": "ForMultipleChoice"}[src.task]
+    cls = getattr(transformers, prefix + name)
+    # An encoder's graph ends at the hidden states and the pooled sentence embedding: no pooler.
+    kwargs = {"add_pooling_layer": False} if src.task == "encoder" and prefix == "Bert" else {}
     model = cls.from_pretrained(str(src.path), attn_implementation="eager", **kwargs)
     return _ExportWrapper(model, src.task, src.st_layout).eval()  # eval on the wrapper: the exporter restores its mode after tracing
 
@@ -262,7 +274,8 @@ def export_onnx(source: str | os.PathLike, out: str | os.PathLike, opts: ExportO
         files = files_for(opts.optimize, opts.quantize)
         export_fp32(model, src.task, stage / files["fp32"])
         card = {"task": src.task, "labels": src.labels, "opset": OPSET, "max_length": max_length,
-                "source": str(src.path), "architecture": (src.config.get("architectures") or ["BertModel"])[0],
+                "source": str(src.path), "model_type": src.config["model_type"],
+                "architecture": architecture(src.config),
                 "inputs": list(INPUTS), "outputs": list(output_names(src.task)), "files": files,
                 "pooling": (src.st_layout.pooling if src.st_layout is not None else "mean") if src.task == "encoder" else None,
                 "normalized": bool(src.st_layout is not None and src.st_layout.normalize),

@@ -15,8 +15,13 @@ ARCHITECTURES = {
 }
 
 
-def make_hf_dir(out: Path, kind: str, vocab: Path, seed: int = 0) -> Path:
-    """A randomly initialised tiny BERT of ``kind`` with its tokenizer files."""
+def architecture(kind: str, family: str = "Bert") -> str:
+    return ARCHITECTURES[kind].replace("Bert", family, 1)
+
+
+def make_hf_dir(out: Path, kind: str, vocab: Path, seed: int = 0, family: str = "Bert") -> Path:
+    """A randomly initialised tiny BERT (or ELECTRA, its embeddings narrower than its hidden states
+    as in ELECTRA-Small) of ``kind`` with its tokenizer files."""
     import torch
     import transformers
 
@@ -24,14 +29,16 @@ def make_hf_dir(out: Path, kind: str, vocab: Path, seed: int = 0) -> Path:
 
     torch.manual_seed(seed)
     labels = {"classification": ["negative", "positive"], "token": ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]}.get(kind)
-    conf = transformers.BertConfig(vocab_size=len(read_vocab(vocab)), hidden_size=32, num_hidden_layers=2,
-                                   num_attention_heads=2, intermediate_size=64, max_position_embeddings=128)
+    sizes = dict(vocab_size=len(read_vocab(vocab)), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 intermediate_size=64, max_position_embeddings=128)
+    conf = (transformers.ElectraConfig(embedding_size=16, **sizes) if family == "Electra"
+            else transformers.BertConfig(**sizes))
     if labels:
         conf.id2label = dict(enumerate(labels))
         conf.label2id = {n: i for i, n in enumerate(labels)}
     if kind == "regression":
         conf.num_labels, conf.problem_type = 1, "regression"
-    model = getattr(transformers, ARCHITECTURES[kind])(conf).eval()
+    model = getattr(transformers, architecture(kind, family))(conf).eval()
     model.save_pretrained(str(out))
     write_tokenizer_files(out, vocab, True, 128)
     return out

@@ -18,14 +18,14 @@ SENTENCES = ["A short one.", "The captain walked slowly along the deck, thinking
              "age of foolishness, it was the epoch of belief, it was the epoch of incredulity.", "Rain again."]
 
 
-def hf_outputs(hf_dir, kind, enc):
+def hf_outputs(hf_dir, kind, enc, family="Bert"):
     """The transformers model as users load it (default attention), independent of the export's own reference."""
     import torch
     import transformers
 
-    from tests.serve.conftest import ARCHITECTURES
+    from tests.serve.conftest import architecture
 
-    model = getattr(transformers, ARCHITECTURES[kind]).from_pretrained(str(hf_dir)).eval()
+    model = getattr(transformers, architecture(kind, family)).from_pretrained(str(hf_dir)).eval()
     with torch.no_grad():
         out = model(**{k: torch.from_numpy(v) for k, v in enc.items()})
     if kind == "encoder":
@@ -75,6 +75,43 @@ def test_every_task_type_exports_with_parity(kind, hf_model, onnx_model):
                 if kind == "encoder" and r.ndim == 3:
                     r, g = r * enc["attention_mask"][..., None], g * enc["attention_mask"][..., None]
                 np.testing.assert_allclose(g, r, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_electra_models_export_with_parity(kind, tmp_path, small_vocab):
+    src = make_hf_dir(tmp_path / "hf", kind, small_vocab, family="Electra")
+    out = tmp_path / "onnx"
+    card = export_onnx(src, out, ExportOptions(optimize=True), log=lambda *_: None)
+    assert card["model_type"] == "electra" and card["task"] == kind
+    assert card["architecture"].startswith("Electra")
+    # BERT's fusions, a narrower embedding (16 -> 32, projected) notwithstanding
+    assert {k: card["fused"].get(k) for k in ("EmbedLayerNormalization", "Attention", "SkipLayerNormalization")} == {
+        "EmbedLayerNormalization": 1, "Attention": 2, "SkipLayerNormalization": 4}
+    for variant in ("fp32", "optimized"):
+        assert card["parity"][variant]["max_abs_diff"] <= 1e-4
+    enc = encode(src, kind, SENTENCES)
+    ref = hf_outputs(src, kind, enc, family="Electra")
+    for variant in ("fp32", "optimized"):
+        got = make_session(out / FILES[variant]).run(None, enc)
+        for r, g in zip(ref, got):
+            assert r.shape == g.shape
+            if kind == "encoder" and r.ndim == 3:
+                r, g = r * enc["attention_mask"][..., None], g * enc["attention_mask"][..., None]
+            np.testing.assert_allclose(g, r, atol=1e-4, rtol=0)
+
+
+def test_electra_discriminator_exports_as_an_encoder_with_int8(tmp_path, small_vocab):
+    import transformers
+
+    src = make_hf_dir(tmp_path / "hf", "encoder", small_vocab, family="Electra")
+    conf = transformers.ElectraConfig.from_pretrained(str(src))
+    transformers.ElectraForPreTraining(conf).save_pretrained(str(tmp_path / "disc"))
+    for name in ("tokenizer.json", "vocab.txt"):
+        (tmp_path / "disc" / name).write_bytes((src / name).read_bytes())
+    card = export_onnx(tmp_path / "disc", tmp_path / "out", ExportOptions(quantize="int8"), log=lambda *_: None)
+    assert card["task"] == "encoder" and card["architecture"] == "ElectraForPreTraining"
+    assert card["parity"]["fp32"]["max_abs_diff"] <= 1e-4
+    assert card["parity"]["int8"]["min_cosine"] >= 0.98
 
 
 def test_pretraining_directory_exports_as_an_encoder(tmp_path, small_vocab):
