@@ -46,8 +46,9 @@ class EmbedConfig:
     max_grad_norm: float = 1.0
     hidden_dropout_prob: float | None = None  # None: keep the checkpoint's
     seed: int = 42
-    # Each training forward runs its texts sorted by length in this many groups, each padded to its
-    # own longest (1: one batch padded to the longest text). Same loss, far less padding.
+    # Each training forward runs its texts sorted by length in up to this many groups, each padded to
+    # its own longest and holding at least 1,024 real tokens (1: one batch padded to the longest
+    # text). Same loss, far less padding.
     length_groups: int = 4
     max_train_examples: int | None = None  # the first N rows of the train file
     max_eval_examples: int | None = None  # the first N rows of the dev file

@@ -66,12 +66,16 @@ def test_encode_returns_input_order_whatever_the_batching(ckpt, texts):
 
 def test_length_groups_partition_the_batch_by_length():
     feats = [{"input_ids": [0] * n} for n in (9, 2, 7, 3, 5, 2, 8)]
-    runs = length_groups(feats, 3)
+    runs = length_groups(feats, 3, min_tokens=1)
     assert sorted(i for r in runs for i in r) == list(range(7))
     assert [len(r) for r in runs] == [2, 3, 2]
     assert [[len(feats[i]["input_ids"]) for i in r] for r in runs] == [[2, 2], [3, 5, 7], [8, 9]]
-    assert length_groups(feats, 1) == [sorted(range(7), key=lambda i: len(feats[i]["input_ids"]))]
-    assert len(length_groups(feats[:2], 4)) == 2  # never an empty group
+    assert length_groups(feats, 1, min_tokens=1) == [sorted(range(7), key=lambda i: len(feats[i]["input_ids"]))]
+    assert len(length_groups(feats[:2], 4, min_tokens=1)) == 2  # never an empty group
+    # 36 tokens: groups of at least 12 tokens -> 3; of at least 20 -> 1; short batches stay whole
+    assert len(length_groups(feats, 4, min_tokens=12)) == 3
+    assert len(length_groups(feats, 4, min_tokens=20)) == 1
+    assert len(length_groups(feats, 4)) == 1
 
 
 @pytest.mark.parametrize("groups", [2, 4])
@@ -83,7 +87,7 @@ def test_forward_by_length_gives_the_one_batch_outputs_and_gradients(ckpt, texts
     def run(g):
         model.zero_grad()
         emb = forward_by_length(lambda b: model(b["input_ids"], b["attention_mask"], b["token_type_ids"]), feats, g,
-                                "cpu")
+                                "cpu", min_tokens=1)  # short texts: split them all the same
         (emb * torch.linspace(-1, 1, emb.shape[1])).sum().backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         return emb.detach(), grads
