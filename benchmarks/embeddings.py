@@ -58,6 +58,11 @@ def rank_dense(q: np.ndarray, c: np.ndarray, k: int = 100) -> list[list[int]]:
     return [list(map(int, r)) for r in top]
 
 
+def dense_ranking(encode, queries: list[str], corpus: list[str]) -> list[list[int]]:
+    """Each query's corpus ranking by cosine, ``encode(texts)`` giving the embeddings."""
+    return rank_dense(encode(queries), encode(corpus))
+
+
 def retrieval_scores(ranked: list[list[int]], relevant: list[set[int]]) -> dict:
     from bertdist.retrieval.metrics import mrr_at_k, ndcg_at_k, recall_at_k
 
@@ -125,16 +130,16 @@ def own_encoder(split: Split, work: Path, args) -> dict:
     from bertdist.embed.model import load_bi_encoder
 
     seq = args.own_seq
-    enc = lambda m, texts: m.encode(texts, 64, seq)  # noqa: E731
-    untrained = load_bi_encoder(args.own_checkpoint, max_seq_length=seq)
+
+    def scores(model) -> dict:
+        return retrieval_scores(dense_ranking(lambda t: model.encode(t, 64, seq), split.queries, split.corpus),
+                                split.relevant)
+
     res = {"checkpoint": args.own_checkpoint, "seq": seq, "lr": args.own_lr,
-           "untrained": retrieval_scores(rank_dense(enc(untrained, split.queries), enc(untrained, split.corpus)),
-                                         split.relevant)}
+           "untrained": scores(load_bi_encoder(args.own_checkpoint, max_seq_length=seq))}
     model, s = ours_embed(split, work, args, checkpoint=args.own_checkpoint, seq=seq, lr=args.own_lr,
                           name="own-embed")
-    res["trained"] = {**retrieval_scores(rank_dense(enc(model, split.queries), enc(model, split.corpus)),
-                                         split.relevant), "steps": s.get("steps"),
-                      "seconds_per_step": s.get("seconds_per_step")}
+    res["trained"] = {**scores(model), "steps": s.get("steps"), "seconds_per_step": s.get("seconds_per_step")}
     return res
 
 
@@ -380,23 +385,21 @@ def main(argv=None) -> int:
     if "retrieval" not in args.skip:
         from bertdist.embed.model import load_bi_encoder
 
-        corpus = split.corpus
         untrained = load_bi_encoder(args.base, max_seq_length=args.seq)
-        res["untrained"] = retrieval_scores(rank_dense(encode_ours(untrained, split.queries, args),
-                                                       encode_ours(untrained, corpus, args)), split.relevant)
+        res["untrained"] = retrieval_scores(
+            dense_ranking(lambda t: encode_ours(untrained, t, args), split.queries, split.corpus), split.relevant)
         print("untrained", res["untrained"], flush=True)
         ours_bi, s = ours_embed(split, work, args)
-        ours_rank = rank_dense(encode_ours(ours_bi, split.queries, args), encode_ours(ours_bi, corpus, args))
+        ours_rank = dense_ranking(lambda t: encode_ours(ours_bi, t, args), split.queries, split.corpus)
         res["ours"] = {**retrieval_scores(ours_rank, split.relevant), "steps": s.get("steps"),
                        "seconds_per_step": s.get("seconds_per_step")}
         res["hybrid"] = retrieval_scores(rrf(ours_rank, bm25), split.relevant)
         print("ours", res["ours"], "hybrid", res["hybrid"], flush=True)
         st, s = st_embed(split, work, args)
-        st_rank = rank_dense(encode_st(st, split.queries, args), encode_st(st, corpus, args))
+        st_rank = dense_ranking(lambda t: encode_st(st, t, args), split.queries, split.corpus)
         res["st"] = {**retrieval_scores(st_rank, split.relevant), "steps": s["steps"],
                      "seconds_per_step": s["seconds"] / max(s["steps"], 1)}
         print("st", res["st"], flush=True)
-        res["_ours_rank"] = ours_rank
         if args.own_checkpoint:
             res["own"] = own_encoder(split, work, args)
             print("own", res["own"], flush=True)
@@ -413,14 +416,13 @@ def main(argv=None) -> int:
                          "st": {"bm25_top20": rerank_eval(lambda pr: ce_st.predict(pr, batch_size=64), rsplit, cand_bm25),
                                 "steps": s_st["steps"], "seconds_per_step": s_st["seconds"] / max(s_st["steps"], 1)}}
         if ours_bi is not None:
-            dense = rank_dense(encode_ours(ours_bi, rsplit.queries, args), encode_ours(ours_bi, rsplit.corpus, args))
+            dense = dense_ranking(lambda t: encode_ours(ours_bi, t, args), rsplit.queries, rsplit.corpus)
             res["rerank"]["ours"]["bi_encoder_top20"] = rerank_eval(lambda pr: ce.score(pr), rsplit, dense)
             res["rerank"]["st"]["bi_encoder_top20"] = rerank_eval(lambda pr: ce_st.predict(pr, batch_size=64), rsplit, dense)
         print("rerank", res["rerank"], flush=True)
     if "sts" not in args.skip:
         res["stsb"] = stsb(args, work)
         print("stsb", res["stsb"], flush=True)
-    res.pop("_ours_rank", None)
     res["seconds"] = round(time.time() - t0, 1)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -89,9 +89,7 @@ def forward_by_length(forward, features: Sequence[dict], groups: int, device: to
         return forward(pad_batch(features, device))
     outs = [forward(pad_batch([features[i] for i in idx], device)) for idx in runs]
     order = torch.tensor([i for idx in runs for i in idx], device=outs[0].device)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(len(order), device=order.device)
-    return torch.cat(outs)[inverse]
+    return torch.cat(outs)[torch.argsort(order)]
 
 
 def _length_sorted_batches(features: list[dict], batch_size: int):
