@@ -412,7 +412,8 @@ def main(argv=None) -> int:
         ce_st, s_st = st_rerank(groups, work, sub)
         res["rerank"] = {"groups": len(groups), "negatives": args.negatives,
                          "ours": {"bm25_top20": rerank_eval(lambda pr: ce.score(pr), rsplit, cand_bm25),
-                                  "steps": s_ours.get("steps"), "seconds_per_step": s_ours.get("seconds_per_step")},
+                                  "steps": s_ours.get("steps"), "seconds_per_step": s_ours.get("seconds_per_step"),
+                                  "head_learning_rate": s_ours["model"]["head_learning_rate"]},
                          "st": {"bm25_top20": rerank_eval(lambda pr: ce_st.predict(pr, batch_size=64), rsplit, cand_bm25),
                                 "steps": s_st["steps"], "seconds_per_step": s_st["seconds"] / max(s_st["steps"], 1)}}
         if ours_bi is not None:
@@ -471,7 +472,9 @@ def report(res: dict, args) -> str:
         r = res["rerank"]
         lines += ["## Cross-encoder re-ranking (nDCG@10)", "",
                   f"{r['groups']} train questions, each with its paragraph and {r['negatives']} BM25 negatives; "
-                  f"{args.rerank_questions} eval questions.", "",
+                  f"{args.rerank_questions} eval questions. Learning rate {args.rerank_lr:g} for both; ours trains "
+                  f"its new head (pooler and classifier) at {r['ours'].get('head_learning_rate') or args.rerank_lr:g}, "
+                  "its default, sentence-transformers' trainer has one rate.", "",
                   "| re-ranker | BM25 top 20: before | after | bi-encoder top 20: before | after | steps | s/step |",
                   "|---|---|---|---|---|---|---|"]
         for name, key in (("bertdist (listwise)", "ours"), ("sentence-transformers CrossEncoder (BCE, pos_weight)", "st")):

@@ -40,6 +40,10 @@ class EmbedConfig:
     epochs: float = 1.0
     max_steps: int | None = None  # overrides epochs when set
     learning_rate: float = 2e-5
+    # rerank: the rate of the pooler and classifier. None: 20 x learning_rate for a new head (a
+    # randomly initialised head at the encoder's rate leaves the loss at chance for many steps),
+    # learning_rate for a cross-encoder's own trained head.
+    head_learning_rate: float | None = None
     warmup_ratio: float = 0.1
     weight_decay: float = 0.01
     adam_epsilon: float = 1e-6
@@ -169,6 +173,11 @@ def check_config(cfg: EmbedConfig) -> EmbedConfig:
     if cfg.zero_stage not in (0, 1, 2):
         # Evaluation and best-model snapshots read full parameters on every rank; ZeRO-3 shards them.
         raise ConfigError(f"zero_stage={cfg.zero_stage}: embedding training supports ZeRO stages 0-2")
+    if cfg.head_learning_rate is not None and cfg.task != "rerank":
+        raise ConfigError(f"head_learning_rate={cfg.head_learning_rate}: only a cross-encoder (task=rerank) has a "
+                          f"head; task={cfg.task} trains the encoder alone")
+    if cfg.head_learning_rate is not None and not cfg.head_learning_rate > 0:
+        raise ConfigError(f"head_learning_rate must be positive, got {cfg.head_learning_rate}")
     if cfg.distill_task_weight < 0:
         raise ConfigError(f"distill_task_weight must be >= 0, got {cfg.distill_task_weight}")
     return cfg

@@ -389,13 +389,31 @@ def build_model(cfg: EmbedConfig, device: torch.device, loss: str):
     return model
 
 
+NEW_HEAD_RATE = 20.0  # x learning_rate: a new cross-encoder head's default rate
+
+
+def head_learning_rate(model: torch.nn.Module, cfg: EmbedConfig) -> float | None:
+    """The cross-encoder head's rate (pooler + classifier); None for a bi-encoder."""
+    if not isinstance(model, CrossEncoder):
+        return None
+    if cfg.head_learning_rate is not None:
+        return cfg.head_learning_rate
+    trained = model.origin.get("format") == "cross-encoder"
+    return cfg.learning_rate if trained else NEW_HEAD_RATE * cfg.learning_rate
+
+
 def param_groups(model: torch.nn.Module, cfg: EmbedConfig) -> list[dict]:
-    decay, no_decay = [], []
+    """AdamW groups: no weight decay on biases and LayerNorm; a cross-encoder's head at its own rate."""
+    head_lr = head_learning_rate(model, cfg)
+    groups: dict[tuple[bool, bool], list] = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
-            (no_decay if name.endswith("bias") or "LayerNorm" in name else decay).append(p)
-    return [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
-                        {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+            head = head_lr is not None and name.startswith(("classifier.", "bert.pooler."))
+            no_decay = name.endswith("bias") or "LayerNorm" in name
+            groups.setdefault((head, no_decay), []).append(p)
+    return [{"params": params, "weight_decay": 0.0 if no_decay else cfg.weight_decay,
+             **({"lr": head_lr} if head else {})}
+            for (head, no_decay), params in sorted(groups.items())]
 
 
 def _init_distributed(cfg: EmbedConfig) -> None:
@@ -562,7 +580,8 @@ def run_embed(cfg: EmbedConfig) -> dict:
         "negatives": negatives_info, "distill": distill_info,
         "model": {"pooling": model.pooling, "normalize": model.normalize, "dim": model.dim,
                   "max_seq_length": cfg.max_seq_length} if isinstance(model, BiEncoder)
-        else {"activation": model.activation, "max_seq_length": cfg.max_seq_length},
+        else {"activation": model.activation, "max_seq_length": cfg.max_seq_length,
+              "head_learning_rate": head_learning_rate(model, cfg)},
     }
     if rank == 0:
         if cfg.save_model:

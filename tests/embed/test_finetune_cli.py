@@ -117,3 +117,7 @@ def test_checks_on_bounds_name_key_and_value():
         check_config(EmbedConfig(deepspeed=True, zero_stage=3))
     with pytest.raises(ConfigError, match="distill_from='t': distillation trains a retrieval bi-encoder"):
         check_config(EmbedConfig(task="sts", distill_from="t"))
+    with pytest.raises(ConfigError, match="head_learning_rate=0.001: only a cross-encoder"):
+        check_config(EmbedConfig(task="embed", head_learning_rate=1e-3))
+    with pytest.raises(ConfigError, match="head_learning_rate must be positive, got 0.0"):
+        check_config(EmbedConfig(task="rerank", head_learning_rate=0.0))

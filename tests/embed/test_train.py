@@ -151,6 +151,48 @@ def test_rerank_listwise_fits_its_training_groups(ckpt, tmp_path):
     assert cfg["sentence_transformers"]["activation_fn"].endswith("Identity")
 
 
+def _rates(model, cfg, steps: int = 0) -> dict[str, float]:
+    """Each trainable parameter's learning rate after ``steps`` scheduler steps of a 10-step run."""
+    from bertdist.embed.train import param_groups
+    from bertdist.finetune.train import build_optimization
+
+    _, opt, sched = build_optimization(model, cfg, param_groups(model, cfg), cfg.learning_rate, 8, 10)
+    for _ in range(steps):
+        opt.step()
+        sched.step()
+    lr = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
+    return {n: lr[id(p)] for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_cross_encoder_head_has_its_own_rate(ckpt, tmp_path):
+    """A new head (pooler + classifier) trains at 20 x learning_rate through warmup and decay; a
+    trained cross-encoder's head keeps learning_rate; head_learning_rate sets it; no weight decay on
+    the head's bias either way."""
+    import torch
+
+    from bertdist.embed.export import write_cross_encoder
+    from bertdist.embed.train import build_model, param_groups
+
+    cfg = EmbedConfig(task="rerank", checkpoint=str(ckpt), learning_rate=1e-4, warmup_ratio=0.2, **FAST)
+    model = build_model(cfg, torch.device("cpu"), "listwise")
+    for steps in (0, 5):  # in warmup, then in decay
+        r = _rates(model, cfg, steps)
+        body = r["bert.encoder.layer.0.attention.self.query.weight"]
+        assert body > 0
+        for name in ("classifier.weight", "classifier.bias", "bert.pooler.dense.weight"):
+            assert r[name] == pytest.approx(20 * body), (steps, name, r[name], body)
+    groups = param_groups(model, cfg)
+    head_bias = next(g for g in groups if any(p is model.classifier.bias for p in g["params"]))
+    assert head_bias["weight_decay"] == 0.0 and head_bias["lr"] == pytest.approx(2e-3)
+    assert sum(len(g["params"]) for g in groups) == sum(p.requires_grad for p in model.parameters())
+    r = _rates(model, dataclasses.replace(cfg, head_learning_rate=5e-4))
+    assert r["classifier.weight"] / r["bert.embeddings.word_embeddings.weight"] == pytest.approx(5.0)
+    trained = build_model(dataclasses.replace(cfg, checkpoint=str(write_cross_encoder(tmp_path / "ce", model))),
+                          torch.device("cpu"), "listwise")
+    r = _rates(trained, cfg)
+    assert r["classifier.weight"] == pytest.approx(r["bert.embeddings.word_embeddings.weight"])
+
+
 @pytest.mark.parametrize("loss", ["listwise", "bce"])
 def test_rerank_losses_on_groups_of_unequal_size(ckpt, loss):
     """A query with 1 negative next to one with 3: the missing candidates take no part."""
