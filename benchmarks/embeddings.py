@@ -256,8 +256,29 @@ def st_rerank(groups, work: Path, args):
         per_device_train_batch_size=args.rerank_pairs_per_step, learning_rate=args.rerank_lr, **peer_optimizer(),
         seed=args.seed, save_strategy="no", report_to="none", logging_steps=1000, use_cpu=True, dataloader_num_workers=0)
     loss = BinaryCrossEntropyLoss(model, pos_weight=torch.tensor(float(args.negatives)))
-    out = CrossEncoderTrainer(model=model, args=targs, train_dataset=ds, loss=loss).train()
+    opt = (st_head_optimizer(model, args.rerank_lr, args.st_head_rate), None) if args.st_head_rate else (None, None)
+    out = CrossEncoderTrainer(model=model, args=targs, train_dataset=ds, loss=loss, optimizers=opt).train()
     return model, {"steps": out.global_step, "seconds": out.metrics["train_runtime"]}
+
+
+def st_head_optimizer(model, lr: float, head_rate: float):
+    """AdamW for the peer with its head (pooler and classifier) at ``head_rate`` x ``lr``, as ours
+    trains a new head; our weight-decay split and epsilon. The trainer adds its warmup and decay."""
+    import torch
+
+    from bertdist.embed.config import EmbedConfig
+
+    c = EmbedConfig()
+    groups: dict[tuple[bool, bool], list] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            head = ".pooler." in name or ".classifier." in name
+            groups.setdefault((head, name.endswith("bias") or "LayerNorm" in name), []).append(p)
+    if not any(head for head, _ in groups):
+        raise ValueError("no pooler or classifier parameters found in the peer's cross-encoder")
+    return torch.optim.AdamW([{"params": ps, "lr": lr * (head_rate if head else 1.0),
+                               "weight_decay": 0.0 if no_decay else c.weight_decay}
+                              for (head, no_decay), ps in sorted(groups.items())], lr=lr, eps=c.adam_epsilon)
 
 
 def rerank_eval(score_pairs, split: Split, candidates: list[list[int]], top: int = 20) -> dict:
@@ -356,6 +377,8 @@ def main(argv=None) -> int:
     p.add_argument("--negatives", type=int, default=3)
     p.add_argument("--rerank-pairs-per-step", type=int, default=32)
     p.add_argument("--rerank-lr", type=float, default=2e-5)
+    p.add_argument("--st-head-rate", type=float, default=None,
+                   help="train the peer cross-encoder's head at this multiple of --rerank-lr (default: one rate)")
     p.add_argument("--rerank-questions", type=int, default=300, help="eval questions re-ranked")
     p.add_argument("--sts-batch", type=int, default=16)
     p.add_argument("--sts-train", type=int, default=None, help="default: every STS-B train pair")
@@ -366,7 +389,8 @@ def main(argv=None) -> int:
     p.add_argument("--own-seq", type=int, default=128, help="its sequence length (what it was pretrained at)")
     p.add_argument("--own-lr", type=float, default=1e-4)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--skip", nargs="*", default=[], choices=["retrieval", "rerank", "sts"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["retrieval", "rerank", "rerank-peer", "sts"],
+                   help="parts not to run; rerank-peer: train no sentence-transformers cross-encoder")
     args = p.parse_args(argv)
     args.base = args.base or base_model()
     import torch
@@ -408,18 +432,24 @@ def main(argv=None) -> int:
         sub = argparse.Namespace(**vars(args))
         rsplit = Split(argparse.Namespace(**{**vars(args), "eval_questions": args.rerank_questions}))
         cand_bm25 = bm25_rankings(rsplit)
+        dense = None if ours_bi is None else dense_ranking(lambda t: encode_ours(ours_bi, t, args), rsplit.queries,
+                                                           rsplit.corpus)
+
+        def evaluate(score) -> dict:
+            out = {"bm25_top20": rerank_eval(score, rsplit, cand_bm25)}
+            if dense is not None:
+                out["bi_encoder_top20"] = rerank_eval(score, rsplit, dense)
+            return out
+
         ce, s_ours = ours_rerank(groups, work, sub)
-        ce_st, s_st = st_rerank(groups, work, sub)
         res["rerank"] = {"groups": len(groups), "negatives": args.negatives,
-                         "ours": {"bm25_top20": rerank_eval(lambda pr: ce.score(pr), rsplit, cand_bm25),
-                                  "steps": s_ours.get("steps"), "seconds_per_step": s_ours.get("seconds_per_step"),
-                                  "head_learning_rate": s_ours["model"]["head_learning_rate"]},
-                         "st": {"bm25_top20": rerank_eval(lambda pr: ce_st.predict(pr, batch_size=64), rsplit, cand_bm25),
-                                "steps": s_st["steps"], "seconds_per_step": s_st["seconds"] / max(s_st["steps"], 1)}}
-        if ours_bi is not None:
-            dense = dense_ranking(lambda t: encode_ours(ours_bi, t, args), rsplit.queries, rsplit.corpus)
-            res["rerank"]["ours"]["bi_encoder_top20"] = rerank_eval(lambda pr: ce.score(pr), rsplit, dense)
-            res["rerank"]["st"]["bi_encoder_top20"] = rerank_eval(lambda pr: ce_st.predict(pr, batch_size=64), rsplit, dense)
+                         "ours": {**evaluate(lambda pr: ce.score(pr)), "steps": s_ours.get("steps"),
+                                  "seconds_per_step": s_ours.get("seconds_per_step"),
+                                  "head_learning_rate": s_ours["model"]["head_learning_rate"]}}
+        if "rerank-peer" not in args.skip:
+            ce_st, s_st = st_rerank(groups, work, sub)
+            res["rerank"]["st"] = {**evaluate(lambda pr: ce_st.predict(pr, batch_size=64)), "steps": s_st["steps"],
+                                   "seconds_per_step": s_st["seconds"] / max(s_st["steps"], 1)}
         print("rerank", res["rerank"], flush=True)
     if "sts" not in args.skip:
         res["stsb"] = stsb(args, work)
@@ -472,17 +502,24 @@ def report(res: dict, args) -> str:
         r = res["rerank"]
         lines += ["## Cross-encoder re-ranking (nDCG@10)", "",
                   f"{r['groups']} train questions, each with its paragraph and {r['negatives']} BM25 negatives; "
-                  f"{args.rerank_questions} eval questions. Learning rate {args.rerank_lr:g} for both; ours trains "
+                  f"{args.rerank_questions} eval questions. Learning rate {args.rerank_lr:g}; ours trains "
                   f"its new head (pooler and classifier) at {r['ours'].get('head_learning_rate') or args.rerank_lr:g}, "
-                  "its default, sentence-transformers' trainer has one rate.", "",
+                  "its default" + ("; no sentence-transformers peer in this run." if "st" not in r else
+                                   f"; sentence-transformers' at {args.rerank_lr * args.st_head_rate:g} "
+                                   "(--st-head-rate)." if getattr(args, "st_head_rate", None)
+                                   else "; sentence-transformers' trainer has one rate."), "",
                   "| re-ranker | BM25 top 20: before | after | bi-encoder top 20: before | after | steps | s/step |",
                   "|---|---|---|---|---|---|---|"]
-        for name, key in (("bertdist (listwise)", "ours"), ("sentence-transformers CrossEncoder (BCE, pos_weight)", "st")):
+        st_name = "sentence-transformers CrossEncoder (BCE, pos_weight" + (
+            f", head at {args.st_head_rate:g}x)" if getattr(args, "st_head_rate", None) else ")")
+        for name, key in (("bertdist (listwise)", "ours"), (st_name, "st")):
+            if key not in r:
+                continue
             x = r[key]
-            bi = x.get("bi_encoder_top20", {})
+            bi = x.get("bi_encoder_top20")
+            bi_cells = f"{bi['before']:.1f} | {bi['after']:.1f}" if bi else "not run | not run"
             lines.append(f"| {name} | {x['bm25_top20']['before']:.1f} | {x['bm25_top20']['after']:.1f} | "
-                         f"{bi.get('before', float('nan')):.1f} | {bi.get('after', float('nan')):.1f} | {x['steps']} | "
-                         f"{x['seconds_per_step']:.2f} |")
+                         f"{bi_cells} | {x['steps']} | {x['seconds_per_step']:.2f} |")
         lines.append("")
     if "stsb" in res:
         s = res["stsb"]
@@ -516,8 +553,9 @@ def verdicts(res: dict) -> list[str]:
         x = res["rerank"]["ours"]["bm25_top20"]
         g = x["after"] - x["before"]
         out.append(f"cross-encoder on BM25's top 20: {x['before']:.1f} -> {x['after']:.1f} ({g:+.1f}; target >= "
-                   f"{TARGETS['rerank_gain']}: {_met(g >= TARGETS['rerank_gain'])}); sentence-transformers' "
-                   f"{res['rerank']['st']['bm25_top20']['after']:.1f}")
+                   f"{TARGETS['rerank_gain']}: {_met(g >= TARGETS['rerank_gain'])})" + (
+                       f"; sentence-transformers' {res['rerank']['st']['bm25_top20']['after']:.1f}"
+                       if "st" in res["rerank"] else "; no sentence-transformers peer in this run"))
     if "stsb" in res:
         s = res["stsb"]
         d = s["ours"] - s["st"]

@@ -55,3 +55,43 @@ def test_the_sts_verdict_compares_medians_and_reports_the_spread(embeddings):
     assert "spread of either is 1.40" in line
     res["stsb"]["ours"] = 81.7
     assert "(-0.60 points; target >= -0.5: NOT met)" in embeddings.verdicts(res)[0]
+
+
+def test_the_peer_head_optimizer_matches_ours(embeddings):
+    """--st-head-rate: the peer's pooler and classifier at the multiple, every other parameter at the
+    base rate, no weight decay on biases and LayerNorm, as our trainer's groups."""
+    torch = pytest.importorskip("torch")
+
+    class Peer(torch.nn.Module):  # named like sentence-transformers' CrossEncoder over BERT
+        def __init__(self):
+            super().__init__()
+            self.model = torch.nn.ModuleDict({
+                "bert": torch.nn.ModuleDict({"encoder": torch.nn.Linear(4, 4), "LayerNorm": torch.nn.LayerNorm(4),
+                                             "pooler": torch.nn.ModuleDict({"dense": torch.nn.Linear(4, 4)})}),
+                "classifier": torch.nn.Linear(4, 1)})
+
+    peer = Peer()
+    opt = embeddings.st_head_optimizer(peer, 1e-4, 20.0)
+    lr = {id(p): (g["lr"], g["weight_decay"]) for g in opt.param_groups for p in g["params"]}
+    got = {n: lr[id(p)] for n, p in peer.named_parameters()}
+    assert got == {"model.bert.encoder.weight": (1e-4, 0.01), "model.bert.encoder.bias": (1e-4, 0.0),
+                   "model.bert.LayerNorm.weight": (1e-4, 0.0), "model.bert.LayerNorm.bias": (1e-4, 0.0),
+                   "model.bert.pooler.dense.weight": (2e-3, 0.01), "model.bert.pooler.dense.bias": (2e-3, 0.0),
+                   "model.classifier.weight": (2e-3, 0.01), "model.classifier.bias": (2e-3, 0.0)}
+    with pytest.raises(ValueError, match="no pooler or classifier"):
+        embeddings.st_head_optimizer(torch.nn.Linear(2, 2), 1e-4, 20.0)
+
+
+def test_the_rerank_report_without_a_peer_or_a_bi_encoder(embeddings):
+    """--skip retrieval rerank-peer: our row alone, the bi-encoder columns marked not run, and a
+    verdict that names the missing peer."""
+    counts = {"train_articles": 24, "train_pairs_used": 5397, "eval_articles": 24, "eval_questions_used": 600,
+              "eval_queries": 5173, "eval_paragraphs": 1044}
+    res = {"counts": counts, "seconds": 10.0, "bm25": {}, "rerank": {
+        "groups": 5000, "negatives": 3, "ours": {"bm25_top20": {"before": 87.9, "after": 92.0}, "steps": 625,
+                                                 "seconds_per_step": 3.2, "head_learning_rate": 2e-3}}}
+    args = argparse.Namespace(threads=2, rerank_questions=300, rerank_lr=1e-4, st_head_rate=None)
+    text = embeddings.report(res, args)
+    assert "| bertdist (listwise) | 87.9 | 92.0 | not run | not run | 625 | 3.20 |" in text
+    assert "sentence-transformers CrossEncoder" not in text and "no sentence-transformers peer in this run" in text
+    assert "87.9 -> 92.0 (+4.1; target >= 4.0: met); no sentence-transformers peer in this run" in text
