@@ -262,23 +262,19 @@ def st_rerank(groups, work: Path, args):
 
 
 def st_head_optimizer(model, lr: float, head_rate: float):
-    """AdamW for the peer with its head (pooler and classifier) at ``head_rate`` x ``lr``, as ours
-    trains a new head; our weight-decay split and epsilon. The trainer adds its warmup and decay."""
+    """AdamW for the peer with its head (pooler and classifier) at ``head_rate`` x ``lr``, grouped as
+    our trainer groups; our epsilon. The trainer adds its warmup and decay."""
     import torch
 
     from bertdist.embed.config import EmbedConfig
+    from bertdist.embed.train import grouped_parameters
 
     c = EmbedConfig()
-    groups: dict[tuple[bool, bool], list] = {}
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            head = ".pooler." in name or ".classifier." in name
-            groups.setdefault((head, name.endswith("bias") or "LayerNorm" in name), []).append(p)
-    if not any(head for head, _ in groups):
+    groups = grouped_parameters(model.named_parameters(), c.weight_decay, lr * head_rate,
+                                is_head=lambda name: ".pooler." in name or ".classifier." in name)
+    if not any("lr" in g for g in groups):
         raise ValueError("no pooler or classifier parameters found in the peer's cross-encoder")
-    return torch.optim.AdamW([{"params": ps, "lr": lr * (head_rate if head else 1.0),
-                               "weight_decay": 0.0 if no_decay else c.weight_decay}
-                              for (head, no_decay), ps in sorted(groups.items())], lr=lr, eps=c.adam_epsilon)
+    return torch.optim.AdamW(groups, lr=lr, eps=c.adam_epsilon)
 
 
 def rerank_eval(score_pairs, split: Split, candidates: list[list[int]], top: int = 20) -> dict:

@@ -402,18 +402,23 @@ def head_learning_rate(model: torch.nn.Module, cfg: EmbedConfig) -> float | None
     return cfg.learning_rate if trained else NEW_HEAD_RATE * cfg.learning_rate
 
 
-def param_groups(model: torch.nn.Module, cfg: EmbedConfig) -> list[dict]:
-    """AdamW groups: no weight decay on biases and LayerNorm; a cross-encoder's head at its own rate."""
-    head_lr = head_learning_rate(model, cfg)
+def grouped_parameters(named_parameters, weight_decay: float, head_lr: float | None = None,
+                       is_head=lambda name: name.startswith(("classifier.", "bert.pooler."))) -> list[dict]:
+    """AdamW groups over ``(name, parameter)`` pairs: no weight decay on biases and LayerNorm; with
+    ``head_lr``, the parameters ``is_head`` names at that rate (the others at the optimizer's)."""
     groups: dict[tuple[bool, bool], list] = {}
-    for name, p in model.named_parameters():
+    for name, p in named_parameters:
         if p.requires_grad:
-            head = head_lr is not None and name.startswith(("classifier.", "bert.pooler."))
-            no_decay = name.endswith("bias") or "LayerNorm" in name
-            groups.setdefault((head, no_decay), []).append(p)
-    return [{"params": params, "weight_decay": 0.0 if no_decay else cfg.weight_decay,
+            head = head_lr is not None and is_head(name)
+            groups.setdefault((head, name.endswith("bias") or "LayerNorm" in name), []).append(p)
+    return [{"params": params, "weight_decay": 0.0 if no_decay else weight_decay,
              **({"lr": head_lr} if head else {})}
             for (head, no_decay), params in sorted(groups.items())]
+
+
+def param_groups(model: torch.nn.Module, cfg: EmbedConfig) -> list[dict]:
+    """Our AdamW groups: a cross-encoder's head at its own rate."""
+    return grouped_parameters(model.named_parameters(), cfg.weight_decay, head_learning_rate(model, cfg))
 
 
 def _init_distributed(cfg: EmbedConfig) -> None:
