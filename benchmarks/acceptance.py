@@ -237,15 +237,23 @@ class RecipeScale:
     skip_steps: int  # first steps left out of the medians (start-up, allocator warm-up)
     model_preset: str | None = None  # None: the recipe's model
     micro_batch: int | None = None  # None: the recipe's micro batch
+    profile_steps: int = 0  # the last steps of each run under torch.profiler (profiling.*), out of the medians
 
     @classmethod
-    def for_device(cls, gpu: bool, quick: bool, steps: int | None = None) -> "RecipeScale":
+    def for_device(cls, gpu: bool, quick: bool, steps: int | None = None, profile: bool = False) -> "RecipeScale":
         if gpu and not quick:
-            return cls(steps=steps or 30, skip_steps=5)
-        return cls(steps=max(steps or 4, 2), skip_steps=1, model_preset="tiny", micro_batch=4)
+            return cls(steps=steps or 30, skip_steps=5, profile_steps=PROFILE_STEPS if profile else 0)
+        return cls(steps=max(steps or 4, 2), skip_steps=1, model_preset="tiny", micro_batch=4,
+                   profile_steps=1 if profile else 0)
+
+    @property
+    def profile_start(self) -> int:
+        return self.steps - self.profile_steps + 1
 
     def describe(self) -> str:
         what = ["global batch = one micro-batch (accumulation 1, one process)", f"{self.steps} steps"]
+        if self.profile_steps:
+            what.append(f"steps {self.profile_start}-{self.steps} under torch.profiler (left out of the medians)")
         if self.model_preset:
             what.append(f"model preset {self.model_preset}")
         if self.micro_batch:
@@ -266,6 +274,9 @@ def recipe_command(recipe: Path, manifest: str, vocab: str, run_dir: Path, scale
             "logging.progress=none", "logging.tensorboard=false"]
     if scale.model_preset:
         args.append(f"model.preset={scale.model_preset}")
+    if scale.profile_steps:
+        args += ["profiling.enabled=true", f"profiling.start_step={scale.profile_start}",
+                 f"profiling.num_steps={scale.profile_steps}", "profiling.trace=false"]
     if (data.get("checkpoint") or {}).get("init_from"):
         # A phase 2 starts from its phase 1's checkpoint; the time of a step does not depend on the weights.
         args.append("checkpoint.init_from=null")
@@ -276,7 +287,7 @@ def trainer_metrics(run_dir: Path, skip_steps: int) -> dict:
     """Medians of the trainer's own per-step metrics (metrics.jsonl), after ``skip_steps``."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [r for r in rows if r["kind"] == "train"]
-    timed = train[skip_steps:] or train[-1:]
+    timed = [r for r in train[skip_steps:] if not r.get("profiled")] or train[-1:]
     if not timed:
         raise RuntimeError(f"{run_dir / 'metrics.jsonl'} holds no training step")
     run = next((r for r in rows if r["kind"] == "run"), {})
@@ -316,6 +327,9 @@ def run_recipe(recipe: Path, manifest: str, vocab: str, out_dir: Path, scale: Re
                    micro_batch=cfg["data"]["micro_batch_size"], **trainer_metrics(run_dir, scale.skip_steps))
     except Exception as e:  # noqa: BLE001 - a run without readable metrics is a failed row
         return {**row, "error": f"{type(e).__name__}: {e}"}
+    profile = run_dir / "profile" / "rank0.summary.json"
+    if profile.is_file():
+        row["profile"] = json.loads(profile.read_text())
     row["status"] = "ok"
     return row
 
@@ -343,6 +357,11 @@ def stage_recipes(recipes: list[Path], manifests: dict[str, dict[int, str]], voc
             saved()
     return rows
 
+
+# Steps of each recipe run under torch.profiler with --profile (the run's last ones).
+PROFILE_STEPS = 3
+# Rows of each top-operators list in the report's profile section.
+PROFILE_TOP = 8
 
 # The override that trains an ELECTRA recipe's discriminator by MLM alone (same model, data, batch).
 ELECTRA_AS_MLM = ("electra=null",)
@@ -541,6 +560,51 @@ def guarded(report: dict, name: str, fn, *args):
         return None
 
 
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def profile_section(recipes: list[dict]) -> list[str]:
+    """Where each profiled recipe run's step time goes (bertdist/train/profiling.py's summary)."""
+    rows = [r for r in recipes if r.get("status") == "ok" and r.get("profile")]
+    if not rows:
+        return []
+    parts = ("forward", "metrics", "backward", "optimizer_step")
+    lines = ["", "## Where the step time goes (torch.profiler)", "",
+             "Per step, over the profiled steps of each run above. Device busy: the union of the GPU's kernel and "
+             "copy intervals. Host: time on the CPU inside each part of the step (the operators' dispatch and "
+             "launches included) and the aten operator calls it made (views included). A step whose device is "
+             "busy for a small part of its wall time is bound by the host, not by arithmetic.", "",
+             "| recipe | wall (ms) | device busy (ms) | busy | kernels | aten calls | "
+             + " | ".join(f"{p} host ms (calls)" for p in parts) + " |",
+             "|---|---:|---:|---:|---:|---:|" + "---:|" * len(parts)]
+    for r in rows:
+        p = r["profile"]
+        busy = p.get("device_busy_fraction")
+        reg = p.get("regions", {})
+        cells = [f"{reg[k]['host_ms_per_step']:.1f} ({reg[k]['aten_calls_per_step']:,.0f})" if k in reg else "-"
+                 for k in parts]
+        busy_text = "-" if busy is None else f"{100 * busy:.0f}%"
+        kernels = "-" if "kernels_per_step" not in p else f"{p['kernels_per_step']:,.0f}"
+        lines.append(f"| {_recipe_label(r)} | {p['wall_ms_per_step']:.1f} | {_ms(p.get('device_busy_ms_per_step'))} | "
+                     f"{busy_text} | {kernels} | {p['aten_calls_per_step']:,.0f} | " + " | ".join(cells) + " |")
+    for r in rows:
+        p = r["profile"]
+        lines += ["", f"{_recipe_label(r)}, top operators (ms per step):", "",
+                  "| by host time | calls | host ms | | by device time | calls | device ms |",
+                  "|---|---:|---:|---|---|---:|---:|"]
+        host = p.get("top_by_self_cpu", [])[:PROFILE_TOP]
+        dev = p.get("top_by_self_device", [])[:PROFILE_TOP]
+        steps = p["steps"]
+        for i in range(max(len(host), len(dev))):
+            a = host[i] if i < len(host) else None
+            b = dev[i] if i < len(dev) else None
+            left = f"`{a['op']}` | {a['calls'] / steps:,.0f} | {a['self_cpu_ms'] / steps:.2f}" if a else " | |"
+            right = f"`{b['op'][:60]}` | {b['calls'] / steps:,.0f} | {b['self_device_ms'] / steps:.2f}" if b else " | |"
+            lines.append(f"| {left} | | {right} |")
+    return lines
+
+
 def markdown(report: dict) -> str:
     env = report["environment"]
     lines = [f"# GPU acceptance ({'quick CPU variant' if env['device_type'] == 'cpu' else 'CUDA'}): {env['device']}", "",
@@ -587,6 +651,7 @@ def markdown(report: dict) -> str:
                          f"{r['seq_per_s']:.1f} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.2f}% | "
                          f"{1000 * r['step_time_s']:.1f} |")
         lines += ["", "Commands: " + "; ".join(f"`{r['command']}`" for r in recipes[:1]) + " (and likewise per recipe)."]
+        lines += profile_section(recipes)
     ar = report.get("auto_vs_reference")
     if ar and ar.get("recipe"):
         lines += ["", f"## kernels: auto vs kernels: reference, whole training steps ({ar['recipe']})", "",
@@ -670,6 +735,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="steps of each bertdist pretrain run (default 30 on CUDA, 4 on CPU)")
     ap.add_argument("--repeats", type=int, default=None,
                     help="interleaved runs of each side for auto vs reference (default 2)")
+    ap.add_argument("--profile", action="store_true",
+                    help=f"run the last {PROFILE_STEPS} steps of every recipe run under torch.profiler: the report "
+                         f"says where each step's time goes (host and device, per part of the step)")
     ap.add_argument("--skip", default="", help=f"comma-separated stages to skip: {','.join(STAGES)}")
     return ap.parse_args(argv)
 
@@ -711,7 +779,7 @@ def main(argv: list[str] | None = None) -> dict:
     variants = args.variants or (GPU_VARIANTS if gpu and not quick else CPU_VARIANTS)
     rounds = args.rounds or (5 if gpu and not quick else 2)
     steps = args.steps or (None if gpu and not quick else 2)
-    scale = RecipeScale.for_device(gpu, quick, args.recipe_steps)
+    scale = RecipeScale.for_device(gpu, quick, args.recipe_steps, args.profile)
     recipes = [RECIPES / name for name in args.recipes.split(",")] if args.recipes else sorted(RECIPES.glob("*.yaml"))
     repeats = args.repeats or 2
     recipe_overrides = tuple(o for o in args.recipe_overrides.split(",") if o)

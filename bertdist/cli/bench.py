@@ -41,6 +41,8 @@ def run(args) -> int:
             argv += [flag, str(value)]
     if args.quick:
         argv.append("--quick")
+    if args.profile:
+        argv.append("--profile")
     if args.lengths_from:
         argv += ["--lengths-from", *args.lengths_from]
     # 1 on a failed set-up step or GPU test (pytest's exit 5, nothing collected, included), a failed
@@ -71,6 +73,8 @@ def register(sub) -> None:
     p.add_argument("--recipe-overrides", help="comma-separated dotted overrides for every recipe run "
                                               "(e.g. model.compile=true)")
     p.add_argument("--repeats", type=int, help="interleaved runs per side of kernels auto vs reference")
+    p.add_argument("--profile", action="store_true",
+                   help="the last steps of every recipe run under torch.profiler: where each step's time goes")
     p.add_argument("--skip", help="stages to skip: records,throughput,auto_vs_reference,recipes,tests,kernels,"
                                   "decisions")
     p.set_defaults(func=run)

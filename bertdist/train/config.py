@@ -144,6 +144,28 @@ class LoggingConfig:
 
 
 @dataclasses.dataclass
+class ProfilingConfig:
+    """torch.profiler over a window of training steps, on every rank: host operators and, on CUDA,
+    device kernels (bertdist/train/profiling.py). Writes ``run_dir/profile/``: a per-rank summary
+    (time per step, device busy time, kernel launches, the top operators) and, optionally, a Chrome
+    trace. The profiled steps run slower; their metrics rows say ``profiled``."""
+    enabled: bool = False
+    start_step: int = 10  # the first profiled step (1-based): after start-up and allocator warm-up
+    num_steps: int = 3
+    top_ops: int = 20  # rows of each top-operators table
+    trace: bool = True  # also write a Chrome trace (chrome://tracing, Perfetto); large for big models
+
+    def __post_init__(self) -> None:
+        for name in ("start_step", "num_steps", "top_ops"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"profiling.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def last_step(self) -> int:
+        return self.start_step + self.num_steps - 1
+
+
+@dataclasses.dataclass
 class EvalConfig:
     every_steps: int = 1000  # 0: only at start/end
     max_sequences: int = 4096
@@ -255,6 +277,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    profiling: ProfilingConfig = dataclasses.field(default_factory=ProfilingConfig)
     distill: Optional[PretrainDistillConfig] = None  # general distillation from a teacher; null: plain pretraining
     electra: Optional[PretrainElectraConfig] = None  # ELECTRA replaced-token detection; null: MLM (+ NSP)
 
@@ -264,6 +287,11 @@ class TrainConfig:
                               "towards a teacher, ELECTRA trains a discriminator; set one of them to null")
         if self.electra is not None:
             self.electra.model_config(self.model)  # the generator's sizes resolve, or an error with the numbers
+        if self.profiling.enabled and self.profiling.last_step > self.steps_to_run:
+            raise ConfigError(f"profiling: steps {self.profiling.start_step}-{self.profiling.last_step} end after the "
+                              f"run's last step {self.steps_to_run} (schedule.total_steps "
+                              f"{self.schedule.total_steps}, max_steps {self.max_steps}); lower "
+                              f"profiling.start_step or profiling.num_steps")
         if self.optimizer.name == "lamb" and self.deepspeed.zero_stage > 0:
             # ZeRO flattens and partitions the parameters, so the optimizer would see slices of a flat
             # buffer instead of layers, and LAMB's per-layer trust ratio ||w|| / ||update|| would be wrong.

@@ -13,9 +13,14 @@ import dataclasses
 from typing import Any, Sequence
 
 import torch
+from torch.profiler import record_function
 
 from bertdist.model import IGNORE_INDEX, BertConfig, ElectraConfig, train_flops_per_sequence
 from bertdist.train.loader import batch_to_device
+
+
+# The parts of a step, as torch.profiler regions (bertdist/train/profiling.py sums each).
+REGIONS = ("bertdist/forward", "bertdist/metrics", "bertdist/backward", "bertdist/optimizer_step")
 
 
 class NonFiniteLossError(RuntimeError):
@@ -149,15 +154,18 @@ def train_step(r: StepRunner, micro_batches: list[dict[str, torch.Tensor]], step
     for i, mb in enumerate(micro_batches):
         last = i == r.grad_accum - 1
         mb = batch_to_device(mb, r.device)
-        out = engine(**mb)
-        if r.objective is not None:
-            out = r.objective(out, mb)
-        with torch.no_grad():
+        with record_function(REGIONS[0]):
+            out = engine(**mb)
+            if r.objective is not None:
+                out = r.objective(out, mb)
+        with torch.no_grad(), record_function(REGIONS[1]):
             _accumulate(r, sums, out, mb)
-        engine.backward(out.loss)
-        if last and r.own_grad_norm:  # gradients are reduced by now
-            own_gn = torch.sqrt(sum((p.grad.detach().float() ** 2).sum() for p in r.params if p.grad is not None))
-        engine.step()
+        with record_function(REGIONS[2]):
+            engine.backward(out.loss)
+        with record_function(REGIONS[3]):
+            if last and r.own_grad_norm:  # gradients are reduced by now
+                own_gn = torch.sqrt(sum((p.grad.detach().float() ** 2).sum() for p in r.params if p.grad is not None))
+            engine.step()
     sums.add("stop", 1.0 if stop_requested else 0.0)
     totals = sums.all_reduce()
     if r.precision != "fp16":

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from bertdist.config import ConfigError, save_config
 from bertdist.train.config import TrainConfig, check_batch_sizes
+from bertdist.train.profiling import StepProfiler, describe
 from bertdist.train.state import TrainerState, checkpoint_tag
 from bertdist.train.step import NonFiniteLossError
 
@@ -185,7 +186,8 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool
         log.message(objective.describe())
     if cfg.electra is not None and loader.has_nsp:
         log.message("the records carry NSP labels: ELECTRA has no NSP head, so they are not used")
-    session = _Session(cfg, engine, ckpt, log, eval_set, device, world, state, objective)
+    session = _Session(cfg, engine, ckpt, log, eval_set, device, world, state, objective,
+                       StepProfiler(cfg.profiling, run_dir, rank, device))
     stop = _Stop()
     if cfg.checkpoint.save_on_sigterm:
         stop.install()
@@ -206,10 +208,10 @@ class _Session:
     checkpoint, how it stopped, the final evaluation."""
 
     def __init__(self, cfg: TrainConfig, engine, ckpt, log, eval_set, device, world: int, state: TrainerState,
-                 objective=None):
+                 objective=None, profiler: StepProfiler | None = None):
         self.cfg, self.engine, self.ckpt, self.log = cfg, engine, ckpt, log
         self.eval_set, self.device, self.world, self.state = eval_set, device, world, state
-        self.objective = objective
+        self.objective, self.profiler = objective, profiler
         self.last_checkpoint: str | None = None
         self.final_eval: dict[str, float] | None = None
         self.stopped_by = "end" if cfg.steps_to_run == cfg.schedule.total_steps else "max_steps"
@@ -235,16 +237,34 @@ class _Session:
         return res
 
     def train(self, runner, steps, stop: _Stop, total: int, peak: float, resumed: bool) -> None:
-        from bertdist.train.step import step_metrics, train_step
-
         cfg, log = self.cfg, self.log
-        fp16 = cfg.deepspeed.precision == "fp16"
-        consecutive_bad = 0
         if cfg.eval.at_start and not resumed and self.state.step < total:
             self.evaluate()
+        prof = self.profiler
+        if prof is not None and cfg.profiling.enabled and self.state.step >= cfg.profiling.start_step:
+            log.message(f"profiling: step {cfg.profiling.start_step} has already run (resumed at step "
+                        f"{self.state.step}); nothing is profiled")
+        try:
+            self._loop(runner, steps, stop, total, peak)
+        except BaseException:
+            if prof is not None:
+                prof.abandon()
+            raise
+        if prof is not None:  # a window cut short by SIGTERM still writes what it has
+            prof.close(self.state.step)
+        self._finish()
+
+    def _loop(self, runner, steps, stop: _Stop, total: int, peak: float) -> None:
+        from bertdist.train.step import step_metrics, train_step
+
+        cfg, log, prof = self.cfg, self.log, self.profiler
+        fp16 = cfg.deepspeed.precision == "fp16"
+        consecutive_bad = 0
         while self.state.step < total:
             t0 = time.time()
             micro_batches, next_loader = next(steps)
+            if prof is not None:
+                prof.before(self.state.step + 1)
             res = train_step(runner, micro_batches, self.state.step + 1, stop.requested)
             self.state = dataclasses.replace(self.state, step=self.state.step + 1, loader=next_loader.to_dict())
             step = self.state.step
@@ -252,6 +272,12 @@ class _Session:
                 else 1.0
             m = step_metrics(res, time.time() - t0, self.world, peak, scale, int(self.engine.skipped_steps),
                              next_loader.epoch)
+            if prof is not None and prof.active(step):
+                m["profiled"] = True  # slower under the profiler: left out of throughput figures
+                summary = prof.after(step)
+                if summary is not None:
+                    log.message(describe(summary) + f" ({prof.dir})")
+                    log.record("profile", step, summary, tensorboard=False)
             log_now = step % cfg.logging.every_steps == 0 or step == total
             log.record("train", step, m, tensorboard=log_now)
             if log_now:
@@ -272,7 +298,6 @@ class _Session:
                 self.evaluate()
             if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
                 self.save()
-        self._finish()
 
     def _finish(self) -> None:
         saved_now = self.last_checkpoint == checkpoint_tag(self.state.step)

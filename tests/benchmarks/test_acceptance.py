@@ -205,3 +205,32 @@ def test_an_electra_recipe_reads_unmasked_records_and_is_judged_against_its_own_
     (t,) = [t for t in acceptance.targets(CPU_ENV, [], None, [row(0.2), row(0.1, ["electra=null"])]) if "ELECTRA" in t[0]]
     assert t[1].startswith("2.00x") and t[2].startswith("n/a")
     assert not [t for t in acceptance.targets(H200_ENV, [], None, [row(0.2)]) if "ELECTRA" in t[0]]
+
+
+def test_profiled_steps_are_left_out_of_the_medians_and_reported_on_their_own(acceptance, tmp_path):
+    scale = acceptance.RecipeScale(steps=30, skip_steps=5, profile_steps=3)
+    cmd = acceptance.recipe_command(REPO / "configs" / "pretrain" / "electra-small.yaml", "m.json", "v.txt",
+                                    tmp_path, scale)
+    assert cmd[-4:] == ["profiling.enabled=true", "profiling.start_step=28", "profiling.num_steps=3",
+                        "profiling.trace=false"]
+    assert "steps 28-30 under torch.profiler (left out of the medians)" in scale.describe()
+    # step times 0.1 s, except the three profiled steps at 0.9 s: the median stays 0.1
+    rows = [{"kind": "run", "step": 0, "compile": False}] + [
+        {"kind": "train", "step": s, "seq_per_s": 1.0, "tokens_per_s": 1.0, "mfu": 0.1,
+         "step_time_s": 0.9 if s >= 28 else 0.1, **({"profiled": True} if s >= 28 else {})} for s in range(1, 31)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    m = acceptance.trainer_metrics(tmp_path, scale.skip_steps)
+    assert m["step_time_s"] == 0.1 and m["steps_timed"] == 22 and m["steps_run"] == 30
+
+    profile = {"steps": 3, "wall_ms_per_step": 120.0, "aten_calls_per_step": 24000.0, "device_busy_ms_per_step": 30.0,
+               "device_busy_fraction": 0.25, "kernels_per_step": 3000.0, "first_step": 28,
+               "regions": {"forward": {"host_ms_per_step": 40.0, "aten_calls_per_step": 3700.0},
+                           "backward": {"host_ms_per_step": 60.0, "aten_calls_per_step": 6800.0}},
+               "top_by_self_cpu": [{"op": "aten::copy_", "calls": 5700, "self_cpu_ms": 36.0, "self_device_ms": 9.0}],
+               "top_by_self_device": [{"op": "aten::mm", "calls": 600, "self_cpu_ms": 12.0, "self_device_ms": 15.0}]}
+    lines = acceptance.profile_section([{"recipe": "electra-small.yaml", "status": "ok", "profile": profile},
+                                        {"recipe": "tiny.yaml", "status": "ok"}])
+    text = "\n".join(lines)
+    assert "| electra-small.yaml | 120.0 | 30.0 | 25% | 3,000 | 24,000 | 40.0 (3,700) | - | 60.0 (6,800) | - |" in text
+    assert "| `aten::copy_` | 1,900 | 12.00 | | `aten::mm` | 200 | 5.00 |" in text  # per step: 3 steps
+    assert "tiny.yaml" not in text and acceptance.profile_section([{"recipe": "x", "status": "failed"}]) == []
