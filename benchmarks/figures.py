@@ -268,8 +268,11 @@ def gpu_table() -> list[str]:
 
 
 GPU_ELECTRA_RUN = "gpu-node_nvidia-h200_2026-11-26_electra"
+GPU_ELECTRA_PROFILE_RUN = "gpu-node_nvidia-h200_2026-11-27_electra-profile"
+GPU_ELECTRA_PROFILE_REPORTS = tuple(f"{GPU_ELECTRA_PROFILE_RUN}/acceptance_{n}.json" for n in (
+    "electra-recipes", "electra-small-micro1024", "electra-base-micro128", "electra-small-zero0"))
 GPU_ELECTRA_REPORTS = (f"{GPU_ELECTRA_RUN}/acceptance_electra-recipes.json",
-                       f"{GPU_ELECTRA_RUN}/acceptance_electra-recipes-compiled.json")
+                       f"{GPU_ELECTRA_RUN}/acceptance_electra-recipes-compiled.json", *GPU_ELECTRA_PROFILE_REPORTS)
 
 
 def gpu_electra_table() -> list[str]:
@@ -290,6 +293,25 @@ def gpu_electra_table() -> list[str]:
         for target, measured, verdict in json.loads(read(name))["targets"]:
             if "ELECTRA" in target:
                 out.append(f"| {i} | {target} | {measured} | {verdict} | {link(name)} |")
+    return out
+
+
+def gpu_electra_profile_table() -> list[str]:
+    """Where the ELECTRA and MLM steps' time goes on the H200 (torch.profiler, `bertdist bench --profile`)."""
+    parts = ("forward", "backward", "optimizer_step")
+    out = ["| run | recipe | profiled wall (ms/step) | kernels | aten calls | " + " | ".join(
+        f"{p} host ms (calls)" for p in parts) + " | raw results |", "|---|---|---|---|---|" + "---|" * len(parts) + "---|"]
+    offset = GPU_ELECTRA_REPORTS.index(GPU_ELECTRA_PROFILE_REPORTS[0])
+    for i, name in enumerate(GPU_ELECTRA_PROFILE_REPORTS, offset + 1):
+        for r in json.loads(read(name))["recipes"]:
+            p = r.get("profile")
+            if r["status"] != "ok" or not p:
+                continue
+            label = r["recipe"] + "".join(f" `{o}`" for o in r.get("overrides") or [])
+            reg = p["regions"]
+            cells = " | ".join(f"{reg[k]['host_ms_per_step']:.1f} ({reg[k]['aten_calls_per_step']:,.0f})" for k in parts)
+            out.append(f"| {i} | {label} | {p['wall_ms_per_step']:.1f} | {p['kernels_per_step']:,.0f} | "
+                       f"{p['aten_calls_per_step']:,.0f} | {cells} | {link(name)} |")
     return out
 
 
@@ -400,6 +422,8 @@ TABLES = (
     ("GPU: bertdist bench through the GPU kit on one H200 (bf16, BERT-large batch 64 x 128)", gpu_table),
     ("GPU: the ELECTRA recipes and their MLM twins through the GPU kit on one H200 (bf16, 30 steps each)",
      gpu_electra_table),
+    ("GPU: where the ELECTRA and MLM steps' time goes on one H200 (torch.profiler, the last 3 steps of each run)",
+     gpu_electra_profile_table),
     ("Data build", data_build_table),
     ("NSP negatives: distinct (document, start sentence) windows per random-next row", negatives_table),
     ("Model step on CPU against Hugging Face (batch 8 × 128, fp32, forward + backward)", model_table),
