@@ -242,9 +242,16 @@ class RecipeScale:
     @classmethod
     def for_device(cls, gpu: bool, quick: bool, steps: int | None = None, profile: bool = False) -> "RecipeScale":
         if gpu and not quick:
-            return cls(steps=steps or 30, skip_steps=5, profile_steps=PROFILE_STEPS if profile else 0)
-        return cls(steps=max(steps or 4, 2), skip_steps=1, model_preset="tiny", micro_batch=4,
-                   profile_steps=1 if profile else 0)
+            scale = cls(steps=steps or 30, skip_steps=5, profile_steps=PROFILE_STEPS if profile else 0)
+        else:
+            scale = cls(steps=max(steps or 4, 2), skip_steps=1, model_preset="tiny", micro_batch=4,
+                        profile_steps=1 if profile else 0)
+        least = scale.skip_steps + scale.profile_steps + 1
+        if profile and scale.steps < least:
+            raise SystemExit(f"--profile: {scale.steps} steps per recipe run leave none to time after the "
+                             f"{scale.skip_steps} warm-up and {scale.profile_steps} profiled steps; use "
+                             f"--recipe-steps {least} or more")
+        return scale
 
     @property
     def profile_start(self) -> int:
@@ -287,7 +294,8 @@ def trainer_metrics(run_dir: Path, skip_steps: int) -> dict:
     """Medians of the trainer's own per-step metrics (metrics.jsonl), after ``skip_steps``."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [r for r in rows if r["kind"] == "train"]
-    timed = [r for r in train[skip_steps:] if not r.get("profiled")] or train[-1:]
+    unprofiled = [r for r in train if not r.get("profiled")]
+    timed = [r for r in train[skip_steps:] if not r.get("profiled")] or unprofiled[-1:] or train[-1:]
     if not timed:
         raise RuntimeError(f"{run_dir / 'metrics.jsonl'} holds no training step")
     run = next((r for r in rows if r["kind"] == "run"), {})
@@ -572,24 +580,35 @@ def profile_section(recipes: list[dict]) -> list[str]:
     parts = ("forward", "metrics", "backward", "optimizer_step")
     lines = ["", "## Where the step time goes (torch.profiler)", "",
              "Per step, over the profiled steps of each run above. Device busy: the union of the GPU's kernel and "
-             "copy intervals. Host: time on the CPU inside each part of the step (the operators' dispatch and "
-             "launches included) and the aten operator calls it made (views included). A step whose device is "
-             "busy for a small part of its wall time is bound by the host, not by arithmetic.", "",
+             "copy intervals (collectives apart). Each part of the step: its wall time on the host's clock (waits "
+             "for the device included) and the aten operator calls that started in it on any thread (nested calls "
+             "and views included). A step whose device is busy for a small part of its wall time is bound by the "
+             "host, not by arithmetic.", "",
              "| recipe | wall (ms) | device busy (ms) | busy | kernels | aten calls | "
-             + " | ".join(f"{p} host ms (calls)" for p in parts) + " |",
+             + " | ".join(f"{p} ms (calls)" for p in parts) + " |",
              "|---|---:|---:|---:|---:|---:|" + "---:|" * len(parts)]
+
+    def part(reg: dict) -> str:
+        calls = reg.get("aten_calls_per_step")
+        return f"{reg['wall_ms_per_step']:.1f}" + ("" if calls is None else f" ({calls:,.0f})")
+
     for r in rows:
         p = r["profile"]
         busy = p.get("device_busy_fraction")
         reg = p.get("regions", {})
-        cells = [f"{reg[k]['host_ms_per_step']:.1f} ({reg[k]['aten_calls_per_step']:,.0f})" if k in reg else "-"
-                 for k in parts]
+        cells = [part(reg[k]) if k in reg else "-" for k in parts]
         busy_text = "-" if busy is None else f"{100 * busy:.0f}%"
         kernels = "-" if "kernels_per_step" not in p else f"{p['kernels_per_step']:,.0f}"
+        aten = "-" if "aten_calls_per_step" not in p else f"{p['aten_calls_per_step']:,.0f}"
         lines.append(f"| {_recipe_label(r)} | {p['wall_ms_per_step']:.1f} | {_ms(p.get('device_busy_ms_per_step'))} | "
-                     f"{busy_text} | {kernels} | {p['aten_calls_per_step']:,.0f} | " + " | ".join(cells) + " |")
+                     f"{busy_text} | {kernels} | {aten} | " + " | ".join(cells) + " |")
+    notes = list(dict.fromkeys(r["profile"]["note"] for r in rows if r["profile"].get("note")))
+    lines += [""] + notes if notes else []
     for r in rows:
         p = r["profile"]
+        if "error" in p:
+            lines += ["", f"{_recipe_label(r)}: the profile could not be summarised: {p['error']}"]
+            continue
         lines += ["", f"{_recipe_label(r)}, top operators (ms per step):", "",
                   "| by host time | calls | host ms | | by device time | calls | device ms |",
                   "|---|---:|---:|---|---|---:|---:|"]

@@ -12,6 +12,7 @@ operator tables), and with ``trace`` a Chrome trace ``rank<r>.trace.json``.
 """
 from __future__ import annotations
 
+import bisect
 import json
 import time
 from pathlib import Path
@@ -57,25 +58,20 @@ def _top(averages, key, n: int) -> list[dict]:
              "self_device_ms": _device_time(a) / 1e3} for a in rows if key(a) > 0]
 
 
-def _aten_descendants(evt) -> int:
-    n, stack = 0, list(evt.cpu_children)
-    while stack:
-        e = stack.pop()
-        n += e.name.startswith("aten::")
-        stack.extend(e.cpu_children)
-    return n
-
-
 def regions(events, names: tuple[str, ...], steps: int) -> dict[str, dict]:
-    """Host time and aten calls per step inside each ``record_function`` region of ``names``
-    (bertdist.train.step.REGIONS); the host time includes the operators' own dispatch and launches."""
+    """Per step, for each ``record_function`` region of ``names`` (bertdist.train.step.REGIONS):
+    its wall time on the host's clock (waits for the device included) and the aten calls that
+    started inside it on any thread: autograd runs a CUDA backward on a thread of its own."""
+    host = [e for e in events if not _is_device_event(e)]
+    aten = sorted(e.time_range.start for e in host if e.name.startswith("aten::"))
     out = {}
     for name in names:
-        hits = [e for e in events if e.name == name and not _is_device_event(e)]
+        hits = [e for e in host if e.name == name]
         if hits:
-            out[name.rsplit("/", 1)[-1]] = {
-                "host_ms_per_step": sum(e.cpu_time_total for e in hits) / 1e3 / steps,
-                "aten_calls_per_step": sum(_aten_descendants(e) for e in hits) / steps}
+            calls = sum(bisect.bisect_left(aten, e.time_range.end) - bisect.bisect_left(aten, e.time_range.start)
+                        for e in hits)
+            out[name.rsplit("/", 1)[-1]] = {"wall_ms_per_step": sum(e.cpu_time_total for e in hits) / 1e3 / steps,
+                                            "aten_calls_per_step": calls / steps}
     return out
 
 
@@ -87,8 +83,10 @@ def summarize(prof, steps: int, wall_s: float, top: int, device_type: str) -> di
     annotations = _annotation_names(events)
     device = [e for e in events if _is_device_event(e) and e.name not in annotations
               and not getattr(e, "is_user_annotation", False)]
-    copies = [e for e in device if e.name.lower().startswith(("memcpy", "memset"))]
-    busy = busy_us([(e.time_range.start, e.time_range.end) for e in device]) / 1e3
+    # collectives wait for the other ranks on the device: their time is not this rank's work
+    comm = [e for e in device if e.name.lower().startswith("nccl")]
+    work = [e for e in device if not e.name.lower().startswith("nccl")]
+    copies = [e for e in work if e.name.lower().startswith(("memcpy", "memset"))]
     averages = [a for a in prof.key_averages() if a.key not in annotations]
     per_step = wall_s * 1e3 / steps
     out = {
@@ -96,13 +94,17 @@ def summarize(prof, steps: int, wall_s: float, top: int, device_type: str) -> di
         "aten_calls_per_step": sum(1 for e in events if not _is_device_event(e) and e.name.startswith("aten::"))
         / steps,
         "regions": regions(events, REGIONS, steps),
-        "top_by_self_cpu": _top(averages, lambda a: a.self_cpu_time_total, top),
+        "top_by_self_cpu": _top([a for a in averages if not _is_device_event(a)], lambda a: a.self_cpu_time_total, top),
     }
     if device_type == "cuda":
+        busy = busy_us([(e.time_range.start, e.time_range.end) for e in work]) / 1e3
         out.update(
             device_busy_ms_per_step=busy / steps, device_busy_fraction=busy / steps / per_step if per_step else 0.0,
-            kernels_per_step=(len(device) - len(copies)) / steps, copies_per_step=len(copies) / steps,
-            top_by_self_device=_top(averages, _device_time, top))
+            kernels_per_step=(len(work) - len(copies)) / steps, copies_per_step=len(copies) / steps,
+            collectives_ms_per_step=busy_us([(e.time_range.start, e.time_range.end) for e in comm]) / 1e3 / steps,
+            # operators by the device time of the kernels they launched, and the kernels themselves
+            top_by_self_device=_top([a for a in averages if not _is_device_event(a)], _device_time, top),
+            top_kernels=_top([a for a in averages if _is_device_event(a)], _device_time, top))
     return out
 
 
@@ -118,7 +120,8 @@ class StepProfiler:
         self.summary: dict | None = None
 
     def active(self, step: int) -> bool:
-        return self.cfg.enabled and self.cfg.start_step <= step <= self.cfg.last_step
+        """Whether ``step`` ran under the profiler (a run resumed inside the window profiles nothing)."""
+        return self.prof is not None and self.cfg.start_step <= step <= self.cfg.last_step
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -150,7 +153,10 @@ class StepProfiler:
         """Stops a window without writing it (the run failed inside it)."""
         prof, self.prof = self.prof, None
         if prof is not None:
-            prof.stop()
+            try:
+                prof.stop()
+            except Exception:  # noqa: BLE001 - the run's own error is the one to report
+                pass
 
     def _finish(self, steps: int) -> dict:
         self._sync()
@@ -159,7 +165,11 @@ class StepProfiler:
         prof.stop()
         self.dir.mkdir(parents=True, exist_ok=True)
         base = self.dir / f"rank{self.rank}"
-        summary = summarize(prof, steps, wall, self.cfg.top_ops, self.device.type)
+        try:
+            summary = summarize(prof, steps, wall, self.cfg.top_ops, self.device.type)
+        except Exception as e:  # noqa: BLE001 - a profiler that cannot be read must not end the run
+            summary = {"steps": steps, "device_type": self.device.type, "wall_ms_per_step": wall * 1e3 / steps,
+                       "error": f"{type(e).__name__}: {e}"}
         summary["first_step"] = self.cfg.start_step
         # torch's own tables and trace: a profiler version that cannot write them leaves a note, not a failed run
         sorts = ["self_cpu_time_total"] + (["self_device_time_total"] if self.device.type == "cuda" else [])
@@ -183,10 +193,13 @@ class StepProfiler:
 def describe(summary: dict) -> str:
     """One line for the run's log."""
     s = f"profile of steps {summary['first_step']}-{summary['first_step'] + summary['steps'] - 1}: " \
-        f"{summary['wall_ms_per_step']:.1f} ms/step, {summary['aten_calls_per_step']:.0f} aten calls/step"
+        f"{summary['wall_ms_per_step']:.1f} ms/step"
+    if "error" in summary:
+        return s + f"; the profile could not be summarised: {summary['error']}"
+    s += f", {summary['aten_calls_per_step']:.0f} aten calls/step"
     if "device_busy_ms_per_step" in summary:
         s += (f", device busy {summary['device_busy_ms_per_step']:.1f} ms/step "
               f"({100 * summary['device_busy_fraction']:.0f}%), {summary['kernels_per_step']:.0f} kernels/step")
-    parts = [f"{k} {v['host_ms_per_step']:.1f} ms / {v['aten_calls_per_step']:.0f} calls"
+    parts = [f"{k} {v['wall_ms_per_step']:.1f} ms / {v['aten_calls_per_step']:.0f} calls"
              for k, v in summary.get("regions", {}).items()]
-    return s + ("; host per step: " + ", ".join(parts) if parts else "")
+    return s + ("; per step: " + ", ".join(parts) if parts else "")

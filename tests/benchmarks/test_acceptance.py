@@ -224,13 +224,21 @@ def test_profiled_steps_are_left_out_of_the_medians_and_reported_on_their_own(ac
 
     profile = {"steps": 3, "wall_ms_per_step": 120.0, "aten_calls_per_step": 24000.0, "device_busy_ms_per_step": 30.0,
                "device_busy_fraction": 0.25, "kernels_per_step": 3000.0, "first_step": 28,
-               "regions": {"forward": {"host_ms_per_step": 40.0, "aten_calls_per_step": 3700.0},
-                           "backward": {"host_ms_per_step": 60.0, "aten_calls_per_step": 6800.0}},
+               "regions": {"forward": {"wall_ms_per_step": 40.0, "aten_calls_per_step": 3700.0},
+                           "backward": {"wall_ms_per_step": 60.0}},
                "top_by_self_cpu": [{"op": "aten::copy_", "calls": 5700, "self_cpu_ms": 36.0, "self_device_ms": 9.0}],
                "top_by_self_device": [{"op": "aten::mm", "calls": 600, "self_cpu_ms": 12.0, "self_device_ms": 15.0}]}
+    broken = {"steps": 3, "wall_ms_per_step": 90.0, "first_step": 28, "error": "RuntimeError: no events"}
     lines = acceptance.profile_section([{"recipe": "electra-small.yaml", "status": "ok", "profile": profile},
-                                        {"recipe": "tiny.yaml", "status": "ok"}])
+                                        {"recipe": "tiny.yaml", "status": "ok"},
+                                        {"recipe": "electra-base.yaml", "status": "ok", "profile": broken}])
     text = "\n".join(lines)
-    assert "| electra-small.yaml | 120.0 | 30.0 | 25% | 3,000 | 24,000 | 40.0 (3,700) | - | 60.0 (6,800) | - |" in text
+    assert "| electra-small.yaml | 120.0 | 30.0 | 25% | 3,000 | 24,000 | 40.0 (3,700) | - | 60.0 | - |" in text
+    assert "| electra-base.yaml | 90.0 | - | - | - | - | - | - | - | - |" in text
+    assert "electra-base.yaml: the profile could not be summarised: RuntimeError: no events" in text
     assert "| `aten::copy_` | 1,900 | 12.00 | | `aten::mm` | 200 | 5.00 |" in text  # per step: 3 steps
     assert "tiny.yaml" not in text and acceptance.profile_section([{"recipe": "x", "status": "failed"}]) == []
+    # too few steps to time anything beside the warm-up and the profiled ones: refused up front
+    with pytest.raises(SystemExit, match=r"--profile: 8 steps .* use --recipe-steps 9 or more"):
+        acceptance.RecipeScale.for_device(gpu=True, quick=False, steps=8, profile=True)
+    assert acceptance.RecipeScale.for_device(gpu=True, quick=False, steps=9, profile=True).profile_start == 7
