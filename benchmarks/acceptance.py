@@ -568,8 +568,8 @@ def guarded(report: dict, name: str, fn, *args):
         return None
 
 
-def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v:.1f}"
+def _cell(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
 
 
 def profile_section(recipes: list[dict]) -> list[str]:
@@ -594,14 +594,11 @@ def profile_section(recipes: list[dict]) -> list[str]:
 
     for r in rows:
         p = r["profile"]
-        busy = p.get("device_busy_fraction")
         reg = p.get("regions", {})
-        cells = [part(reg[k]) if k in reg else "-" for k in parts]
-        busy_text = "-" if busy is None else f"{100 * busy:.0f}%"
-        kernels = "-" if "kernels_per_step" not in p else f"{p['kernels_per_step']:,.0f}"
-        aten = "-" if "aten_calls_per_step" not in p else f"{p['aten_calls_per_step']:,.0f}"
-        lines.append(f"| {_recipe_label(r)} | {p['wall_ms_per_step']:.1f} | {_ms(p.get('device_busy_ms_per_step'))} | "
-                     f"{busy_text} | {kernels} | {aten} | " + " | ".join(cells) + " |")
+        cells = [_cell(p["wall_ms_per_step"], ".1f"), _cell(p.get("device_busy_ms_per_step"), ".1f"),
+                 _cell(p.get("device_busy_fraction"), ".0%"), _cell(p.get("kernels_per_step"), ",.0f"),
+                 _cell(p.get("aten_calls_per_step"), ",.0f")] + [part(reg[k]) if k in reg else "-" for k in parts]
+        lines.append(f"| {_recipe_label(r)} | " + " | ".join(cells) + " |")
     notes = list(dict.fromkeys(r["profile"]["note"] for r in rows if r["profile"].get("note")))
     lines += [""] + notes if notes else []
     for r in rows:

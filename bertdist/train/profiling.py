@@ -117,7 +117,6 @@ class StepProfiler:
         self.dir = Path(run_dir) / PROFILE_DIR
         self.prof = None
         self.t0 = 0.0
-        self.summary: dict | None = None
 
     def active(self, step: int) -> bool:
         """Whether ``step`` ran under the profiler (a run resumed inside the window profiles nothing)."""
@@ -186,7 +185,6 @@ class StepProfiler:
             except Exception as e:  # noqa: BLE001
                 summary["trace_error"] = f"{type(e).__name__}: {e}"
         Path(f"{base}.summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-        self.summary = summary
         return summary
 
 

@@ -208,7 +208,7 @@ class _Session:
     checkpoint, how it stopped, the final evaluation."""
 
     def __init__(self, cfg: TrainConfig, engine, ckpt, log, eval_set, device, world: int, state: TrainerState,
-                 objective=None, profiler: StepProfiler | None = None):
+                 objective, profiler: StepProfiler):
         self.cfg, self.engine, self.ckpt, self.log = cfg, engine, ckpt, log
         self.eval_set, self.device, self.world, self.state = eval_set, device, world, state
         self.objective, self.profiler = objective, profiler
@@ -241,17 +241,15 @@ class _Session:
         if cfg.eval.at_start and not resumed and self.state.step < total:
             self.evaluate()
         prof = self.profiler
-        if prof is not None and cfg.profiling.enabled and self.state.step >= cfg.profiling.start_step:
+        if cfg.profiling.enabled and self.state.step >= cfg.profiling.start_step:
             log.message(f"profiling: step {cfg.profiling.start_step} has already run (resumed at step "
                         f"{self.state.step}); nothing is profiled")
         try:
             self._loop(runner, steps, stop, total, peak)
         except BaseException:
-            if prof is not None:
-                prof.abandon()
+            prof.abandon()
             raise
-        if prof is not None:  # a window cut short by SIGTERM still writes what it has
-            prof.close(self.state.step)
+        prof.close(self.state.step)  # a window cut short by SIGTERM still writes what it has
         self._finish()
 
     def _loop(self, runner, steps, stop: _Stop, total: int, peak: float) -> None:
@@ -263,8 +261,7 @@ class _Session:
         while self.state.step < total:
             t0 = time.time()
             micro_batches, next_loader = next(steps)
-            if prof is not None:
-                prof.before(self.state.step + 1)
+            prof.before(self.state.step + 1)
             res = train_step(runner, micro_batches, self.state.step + 1, stop.requested)
             self.state = dataclasses.replace(self.state, step=self.state.step + 1, loader=next_loader.to_dict())
             step = self.state.step
@@ -272,7 +269,7 @@ class _Session:
                 else 1.0
             m = step_metrics(res, time.time() - t0, self.world, peak, scale, int(self.engine.skipped_steps),
                              next_loader.epoch)
-            if prof is not None and prof.active(step):
+            if prof.active(step):
                 m["profiled"] = True  # slower under the profiler: left out of throughput figures
                 summary = prof.after(step)
                 if summary is not None:
