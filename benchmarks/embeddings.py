@@ -236,6 +236,35 @@ def ours_rerank(groups, work: Path, args):
     return load_cross_encoder(work / "ours-rerank" / "model"), summary
 
 
+def reuse_rerank(run_dir: Path, split: Split):
+    """A finished ``bertdist finetune rerank`` run (its output directory) instead of training one:
+    its model and summary. Refused unless every question it trained on is a train-half question,
+    so that re-ranking the eval half stays unseen."""
+    from bertdist.embed.model import load_cross_encoder
+
+    summary_file = run_dir / "metrics.json"
+    if not summary_file.is_file() or not (run_dir / "model").is_dir():
+        raise SystemExit(f"--rerank-model {run_dir}: expected a finished rerank run (metrics.json and model/)")
+    summary = json.loads(summary_file.read_text())
+    if summary.get("task") != "rerank":
+        raise SystemExit(f"--rerank-model {run_dir}: task is {summary.get('task')!r}, not 'rerank'")
+    train_file = Path(summary.get("train_file") or "")
+    if not train_file.is_file():
+        raise SystemExit(f"--rerank-model {run_dir}: its train file {train_file} is gone; cannot check "
+                         "that it holds train-half questions only")
+    train_questions = {q for q, _ in split.raw.train_pairs}
+    with train_file.open() as f:
+        unseen = [i for i, line in enumerate(f, 1) if json.loads(line)["query"] not in train_questions]
+    if unseen:
+        raise SystemExit(f"--rerank-model {run_dir}: {len(unseen)} rows of {train_file} (first: line "
+                         f"{unseen[0]}) are not train-half questions")
+    import yaml
+
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    return load_cross_encoder(run_dir / "model"), {**summary, "learning_rate": cfg["learning_rate"],
+                                                    "num_negatives": cfg["num_negatives"]}
+
+
 def st_rerank(groups, work: Path, args):
     import torch
     from datasets import Dataset
@@ -376,6 +405,9 @@ def main(argv=None) -> int:
     p.add_argument("--st-head-rate", type=float, default=None,
                    help="train the peer cross-encoder's head at this multiple of --rerank-lr (default: one rate)")
     p.add_argument("--rerank-questions", type=int, default=300, help="eval questions re-ranked")
+    p.add_argument("--rerank-model", default=None,
+                   help="re-rank with this finished `bertdist finetune rerank` run (its output directory) "
+                        "instead of training ours; implies --skip rerank-peer")
     p.add_argument("--sts-batch", type=int, default=16)
     p.add_argument("--sts-train", type=int, default=None, help="default: every STS-B train pair")
     p.add_argument("--sts-seeds", type=int, nargs="+", default=[42, 43, 44],
@@ -424,7 +456,6 @@ def main(argv=None) -> int:
             res["own"] = own_encoder(split, work, args)
             print("own", res["own"], flush=True)
     if "rerank" not in args.skip:
-        groups = rerank_groups(split, args)
         sub = argparse.Namespace(**vars(args))
         rsplit = Split(argparse.Namespace(**{**vars(args), "eval_questions": args.rerank_questions}))
         cand_bm25 = bm25_rankings(rsplit)
@@ -437,12 +468,18 @@ def main(argv=None) -> int:
                 out["bi_encoder_top20"] = rerank_eval(score, rsplit, dense)
             return out
 
-        ce, s_ours = ours_rerank(groups, work, sub)
-        res["rerank"] = {"groups": len(groups), "negatives": args.negatives,
+        if args.rerank_model:
+            ce, s_ours = reuse_rerank(Path(args.rerank_model), split)
+            groups, n_groups, negatives, lr = None, s_ours["train_rows"], s_ours["num_negatives"], s_ours["learning_rate"]
+        else:
+            groups = rerank_groups(split, args)
+            ce, s_ours = ours_rerank(groups, work, sub)
+            n_groups, negatives, lr = len(groups), args.negatives, args.rerank_lr
+        res["rerank"] = {"groups": n_groups, "negatives": negatives, "learning_rate": lr, "reused": args.rerank_model,
                          "ours": {**evaluate(lambda pr: ce.score(pr)), "steps": s_ours.get("steps"),
                                   "seconds_per_step": s_ours.get("seconds_per_step"),
                                   "head_learning_rate": s_ours["model"]["head_learning_rate"]}}
-        if "rerank-peer" not in args.skip:
+        if "rerank-peer" not in args.skip and groups is not None:
             ce_st, s_st = st_rerank(groups, work, sub)
             res["rerank"]["st"] = {**evaluate(lambda pr: ce_st.predict(pr, batch_size=64)), "steps": s_st["steps"],
                                    "seconds_per_step": s_st["seconds"] / max(s_st["steps"], 1)}
@@ -497,8 +534,10 @@ def report(res: dict, args) -> str:
     if "rerank" in res:
         r = res["rerank"]
         lines += ["## Cross-encoder re-ranking (nDCG@10)", "",
+                  (f"Ours: the finished run `{r['reused']}`, not trained in this run (it holds train-half questions "
+                   "only: checked). " if r.get("reused") else "") +
                   f"{r['groups']} train questions, each with its paragraph and {r['negatives']} BM25 negatives; "
-                  f"{args.rerank_questions} eval questions. Learning rate {args.rerank_lr:g}; ours trains "
+                  f"{args.rerank_questions} eval questions. Learning rate {r.get('learning_rate', args.rerank_lr):g}; ours trains "
                   f"its new head (pooler and classifier) at {r['ours'].get('head_learning_rate') or args.rerank_lr:g}, "
                   "its default" + ("; no sentence-transformers peer in this run." if "st" not in r else
                                    f"; sentence-transformers' at {args.rerank_lr * args.st_head_rate:g} "

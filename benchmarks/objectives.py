@@ -209,18 +209,41 @@ def corpus_inputs(work: Path, max_books_mb: float | None) -> tuple[list[str], st
     return [f"wiki:{SHARED / 'wiki'}", f"books:{folder}"], key
 
 
-def build_records(work: Path, kind: str, seq: int, max_books_mb: float | None) -> dict:
+def corpus_vocab(work: Path, max_books_mb: float | None, size: int) -> Path:
+    """A WordPiece vocab of ``size`` tokens with BERT's special ids, trained once on the pretraining
+    corpus (the pipeline's vocab trainer over the same inputs)."""
+    from data_pipeline.pipeline import parse_input
+    from data_pipeline.tokenization import train_vocab
+    from data_pipeline.vocab_corpus import iter_sentences
+
+    inputs, key = corpus_inputs(work, max_books_mb)
+    out = work / "vocab" / f"wordpiece{size}-{key}.txt"
+    if not out.is_file():
+        skipped: list[str] = []
+        t = time.time()
+        train_vocab(iter_sentences([parse_input(i) for i in inputs], skipped=skipped), out, vocab_size=size)
+        print(f"trained a {size}-token vocab on {inputs} in {time.time() - t:.0f} s -> {out}"
+              + (f"; skipped {skipped}" if skipped else ""), flush=True)
+    return out
+
+
+def vocab_tag(vocab: Path) -> str:
+    """'' for BERT's own vocab, else a suffix naming the vocab (records and the initialisation depend on it)."""
+    return "" if vocab == VOCAB else f"-{vocab.stem}"
+
+
+def build_records(work: Path, kind: str, seq: int, max_books_mb: float | None, vocab: Path = VOCAB) -> dict:
     """Unmasked records (the loader masks each batch) with NSP pairs ("nsp") or without ("none"),
     built once: {manifest, rows, tokens, documents, build_s}."""
     from data_pipeline import build_records as beam_build
 
     inputs, key = corpus_inputs(work, max_books_mb)
-    out = work / "records" / f"{kind}-seq{seq}-{key}"
+    out = work / "records" / f"{kind}-seq{seq}-{key}{vocab_tag(vocab)}"
     manifest = out / "manifest.json"
     if not manifest.is_file():
         t = time.time()
         print(f"building {kind} records at seq {seq} from {inputs} -> {out}", flush=True)
-        beam_build(inputs, out, VOCAB, masking="dynamic", objective=kind, max_seq_length=seq,
+        beam_build(inputs, out, vocab, masking="dynamic", objective=kind, max_seq_length=seq,
                    max_predictions_per_seq=predicted_per_sequence(seq, 0.15), dupe_factor=1, num_shards=4,
                    heldout_fraction=0.0, seed=12345)
         (out / "build_seconds.json").write_text(json.dumps({"seconds": time.time() - t}))
@@ -258,7 +281,7 @@ def arm_overrides(arm: Arm, args, steps: int, manifest: str) -> list[str]:
     every = steps // POINTS
     predicted = predicted_per_sequence(args.seq, arm.mask_prob)
     shared = [
-        f"data.train_manifest={manifest}", f"data.vocab_file={VOCAB}", f"model.preset={args.preset}",
+        f"data.train_manifest={manifest}", f"data.vocab_file={args.vocab}", f"model.preset={args.preset}",
         "model.kernels=reference", f"data.max_seq_length={args.seq}", f"data.micro_batch_size={args.batch}",
         f"data.global_batch_size={args.batch}", "data.eval_split=null", "data.masking=dynamic",
         "optimizer.name=adamw", f"optimizer.lr={args.lr}", "optimizer.betas=[0.9,0.999]", "optimizer.eps=1e-6",
@@ -284,7 +307,7 @@ def arm_flops_per_step(arm: Arm, args, manifest: str = "") -> int:
     from bertdist.train import load_train_config
 
     cfg = load_train_config(RECIPES / arm.recipe, arm_overrides(arm, args, POINTS, manifest or "unused"))
-    vocab = sum(1 for _ in VOCAB.open(encoding="utf-8"))
+    vocab = sum(1 for _ in args.vocab.open(encoding="utf-8"))
     model = dataclasses.replace(cfg.model_config, vocab_size=vocab)
     return step_flops(model, args.batch, args.seq, predicted_per_sequence(args.seq, arm.mask_prob))
 
@@ -369,12 +392,12 @@ def random_init(work: Path, args) -> Path:
     from bertdist.export import write_hf_dir
     from bertdist.model import BertConfig, BertForPreTraining
 
-    out = work / "pretrain" / f"init-{args.preset}"
+    out = work / "pretrain" / f"init-{args.preset}{vocab_tag(args.vocab)}"
     if not (out / "config.json").is_file():
-        cfg = BertConfig.from_preset(args.preset, vocab_size=sum(1 for _ in VOCAB.open(encoding="utf-8")),
+        cfg = BertConfig.from_preset(args.preset, vocab_size=sum(1 for _ in args.vocab.open(encoding="utf-8")),
                                      kernels="reference")
         torch.manual_seed(42)
-        write_hf_dir(out, cfg, BertForPreTraining(cfg).state_dict(), VOCAB)
+        write_hf_dir(out, cfg, BertForPreTraining(cfg).state_dict(), args.vocab)
     return out
 
 
@@ -394,7 +417,7 @@ def finetune(checkpoint: Path, task: str, data: Path, seed: int, out: Path, args
     if not metrics.is_file():
         t = time.time()
         cfg = FinetuneConfig(task=TASKS[task].name, checkpoint=str(checkpoint), data=str(data), output_dir=str(out),
-                             vocab_file=str(VOCAB), kernels="reference", seed=seed, predict_test=False,
+                             vocab_file=str(args.vocab), kernels="reference", seed=seed, predict_test=False,
                              tensorboard=False, progress=False, **finetune_settings(args))
         run_finetune(cfg)
         wall.write_text(json.dumps({"seconds": time.time() - t}))  # loading and scoring included
@@ -501,7 +524,9 @@ def render_md(results: dict) -> str:
                      f"{d['tokens']:,} | {d['documents']} | {build} |")
     first = next(iter(r["data"].values()))
     lines += ["", f"Both built by the Beam pipeline from the same text and seed (12345): {', '.join(first['inputs'])}; "
-              f"vocab {VOCAB.name}, seq {a['seq']}, dupe factor 1. The loader masks every batch anew.", "",
+              f"vocab {Path(a.get('vocab') or VOCAB).name}"
+              + (f" (WordPiece, {a['vocab_size']:,} tokens, trained on this text by the pipeline's vocab trainer)"
+                 if a.get("vocab_size") else "") + f", seq {a['seq']}, dupe factor 1. The loader masks every batch anew.", "",
               "## Pretraining at equal FLOPs", "",
               f"Budget: {next(iter(r['pretrain'].values()))['budget_flops'] / 1e12:.4g} TFLOP per arm "
               "(bertdist/model/flops.py, full-length rows, each arm's own predicted positions; ELECTRA counts "
@@ -641,6 +666,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup-fraction", type=float, default=0.06)
     p.add_argument("--electra-embedding-size", type=int, default=None,
                    help="ELECTRA's shared embedding width (default: the hidden size, the other arms' encoder)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="train a WordPiece vocab of this size on the pretraining corpus (default: BERT's "
+                        "uncased 30,522-token vocab)")
     p.add_argument("--max-books-mb", type=float, default=None, help="use only books adding up to this many MB")
     p.add_argument("--tasks", default="sst2,stsb,author", help="comma-separated subset of sst2,stsb,author")
     p.add_argument("--seeds", type=int, default=2, help="fine-tuning seeds per task")
@@ -666,6 +694,7 @@ def parse_args(argv=None):
     bad = [a for a in args.arms if a not in ARMS] + [t for t in args.tasks if t not in TASKS]
     if bad or not args.arms or not args.tasks:
         p.error(f"unknown or empty --arms/--tasks: {bad or 'empty'}; arms are {list(ARMS)}, tasks {list(TASKS)}")
+    args.vocab = VOCAB
     args.out_json = args.out_json or str(Path(args.out_md).with_suffix(".json"))
     args.out_png = args.out_png or str(Path(args.out_md).with_suffix(".png"))
     return args
@@ -678,8 +707,10 @@ def main(argv=None) -> int:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
+    if args.vocab_size:
+        args.vocab = corpus_vocab(work, args.max_books_mb, args.vocab_size)
     kinds = sorted({ARMS[a].records for a in args.arms})
-    data = {k: build_records(work, k, args.seq, args.max_books_mb) for k in kinds}
+    data = {k: build_records(work, k, args.seq, args.max_books_mb, args.vocab) for k in kinds}
     plan = plan_arms(args)
     for name, p in plan.items():
         print(f"{name}: {p['flops_per_step'] / 1e9:.1f} GFLOP/step x {p['steps']} steps = {p['flops'] / 1e12:.4g} TFLOP "

@@ -95,3 +95,39 @@ def test_the_rerank_report_without_a_peer_or_a_bi_encoder(embeddings):
     assert "| bertdist (listwise) | 87.9 | 92.0 | not run | not run | 625 | 3.20 |" in text
     assert "sentence-transformers CrossEncoder" not in text and "no sentence-transformers peer in this run" in text
     assert "87.9 -> 92.0 (+4.1; target >= 4.0: met); no sentence-transformers peer in this run" in text
+
+
+def test_a_reused_rerank_run_must_hold_train_half_questions_only(embeddings, tmp_path, monkeypatch):
+    """--rerank-model: a finished run is re-used only when every question it trained on is a
+    train-half question, and the report says it was not trained in this run."""
+    import json
+
+    split = _split(4, 2)
+    run = tmp_path / "ours-rerank"
+    (run / "model").mkdir(parents=True)
+    train = tmp_path / "train.jsonl"
+    rows = [{"query": q, "positive": p, "negatives": ["x"]} for q, p in split.raw.train_pairs[:3]]
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "metrics.json").write_text(json.dumps({"task": "rerank", "train_file": str(train), "train_rows": 3}))
+    (run / "config.yaml").write_text("learning_rate: 0.0001\nnum_negatives: 3\n")
+    loaded = []
+    monkeypatch.setattr("bertdist.embed.model.load_cross_encoder", lambda d: loaded.append(d) or "model")
+    model, summary = embeddings.reuse_rerank(run, split)
+    assert model == "model" and loaded == [run / "model"]
+    assert summary["learning_rate"] == 1e-4 and summary["num_negatives"] == 3
+    train.write_text(train.read_text() + json.dumps({"query": "an eval-half question?", "positive": "p"}) + "\n")
+    with pytest.raises(SystemExit, match="1 rows of .* \\(first: line 4\\) are not train-half questions"):
+        embeddings.reuse_rerank(run, split)
+    (run / "metrics.json").write_text(json.dumps({"task": "embed", "train_file": str(train)}))
+    with pytest.raises(SystemExit, match="task is 'embed', not 'rerank'"):
+        embeddings.reuse_rerank(run, split)
+    counts = {"train_articles": 24, "train_pairs_used": 5397, "eval_articles": 24, "eval_questions_used": 600,
+              "eval_queries": 5173, "eval_paragraphs": 1044}
+    res = {"counts": counts, "seconds": 1.0, "bm25": {}, "rerank": {
+        "groups": 5397, "negatives": 3, "learning_rate": 1e-4, "reused": str(run),
+        "ours": {"bm25_top20": {"before": 87.9, "after": 92.7}, "steps": 1350, "seconds_per_step": 5.3,
+                 "head_learning_rate": 2e-3}}}
+    text = embeddings.report(res, argparse.Namespace(threads=2, rerank_questions=300, rerank_lr=5e-5,
+                                                     st_head_rate=None))
+    assert f"Ours: the finished run `{run}`, not trained in this run" in text
+    assert "Learning rate 0.0001;" in text

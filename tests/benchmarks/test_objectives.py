@@ -121,3 +121,25 @@ def test_summary_and_markdown_from_partial_results(objectives):
     assert results["summary"]["table"]["electra"]["1/3"] == {}
     md = objectives.render_md(results)
     assert "**met**" in md and "1 of 1" in md and "| (d) ELECTRA (RTD, generator 1/4) | 1/3 |" in md
+    assert "vocab bert-base-uncased-vocab.txt, seq 128" in md
+    results["args"].update(vocab="/w/vocab/wordpiece8192-full.txt", vocab_size=8192)
+    assert ("vocab wordpiece8192-full.txt (WordPiece, 8,192 tokens, trained on this text by the pipeline's vocab "
+            "trainer), seq 128") in objectives.render_md(results)
+
+
+def test_a_corpus_vocab_is_trained_once_with_berts_ids(objectives, tmp_path, monkeypatch):
+    """--vocab-size: the pipeline's trainer over the pretraining text, BERT's special ids, cached;
+    records and the initialisation are named by the vocab they use."""
+    books = tmp_path / "books"
+    books.mkdir()
+    words = "the harbour mill river abbey market bridge forest tower field castle story".split()
+    (books / "a.txt").write_text("\n".join(" ".join(words[(i * k) % len(words)] for k in range(1, 9)) + "."
+                                           for i in range(400)), encoding="utf-8")
+    monkeypatch.setattr(objectives, "corpus_inputs", lambda work, mb: ([f"books:{books}"], "mini"))
+    vocab = objectives.corpus_vocab(tmp_path / "w", None, 150)
+    tokens = vocab.read_text(encoding="utf-8").split("\n")[:-1]
+    assert vocab.name == "wordpiece150-mini.txt" and 110 < len(tokens) <= 150
+    assert tokens[0] == "[PAD]" and tokens[100:104] == ["[UNK]", "[CLS]", "[SEP]", "[MASK]"] and set("harbou") <= set(tokens)
+    stamp = vocab.stat().st_mtime_ns
+    assert objectives.corpus_vocab(tmp_path / "w", None, 150) == vocab and vocab.stat().st_mtime_ns == stamp
+    assert objectives.vocab_tag(objectives.VOCAB) == "" and objectives.vocab_tag(vocab) == "-wordpiece150-mini"
