@@ -553,10 +553,11 @@ def render_md(results: dict) -> str:
               f"fine-tuning seeds 1..{a['seeds']}. Score = dev metric after the last epoch, in points (no "
               "epoch selected on dev). Tasks: " + "; ".join(
                   f"{TASKS[t].label} ({r['task_rows'][t]['train']:,} train / {r['task_rows'][t]['dev']:,} dev rows)"
-                  for t in tasks) + ". STS-B's figure is Spearman's rank correlation. The author task's sentences "
-              "come from two books that are also in the pretraining text (without their labels), for every arm.", "",
-              "Scores: mean ± half-range over fine-tuning seeds (n=2 unless shown). Mean = mean over tasks "
-              "per seed, then over seeds.", "",
+                  for t in tasks) + "." + (" STS-B's figure is Spearman's rank correlation." if "stsb" in tasks else "")
+              + (" The author task's sentences come from two books that are also in the pretraining text (without "
+                 "their labels), for every arm." if "author" in tasks else ""), "",
+              f"Scores: mean ± half-range over fine-tuning seeds (n={a['seeds']} unless shown). Mean = mean over "
+              "tasks per seed, then over seeds.", "",
               "| arm | budget | TFLOP | " + " | ".join(TASKS[t].label for t in tasks) + " | mean |",
               "|---|---|---:|" + "---:|" * (len(tasks) + 1)]
     for name, p in r["pretrain"].items():
