@@ -236,6 +236,18 @@ def ours_rerank(groups, work: Path, args):
     return load_cross_encoder(work / "ours-rerank" / "model"), summary
 
 
+def same_groups(train_file: Path, groups: list[dict], args) -> None:
+    """The peer must train on what the re-used run trained on: refused unless ``train_file`` holds
+    exactly ``groups`` (the same --rerank-train, --negatives and --seed give the same groups)."""
+    with train_file.open() as f:
+        theirs = [json.loads(line) for line in f]
+    if theirs != groups:
+        first = next((i for i, (a, b) in enumerate(zip(theirs, groups)) if a != b), min(len(theirs), len(groups)))
+        raise SystemExit(f"--rerank-model: its train file {train_file} ({len(theirs)} groups) differs from the "
+                         f"{len(groups)} groups of --rerank-train {args.rerank_train} --negatives {args.negatives} "
+                         f"--seed {args.seed} (first at group {first + 1}); the peer would train on other data")
+
+
 def reuse_rerank(run_dir: Path, split: Split):
     """A finished ``bertdist finetune rerank`` run (its output directory) instead of training one:
     its model and summary. Refused unless every question it trained on is a train-half question,
@@ -407,7 +419,8 @@ def main(argv=None) -> int:
     p.add_argument("--rerank-questions", type=int, default=300, help="eval questions re-ranked")
     p.add_argument("--rerank-model", default=None,
                    help="re-rank with this finished `bertdist finetune rerank` run (its output directory) "
-                        "instead of training ours; implies --skip rerank-peer")
+                        "instead of training ours; the peer, unless skipped, trains on the groups this run "
+                        "builds, which must be the ones that run trained on")
     p.add_argument("--sts-batch", type=int, default=16)
     p.add_argument("--sts-train", type=int, default=None, help="default: every STS-B train pair")
     p.add_argument("--sts-seeds", type=int, nargs="+", default=[42, 43, 44],
@@ -470,7 +483,11 @@ def main(argv=None) -> int:
 
         if args.rerank_model:
             ce, s_ours = reuse_rerank(Path(args.rerank_model), split)
-            groups, n_groups, negatives, lr = None, s_ours["train_rows"], s_ours["num_negatives"], s_ours["learning_rate"]
+            n_groups, negatives, lr = s_ours["train_rows"], s_ours["num_negatives"], s_ours["learning_rate"]
+            groups = None
+            if "rerank-peer" not in args.skip:
+                groups = rerank_groups(split, args)
+                same_groups(Path(s_ours["train_file"]), groups, args)
         else:
             groups = rerank_groups(split, args)
             ce, s_ours = ours_rerank(groups, work, sub)
@@ -479,7 +496,7 @@ def main(argv=None) -> int:
                          "ours": {**evaluate(lambda pr: ce.score(pr)), "steps": s_ours.get("steps"),
                                   "seconds_per_step": s_ours.get("seconds_per_step"),
                                   "head_learning_rate": s_ours["model"]["head_learning_rate"]}}
-        if "rerank-peer" not in args.skip and groups is not None:
+        if "rerank-peer" not in args.skip:
             ce_st, s_st = st_rerank(groups, work, sub)
             res["rerank"]["st"] = {**evaluate(lambda pr: ce_st.predict(pr, batch_size=64)), "steps": s_st["steps"],
                                    "seconds_per_step": s_st["seconds"] / max(s_st["steps"], 1)}

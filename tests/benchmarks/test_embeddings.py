@@ -131,3 +131,20 @@ def test_a_reused_rerank_run_must_hold_train_half_questions_only(embeddings, tmp
                                                      st_head_rate=None))
     assert f"Ours: the finished run `{run}`, not trained in this run" in text
     assert "Learning rate 0.0001;" in text
+
+
+def test_the_peer_of_a_reused_run_trains_on_its_groups(embeddings, tmp_path):
+    import json
+
+    split = _split(40, 5)
+    args = argparse.Namespace(seed=3, rerank_train=60, negatives=3)
+    groups = embeddings.rerank_groups(split, args)
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(g) + "\n" for g in groups))
+    embeddings.same_groups(train, groups, args)  # the same groups: accepted
+    other = embeddings.rerank_groups(split, argparse.Namespace(seed=4, rerank_train=60, negatives=3))
+    with pytest.raises(SystemExit, match=r"differs from the \d+ groups of --rerank-train 60 --negatives 3 --seed 3 "
+                                         r"\(first at group \d+\)"):
+        embeddings.same_groups(train, other, args)
+    with pytest.raises(SystemExit, match="first at group 11"):
+        embeddings.same_groups(train, groups[:10], args)
