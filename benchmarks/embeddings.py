@@ -486,6 +486,9 @@ def main(argv=None) -> int:
             n_groups, negatives, lr = s_ours["train_rows"], s_ours["num_negatives"], s_ours["learning_rate"]
             groups = None
             if "rerank-peer" not in args.skip:
+                if args.rerank_lr != lr:
+                    raise SystemExit(f"--rerank-lr {args.rerank_lr:g} differs from the re-used run's learning rate "
+                                     f"{lr:g}: the peer must train at the same rate")
                 groups = rerank_groups(split, args)
                 same_groups(Path(s_ours["train_file"]), groups, args)
         else:
