@@ -252,11 +252,14 @@ def reuse_rerank(run_dir: Path, split: Split):
     """A finished ``bertdist finetune rerank`` run (its output directory) instead of training one:
     its model and summary. Refused unless every question it trained on is a train-half question,
     so that re-ranking the eval half stays unseen."""
+    import yaml
+
     from bertdist.embed.model import load_cross_encoder
 
-    summary_file = run_dir / "metrics.json"
-    if not summary_file.is_file() or not (run_dir / "model").is_dir():
-        raise SystemExit(f"--rerank-model {run_dir}: expected a finished rerank run (metrics.json and model/)")
+    summary_file, config_file = run_dir / "metrics.json", run_dir / "config.yaml"
+    if not summary_file.is_file() or not config_file.is_file() or not (run_dir / "model").is_dir():
+        raise SystemExit(f"--rerank-model {run_dir}: expected a finished rerank run (metrics.json, config.yaml "
+                         "and model/)")
     summary = json.loads(summary_file.read_text())
     if summary.get("task") != "rerank":
         raise SystemExit(f"--rerank-model {run_dir}: task is {summary.get('task')!r}, not 'rerank'")
@@ -270,9 +273,7 @@ def reuse_rerank(run_dir: Path, split: Split):
     if unseen:
         raise SystemExit(f"--rerank-model {run_dir}: {len(unseen)} rows of {train_file} (first: line "
                          f"{unseen[0]}) are not train-half questions")
-    import yaml
-
-    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    cfg = yaml.safe_load(config_file.read_text())
     return load_cross_encoder(run_dir / "model"), {**summary, "learning_rate": cfg["learning_rate"],
                                                     "num_negatives": cfg["num_negatives"]}
 

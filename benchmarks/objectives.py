@@ -9,8 +9,10 @@ SST-2, 1,500 STS-B and 1,000 author rows for 2 epochs) took 53 minutes on a 2-co
 of pretraining (0.28-0.42 s a step) and 10 minutes for the 78 fine-tunes. That budget is too short
 for the comparison: no arm's fine-tuned score beat the random initialisation's
 (benchmarks/results/objectives_cpu_2026-11-26.md); mini (4 x 256) steps cost 0.8-0.95 s here, and
-at 540 of them its MLM stayed on the unigram plateau. A useful run needs a far larger budget
-(``--budget-steps``), which is a GPU's job.
+at 540 of them its MLM stayed on the unigram plateau. A WordPiece vocab of 8,192 tokens trained on
+the corpus (``--vocab-size``) cuts a tiny step from 25.6 to 15.2 GFLOP, but 3,000 such steps still
+ended on the plateau (benchmarks/results/objectives_cpu_2026-11-27_vocab8k.md). A useful run needs
+a far larger budget (``--budget-steps``), which is a GPU's job.
 
 The same encoder (``--preset``, default tiny: 2 layers x 128) is pretrained with `bertdist pretrain`
 under four objectives, one recipe of configs/pretrain/ each, with the same optimizer (AdamW),
