@@ -236,11 +236,10 @@ def ours_rerank(groups, work: Path, args):
     return load_cross_encoder(work / "ours-rerank" / "model"), summary
 
 
-def same_groups(train_file: Path, groups: list[dict], args) -> None:
-    """The peer must train on what the re-used run trained on: refused unless ``train_file`` holds
-    exactly ``groups`` (the same --rerank-train, --negatives and --seed give the same groups)."""
-    with train_file.open() as f:
-        theirs = [json.loads(line) for line in f]
+def same_groups(train_file: Path, theirs: list[dict], groups: list[dict], args) -> None:
+    """The peer must train on what the re-used run trained on: refused unless its rows (``theirs``,
+    read from ``train_file``) are exactly ``groups`` (the same --rerank-train, --negatives and --seed
+    give the same groups)."""
     if theirs != groups:
         first = next((i for i, (a, b) in enumerate(zip(theirs, groups)) if a != b), min(len(theirs), len(groups)))
         raise SystemExit(f"--rerank-model: its train file {train_file} ({len(theirs)} groups) differs from the "
@@ -250,8 +249,8 @@ def same_groups(train_file: Path, groups: list[dict], args) -> None:
 
 def reuse_rerank(run_dir: Path, split: Split):
     """A finished ``bertdist finetune rerank`` run (its output directory) instead of training one:
-    its model and summary. Refused unless every question it trained on is a train-half question,
-    so that re-ranking the eval half stays unseen."""
+    its model and summary (with ``train_rows_read``, its train file's rows). Refused unless every
+    question it trained on is a train-half question, so that re-ranking the eval half stays unseen."""
     import yaml
 
     from bertdist.embed.model import load_cross_encoder
@@ -269,13 +268,14 @@ def reuse_rerank(run_dir: Path, split: Split):
                          "that it holds train-half questions only")
     train_questions = {q for q, _ in split.raw.train_pairs}
     with train_file.open() as f:
-        unseen = [i for i, line in enumerate(f, 1) if json.loads(line)["query"] not in train_questions]
+        rows = [json.loads(line) for line in f]
+    unseen = [i for i, row in enumerate(rows, 1) if row["query"] not in train_questions]
     if unseen:
         raise SystemExit(f"--rerank-model {run_dir}: {len(unseen)} rows of {train_file} (first: line "
                          f"{unseen[0]}) are not train-half questions")
     cfg = yaml.safe_load(config_file.read_text())
     return load_cross_encoder(run_dir / "model"), {**summary, "learning_rate": cfg["learning_rate"],
-                                                    "num_negatives": cfg["num_negatives"]}
+                                                    "num_negatives": cfg["num_negatives"], "train_rows_read": rows}
 
 
 def st_rerank(groups, work: Path, args):
@@ -484,6 +484,7 @@ def main(argv=None) -> int:
 
         if args.rerank_model:
             ce, s_ours = reuse_rerank(Path(args.rerank_model), split)
+            theirs = s_ours.pop("train_rows_read")
             n_groups, negatives, lr = s_ours["train_rows"], s_ours["num_negatives"], s_ours["learning_rate"]
             groups = None
             if "rerank-peer" not in args.skip:
@@ -491,7 +492,7 @@ def main(argv=None) -> int:
                     raise SystemExit(f"--rerank-lr {args.rerank_lr:g} differs from the re-used run's learning rate "
                                      f"{lr:g}: the peer must train at the same rate")
                 groups = rerank_groups(split, args)
-                same_groups(Path(s_ours["train_file"]), groups, args)
+                same_groups(Path(s_ours["train_file"]), theirs, groups, args)
         else:
             groups = rerank_groups(split, args)
             ce, s_ours = ours_rerank(groups, work, sub)

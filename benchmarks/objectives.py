@@ -234,7 +234,7 @@ def vocab_tag(vocab: Path) -> str:
     return "" if vocab == VOCAB else f"-{vocab.stem}"
 
 
-def build_records(work: Path, kind: str, seq: int, max_books_mb: float | None, vocab: Path = VOCAB) -> dict:
+def build_records(work: Path, kind: str, seq: int, max_books_mb: float | None, vocab: Path) -> dict:
     """Unmasked records (the loader masks each batch) with NSP pairs ("nsp") or without ("none"),
     built once: {manifest, rows, tokens, documents, build_s}."""
     from data_pipeline import build_records as beam_build

@@ -114,7 +114,7 @@ def test_a_reused_rerank_run_must_hold_train_half_questions_only(embeddings, tmp
     monkeypatch.setattr("bertdist.embed.model.load_cross_encoder", lambda d: loaded.append(d) or "model")
     model, summary = embeddings.reuse_rerank(run, split)
     assert model == "model" and loaded == [run / "model"]
-    assert summary["learning_rate"] == 1e-4 and summary["num_negatives"] == 3
+    assert summary["learning_rate"] == 1e-4 and summary["num_negatives"] == 3 and summary["train_rows_read"] == rows
     train.write_text(train.read_text() + json.dumps({"query": "an eval-half question?", "positive": "p"}) + "\n")
     with pytest.raises(SystemExit, match="1 rows of .* \\(first: line 4\\) are not train-half questions"):
         embeddings.reuse_rerank(run, split)
@@ -141,10 +141,11 @@ def test_the_peer_of_a_reused_run_trains_on_its_groups(embeddings, tmp_path):
     groups = embeddings.rerank_groups(split, args)
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps(g) + "\n" for g in groups))
-    embeddings.same_groups(train, groups, args)  # the same groups: accepted
+    theirs = [json.loads(line) for line in train.read_text().splitlines()]
+    embeddings.same_groups(train, theirs, groups, args)  # the same groups: accepted
     other = embeddings.rerank_groups(split, argparse.Namespace(seed=4, rerank_train=60, negatives=3))
     with pytest.raises(SystemExit, match=r"differs from the \d+ groups of --rerank-train 60 --negatives 3 --seed 3 "
                                          r"\(first at group \d+\)"):
-        embeddings.same_groups(train, other, args)
+        embeddings.same_groups(train, theirs, other, args)
     with pytest.raises(SystemExit, match="first at group 11"):
-        embeddings.same_groups(train, groups[:10], args)
+        embeddings.same_groups(train, theirs, groups[:10], args)
