@@ -50,6 +50,8 @@ import os
 import platform
 import random
 import shlex
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -60,8 +62,9 @@ REPO = Path(__file__).resolve().parents[1]
 # Run as a script, this folder comes first on sys.path, and its data_pipeline.py (a benchmark)
 # would hide the data_pipeline package.
 sys.path.insert(0, str(REPO))
-SHARED = REPO.parent / "shared" / "data"
-VOCAB = SHARED / "vocab" / "bert-base-uncased-vocab.txt"
+SHARED = REPO.parent / "shared" / "data"  # --shared
+VOCAB_NAME = "bert-base-uncased-vocab.txt"  # in SHARED/vocab
+VOCAB = SHARED / "vocab" / VOCAB_NAME
 RECIPES = REPO / "configs" / "pretrain"
 POINTS = 3  # checkpoints at 1/3, 2/3 and 3/3 of the FLOP budget
 BASE_ARM = "mlm_nsp"  # --budget-steps counts this arm's steps
@@ -188,19 +191,24 @@ def pairwise(arm_seeds: dict[str, list[float]]) -> list[dict]:
 
 
 # ---------------------------------------------------------------- data
-def corpus_inputs(work: Path, max_books_mb: float | None) -> tuple[list[str], str]:
+def corpus_key(max_books_mb: float | None) -> str:
+    """The name of the corpus ``corpus_inputs`` gives, in the names of what is built from it."""
+    return "full" if max_books_mb is None else f"books{max_books_mb:g}mb"
+
+
+def corpus_inputs(shared: Path, work: Path, max_books_mb: float | None) -> tuple[list[str], str]:
     """The Beam inputs (wiki + books) and a key naming them; ``max_books_mb`` keeps the books, by
     name, whose sizes add up to at most that (a folder of links in ``work``)."""
-    books = SHARED / "books"
+    books = shared / "books"
     if max_books_mb is None:
-        return [f"wiki:{SHARED / 'wiki'}", f"books:{books}"], "full"
+        return [f"wiki:{shared / 'wiki'}", f"books:{books}"], corpus_key(None)
     chosen, total = [], 0
     for f in sorted(books.glob("*.txt")):
         if total + f.stat().st_size > max_books_mb * 1e6:
             continue
         chosen.append(f)
         total += f.stat().st_size
-    key = f"books{max_books_mb:g}mb"
+    key = corpus_key(max_books_mb)
     folder = work / "corpus" / key
     folder.mkdir(parents=True, exist_ok=True)
     for f in chosen:
@@ -208,19 +216,19 @@ def corpus_inputs(work: Path, max_books_mb: float | None) -> tuple[list[str], st
             (folder / f.name).symlink_to(f)
     if not chosen:
         sys.exit(f"--max-books-mb {max_books_mb}: no book in {books} is that small")
-    return [f"wiki:{SHARED / 'wiki'}", f"books:{folder}"], key
+    return [f"wiki:{shared / 'wiki'}", f"books:{folder}"], key
 
 
-def corpus_vocab(work: Path, max_books_mb: float | None, size: int) -> Path:
+def corpus_vocab(shared: Path, work: Path, max_books_mb: float | None, size: int) -> Path:
     """A WordPiece vocab of ``size`` tokens with BERT's special ids, trained once on the pretraining
     corpus (the pipeline's vocab trainer over the same inputs)."""
-    from data_pipeline.pipeline import parse_input
-    from data_pipeline.tokenization import train_vocab
-    from data_pipeline.vocab_corpus import iter_sentences
-
-    inputs, key = corpus_inputs(work, max_books_mb)
-    out = work / "vocab" / f"wordpiece{size}-{key}.txt"
+    out = work / "vocab" / f"wordpiece{size}-{corpus_key(max_books_mb)}.txt"
     if not out.is_file():
+        inputs, _ = corpus_inputs(shared, work, max_books_mb)
+        from data_pipeline.pipeline import parse_input
+        from data_pipeline.tokenization import train_vocab
+        from data_pipeline.vocab_corpus import iter_sentences
+
         skipped: list[str] = []
         t = time.time()
         train_vocab(iter_sentences([parse_input(i) for i in inputs], skipped=skipped), out, vocab_size=size)
@@ -231,18 +239,19 @@ def corpus_vocab(work: Path, max_books_mb: float | None, size: int) -> Path:
 
 def vocab_tag(vocab: Path) -> str:
     """'' for BERT's own vocab, else a suffix naming the vocab (records and the initialisation depend on it)."""
-    return "" if vocab == VOCAB else f"-{vocab.stem}"
+    return "" if Path(vocab).name == VOCAB_NAME else f"-{Path(vocab).stem}"
 
 
-def build_records(work: Path, kind: str, seq: int, max_books_mb: float | None, vocab: Path) -> dict:
+def build_records(shared: Path, work: Path, kind: str, seq: int, max_books_mb: float | None, vocab: Path) -> dict:
     """Unmasked records (the loader masks each batch) with NSP pairs ("nsp") or without ("none"),
     built once: {manifest, rows, tokens, documents, build_s}."""
-    from data_pipeline import build_records as beam_build
-
-    inputs, key = corpus_inputs(work, max_books_mb)
-    out = work / "records" / f"{kind}-seq{seq}-{key}{vocab_tag(vocab)}"
+    out = work / "records" / f"{kind}-seq{seq}-{corpus_key(max_books_mb)}{vocab_tag(vocab)}"
     manifest = out / "manifest.json"
     if not manifest.is_file():
+        from data_pipeline import build_records as beam_build
+
+        inputs, _ = corpus_inputs(shared, work, max_books_mb)
+
         t = time.time()
         print(f"building {kind} records at seq {seq} from {inputs} -> {out}", flush=True)
         beam_build(inputs, out, vocab, masking="dynamic", objective=kind, max_seq_length=seq,
@@ -251,21 +260,26 @@ def build_records(work: Path, kind: str, seq: int, max_books_mb: float | None, v
         (out / "build_seconds.json").write_text(json.dumps({"seconds": time.time() - t}))
     m = json.loads(manifest.read_text())
     seconds = out / "build_seconds.json"
+    # the inputs the records were built from (a packed copy is read on a machine without them)
+    built_from = [f"{i['kind']}:{i['path']}" for i in m["config"]["inputs"]]
     return {"manifest": str(manifest), "rows": m["splits"]["train"]["rows"], "tokens": m["counts"]["tokens"],
-            "documents": m["counts"]["documents"], "inputs": inputs,
+            "documents": m["counts"]["documents"], "inputs": built_from,
             "build_s": json.loads(seconds.read_text())["seconds"] if seconds.is_file() else None}
 
 
-def write_task_data(work: Path, task: str, train_rows: int | None, dev_rows: int | None) -> Path:
+def write_task_data(shared: Path, work: Path, task: str, train_rows: int | None, dev_rows: int | None) -> Path:
     """A task folder (train.tsv, dev.tsv): a seeded subset of the train rows (all when None) and
-    the first ``dev_rows`` dev rows (all when None), lines copied as they are."""
+    the first ``dev_rows`` dev rows (all when None), lines copied as they are; written once (its
+    name fixes its rows), so a packed work folder needs neither ../shared nor blingfire."""
+    folder = work / "tasks" / f"{task}-train{train_rows or 'all'}-dev{dev_rows or 'all'}"
+    if (folder / "train.tsv").is_file() and (folder / "dev.tsv").is_file():
+        return folder
     if task == "author":
         from bertdist.demo import build_author_task
 
         source = build_author_task(work / "tasks")
     else:
-        source = SHARED / "glue" / {"sst2": "SST-2", "stsb": "STS-B"}[task]
-    folder = work / "tasks" / f"{task}-train{train_rows or 'all'}-dev{dev_rows or 'all'}"
+        source = shared / "glue" / {"sst2": "SST-2", "stsb": "STS-B"}[task]
     folder.mkdir(parents=True, exist_ok=True)
     for split, n in (("train", train_rows), ("dev", dev_rows)):
         header, *body = (source / f"{split}.tsv").read_text(encoding="utf-8").splitlines(keepends=True)
@@ -289,7 +303,7 @@ def arm_overrides(arm: Arm, args, steps: int, manifest: str) -> list[str]:
         "optimizer.name=adamw", f"optimizer.lr={args.lr}", "optimizer.betas=[0.9,0.999]", "optimizer.eps=1e-6",
         "optimizer.weight_decay=0.01", f"schedule.total_steps={steps}",
         f"schedule.warmup_steps={max(1, round(args.warmup_fraction * steps))}", "schedule.warmup_fraction=null",
-        "schedule.decay=linear", "deepspeed.zero_stage=0", "deepspeed.precision=fp32",
+        "schedule.decay=linear", "deepspeed.zero_stage=0", f"deepspeed.precision={args.precision}",
         "deepspeed.gradient_clipping=1.0", f"checkpoint.every_steps={every}", "checkpoint.keep_last_n=0",
         "logging.progress=none", "logging.tensorboard=false", f"logging.every_steps={max(1, every)}",
         "eval.every_steps=0", "eval.at_start=false", "eval.at_end=false", "seed=42"]
@@ -341,7 +355,8 @@ def read_metrics(run_dir: Path) -> dict:
     """Step times and the trainer's FLOP count from metrics.jsonl (the last row of each step, as a
     resumed run appends)."""
     rows = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+    metrics = run_dir / "metrics.jsonl"
+    for line in (metrics.read_text().splitlines() if metrics.is_file() else []):
         r = json.loads(line)
         if r.get("kind") == "train":
             rows[r["step"]] = r
@@ -357,34 +372,68 @@ def read_metrics(run_dir: Path) -> dict:
             "first_loss": first_loss, "last_loss": rows[max(rows)]["loss"] if rows else None}
 
 
-def pretrain(name: str, plan: dict, args, records: dict) -> dict:
-    """`bertdist pretrain` of one arm in a child process, unless its checkpoints are all there."""
+def complete_points(run_dir: Path, points: list[int]) -> list[int]:
+    return [s for s in points if (tag_dir(run_dir, s) / "COMPLETE").is_file()]
+
+
+def pretrain_job(name: str, plan: dict, args, records: dict) -> dict:
+    """One arm's `bertdist pretrain`: its command, run folder and whether its checkpoints are all there."""
     arm = ARMS[name]
     overrides = arm_overrides(arm, args, plan["steps"], records[arm.records]["manifest"])
     run_dir = Path(args.work) / "pretrain" / f"{name}-{run_key(args, plan['steps'], overrides)}"
     # --resume auto: a run an earlier invocation left unfinished continues from its last checkpoint
     cmd = [sys.executable, "-m", "bertdist.cli.pretrain", "--resume", "auto", str(RECIPES / arm.recipe),
            f"run_dir={run_dir}", *overrides]
-    walls = run_dir / "wall_seconds.json"
-    done = all((tag_dir(run_dir, s) / "COMPLETE").is_file() for s in plan["points"])
-    if not done:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        print(f"\n=== pretrain {name}: {plan['steps']} steps, checkpoints at {plan['points']}\n$ "
-              + shlex.join(cmd), flush=True)
-        t = time.time()
-        with (run_dir / "stdout.log").open("a") as log:
-            rc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
-        wall = time.time() - t
-        if rc != 0:
-            tail = (run_dir / "stdout.log").read_text()[-3000:]
-            sys.exit(f"pretraining {name} failed (exit {rc}) after {wall:.0f} s; {run_dir / 'stdout.log'} ends:\n{tail}")
-        walls.write_text(json.dumps((json.loads(walls.read_text()) if walls.is_file() else []) + [wall]))
-        missing = [s for s in plan["points"] if not (tag_dir(run_dir, s) / "COMPLETE").is_file()]
-        if missing:
-            sys.exit(f"pretraining {name}: no complete checkpoint at steps {missing} in {run_dir / 'checkpoints'}")
-    return {**plan, "label": arm.label, "recipe": arm.recipe, "records": arm.records, "run_dir": str(run_dir),
-            "command": shlex.join(cmd), "wall_s": sum(json.loads(walls.read_text())) if walls.is_file() else None,
-            **read_metrics(run_dir)}
+    return {"name": name, "plan": plan, "cmd": cmd, "run_dir": run_dir,
+            "done": complete_points(run_dir, plan["points"]) == plan["points"]}
+
+
+def run_pretraining(jobs: list[dict], concurrent: bool, timeout_s: float | None) -> dict[str, str]:
+    """Run the unfinished jobs, one after another or all at once (each in its own process group),
+    until they end or ``timeout_s`` has passed, when the rest are killed: {name: why it stopped early}.
+    A run that fails on its own ends this script with the tail of its log."""
+    end = time.time() + timeout_s if timeout_s else None
+    stopped: dict[str, str] = {}
+    todo = [j for j in jobs if not j["done"]]
+    for wave in ([todo] if concurrent else [[j] for j in todo]):
+        running = []
+        for j in wave:
+            j["run_dir"].mkdir(parents=True, exist_ok=True)
+            print(f"\n=== pretrain {j['name']}: {j['plan']['steps']} steps, checkpoints at {j['plan']['points']}\n$ "
+                  + shlex.join(j["cmd"]), flush=True)
+            log = (j["run_dir"] / "stdout.log").open("a")
+            running.append((j, subprocess.Popen(j["cmd"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                                start_new_session=True), log, time.time()))
+        for j, proc, log, t in running:
+            try:
+                rc = proc.wait(timeout=None if end is None else max(0.0, end - time.time()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                rc = proc.wait()
+                stopped[j["name"]] = f"killed at the {timeout_s:.0f} s pretraining timeout"
+            log.close()
+            wall = time.time() - t
+            walls = j["run_dir"] / "wall_seconds.json"
+            walls.write_text(json.dumps((json.loads(walls.read_text()) if walls.is_file() else []) + [wall]))
+            if rc != 0 and j["name"] not in stopped:
+                for other in running:  # the others' partial runs are resumable; do not leave them running
+                    if other[1].poll() is None:
+                        os.killpg(other[1].pid, signal.SIGKILL)
+                tail = (j["run_dir"] / "stdout.log").read_text()[-3000:]
+                sys.exit(f"pretraining {j['name']} failed (exit {rc}) after {wall:.0f} s; "
+                         f"{j['run_dir'] / 'stdout.log'} ends:\n{tail}")
+            missing = sorted(set(j["plan"]["points"]) - set(complete_points(j["run_dir"], j["plan"]["points"])))
+            if missing and j["name"] not in stopped:
+                sys.exit(f"pretraining {j['name']}: no complete checkpoint at steps {missing} in {j['run_dir'] / 'checkpoints'}")
+    return stopped
+
+
+def pretrain_result(job: dict, stopped: dict[str, str], concurrent: bool) -> dict:
+    arm, run_dir, walls = ARMS[job["name"]], job["run_dir"], job["run_dir"] / "wall_seconds.json"
+    return {**job["plan"], "label": arm.label, "recipe": arm.recipe, "records": arm.records, "run_dir": str(run_dir),
+            "command": shlex.join(job["cmd"]), "concurrent": concurrent,
+            "points_done": complete_points(run_dir, job["plan"]["points"]), "stopped": stopped.get(job["name"]),
+            "wall_s": sum(json.loads(walls.read_text())) if walls.is_file() else None, **read_metrics(run_dir)}
 
 
 def random_init(work: Path, args) -> Path:
@@ -433,13 +482,63 @@ def finetune(checkpoint: Path, task: str, data: Path, seed: int, out: Path, args
 
 def finetune_jobs(pretrained: dict, init_dir: Path | None) -> list[tuple]:
     """(arm, point, checkpoint) in the order they run: the final budget point first (the target's),
-    then the others from the smallest, the random initialisation last."""
+    then the others from the smallest, the random initialisation last. A point a stopped run did
+    not reach has none."""
     order = [POINTS - 1, *range(POINTS - 1)]
     jobs = [(name, f"{k + 1}/{POINTS}", tag_dir(Path(p["run_dir"]), p["points"][k]))
-            for k in order for name, p in pretrained.items()]
+            for k in order for name, p in pretrained.items() if p["points"][k] in p.get("points_done", p["points"])]
     if init_dir is not None:
         jobs.append(("init", "0", init_dir))
     return jobs
+
+
+def run_finetunes(jobs: list[dict], args, deadline: float | None, on_done) -> list[dict]:
+    """Each job's ``finetune`` in this process, or in ``--finetune-workers`` spawned processes (GPU
+    fine-tunes are bound by the host, so several share one device well). No job starts after the
+    deadline; one that raises is reported and the others go on. ``on_done(job, result)`` sees each
+    result as it arrives; returns the jobs not run or failed, with why."""
+    left: list[dict] = []
+
+    def late(job):
+        if deadline is not None and time.time() > deadline:
+            left.append({**job, "why": "not started: past the deadline"})
+            return True
+        return False
+
+    if args.finetune_workers <= 1:
+        for job in jobs:
+            if late(job):
+                continue
+            try:
+                on_done(job, finetune(job["checkpoint"], job["task"], job["data"], job["seed"], job["out"], args))
+            except Exception as e:  # noqa: BLE001 - reported in the results, the rest still run
+                left.append({**job, "why": f"{type(e).__name__}: {e}"})
+        return left
+    import concurrent.futures as cf
+    import multiprocessing
+
+    queue = list(jobs)
+    with cf.ProcessPoolExecutor(args.finetune_workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        running = {}
+
+        def submit():
+            while queue and len(running) < args.finetune_workers:
+                job = queue.pop(0)
+                if not late(job):
+                    running[pool.submit(finetune, job["checkpoint"], job["task"], job["data"], job["seed"],
+                                        job["out"], args)] = job
+
+        submit()
+        while running:
+            done, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
+            for future in done:
+                job = running.pop(future)
+                try:
+                    on_done(job, future.result())
+                except Exception as e:  # noqa: BLE001 - as above
+                    left.append({**job, "why": f"{type(e).__name__}: {e}"})
+            submit()
+    return left
 
 
 # ---------------------------------------------------------------- summary
@@ -513,7 +612,7 @@ def render_md(results: dict) -> str:
              f"- command: `{r['command']}`", f"- machine: {r['machine']}",
              f"- model: `{a['preset']}` encoder for every arm; batch {a['batch']} x seq {a['seq']}; AdamW lr "
              f"{a['lr']:g}, betas 0.9/0.999, weight decay 0.01, warmup {a['warmup_fraction']:.0%} of each arm's "
-             f"steps then linear decay to 0, gradient clipping 1.0, fp32; pretraining seed 42 for every arm",
+             f"steps then linear decay to 0, gradient clipping 1.0, {a.get('precision', 'fp32')}; pretraining seed 42 for every arm",
              f"- status: {r['status']}; wall time of this invocation {r['wall_s'] / 60:.1f} min; of the "
              f"work it reports (summed over the invocations that did it): records "
              f"{sum(d['build_s'] or 0 for d in r['data'].values()) / 60:.1f} min, pretraining "
@@ -537,12 +636,20 @@ def render_md(results: dict) -> str:
               "median step (s) | train time (min) | wall (min) | loss first → last | at the end |",
               "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---|---|"]
     for name, p in r["pretrain"].items():
+        steps = p["steps"] if not p.get("stopped") else f"{p['steps_logged']} of {p['steps']}"
+        loss = "–" if p["first_loss"] is None else f"{p['first_loss']:.3f} → {p['last_loss']:.3f}"
         lines.append(
-            f"| {p['label']} | `{p['recipe']}` | {p['flops_per_step'] / 1e9:.1f} | {p['steps']} | {p['points']} | "
-            f"{p['flops'] / 1e12:.4g} | {p['trainer_flops'] / 1e12:.4g} | {p['median_step_s']:.3f} | "
-            f"{p['train_s'] / 60:.1f} | {(p['wall_s'] or 0) / 60:.1f} | {p['first_loss']:.3f} → {p['last_loss']:.3f} | "
-            f"{end_state(p)} |")
+            f"| {p['label']} | `{p['recipe']}` | {p['flops_per_step'] / 1e9:.1f} | {steps} | {p['points']} | "
+            f"{p['flops'] / 1e12:.4g} | {p['trainer_flops'] / 1e12:.4g} | {p['median_step_s'] or 0:.3f} | "
+            f"{p['train_s'] / 60:.1f} | {(p['wall_s'] or 0) / 60:.1f} | {loss} | {end_state(p)} |")
     ft = r["finetune_settings"]
+    if any(p.get("concurrent") for p in r["pretrain"].values()):
+        lines += ["", "The arms were pretrained at the same time on the one device (`--concurrent-pretrain`): their "
+                  "step and wall times include each other's contention, their FLOPs and results do not."]
+    for p in r["pretrain"].values():
+        if p.get("stopped"):
+            lines += ["", f"{p['label']}: {p['stopped']}, with checkpoints at steps {p['points_done'] or 'none'} "
+                      f"of {p['points']}; only those are fine-tuned."]
     lines += ["", "At the end: means over the last tenth of the steps. ELECTRA's MLM figures are its generator's, "
               "and its loss is generator MLM + 50 x discriminator loss; its discriminator's accuracy is "
               "compared with always answering \"original\" (1 - the replaced rate). A BERT MLM loss near 7 "
@@ -572,6 +679,10 @@ def render_md(results: dict) -> str:
     if init:
         lines.append("| random init (no pretraining) | 0 | 0 | " + " | ".join(cell(init.get(t)) for t in tasks)
                      + f" | {cell(init.get('mean'))} |")
+    if r.get("finetune_left"):
+        lines += ["", f"Not fine-tuned ({len(r['finetune_left'])}): " + "; ".join(
+            f"{j['arm']} {j['point']} {j['task']} seed {j['seed']} ({j['why']})" for j in r["finetune_left"][:12])
+            + (" …" if len(r["finetune_left"]) > 12 else "")]
     lines += ["", "## Do the differences exceed the seed spread?", "", f"Definition: {SPREAD_DEFINITION}.", "",
               "Checked at every budget point for every pair of arms on the mean downstream score:", "",
               "| budget | pairs separated | pairs |", "|---|---:|---|"]
@@ -632,8 +743,10 @@ def machine() -> str:
 
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.processor() or platform.machine())
+    gpu = (f"; GPU {torch.cuda.get_device_name(0)} (pretraining and fine-tuning on it)"
+           if torch.cuda.is_available() else "")
     return (f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads; python "
-            f"{platform.python_version()}, torch {torch.__version__}")
+            f"{platform.python_version()}, torch {torch.__version__}{gpu}")
 
 
 def save(results: dict, args) -> None:
@@ -666,6 +779,8 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3, help="pretraining peak learning rate (AdamW)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="pretraining precision (bf16: fp32 master weights; for a GPU)")
     p.add_argument("--warmup-fraction", type=float, default=0.06)
     p.add_argument("--electra-embedding-size", type=int, default=None,
                    help="ELECTRA's shared embedding width (default: the hidden size, the other arms' encoder)")
@@ -685,6 +800,18 @@ def parse_args(argv=None):
     # checkpoints of a CPU-sized budget are far from one
     p.add_argument("--finetune-lr", type=float, default=1e-3)
     p.add_argument("--finetune-seq", type=int, default=64)
+    p.add_argument("--shared", default=str(SHARED), help="the shared data (vocab, wiki, books, glue)")
+    p.add_argument("--pack", default=None, metavar="DIR",
+                   help="build the records and task data, copy them with the vocab into DIR (which must be empty "
+                        "or absent) for a machine without ../shared or Beam, and stop")
+    p.add_argument("--concurrent-pretrain", action="store_true",
+                   help="pretrain all arms at once (on a GPU, where small models leave the device mostly idle); "
+                        "step and wall times then include the arms' contention, FLOPs do not")
+    p.add_argument("--pretrain-timeout-s", type=float, default=None,
+                   help="kill pretraining still running after this long; the checkpoints it reached are fine-tuned")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="start no fine-tune after this many seconds from the start (the report says what was left)")
+    p.add_argument("--finetune-workers", type=int, default=1, help="fine-tune in this many spawned processes")
     p.add_argument("--pretrain-only", action="store_true", help="build the records and pretrain, then stop")
     p.add_argument("--no-init-baseline", action="store_true", help="skip fine-tuning the random initialisation")
     p.add_argument("--smoke", action="store_true", help="tiny sizes end to end: " + str(SMOKE))
@@ -697,36 +824,62 @@ def parse_args(argv=None):
     bad = [a for a in args.arms if a not in ARMS] + [t for t in args.tasks if t not in TASKS]
     if bad or not args.arms or not args.tasks:
         p.error(f"unknown or empty --arms/--tasks: {bad or 'empty'}; arms are {list(ARMS)}, tasks {list(TASKS)}")
-    args.vocab = VOCAB
+    args.vocab = Path(args.shared) / "vocab" / VOCAB_NAME
     args.out_json = args.out_json or str(Path(args.out_md).with_suffix(".json"))
     args.out_png = args.out_png or str(Path(args.out_md).with_suffix(".png"))
     return args
 
 
+def pack(dest: Path, args, data: dict, task_dirs: dict) -> None:
+    """Copy into ``dest`` what these settings need on a machine without ../shared, Beam or
+    blingfire (a GPU node): ``shared/vocab``, and a work folder with the records, the task data
+    and a trained vocab. Run there with ``--shared DEST/shared --work DEST/work``."""
+    if dest.exists() and any(dest.iterdir()):
+        sys.exit(f"--pack {dest}: the folder is not empty; choose another or remove it")
+    (dest / "shared" / "vocab").mkdir(parents=True)
+    shutil.copy2(Path(args.shared) / "vocab" / VOCAB_NAME, dest / "shared" / "vocab" / VOCAB_NAME)
+    if args.vocab_size:
+        (dest / "work" / "vocab").mkdir(parents=True)
+        shutil.copy2(args.vocab, dest / "work" / "vocab" / args.vocab.name)
+    for d in data.values():
+        folder = Path(d["manifest"]).parent
+        shutil.copytree(folder, dest / "work" / "records" / folder.name)
+    for folder in task_dirs.values():
+        shutil.copytree(folder, dest / "work" / "tasks" / folder.name)
+    size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
+    print(f"packed {size / 2**20:.1f} MiB into {dest}: run with --shared {dest / 'shared'} --work {dest / 'work'}")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if not SHARED.is_dir():
-        sys.exit(f"needs ../shared/data at {SHARED}")
-    work = Path(args.work)
+    shared, work = Path(args.shared), Path(args.work)
+    if not shared.is_dir():
+        sys.exit(f"needs the shared data (--shared) at {shared}")
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
+    deadline = t0 + args.deadline_s if args.deadline_s else None
     if args.vocab_size:
-        args.vocab = corpus_vocab(work, args.max_books_mb, args.vocab_size)
+        args.vocab = corpus_vocab(shared, work, args.max_books_mb, args.vocab_size)
     kinds = sorted({ARMS[a].records for a in args.arms})
-    data = {k: build_records(work, k, args.seq, args.max_books_mb, args.vocab) for k in kinds}
+    data = {k: build_records(shared, work, k, args.seq, args.max_books_mb, args.vocab) for k in kinds}
+    train_rows = {"sst2": args.sst2_train or None, "stsb": args.stsb_train or None, "author": args.author_train or None}
+    task_dirs = {t: write_task_data(shared, work, t, train_rows[t], args.dev_rows) for t in args.tasks}
+    if args.pack:
+        pack(Path(args.pack), args, data, task_dirs)
+        return 0
     plan = plan_arms(args)
     for name, p in plan.items():
         print(f"{name}: {p['flops_per_step'] / 1e9:.1f} GFLOP/step x {p['steps']} steps = {p['flops'] / 1e12:.4g} TFLOP "
               f"(budget {p['budget_flops'] / 1e12:.4g}); checkpoints at {p['points']}", flush=True)
-    pretrained = {name: pretrain(name, plan[name], args, data) for name in args.arms}
+    jobs = [pretrain_job(name, plan[name], args, data) for name in args.arms]
+    stopped = run_pretraining(jobs, args.concurrent_pretrain, args.pretrain_timeout_s)
+    pretrained = {j["name"]: pretrain_result(j, stopped, args.concurrent_pretrain) for j in jobs}
     if args.pretrain_only:
         for name, p in pretrained.items():
-            print(f"{name}: {p['steps']} steps, median step {p['median_step_s']:.3f} s, wall {p['wall_s'] or 0:.0f} s, "
-                  f"{p['run_dir']}")
+            print(f"{name}: {p['steps']} steps, median step {p['median_step_s'] or 0:.3f} s, wall {p['wall_s'] or 0:.0f} s, "
+                  f"{p['run_dir']}" + (f"; STOPPED: {p['stopped']}" if p["stopped"] else ""))
         return 0
     init_dir = None if args.no_init_baseline else random_init(work, args)
-    train_rows = {"sst2": args.sst2_train or None, "stsb": args.stsb_train or None, "author": args.author_train or None}
-    task_dirs = {t: write_task_data(work, t, train_rows[t], args.dev_rows) for t in args.tasks}
     results = {"command": "python " + shlex.join([str(Path(sys.argv[0])), *sys.argv[1:]]) if argv is None else
                "python benchmarks/objectives.py " + shlex.join(argv),
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
@@ -735,6 +888,7 @@ def main(argv=None) -> int:
                              for t, d in task_dirs.items()},
                "finetune": {}, "status": "fine-tuning (partial)", "_t0": t0}
     ft_key = hashlib.sha1(json.dumps(finetune_settings(args), sort_keys=True).encode()).hexdigest()[:8]
+    ft_jobs = []
     for arm, point, ckpt in finetune_jobs(pretrained, init_dir):
         for task in args.tasks:
             for seed in range(1, args.seeds + 1):
@@ -742,12 +896,22 @@ def main(argv=None) -> int:
                 name = f"{task_dirs[task].name}-{ft_key}-seed{seed}"
                 out = (Path(ckpt) / "finetune" / name if arm == "init"
                        else Path(ckpt).parent.parent / "finetune" / point.replace("/", "of") / name)
-                t = time.time()
-                res = finetune(ckpt, task, task_dirs[task], seed, out, args)
-                results["finetune"].setdefault(arm, {}).setdefault(point, {}).setdefault(task, {})[str(seed)] = res
-                print(f"{arm} {point} {task} seed {seed}: {res['score']:.2f} ({time.time() - t:.1f} s)", flush=True)
-                save(results, args)
-    results["status"] = "complete"
+                ft_jobs.append({"arm": arm, "point": point, "task": task, "seed": seed, "checkpoint": ckpt,
+                                "data": task_dirs[task], "out": out})
+
+    def done(job, res):
+        results["finetune"].setdefault(job["arm"], {}).setdefault(job["point"], {}).setdefault(job["task"], {})[
+            str(job["seed"])] = res
+        print(f"{job['arm']} {job['point']} {job['task']} seed {job['seed']}: {res['score']:.2f} "
+              f"({res['wall_s']:.1f} s)", flush=True)
+        save(results, args)
+
+    left = run_finetunes(ft_jobs, args, deadline, done)
+    results["finetune_left"] = [{k: str(v) for k, v in job.items()} for job in left]
+    for job in left:
+        print(f"NOT RUN {job['arm']} {job['point']} {job['task']} seed {job['seed']}: {job['why']}", flush=True)
+    results["status"] = "complete" if not left and not stopped else (
+        f"partial: {len(stopped)} pretraining run(s) stopped early, {len(left)} fine-tune(s) not run or failed")
     save(results, args)
     plot(results, Path(args.out_png))
     print(Path(args.out_md).read_text())

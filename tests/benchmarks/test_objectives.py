@@ -135,12 +135,12 @@ def test_a_corpus_vocab_is_trained_once_with_berts_ids(objectives, tmp_path, mon
     words = "the harbour mill river abbey market bridge forest tower field castle story".split()
     (books / "a.txt").write_text("\n".join(" ".join(words[(i * k) % len(words)] for k in range(1, 9)) + "."
                                            for i in range(400)), encoding="utf-8")
-    monkeypatch.setattr(objectives, "corpus_inputs", lambda work, mb: ([f"books:{books}"], "mini"))
-    vocab = objectives.corpus_vocab(tmp_path / "w", None, 150)
+    monkeypatch.setattr(objectives, "corpus_inputs", lambda shared, work, mb: ([f"books:{books}"], "mini"))
+    vocab = objectives.corpus_vocab(tmp_path, tmp_path / "w", None, 150)
     tokens = vocab.read_text(encoding="utf-8").split("\n")[:-1]
-    assert vocab.name == "wordpiece150-mini.txt" and 110 < len(tokens) <= 150
+    assert vocab.name == "wordpiece150-full.txt" and 110 < len(tokens) <= 150
     assert tokens[0] == "[PAD]" and tokens[100:104] == ["[UNK]", "[CLS]", "[SEP]", "[MASK]"]
     assert set("harbou") <= set(tokens)
     stamp = vocab.stat().st_mtime_ns
-    assert objectives.corpus_vocab(tmp_path / "w", None, 150) == vocab and vocab.stat().st_mtime_ns == stamp
-    assert objectives.vocab_tag(objectives.VOCAB) == "" and objectives.vocab_tag(vocab) == "-wordpiece150-mini"
+    assert objectives.corpus_vocab(tmp_path, tmp_path / "w", None, 150) == vocab and vocab.stat().st_mtime_ns == stamp
+    assert objectives.vocab_tag(objectives.VOCAB) == "" and objectives.vocab_tag(vocab) == "-wordpiece150-full"
