@@ -12,7 +12,12 @@ for the comparison: no arm's fine-tuned score beat the random initialisation's
 at 540 of them its MLM stayed on the unigram plateau. A WordPiece vocab of 8,192 tokens trained on
 the corpus (``--vocab-size``) cuts a tiny step from 25.6 to 15.2 GFLOP, but 3,000 such steps still
 ended on the plateau (benchmarks/results/objectives_cpu_2026-11-27_vocab8k.md). A useful run needs
-a far larger budget (``--budget-steps``), which is a GPU's job.
+a far larger budget (``--budget-steps``), which is a GPU's job: on one H200, mini at batch 128 took
+4.1 minutes to pretrain all four arms at 1,620 TFLOP each, side by side (``--concurrent-pretrain``),
+and the whole run, with 117 fine-tunes in 8 processes, 5.3 minutes
+(benchmarks/results/gpu-node_nvidia-h200_2026-11-27_objectives/). ``--pack DIR`` copies the
+records, task data and vocab for a node without ../shared or Beam; there, ``--shared DIR/shared
+--work DIR/work`` reads them (docs/pretraining.md, "Which objective to choose").
 
 The same encoder (``--preset``, default tiny: 2 layers x 128) is pretrained with `bertdist pretrain`
 under four objectives, one recipe of configs/pretrain/ each, with the same optimizer (AdamW),
@@ -769,7 +774,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--work", default="/tmp/bertdist-objectives", help="records, runs and fine-tunes (reused)")
-    p.add_argument("--out-md", required=True, help="results Markdown")
+    p.add_argument("--out-md", default=None, help="results Markdown (needed unless --pack)")
     p.add_argument("--out-json", default=None, help="default: --out-md with .json")
     p.add_argument("--out-png", default=None, help="default: --out-md with .png")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
@@ -824,9 +829,12 @@ def parse_args(argv=None):
     bad = [a for a in args.arms if a not in ARMS] + [t for t in args.tasks if t not in TASKS]
     if bad or not args.arms or not args.tasks:
         p.error(f"unknown or empty --arms/--tasks: {bad or 'empty'}; arms are {list(ARMS)}, tasks {list(TASKS)}")
+    if not args.out_md and not args.pack:
+        p.error("--out-md is needed (unless --pack)")
     args.vocab = Path(args.shared) / "vocab" / VOCAB_NAME
-    args.out_json = args.out_json or str(Path(args.out_md).with_suffix(".json"))
-    args.out_png = args.out_png or str(Path(args.out_md).with_suffix(".png"))
+    if args.out_md:
+        args.out_json = args.out_json or str(Path(args.out_md).with_suffix(".json"))
+        args.out_png = args.out_png or str(Path(args.out_md).with_suffix(".png"))
     return args
 
 

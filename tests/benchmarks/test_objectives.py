@@ -1,5 +1,10 @@
 """benchmarks/objectives.py: the equal-FLOP step counts, the budget points and the seed-spread
 verdicts (pure helpers; nothing is trained)."""
+import json
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
 
@@ -144,3 +149,78 @@ def test_a_corpus_vocab_is_trained_once_with_berts_ids(objectives, tmp_path, mon
     stamp = vocab.stat().st_mtime_ns
     assert objectives.corpus_vocab(tmp_path, tmp_path / "w", None, 150) == vocab and vocab.stat().st_mtime_ns == stamp
     assert objectives.vocab_tag(objectives.VOCAB) == "" and objectives.vocab_tag(vocab) == "-wordpiece150-full"
+
+
+def _records(folder, rows):
+    folder.mkdir(parents=True)
+    (folder / "manifest.json").write_text(json.dumps({
+        "splits": {"train": {"rows": rows}}, "counts": {"tokens": rows * 100, "documents": 3},
+        "config": {"inputs": [{"kind": "wiki", "path": "/built/here/wiki"}]}}))
+    (folder / "part-0.parquet").write_bytes(b"rows")
+
+
+def test_a_pack_runs_without_the_shared_data(objectives, tmp_path):
+    """--pack copies the vocab, records and task folders; --shared/--work on the pack then find
+    them without ../shared, Beam or blingfire; a non-empty destination is refused."""
+    shared, work = tmp_path / "shared", tmp_path / "work"
+    (shared / "vocab").mkdir(parents=True)
+    (shared / "vocab" / objectives.VOCAB_NAME).write_text("[PAD]\nthe\n")
+    _records(work / "records" / "nsp-seq128-full", 7)
+    task = work / "tasks" / "sst2-train2-devall"
+    task.mkdir(parents=True)
+    for split in ("train", "dev"):
+        (task / f"{split}.tsv").write_text("sentence\tlabel\na b\t1\n")
+    args = objectives.parse_args(["--pack", str(tmp_path / "pack"), "--shared", str(shared), "--work", str(work)])
+    data = {"nsp": objectives.build_records(shared, work, "nsp", 128, None, args.vocab)}
+    tasks = {"sst2": objectives.write_task_data(shared, work, "sst2", 2, None)}
+    objectives.pack(tmp_path / "pack", args, data, tasks)
+
+    packed_shared, packed_work = tmp_path / "pack" / "shared", tmp_path / "pack" / "work"
+    assert sorted(p.name for p in packed_shared.rglob("*") if p.is_file()) == [objectives.VOCAB_NAME]
+    again = objectives.build_records(packed_shared, packed_work, "nsp", 128, None, packed_shared / "vocab" / objectives.VOCAB_NAME)
+    assert again["rows"] == 7 and again["inputs"] == ["wiki:/built/here/wiki"]
+    assert (Path(again["manifest"]).parent / "part-0.parquet").read_bytes() == b"rows"
+    assert objectives.write_task_data(packed_shared, packed_work, "sst2", 2, None).joinpath("dev.tsv").read_text() \
+        == "sentence\tlabel\na b\t1\n"
+    with pytest.raises(SystemExit, match="not empty"):
+        objectives.pack(tmp_path / "pack", args, data, tasks)
+
+
+def test_pretraining_past_its_timeout_is_killed_and_reported(objectives, tmp_path):
+    plan = {"steps": 3, "points": [1, 2, 3]}
+    job = {"name": "electra", "plan": plan, "run_dir": tmp_path / "run", "done": False,
+           "cmd": [sys.executable, "-c", "import time; time.sleep(60)"]}
+    t = time.time()
+    stopped = objectives.run_pretraining([job], concurrent=True, timeout_s=1.0)
+    assert time.time() - t < 30 and stopped == {"electra": "killed at the 1 s pretraining timeout"}
+    result = objectives.pretrain_result(job, stopped, True)
+    assert result["points_done"] == [] and result["stopped"] and result["median_step_s"] is None
+    assert objectives.finetune_jobs({"electra": result}, None) == []
+
+
+def test_a_failing_pretraining_run_ends_the_script_with_its_log(objectives, tmp_path):
+    job = {"name": "span", "plan": {"steps": 3, "points": [1, 2, 3]}, "run_dir": tmp_path / "run", "done": False,
+           "cmd": [sys.executable, "-c", "print('bad config: model.preset=huge'); raise SystemExit(3)"]}
+    with pytest.raises(SystemExit, match="(?s)pretraining span failed \\(exit 3\\).*bad config"):
+        objectives.run_pretraining([job], concurrent=False, timeout_s=None)
+
+
+def test_finetunes_stop_at_the_deadline_and_a_failure_does_not_stop_the_rest(objectives, monkeypatch):
+    calls = []
+
+    def fake(checkpoint, task, data, seed, out, args):
+        calls.append(seed)
+        if seed == 2:
+            raise RuntimeError("CUDA out of memory")
+        return {"score": 50.0 + seed, "wall_s": 0.1}
+
+    monkeypatch.setattr(objectives, "finetune", fake)
+    args = objectives.parse_args(["--out-md", "/tmp/unused.md"])
+    jobs = [{"arm": "mlm_nsp", "point": "3/3", "task": "sst2", "seed": s, "checkpoint": "c", "data": "d", "out": "o"}
+            for s in (1, 2, 3)]
+    done = []
+    left = objectives.run_finetunes(jobs, args, None, lambda job, res: done.append((job["seed"], res["score"])))
+    assert done == [(1, 51.0), (3, 53.0)] and [(j["seed"], j["why"]) for j in left] == [(2, "RuntimeError: CUDA out of memory")]
+    calls.clear()
+    left = objectives.run_finetunes(jobs, args, time.time() - 1, lambda job, res: None)
+    assert calls == [] and {j["why"] for j in left} == {"not started: past the deadline"} and len(left) == 3
