@@ -20,8 +20,9 @@ records, task data and vocab for a node without ../shared or Beam; there, ``--sh
 --work DIR/work`` reads them (docs/pretraining.md, "Which objective to choose").
 
 The same encoder (``--preset``, default tiny: 2 layers x 128) is pretrained with `bertdist pretrain`
-under four objectives, one recipe of configs/pretrain/ each, with the same optimizer (AdamW),
-schedule (warmup then linear decay over the arm's own steps), batch and sequence length:
+under four objectives (a fifth on request), one recipe of configs/pretrain/ each, with the same
+optimizer (AdamW), schedule (warmup then linear decay over the arm's own steps), batch and
+sequence length:
 
   mlm_nsp  (a) MLM 15% + NSP, BERT's (tiny.yaml), dynamically masked NSP records
   mlm30    (b) MLM 30%, no NSP, 80/10/10 (tiny-mlm30.yaml), unmasked records
@@ -29,6 +30,11 @@ schedule (warmup then linear decay over the arm's own steps), batch and sequence
   electra  (d) ELECTRA: generator 1/4 of the hidden size, lambda 50 (electra-tiny.yaml); the
            discriminator is the same encoder, its embeddings as wide as the hidden size unless
            ``--electra-embedding-size`` says otherwise
+  wwm      (e) whole-word masking 15%, no NSP: span masking's baseline (tiny-span.yaml with
+           masking_mode=whole_word); not in the default arms
+
+With ``--tasks squad`` (SQuAD v1.1 dev split by article: even articles train, odd dev; F1),
+``--arms span,wwm`` judges whether span masking is no worse than whole-word masking on SQuAD.
 
 Equal compute: one FLOP budget, ``--budget-steps`` steps of the MLM + NSP arm (or ``--budget-tflops``),
 counted by bertdist/model/flops.py for the model each recipe trains (ELECTRA: both towers) with the
@@ -92,6 +98,7 @@ class Arm:
     mask_replace_prob: float
     random_replace_prob: float
     electra: bool = False
+    note: str = ""  # how the recipe is changed, where the arm changes more than the masking rate
 
 
 ARMS = {
@@ -100,7 +107,13 @@ ARMS = {
     "span": Arm("(c) span masking 15%, no NSP", "tiny-span.yaml", "none", 0.15, "span", 0.8, 0.1),
     # the masking split of the ELECTRA code, as electra-tiny.yaml: 85% [MASK], 15% kept
     "electra": Arm("(d) ELECTRA (RTD, generator 1/4)", "electra-tiny.yaml", "none", 0.15, "token", 0.85, 0.0, True),
+    # span masking's own baseline (SpanBERT compares with whole words): the span recipe with whole-word
+    # masking, the same budget of masked tokens; not in the default arms
+    "wwm": Arm("(e) whole-word masking 15%, no NSP", "tiny-span.yaml", "none", 0.15, "whole_word", 0.8, 0.1,
+               note="masking_mode=whole_word"),
 }
+DEFAULT_ARMS = ("mlm_nsp", "mlm30", "span", "electra")
+SPAN_TARGET = ("span", "wwm", "squad")  # span masking no worse than whole-word masking on SQuAD
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,10 +121,13 @@ class Task:
     name: str  # the `bertdist finetune` task
     metric: str  # the dev metric reported
     label: str
+    percent: bool = False  # the metric is in percent already (SQuAD's); else a fraction
 
 
 TASKS = {"sst2": Task("sst2", "accuracy", "SST-2 acc"), "stsb": Task("stsb", "spearman", "STS-B Spearman"),
-         "author": Task("sst2", "accuracy", "author acc")}
+         "author": Task("sst2", "accuracy", "author acc"),
+         # SQuAD v1.1 dev split by article as elsewhere (bertdist.retrieval.squad_split): even train, odd dev
+         "squad": Task("squad", "f1", "SQuAD F1", percent=True)}
 
 
 # ---------------------------------------------------------------- equal compute (pure)
@@ -180,6 +196,19 @@ def target_verdict(better: list[float], worse: list[float], margin: float = TARG
            f"[{min(better):.2f}, {max(better):.2f}] vs [{min(worse):.2f}, {max(worse):.2f}]: "
            + {1: "separated", -1: "separated the other way (lower)", 0: "overlapping, within the seed spread"}[side])
     return {"verdict": "met" if met else "NOT met", "difference": diff, "separated": beyond, "why": why}
+
+
+def no_worse_verdict(candidate: list[float], baseline: list[float]) -> dict:
+    """"``candidate`` is no worse than ``baseline``": NOT met only when the baseline scores higher
+    beyond the seed spread; not evaluable with fewer than 2 seeds a side."""
+    if len(candidate) < 2 or len(baseline) < 2:
+        return {"verdict": "not evaluable", "why": f"needs >= 2 seeds a side, has {len(candidate)} and {len(baseline)}"}
+    diff = statistics.fmean(candidate) - statistics.fmean(baseline)
+    worse = separated(baseline, candidate) == 1
+    why = (f"difference {diff:+.2f} points; seed ranges [{min(candidate):.2f}, {max(candidate):.2f}] vs "
+           f"[{min(baseline):.2f}, {max(baseline):.2f}]: " + ("lower beyond the seed spread" if worse else
+                                                              "not lower beyond the seed spread"))
+    return {"verdict": "NOT met" if worse else "met", "difference": diff, "why": why}
 
 
 def pairwise(arm_seeds: dict[str, list[float]]) -> list[dict]:
@@ -277,8 +306,11 @@ def write_task_data(shared: Path, work: Path, task: str, train_rows: int | None,
     the first ``dev_rows`` dev rows (all when None), lines copied as they are; written once (its
     name fixes its rows), so a packed work folder needs neither ../shared nor blingfire."""
     folder = work / "tasks" / f"{task}-train{train_rows or 'all'}-dev{dev_rows or 'all'}"
-    if (folder / "train.tsv").is_file() and (folder / "dev.tsv").is_file():
+    ext = "json" if task == "squad" else "tsv"
+    if (folder / f"train.{ext}").is_file() and (folder / f"dev.{ext}").is_file():
         return folder
+    if task == "squad":
+        return write_squad_split(shared / "squad" / "dev-v1.1.json", folder, train_rows, dev_rows)
     if task == "author":
         from bertdist.demo import build_author_task
 
@@ -294,6 +326,37 @@ def write_task_data(shared: Path, work: Path, task: str, train_rows: int | None,
             body = [body[i] for i in keep]
         (folder / f"{split}.tsv").write_text(header + "".join(body), encoding="utf-8")
     return folder
+
+
+def write_squad_split(source: Path, folder: Path, train_rows: int | None, dev_rows: int | None) -> Path:
+    """SQuAD v1.1 dev split by article (even articles train.json, odd dev.json, as
+    bertdist.retrieval.squad_split), each cut to its first N questions in file order (all when None)."""
+    data = json.loads(source.read_text(encoding="utf-8"))
+    halves: dict[str, list] = {"train": [], "dev": []}
+    left = {"train": train_rows, "dev": dev_rows}
+    for a, article in enumerate(data["data"]):
+        split = "train" if a % 2 == 0 else "dev"
+        paragraphs = []
+        for para in article["paragraphs"]:
+            n = len(para["qas"]) if left[split] is None else min(len(para["qas"]), left[split])
+            if n:
+                paragraphs.append({**para, "qas": para["qas"][:n]})
+                left[split] = None if left[split] is None else left[split] - n
+        if paragraphs:
+            halves[split].append({**article, "paragraphs": paragraphs})
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, articles in halves.items():
+        (folder / f"{split}.json").write_text(json.dumps({"version": data.get("version", "1.1"), "data": articles}),
+                                              encoding="utf-8")
+    return folder
+
+
+def task_rows(task: str, folder: Path) -> dict[str, int]:
+    """Train and dev examples of a task folder: rows of a TSV, questions of a SQuAD file."""
+    if task == "squad":
+        return {s: sum(len(p["qas"]) for a in json.loads((folder / f"{s}.json").read_text(encoding="utf-8"))["data"]
+                       for p in a["paragraphs"]) for s in ("train", "dev")}
+    return {s: sum(1 for _ in (folder / f"{s}.tsv").open(encoding="utf-8")) - 1 for s in ("train", "dev")}
 
 
 # ---------------------------------------------------------------- pretraining
@@ -458,9 +521,15 @@ def random_init(work: Path, args) -> Path:
 
 
 # ---------------------------------------------------------------- fine-tuning
-def finetune_settings(args) -> dict:
-    return {"max_seq_length": args.finetune_seq, "batch_size": 32, "epochs": args.finetune_epochs,
-            "learning_rate": args.finetune_lr, "warmup_ratio": 0.1, "weight_decay": 0.01}
+def finetune_settings(args, task: str | None = None) -> dict:
+    """The one fine-tuning recipe; SQuAD reads longer windows (its contexts are paragraphs)."""
+    settings = {"max_seq_length": args.finetune_seq, "batch_size": 32, "epochs": args.finetune_epochs,
+                "learning_rate": args.finetune_lr, "warmup_ratio": 0.1, "weight_decay": 0.01}
+    if task == "squad":  # doc stride a quarter of the window (BERT's 384 / 128 is a third)
+        settings.update(max_seq_length=args.squad_seq, doc_stride=args.squad_seq // 4)
+    elif task is None and "squad" in args.tasks:
+        settings.update(squad_max_seq_length=args.squad_seq, squad_doc_stride=args.squad_seq // 4)
+    return settings
 
 
 def finetune(checkpoint: Path, task: str, data: Path, seed: int, out: Path, args) -> dict:
@@ -474,13 +543,13 @@ def finetune(checkpoint: Path, task: str, data: Path, seed: int, out: Path, args
         t = time.time()
         cfg = FinetuneConfig(task=TASKS[task].name, checkpoint=str(checkpoint), data=str(data), output_dir=str(out),
                              vocab_file=str(args.vocab), kernels="reference", seed=seed, predict_test=False,
-                             tensorboard=False, progress=False, **finetune_settings(args))
+                             tensorboard=False, progress=False, **finetune_settings(args, task))
         run_finetune(cfg)
         wall.write_text(json.dumps({"seconds": time.time() - t}))  # loading and scoring included
     run = json.loads(metrics.read_text())["runs"][0]
-    metric = TASKS[task].metric
-    return {"score": 100 * run["history"][-1]["metrics"]["dev"][metric],
-            "best_epoch_score": 100 * max(h["metrics"]["dev"][metric] for h in run["history"]),
+    metric, scale = TASKS[task].metric, (1.0 if TASKS[task].percent else 100.0)
+    return {"score": scale * run["history"][-1]["metrics"]["dev"][metric],
+            "best_epoch_score": scale * max(h["metrics"]["dev"][metric] for h in run["history"]),
             "train_s": run["train_seconds"], "steps": run["steps"],
             "wall_s": json.loads(wall.read_text())["seconds"] if wall.is_file() else run["train_seconds"]}
 
@@ -575,7 +644,12 @@ def summarize(results: dict) -> dict:
     better, worse = (list(seed_means(point_scores(results, a, final), tasks).values()) for a in TARGET_ARMS)
     target = (target_verdict(better, worse) if all(a in arms for a in TARGET_ARMS)
               else {"verdict": "not evaluable", "why": f"needs arms {list(TARGET_ARMS)}"})
-    return {"table": table, "pairs": pairs, "target": target}
+    summary = {"table": table, "pairs": pairs, "target": target}
+    span, wwm, task = SPAN_TARGET
+    if span in arms and wwm in arms and task in tasks:
+        f1 = {a: list(point_scores(results, a, final).get(task, {}).values()) for a in (span, wwm)}
+        summary["span_target"] = no_worse_verdict(f1[span], f1[wwm])
+    return summary
 
 
 def end_state(p: dict) -> str:
@@ -643,8 +717,9 @@ def render_md(results: dict) -> str:
     for name, p in r["pretrain"].items():
         steps = p["steps"] if not p.get("stopped") else f"{p['steps_logged']} of {p['steps']}"
         loss = "–" if p["first_loss"] is None else f"{p['first_loss']:.3f} → {p['last_loss']:.3f}"
+        note = ARMS[name].note if name in ARMS else ""
         lines.append(
-            f"| {p['label']} | `{p['recipe']}` | {p['flops_per_step'] / 1e9:.1f} | {steps} | {p['points']} | "
+            f"| {p['label']} | `{p['recipe']}`{f' with `{note}`' if note else ''} | {p['flops_per_step'] / 1e9:.1f} | {steps} | {p['points']} | "
             f"{p['flops'] / 1e12:.4g} | {p['trainer_flops'] / 1e12:.4g} | {p['median_step_s'] or 0:.3f} | "
             f"{p['train_s'] / 60:.1f} | {(p['wall_s'] or 0) / 60:.1f} | {loss} | {end_state(p)} |")
     ft = r["finetune_settings"]
@@ -663,7 +738,8 @@ def render_md(results: dict) -> str:
               "masking can fall short of its budget), so it differs slightly from the plan.", "",
               "## Fine-tuning", "",
               f"One recipe for every checkpoint: `bertdist finetune` (run_finetune), AdamW lr {ft['learning_rate']:g}, "
-              f"batch {ft['batch_size']}, {ft['epochs']:g} epochs, warmup 10%, max_seq_length {ft['max_seq_length']}; "
+              f"batch {ft['batch_size']}, {ft['epochs']:g} epochs, warmup 10%, max_seq_length {ft['max_seq_length']}"
+              + (f" (SQuAD: {ft['squad_max_seq_length']}, doc stride {ft['squad_doc_stride']})" if "squad_max_seq_length" in ft else "") + "; "
               f"fine-tuning seeds 1..{a['seeds']}. Score = dev metric after the last epoch, in points (no "
               "epoch selected on dev). Tasks: " + "; ".join(
                   f"{TASKS[t].label} ({r['task_rows'][t]['train']:,} train / {r['task_rows'][t]['dev']:,} dev rows)"
@@ -707,7 +783,12 @@ def render_md(results: dict) -> str:
               "pretraining-seed variance is not in it.", *against_init(r, points[-1]), "", "## Target", "",
               "| target | result | verdict |", "|---|---|---|",
               f"| ELECTRA's mean downstream score >= {TARGET_MARGIN:g} points above MLM + NSP at equal compute "
-              f"(final budget point), beyond the seed spread | {s['target']['why']} | **{s['target']['verdict']}** |", ""]
+              f"(final budget point), beyond the seed spread | {s['target']['why']} | **{s['target']['verdict']}** |"]
+    if "span_target" in s:
+        lines.append(f"| span masking no worse than whole-word masking on SQuAD F1 at equal compute (final budget "
+                     f"point), judged against the seed spread | {s['span_target']['why']} | "
+                     f"**{s['span_target']['verdict']}** |")
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -767,7 +848,8 @@ def save(results: dict, args) -> None:
 
 # ---------------------------------------------------------------- main
 SMOKE = {"preset": "mini", "budget_steps": 6, "batch": 8, "seeds": 2, "sst2_train": 96, "stsb_train": 96,
-         "author_train": 96, "dev_rows": 96, "finetune_epochs": 1.0, "finetune_seq": 32, "max_books_mb": 1.0}
+         "author_train": 96, "squad_train": 96, "dev_rows": 96, "finetune_epochs": 1.0, "finetune_seq": 32,
+         "squad_seq": 128, "max_books_mb": 1.0}
 
 
 def parse_args(argv=None):
@@ -777,7 +859,8 @@ def parse_args(argv=None):
     p.add_argument("--out-md", default=None, help="results Markdown (needed unless --pack)")
     p.add_argument("--out-json", default=None, help="default: --out-md with .json")
     p.add_argument("--out-png", default=None, help="default: --out-md with .png")
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
+    p.add_argument("--arms", default=",".join(DEFAULT_ARMS),
+                   help=f"comma-separated subset of {','.join(ARMS)} (wwm: span masking's whole-word baseline)")
     p.add_argument("--preset", default="tiny")
     p.add_argument("--budget-steps", type=int, default=2100, help=f"the FLOP budget as steps of the {BASE_ARM} arm")
     p.add_argument("--budget-tflops", type=float, default=None, help="the FLOP budget in TFLOP (wins over --budget-steps)")
@@ -793,11 +876,14 @@ def parse_args(argv=None):
                    help="train a WordPiece vocab of this size on the pretraining corpus (default: BERT's "
                         "uncased 30,522-token vocab)")
     p.add_argument("--max-books-mb", type=float, default=None, help="use only books adding up to this many MB")
-    p.add_argument("--tasks", default="sst2,stsb,author", help="comma-separated subset of sst2,stsb,author")
+    p.add_argument("--tasks", default="sst2,stsb,author", help="comma-separated subset of sst2,stsb,author,squad")
     p.add_argument("--seeds", type=int, default=2, help="fine-tuning seeds per task")
     p.add_argument("--sst2-train", type=int, default=2000, help="seeded subset of the 67,349 train rows")
     p.add_argument("--stsb-train", type=int, default=1500, help="seeded subset of the 5,749 train rows (0: all)")
     p.add_argument("--author-train", type=int, default=1000, help="seeded subset of about 2,000 train rows (0: all)")
+    p.add_argument("--squad-train", type=int, default=0,
+                   help="the first N questions of the SQuAD train half (0: all 5,000-odd)")
+    p.add_argument("--squad-seq", type=int, default=256, help="SQuAD's fine-tuning window (doc stride a quarter of it)")
     p.add_argument("--dev-rows", type=int, default=None, help="score on the first N dev rows (default: all)")
     p.add_argument("--finetune-epochs", type=float, default=2.0)
     # 1e-3: of 1e-4, 3e-4 and 1e-3, the only rate at which the randomly initialised mini learned
@@ -870,7 +956,8 @@ def main(argv=None) -> int:
         args.vocab = corpus_vocab(shared, work, args.max_books_mb, args.vocab_size)
     kinds = sorted({ARMS[a].records for a in args.arms})
     data = {k: build_records(shared, work, k, args.seq, args.max_books_mb, args.vocab) for k in kinds}
-    train_rows = {"sst2": args.sst2_train or None, "stsb": args.stsb_train or None, "author": args.author_train or None}
+    train_rows = {"sst2": args.sst2_train or None, "stsb": args.stsb_train or None, "author": args.author_train or None,
+                  "squad": args.squad_train or None}
     task_dirs = {t: write_task_data(shared, work, t, train_rows[t], args.dev_rows) for t in args.tasks}
     if args.pack:
         pack(Path(args.pack), args, data, task_dirs)
@@ -892,16 +979,16 @@ def main(argv=None) -> int:
                "python benchmarks/objectives.py " + shlex.join(argv),
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
                "args": vars(args), "data": data, "pretrain": pretrained, "finetune_settings": finetune_settings(args),
-               "task_rows": {t: {s: sum(1 for _ in (d / f"{s}.tsv").open(encoding="utf-8")) - 1 for s in ("train", "dev")}
-                             for t, d in task_dirs.items()},
+               "task_rows": {t: task_rows(t, d) for t, d in task_dirs.items()},
                "finetune": {}, "status": "fine-tuning (partial)", "_t0": t0}
-    ft_key = hashlib.sha1(json.dumps(finetune_settings(args), sort_keys=True).encode()).hexdigest()[:8]
+    ft_key = {t: hashlib.sha1(json.dumps(finetune_settings(args, t), sort_keys=True).encode()).hexdigest()[:8]
+              for t in args.tasks}
     ft_jobs = []
     for arm, point, ckpt in finetune_jobs(pretrained, init_dir):
         for task in args.tasks:
             for seed in range(1, args.seeds + 1):
                 # named by the task's rows and the recipe, so a run with other settings never reuses it
-                name = f"{task_dirs[task].name}-{ft_key}-seed{seed}"
+                name = f"{task_dirs[task].name}-{ft_key[task]}-seed{seed}"
                 out = (Path(ckpt) / "finetune" / name if arm == "init"
                        else Path(ckpt).parent.parent / "finetune" / point.replace("/", "of") / name)
                 ft_jobs.append({"arm": arm, "point": point, "task": task, "seed": seed, "checkpoint": ckpt,

@@ -224,3 +224,33 @@ def test_finetunes_stop_at_the_deadline_and_a_failure_does_not_stop_the_rest(obj
     calls.clear()
     left = objectives.run_finetunes(jobs, args, time.time() - 1, lambda job, res: None)
     assert calls == [] and {j["why"] for j in left} == {"not started: past the deadline"} and len(left) == 3
+
+
+def test_the_squad_task_is_split_by_article_and_cut_by_questions(objectives, tmp_path):
+    def article(a, questions):
+        return {"title": f"t{a}", "paragraphs": [{"context": "ctx", "qas": [
+            {"id": f"{a}-{q}", "question": "q?", "answers": [{"text": "c", "answer_start": 0}]} for q in range(n)]}
+            for n in questions]}
+
+    src = tmp_path / "squad" / "dev-v1.1.json"
+    src.parent.mkdir()
+    src.write_text(json.dumps({"version": "1.1", "data": [article(a, [2, 3]) for a in range(4)]}))
+    folder = objectives.write_task_data(tmp_path, tmp_path / "w", "squad", 4, None)
+    train, dev = (json.loads((folder / f"{s}.json").read_text())["data"] for s in ("train", "dev"))
+    assert [a["title"] for a in train] == ["t0"] and [a["title"] for a in dev] == ["t1", "t3"]
+    assert [len(p["qas"]) for p in train[0]["paragraphs"]] == [2, 2]  # the first 4 questions of the even articles
+    assert objectives.task_rows("squad", folder) == {"train": 4, "dev": 10}
+    assert objectives.finetune_settings(objectives.parse_args(["--out-md", "x.md", "--squad-seq", "384"]), "squad")[
+        "doc_stride"] == 96
+
+
+def test_span_against_whole_words_on_squad_is_judged_no_worse(objectives):
+    assert objectives.no_worse_verdict([60.0, 61.0], [60.5, 62.0])["verdict"] == "met"  # lower, within the spread
+    assert objectives.no_worse_verdict([58.0, 59.0], [60.0, 61.0])["verdict"] == "NOT met"
+    assert objectives.no_worse_verdict([61.0], [60.0, 61.0])["verdict"] == "not evaluable"
+    pretrain = {a: {"label": objectives.ARMS[a].label} for a in ("span", "wwm")}
+    results = {"args": {"tasks": ["squad"]}, "pretrain": pretrain,
+               "finetune": {"span": {"3/3": {"squad": {"1": {"score": 40.0}, "2": {"score": 41.0}}}},
+                            "wwm": {"3/3": {"squad": {"1": {"score": 43.0}, "2": {"score": 44.0}}}}}}
+    assert objectives.summarize(results)["span_target"]["verdict"] == "NOT met"
+    assert "span_target" not in objectives.summarize({**results, "args": {"tasks": ["sst2"]}})

@@ -108,3 +108,12 @@ def test_a_non_finite_regression_label_or_a_non_utf8_file_names_the_line(tmp_pat
     latin.write_bytes(header.encode() + "0\tmain\tf\t2012\t1\ts\ts\tCaf\xe9.\tB.\t3.0\n".encode("latin-1"))
     with pytest.raises(DataError, match=r"latin1.tsv: not UTF-8 text"):
         G.read_glue(stsb, latin)
+
+
+def test_a_squad_stride_that_leaves_no_room_names_every_number(tmp_path):
+    """Checked before anything is loaded (the tokenizer's own error names neither setting)."""
+    cfg = FinetuneConfig(task="squad", checkpoint=str(tmp_path / "absent"), data=str(tmp_path), max_seq_length=128,
+                         max_query_length=64, doc_stride=64)
+    with pytest.raises(DataError, match=r"doc_stride=64 must be positive and below the context's room in a window, "
+                                        r"max_seq_length \(128\) - max_query_length \(64\) - 3 = 61"):
+        run_finetune(cfg)
