@@ -285,7 +285,6 @@ def build_records(shared: Path, work: Path, kind: str, seq: int, max_books_mb: f
         from data_pipeline import build_records as beam_build
 
         inputs, _ = corpus_inputs(shared, work, max_books_mb)
-
         t = time.time()
         print(f"building {kind} records at seq {seq} from {inputs} -> {out}", flush=True)
         beam_build(inputs, out, vocab, masking="dynamic", objective=kind, max_seq_length=seq,
@@ -456,14 +455,25 @@ def pretrain_job(name: str, plan: dict, args, records: dict) -> dict:
             "done": complete_points(run_dir, plan["points"]) == plan["points"]}
 
 
+def _kill(proc: subprocess.Popen) -> None:
+    """The process and its children (its own session), if it has not ended meanwhile."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def run_pretraining(jobs: list[dict], concurrent: bool, timeout_s: float | None) -> dict[str, str]:
     """Run the unfinished jobs, one after another or all at once (each in its own process group),
-    until they end or ``timeout_s`` has passed, when the rest are killed: {name: why it stopped early}.
-    A run that fails on its own ends this script with the tail of its log."""
+    until they end or ``timeout_s`` has passed, when the rest are killed and none is started:
+    {name: why it stopped early}. A run that fails on its own ends this script with the tail of its log."""
     end = time.time() + timeout_s if timeout_s else None
     stopped: dict[str, str] = {}
     todo = [j for j in jobs if not j["done"]]
     for wave in ([todo] if concurrent else [[j] for j in todo]):
+        if end is not None and time.time() >= end:
+            stopped.update({j["name"]: f"not started: past the {timeout_s:.0f} s pretraining timeout" for j in wave})
+            continue
         running = []
         for j in wave:
             j["run_dir"].mkdir(parents=True, exist_ok=True)
@@ -476,7 +486,7 @@ def run_pretraining(jobs: list[dict], concurrent: bool, timeout_s: float | None)
             try:
                 rc = proc.wait(timeout=None if end is None else max(0.0, end - time.time()))
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                _kill(proc)
                 rc = proc.wait()
                 stopped[j["name"]] = f"killed at the {timeout_s:.0f} s pretraining timeout"
             log.close()
@@ -485,8 +495,7 @@ def run_pretraining(jobs: list[dict], concurrent: bool, timeout_s: float | None)
             walls.write_text(json.dumps((json.loads(walls.read_text()) if walls.is_file() else []) + [wall]))
             if rc != 0 and j["name"] not in stopped:
                 for other in running:  # the others' partial runs are resumable; do not leave them running
-                    if other[1].poll() is None:
-                        os.killpg(other[1].pid, signal.SIGKILL)
+                    _kill(other[1])
                 tail = (j["run_dir"] / "stdout.log").read_text()[-3000:]
                 sys.exit(f"pretraining {j['name']} failed (exit {rc}) after {wall:.0f} s; "
                          f"{j['run_dir'] / 'stdout.log'} ends:\n{tail}")

@@ -254,3 +254,12 @@ def test_span_against_whole_words_on_squad_is_judged_no_worse(objectives):
                             "wwm": {"3/3": {"squad": {"1": {"score": 43.0}, "2": {"score": 44.0}}}}}}
     assert objectives.summarize(results)["span_target"]["verdict"] == "NOT met"
     assert "span_target" not in objectives.summarize({**results, "args": {"tasks": ["sst2"]}})
+
+
+def test_one_after_another_no_run_starts_past_the_timeout(objectives, tmp_path):
+    jobs = [{"name": name, "plan": {"steps": 3, "points": [1, 2, 3]}, "run_dir": tmp_path / name, "done": False,
+             "cmd": [sys.executable, "-c", "import time; time.sleep(60)"]} for name in ("mlm_nsp", "span")]
+    stopped = objectives.run_pretraining(jobs, concurrent=False, timeout_s=1.0)
+    assert stopped == {"mlm_nsp": "killed at the 1 s pretraining timeout",
+                       "span": "not started: past the 1 s pretraining timeout"}
+    assert not (tmp_path / "span").exists()
