@@ -88,10 +88,17 @@ class SquadFeatures:
 
 def make_features(examples: list[SquadExample], tokenizer, max_seq_length: int, doc_stride: int,
                   max_query_length: int, train: bool) -> SquadFeatures:
-    questions = []
+    questions, longest = [], 0
     for e in examples:  # long questions are cut to max_query_length tokens, as in BERT's run_squad
         q_ids = tokenizer(e.question, add_special_tokens=False)["input_ids"]
         questions.append(tokenizer.decode(q_ids[:max_query_length]) if len(q_ids) > max_query_length else e.question)
+        longest = max(longest, min(len(q_ids), max_query_length))
+    room = max_seq_length - longest - 3  # [CLS] question [SEP] context [SEP]
+    if examples and not 0 < doc_stride < room:
+        # windows overlap by doc_stride tokens, so each must leave room for new context
+        raise DataError(f"doc_stride={doc_stride} must be positive and below the context's room in a window: "
+                        f"max_seq_length ({max_seq_length}) - the longest question ({longest} tokens, at most "
+                        f"max_query_length {max_query_length}) - 3 = {room}")
     enc = tokenizer(
         questions, [e.context for e in examples], truncation="only_second", max_length=max_seq_length,
         stride=doc_stride, return_overflowing_tokens=True, return_offsets_mapping=True,

@@ -110,10 +110,17 @@ def test_a_non_finite_regression_label_or_a_non_utf8_file_names_the_line(tmp_pat
         G.read_glue(stsb, latin)
 
 
-def test_a_squad_stride_that_leaves_no_room_names_every_number(tmp_path):
-    """Checked before anything is loaded (the tokenizer's own error names neither setting)."""
-    cfg = FinetuneConfig(task="squad", checkpoint=str(tmp_path / "absent"), data=str(tmp_path), max_seq_length=128,
-                         max_query_length=64, doc_stride=64)
-    with pytest.raises(DataError, match=r"doc_stride=64 must be positive and below the context's room in a window, "
-                                        r"max_seq_length \(128\) - max_query_length \(64\) - 3 = 61"):
-        run_finetune(cfg)
+def test_a_squad_stride_that_leaves_no_room_names_every_number(shared_data):
+    """Checked against the longest question (the tokenizer's own error names neither setting);
+    short questions leave room where max_query_length alone would not."""
+    from bertdist.export import bert_tokenizer
+    from bertdist.finetune.squad import SquadExample, make_features
+
+    tok = bert_tokenizer(shared_data / "vocab" / "bert-base-uncased-vocab.txt", True)
+    ex = [SquadExample("q1", "who built the mill by the river?", "the mill was built by the abbey " * 20,
+                       [("the abbey", 26)], False)]
+    assert make_features(ex, tok, max_seq_length=48, doc_stride=36, max_query_length=64, train=True).inputs
+    with pytest.raises(DataError, match=r"doc_stride=37 must be positive and below the context's room in a window: "
+                                        r"max_seq_length \(48\) - the longest question \(8 tokens, at most "
+                                        r"max_query_length 64\) - 3 = 37"):
+        make_features(ex, tok, max_seq_length=48, doc_stride=37, max_query_length=64, train=True)
