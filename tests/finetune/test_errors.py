@@ -118,7 +118,7 @@ def test_a_squad_stride_that_leaves_no_room_names_every_number(shared_data):
 
     tok = bert_tokenizer(shared_data / "vocab" / "bert-base-uncased-vocab.txt", True)
     ex = [SquadExample("q1", "who built the mill by the river?", "the mill was built by the abbey " * 20,
-                       [("the abbey", 26)], False)]
+                       [("the abbey", 22)], False)]
     assert make_features(ex, tok, max_seq_length=48, doc_stride=36, max_query_length=64, train=True).inputs
     with pytest.raises(DataError, match=r"doc_stride=37 must be positive and below the context's room in a window: "
                                         r"max_seq_length \(48\) - the longest question \(8 tokens, at most "
