@@ -249,8 +249,9 @@ def same_groups(train_file: Path, theirs: list[dict], groups: list[dict], args) 
 
 def reuse_rerank(run_dir: Path, split: Split):
     """A finished ``bertdist finetune rerank`` run (its output directory) instead of training one:
-    its model and summary (with ``train_rows_read``, its train file's rows). Refused unless every
-    question it trained on is a train-half question, so that re-ranking the eval half stays unseen."""
+    its model, summary and train file's rows (the peer's groups are checked against them). Refused
+    unless every question it trained on is a train-half question, so that re-ranking the eval half
+    stays unseen."""
     import yaml
 
     from bertdist.embed.model import load_cross_encoder
@@ -275,7 +276,7 @@ def reuse_rerank(run_dir: Path, split: Split):
                          f"{unseen[0]}) are not train-half questions")
     cfg = yaml.safe_load(config_file.read_text())
     return load_cross_encoder(run_dir / "model"), {**summary, "learning_rate": cfg["learning_rate"],
-                                                    "num_negatives": cfg["num_negatives"], "train_rows_read": rows}
+                                                    "num_negatives": cfg["num_negatives"]}, rows
 
 
 def st_rerank(groups, work: Path, args):
@@ -483,8 +484,7 @@ def main(argv=None) -> int:
             return out
 
         if args.rerank_model:
-            ce, s_ours = reuse_rerank(Path(args.rerank_model), split)
-            theirs = s_ours.pop("train_rows_read")
+            ce, s_ours, theirs = reuse_rerank(Path(args.rerank_model), split)
             n_groups, negatives, lr = s_ours["train_rows"], s_ours["num_negatives"], s_ours["learning_rate"]
             groups = None
             if "rerank-peer" not in args.skip:

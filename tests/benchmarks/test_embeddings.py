@@ -112,9 +112,9 @@ def test_a_reused_rerank_run_must_hold_train_half_questions_only(embeddings, tmp
     (run / "config.yaml").write_text("learning_rate: 0.0001\nnum_negatives: 3\n")
     loaded = []
     monkeypatch.setattr("bertdist.embed.model.load_cross_encoder", lambda d: loaded.append(d) or "model")
-    model, summary = embeddings.reuse_rerank(run, split)
+    model, summary, read = embeddings.reuse_rerank(run, split)
     assert model == "model" and loaded == [run / "model"]
-    assert summary["learning_rate"] == 1e-4 and summary["num_negatives"] == 3 and summary["train_rows_read"] == rows
+    assert summary["learning_rate"] == 1e-4 and summary["num_negatives"] == 3 and read == rows
     train.write_text(train.read_text() + json.dumps({"query": "an eval-half question?", "positive": "p"}) + "\n")
     with pytest.raises(SystemExit, match="1 rows of .* \\(first: line 4\\) are not train-half questions"):
         embeddings.reuse_rerank(run, split)
