@@ -198,12 +198,19 @@ def target_verdict(better: list[float], worse: list[float], margin: float = TARG
     return {"verdict": "met" if met else "NOT met", "difference": diff, "separated": beyond, "why": why}
 
 
-def no_worse_verdict(candidate: list[float], baseline: list[float]) -> dict:
+def no_worse_verdict(candidate: list[float], baseline: list[float], init: list[float] | None = None) -> dict:
     """"``candidate`` is no worse than ``baseline``": NOT met only when the baseline scores higher
-    beyond the seed spread; not evaluable with fewer than 2 seeds a side."""
+    beyond the seed spread; not evaluable with fewer than 2 seeds a side, or when neither scores
+    above ``init`` (the random initialisation's seeds) on average: being no worse than a model that
+    pretraining has not helped says nothing."""
     if len(candidate) < 2 or len(baseline) < 2:
         return {"verdict": "not evaluable", "why": f"needs >= 2 seeds a side, has {len(candidate)} and {len(baseline)}"}
     diff = statistics.fmean(candidate) - statistics.fmean(baseline)
+    if init and max(statistics.fmean(candidate), statistics.fmean(baseline)) <= statistics.fmean(init):
+        return {"verdict": "not evaluable", "difference": diff,
+                "why": (f"difference {diff:+.2f} points, but neither arm scores above the random initialisation "
+                        f"({statistics.fmean(candidate):.2f} and {statistics.fmean(baseline):.2f} against "
+                        f"{statistics.fmean(init):.2f}): the budget is too short for this comparison")}
     worse = separated(baseline, candidate) == 1
     why = (f"difference {diff:+.2f} points; seed ranges [{min(candidate):.2f}, {max(candidate):.2f}] vs "
            f"[{min(baseline):.2f}, {max(baseline):.2f}]: " + ("lower beyond the seed spread" if worse else
@@ -657,7 +664,8 @@ def summarize(results: dict) -> dict:
     span, wwm, task = SPAN_TARGET
     if span in arms and wwm in arms and task in tasks:
         f1 = {a: list(point_scores(results, a, final).get(task, {}).values()) for a in (span, wwm)}
-        summary["span_target"] = no_worse_verdict(f1[span], f1[wwm])
+        init = list(point_scores(results, "init", "0").get(task, {}).values())
+        summary["span_target"] = no_worse_verdict(f1[span], f1[wwm], init)
     return summary
 
 

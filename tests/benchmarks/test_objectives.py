@@ -254,6 +254,12 @@ def test_span_against_whole_words_on_squad_is_judged_no_worse(objectives):
                             "wwm": {"3/3": {"squad": {"1": {"score": 43.0}, "2": {"score": 44.0}}}}}}
     assert objectives.summarize(results)["span_target"]["verdict"] == "NOT met"
     assert "span_target" not in objectives.summarize({**results, "args": {"tasks": ["sst2"]}})
+    # No worse than a whole-word model that pretraining has not helped says nothing.
+    assert objectives.no_worse_verdict([8.4, 9.1], [8.3, 9.9], init=[9.2, 9.8])["verdict"] == "not evaluable"
+    assert objectives.no_worse_verdict([8.4, 9.1], [8.3, 9.9], init=[8.0, 8.4])["verdict"] == "met"
+    init = {"init": {"0": {"squad": {"1": {"score": 45.0}, "2": {"score": 46.0}}}}}
+    verdict = objectives.summarize({**results, "finetune": {**results["finetune"], **init}})["span_target"]
+    assert verdict["verdict"] == "not evaluable" and "45.50" in verdict["why"]
 
 
 def test_one_after_another_no_run_starts_past_the_timeout(objectives, tmp_path):
