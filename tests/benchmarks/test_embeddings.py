@@ -149,3 +149,17 @@ def test_the_peer_of_a_reused_run_trains_on_its_groups(embeddings, tmp_path):
         embeddings.same_groups(train, theirs, other, args)
     with pytest.raises(SystemExit, match="first at group 11"):
         embeddings.same_groups(train, theirs, groups[:10], args)
+
+
+def test_a_missing_peer_library_stops_the_run_before_any_part_runs(embeddings, monkeypatch):
+    real = embeddings.importlib.util.find_spec
+    monkeypatch.setattr(embeddings.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "datasets" else real(name, *a))
+    with pytest.raises(SystemExit, match=r"peer of retrieval, sts, rerank needs datasets.*--skip retrieval sts rerank-peer"):
+        embeddings.check_peer_installed([])
+    with pytest.raises(SystemExit, match=r"peer of sts needs datasets"):
+        embeddings.check_peer_installed(["retrieval", "rerank-peer"])
+    with pytest.raises(SystemExit):  # the stop comes before the base model or any data is read
+        embeddings.main(["--out", "x.md", "--skip", "retrieval", "rerank"])
+    embeddings.check_peer_installed(["retrieval", "sts", "rerank-peer"])  # no peer to train: runs
+    embeddings.check_peer_installed(["retrieval", "sts", "rerank"])
