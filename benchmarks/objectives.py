@@ -205,12 +205,13 @@ def no_worse_verdict(candidate: list[float], baseline: list[float], init: list[f
     pretraining has not helped says nothing."""
     if len(candidate) < 2 or len(baseline) < 2:
         return {"verdict": "not evaluable", "why": f"needs >= 2 seeds a side, has {len(candidate)} and {len(baseline)}"}
-    diff = statistics.fmean(candidate) - statistics.fmean(baseline)
-    if init and max(statistics.fmean(candidate), statistics.fmean(baseline)) <= statistics.fmean(init):
+    mean_c, mean_b = statistics.fmean(candidate), statistics.fmean(baseline)
+    diff = mean_c - mean_b
+    if init and max(mean_c, mean_b) <= statistics.fmean(init):
         return {"verdict": "not evaluable", "difference": diff,
                 "why": (f"difference {diff:+.2f} points, but neither arm scores above the random initialisation "
-                        f"({statistics.fmean(candidate):.2f} and {statistics.fmean(baseline):.2f} against "
-                        f"{statistics.fmean(init):.2f}): the budget is too short for this comparison")}
+                        f"({mean_c:.2f} and {mean_b:.2f} against {statistics.fmean(init):.2f}): the budget is too "
+                        f"short for this comparison")}
     worse = separated(baseline, candidate) == 1
     why = (f"difference {diff:+.2f} points; seed ranges [{min(candidate):.2f}, {max(candidate):.2f}] vs "
            f"[{min(baseline):.2f}, {max(baseline):.2f}]: " + ("lower beyond the seed spread" if worse else
