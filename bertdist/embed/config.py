@@ -44,7 +44,7 @@ class EmbedConfig:
     # randomly initialised head at the encoder's rate leaves the loss at chance for many steps),
     # learning_rate for a cross-encoder's own trained head.
     head_learning_rate: float | None = None
-    warmup_ratio: float = 0.1
+    warmup_ratio: float = 0.1  # linear from 0 over ceil(ratio x steps), then linear to 0 (as transformers)
     weight_decay: float = 0.01
     adam_epsilon: float = 1e-6
     max_grad_norm: float = 1.0

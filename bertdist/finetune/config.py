@@ -28,7 +28,7 @@ class FinetuneConfig:
     max_steps: int | None = None  # overrides epochs when set
     learning_rate: float = 3e-5
     head_learning_rate: float | None = None  # None: same as learning_rate; set higher for the new head
-    warmup_ratio: float = 0.1
+    warmup_ratio: float = 0.1  # linear from 0 over ceil(ratio x steps), then linear to 0 (as transformers)
     weight_decay: float = 0.01
     adam_epsilon: float = 1e-6
     max_grad_norm: float = 1.0

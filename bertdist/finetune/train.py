@@ -156,14 +156,27 @@ def total_steps(cfg: FinetuneConfig, n_rows: int) -> int:
     return max(1, math.ceil(math.ceil(n_rows / cfg.batch_size) * cfg.epochs))
 
 
+def warmup_steps(warmup_ratio: float, total: int) -> int:
+    """The warmup's length in steps: ``ceil(ratio x total)``, as Hugging Face's Trainer counts it."""
+    return math.ceil(warmup_ratio * total)
+
+
+def linear_warmup_decay(step: int, warmup: int, total: int) -> float:
+    """The learning-rate multiplier at ``step`` (0-based): up from 0 over ``warmup`` steps, then
+    down to 0 at ``total``. The same values as google-research/bert's schedule and transformers'
+    ``get_linear_schedule_with_warmup``, so a recipe means the same here as in theirs."""
+    if step < warmup:
+        return step / warmup
+    return max(0.0, (total - step) / max(1, total - warmup))
+
+
 def build_optimization(model: torch.nn.Module, cfg: FinetuneConfig, groups: list[dict], lr: float, micro: int,
                        total: int):
     """AdamW over ``groups`` with linear warmup and decay over ``total`` steps, wrapped in a
     DeepSpeed engine when ``cfg.deepspeed`` (else ``engine`` is None): (engine, optimizer, scheduler)."""
-    warmup = int(cfg.warmup_ratio * total)
+    warmup = warmup_steps(cfg.warmup_ratio, total)
     opt = torch.optim.AdamW(groups, lr=lr, eps=cfg.adam_epsilon)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: (s + 1) / max(1, warmup) if s < warmup else max(0.0, (total - s) / max(1, total - warmup)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: linear_warmup_decay(s, warmup, total))
     engine = None
     if cfg.deepspeed:
         import deepspeed

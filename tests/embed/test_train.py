@@ -151,8 +151,9 @@ def test_rerank_listwise_fits_its_training_groups(ckpt, tmp_path):
     assert cfg["sentence_transformers"]["activation_fn"].endswith("Identity")
 
 
-def _rates(model, cfg, steps: int = 0) -> dict[str, float]:
-    """Each trainable parameter's learning rate after ``steps`` scheduler steps of a 10-step run."""
+def _rates(model, cfg, steps: int = 1) -> dict[str, float]:
+    """Each trainable parameter's learning rate after ``steps`` scheduler steps of a 10-step run
+    (step 0 runs at rate 0, the warmup's start)."""
     from bertdist.embed.train import param_groups
     from bertdist.finetune.train import build_optimization
 
@@ -175,7 +176,7 @@ def test_cross_encoder_head_has_its_own_rate(ckpt, tmp_path):
 
     cfg = EmbedConfig(task="rerank", checkpoint=str(ckpt), learning_rate=1e-4, warmup_ratio=0.2, **FAST)
     model = build_model(cfg, torch.device("cpu"), "listwise")
-    for steps in (0, 5):  # in warmup, then in decay
+    for steps in (1, 5):  # in warmup, then in decay
         r = _rates(model, cfg, steps)
         body = r["bert.encoder.layer.0.attention.self.query.weight"]
         assert body > 0
