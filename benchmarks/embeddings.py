@@ -18,7 +18,10 @@ odd articles eval), and GLUE STS-B.
   (the recipe its documentation gives for hard negatives), over the same pairs per step. Each
   re-ranks BM25's top 20 and our bi-encoder's top 20: nDCG@10 before and after.
 * **STS-B.** Ours (`bertdist finetune sts`, CoSENT) against sentence-transformers with CoSENTLoss,
-  same base, batch, steps: Spearman of cosine similarity on the dev set (1,500 pairs).
+  same base, batch, steps: Spearman of cosine similarity on the dev set (1,500 pairs), once per seed.
+  Then an aligned pair of runs (``sts-aligned``): dropout off in both and one shared batch order
+  (ours through its batch function, the peer through a batch sampler), so the two trainers should
+  do the same arithmetic; the largest difference between their dev cosines says whether they do.
 
     python benchmarks/embeddings.py --out benchmarks/results/embeddings_cpu_DATE.md
 """
@@ -362,10 +365,12 @@ def stsb(args, work: Path) -> dict:
     dev = read_stsb(SHARED / "glue" / "STS-B" / "dev.tsv")
     gold = np.array([p.score for p in dev])
 
-    def spearman(enc) -> float:
+    def cosines(enc) -> np.ndarray:
         a, b = enc([p.text_a for p in dev]), enc([p.text_b for p in dev])
-        cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
-        return 100 * float(spearmanr(cos, gold).statistic)
+        return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+    def spearman(enc) -> float:
+        return 100 * float(spearmanr(cosines(enc), gold).statistic)
 
     base = load_bi_encoder(args.base)
     res = {"untrained": spearman(lambda t: base.encode(t, 64, 128)), "seeds": list(args.sts_seeds), "train_pairs": len(train),
@@ -380,23 +385,90 @@ def stsb(args, work: Path) -> dict:
     for who in ("ours", "st"):
         res[who] = float(np.median(res[f"{who}_runs"]))
         res[f"{who}_time_per_step"] = float(np.median(res[f"{who}_seconds_per_step"]))
+    if "sts-aligned" not in args.skip:
+        res["aligned"] = sts_aligned(args, work, train, cosines, gold)
+        print("stsb aligned", res["aligned"], flush=True)
     return res
 
 
-def _sts_ours(args, work: Path, train: list, seed: int, spearman) -> tuple[float, float, int]:
-    from bertdist.embed.config import load_embed_config
+def no_dropout_copy(base: str, dst: Path) -> Path:
+    """``base`` (an HF or sentence-transformers directory) copied with both dropout rates at 0."""
+    import shutil
+
+    shutil.copytree(base, dst, dirs_exist_ok=True)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
+def sts_aligned(args, work: Path, train: list, cosines, gold: np.ndarray) -> dict:
+    """Both trainers with dropout off and the batches in one order (seeded by ``--seed``): what
+    differs between them then is arithmetic (loss, schedule, optimizer, pooling), not chance."""
+    from unittest import mock
+
+    from datasets import Dataset
+    from scipy.stats import spearmanr
+    from sentence_transformers import (SentenceTransformer, SentenceTransformerTrainer,
+                                       SentenceTransformerTrainingArguments, losses)
+    from sentence_transformers.sampler import DefaultBatchSampler
+
+    import bertdist.embed.train as ours_train
     from bertdist.embed.model import load_bi_encoder
-    from bertdist.embed.train import run_embed
+
+    base = no_dropout_copy(args.base, work / "base-no-dropout")
+    order = list(range(len(train)))
+    random.Random(args.seed).shuffle(order)
+    batches = [order[i:i + args.sts_batch] for i in range(0, len(order), args.sts_batch)]
+
+    class SharedOrder(DefaultBatchSampler):
+        def __iter__(self):
+            yield from batches
+
+        def __len__(self):
+            return len(batches)
+
+    out = work / "ours-sts-aligned"
+    with mock.patch.object(ours_train, "epoch_batches", lambda units, batch_size, rng, no_dup: batches):
+        run_ours_sts(args, out, base, len(train), len(batches), args.seed)
+    ours = load_bi_encoder(out / "model")
+    cos_ours = cosines(lambda t: ours.encode(t, 64, 128))
+    st = SentenceTransformer(str(base), device="cpu")
+    st.max_seq_length = 128
+    ds = Dataset.from_dict({"sentence1": [p.text_a for p in train], "sentence2": [p.text_b for p in train],
+                            "score": [p.score / 5.0 for p in train]})
+    targs = SentenceTransformerTrainingArguments(
+        output_dir=str(work / "st-sts-aligned"), max_steps=len(batches), per_device_train_batch_size=args.sts_batch,
+        learning_rate=args.lr, seed=args.seed, **peer_optimizer(), batch_sampler=SharedOrder, save_strategy="no",
+        report_to="none", logging_steps=1000, use_cpu=True, dataloader_num_workers=0)
+    SentenceTransformerTrainer(model=st, args=targs, train_dataset=ds, loss=losses.CoSENTLoss(st)).train()
+    cos_st = cosines(lambda t: st.encode(t, batch_size=64, convert_to_numpy=True))
+    return {"steps": len(batches), "order_seed": args.seed, "dev_pairs": len(gold),
+            "ours": 100 * float(spearmanr(cos_ours, gold).statistic),
+            "st": 100 * float(spearmanr(cos_st, gold).statistic),
+            "max_abs_cosine_difference": float(np.abs(cos_ours - cos_st).max())}
+
+
+def _sts_ours(args, work: Path, train: list, seed: int, spearman) -> tuple[float, float, int]:
+    from bertdist.embed.model import load_bi_encoder
 
     out = work / f"ours-sts-{seed}"
-    cfg = load_embed_config(None, ["task=sts", f"checkpoint={args.base}", f"data={SHARED / 'glue' / 'STS-B'}",
-                                   f"output_dir={out}", f"batch_size={args.sts_batch}", "max_seq_length=128",
-                                   f"max_train_examples={len(train)}", f"learning_rate={args.lr}",
-                                   f"max_steps={peer_steps(len(train), args.sts_batch, args)}", f"seed={seed}",
-                                   "save_model=true", "progress=false"])
-    summary = run_embed(cfg)
+    summary = run_ours_sts(args, out, args.base, len(train), peer_steps(len(train), args.sts_batch, args), seed)
     model = load_bi_encoder(out / "model")
     return spearman(lambda t: model.encode(t, 64, 128)), summary["seconds_per_step"], summary["steps"]
+
+
+def run_ours_sts(args, out: Path, base, rows: int, steps: int, seed: int) -> dict:
+    """`bertdist finetune sts` from ``base`` on the first ``rows`` STS-B train pairs, the model
+    saved to ``out``/model: the run's summary."""
+    from bertdist.embed.config import load_embed_config
+    from bertdist.embed.train import run_embed
+
+    cfg = load_embed_config(None, ["task=sts", f"checkpoint={base}", f"data={SHARED / 'glue' / 'STS-B'}",
+                                   f"output_dir={out}", f"batch_size={args.sts_batch}", "max_seq_length=128",
+                                   f"max_train_examples={rows}", f"learning_rate={args.lr}", f"max_steps={steps}",
+                                   f"seed={seed}", "save_model=true", "progress=false"])
+    return run_embed(cfg)
 
 
 def _sts_st(args, work: Path, train: list, seed: int, spearman) -> tuple[float, float, int]:
@@ -450,7 +522,7 @@ def main(argv=None) -> int:
     p.add_argument("--own-seq", type=int, default=128, help="its sequence length (what it was pretrained at)")
     p.add_argument("--own-lr", type=float, default=1e-4)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--skip", nargs="*", default=[], choices=["retrieval", "rerank", "rerank-peer", "sts"],
+    p.add_argument("--skip", nargs="*", default=[], choices=["retrieval", "rerank", "rerank-peer", "sts", "sts-aligned"],
                    help="parts not to run; rerank-peer: train no sentence-transformers cross-encoder")
     args = p.parse_args(argv)
     check_peer_installed(args.skip)
@@ -608,8 +680,17 @@ def report(res: dict, args) -> str:
                   f"| bertdist (CoSENT) | {s['ours']:.2f} | {runs('ours')} | {s['ours_time_per_step']:.3f} |",
                   f"| sentence-transformers (CoSENTLoss) | {s['st']:.2f} | {runs('st')} | {s['st_time_per_step']:.3f} |",
                   ""]
+        if "aligned" in s:
+            lines += aligned_lines(s["aligned"])
     lines += ["## Targets", ""] + [f"- {v}" for v in verdicts(res)] + ["", f"Wall time: {res['seconds']:.0f} s", ""]
     return "\n".join(lines)
+
+
+def aligned_lines(a: dict) -> list[str]:
+    return ["### Aligned runs", "",
+            f"Dropout off in both, the same {a['steps']} batches in one order (seed {a['order_seed']}): ours "
+            f"{a['ours']:.3f}, sentence-transformers {a['st']:.3f}; the largest difference between their "
+            f"{a['dev_pairs']} dev cosines is {a['max_abs_cosine_difference']:.1e}.", ""]
 
 
 def verdicts(res: dict) -> list[str]:

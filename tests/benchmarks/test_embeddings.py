@@ -57,6 +57,25 @@ def test_the_sts_verdict_compares_medians_and_reports_the_spread(embeddings):
     assert "(-0.60 points; target >= -0.5: NOT met)" in embeddings.verdicts(res)[0]
 
 
+def test_the_aligned_runs_start_from_a_copy_without_dropout(embeddings, tmp_path):
+    import json
+
+    base = tmp_path / "base"
+    base.mkdir()
+    cfg = {"hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1, "hidden_size": 8}
+    (base / "config.json").write_text(json.dumps(cfg))
+    (base / "vocab.txt").write_text("[PAD]\n")
+    out = embeddings.no_dropout_copy(str(base), tmp_path / "copy")
+    assert json.loads((out / "config.json").read_text()) == {**cfg, "hidden_dropout_prob": 0.0,
+                                                             "attention_probs_dropout_prob": 0.0}
+    assert (out / "vocab.txt").read_text() == "[PAD]\n"
+    assert json.loads((base / "config.json").read_text()) == cfg  # the user's base is untouched
+    lines = embeddings.aligned_lines({"steps": 125, "order_seed": 42, "ours": 78.7721, "st": 78.7719,
+                                      "dev_pairs": 1500, "max_abs_cosine_difference": 3.58e-7})
+    assert "ours 78.772, sentence-transformers 78.772; the largest difference between their 1500 dev cosines " \
+           "is 3.6e-07" in lines[2]
+
+
 def test_the_peer_head_optimizer_matches_ours(embeddings):
     """--st-head-rate: the peer's pooler and classifier at the multiple, every other parameter at the
     base rate, no weight decay on biases and LayerNorm, as our trainer's groups."""
