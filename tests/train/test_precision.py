@@ -38,6 +38,19 @@ def test_fp16_keeps_deepspeed_loss_scaling_with_integer_min_scale():
     assert ds["fp16"]["min_loss_scale"] == 2 and isinstance(ds["fp16"]["min_loss_scale"], int)
 
 
+def test_fp16_on_cpu_is_refused_before_deepspeed_starts():
+    """DeepSpeed's CPU accelerator takes fp16 only where oneDNN has fp16 kernels, and otherwise fails
+    inside its engine; the trainer refuses first, naming what works on CPU."""
+    import torch
+
+    from bertdist.train.trainer import _check_device
+
+    cfg = load_train_config(None, ["optimizer.name=adamw", "deepspeed.precision=fp16"])
+    with pytest.raises(ConfigError, match=r"fp16 needs CUDA .*use bf16 or fp32 on CPU"):
+        _check_device(cfg, torch.device("cpu"))
+    _check_device(load_train_config(None, ["optimizer.name=adamw", "deepspeed.precision=bf16"]), torch.device("cpu"))
+
+
 @pytest.mark.parametrize("value", ["0.5", "0", "-1"])
 def test_min_loss_scale_below_one_or_fractional_is_refused(value):
     with pytest.raises(ConfigError, match="min_loss_scale"):
