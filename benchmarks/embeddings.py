@@ -407,10 +407,7 @@ def sts_aligned(args, work: Path, train: list, cosines, gold: np.ndarray) -> dic
     differs between them then is arithmetic (loss, schedule, optimizer, pooling), not chance."""
     from unittest import mock
 
-    from datasets import Dataset
     from scipy.stats import spearmanr
-    from sentence_transformers import (SentenceTransformer, SentenceTransformerTrainer,
-                                       SentenceTransformerTrainingArguments, losses)
     from sentence_transformers.sampler import DefaultBatchSampler
 
     import bertdist.embed.train as ours_train
@@ -433,15 +430,8 @@ def sts_aligned(args, work: Path, train: list, cosines, gold: np.ndarray) -> dic
         run_ours_sts(args, out, base, len(train), len(batches), args.seed)
     ours = load_bi_encoder(out / "model")
     cos_ours = cosines(lambda t: ours.encode(t, 64, 128))
-    st = SentenceTransformer(str(base), device="cpu")
-    st.max_seq_length = 128
-    ds = Dataset.from_dict({"sentence1": [p.text_a for p in train], "sentence2": [p.text_b for p in train],
-                            "score": [p.score / 5.0 for p in train]})
-    targs = SentenceTransformerTrainingArguments(
-        output_dir=str(work / "st-sts-aligned"), max_steps=len(batches), per_device_train_batch_size=args.sts_batch,
-        learning_rate=args.lr, seed=args.seed, **peer_optimizer(), batch_sampler=SharedOrder, save_strategy="no",
-        report_to="none", logging_steps=1000, use_cpu=True, dataloader_num_workers=0)
-    SentenceTransformerTrainer(model=st, args=targs, train_dataset=ds, loss=losses.CoSENTLoss(st)).train()
+    st, _ = run_st_sts(args, work / "st-sts-aligned", base, train, args.seed, max_steps=len(batches),
+                       batch_sampler=SharedOrder)
     cos_st = cosines(lambda t: st.encode(t, batch_size=64, convert_to_numpy=True))
     return {"steps": len(batches), "order_seed": args.seed, "dev_pairs": len(gold),
             "ours": 100 * float(spearmanr(cos_ours, gold).statistic),
@@ -472,21 +462,27 @@ def run_ours_sts(args, out: Path, base, rows: int, steps: int, seed: int) -> dic
 
 
 def _sts_st(args, work: Path, train: list, seed: int, spearman) -> tuple[float, float, int]:
+    st, out = run_st_sts(args, work / f"st-sts-{seed}", args.base, train, seed, num_train_epochs=args.epochs)
+    score = spearman(lambda t: st.encode(t, batch_size=64, convert_to_numpy=True))
+    return score, out.metrics["train_runtime"] / max(out.global_step, 1), out.global_step
+
+
+def run_st_sts(args, out: Path, base, train: list, seed: int, **schedule):
+    """sentence-transformers' trainer with CoSENTLoss from ``base`` on ``train``, at our optimizer
+    settings; ``schedule``: its length (and batch sampler) as training arguments. (model, train output)."""
     from datasets import Dataset
     from sentence_transformers import (SentenceTransformer, SentenceTransformerTrainer,
                                        SentenceTransformerTrainingArguments, losses)
 
-    st = SentenceTransformer(args.base, device="cpu")
+    st = SentenceTransformer(str(base), device="cpu")
     st.max_seq_length = 128
     ds = Dataset.from_dict({"sentence1": [p.text_a for p in train], "sentence2": [p.text_b for p in train],
                             "score": [p.score / 5.0 for p in train]})
     targs = SentenceTransformerTrainingArguments(
-        output_dir=str(work / f"st-sts-{seed}"), num_train_epochs=args.epochs, per_device_train_batch_size=args.sts_batch,
-        learning_rate=args.lr, seed=seed, **peer_optimizer(), save_strategy="no", report_to="none",
-        logging_steps=1000, use_cpu=True, dataloader_num_workers=0)
-    out = SentenceTransformerTrainer(model=st, args=targs, train_dataset=ds, loss=losses.CoSENTLoss(st)).train()
-    score = spearman(lambda t: st.encode(t, batch_size=64, convert_to_numpy=True))
-    return score, out.metrics["train_runtime"] / max(out.global_step, 1), out.global_step
+        output_dir=str(out), per_device_train_batch_size=args.sts_batch, learning_rate=args.lr, seed=seed,
+        **peer_optimizer(), save_strategy="no", report_to="none", logging_steps=1000, use_cpu=True,
+        dataloader_num_workers=0, **schedule)
+    return st, SentenceTransformerTrainer(model=st, args=targs, train_dataset=ds, loss=losses.CoSENTLoss(st)).train()
 
 
 # ---------------------------------------------------------------- the run
