@@ -19,9 +19,12 @@ odd articles eval), and GLUE STS-B.
   re-ranks BM25's top 20 and our bi-encoder's top 20: nDCG@10 before and after.
 * **STS-B.** Ours (`bertdist finetune sts`, CoSENT) against sentence-transformers with CoSENTLoss,
   same base, batch, steps: Spearman of cosine similarity on the dev set (1,500 pairs), once per seed.
-  Then an aligned pair of runs (``sts-aligned``): dropout off in both and one shared batch order
-  (ours through its batch function, the peer through a batch sampler), so the two trainers should
-  do the same arithmetic; the largest difference between their dev cosines says whether they do.
+  By default (``--sts-order shared``) each seed's batches are the ones our trainer draws from it,
+  handed to the peer through a batch sampler, so a seed's two runs differ only in their dropout
+  masks and the seed-by-seed differences carry no batch-order noise; ``--sts-order own`` lets each
+  trainer draw its own order. Then an aligned pair of runs (``sts-aligned``): dropout off in both
+  and the shared order of ``--seed``, so the two trainers should do the same arithmetic; the
+  largest difference between their dev cosines says whether they do.
 
     python benchmarks/embeddings.py --out benchmarks/results/embeddings_cpu_DATE.md
 """
@@ -374,10 +377,15 @@ def stsb(args, work: Path) -> dict:
 
     base = load_bi_encoder(args.base)
     res = {"untrained": spearman(lambda t: base.encode(t, 64, 128)), "seeds": list(args.sts_seeds), "train_pairs": len(train),
-           "ours_runs": [], "st_runs": [], "ours_seconds_per_step": [], "st_seconds_per_step": []}
+           "order": args.sts_order, "ours_runs": [], "st_runs": [], "ours_seconds_per_step": [],
+           "st_seconds_per_step": []}
     for i, seed in enumerate(args.sts_seeds):
+        order = sts_order(len(train), args.sts_batch, seed) if args.sts_order == "shared" else None
         for who in (("ours", "st") if i % 2 == 0 else ("st", "ours")):
-            score, sps, steps = (_sts_ours if who == "ours" else _sts_st)(args, work, train, seed, spearman)
+            if who == "ours":
+                score, sps, steps = _sts_ours(args, work, train, seed, spearman)
+            else:
+                score, sps, steps = _sts_st(args, work, train, seed, spearman, order)
             res[f"{who}_runs"].append(score)
             res[f"{who}_seconds_per_step"].append(sps)
             res.setdefault("steps", {})[who] = steps
@@ -385,6 +393,7 @@ def stsb(args, work: Path) -> dict:
     for who in ("ours", "st"):
         res[who] = float(np.median(res[f"{who}_runs"]))
         res[f"{who}_time_per_step"] = float(np.median(res[f"{who}_seconds_per_step"]))
+    res["paired"] = paired_differences(res["ours_runs"], res["st_runs"])
     if "sts-aligned" not in args.skip:
         res["aligned"] = sts_aligned(args, work, train, cosines, gold)
         print("stsb aligned", res["aligned"], flush=True)
@@ -402,38 +411,67 @@ def no_dropout_copy(base: str, dst: Path) -> Path:
     return dst
 
 
-def sts_aligned(args, work: Path, train: list, cosines, gold: np.ndarray) -> dict:
-    """Both trainers with dropout off and the batches in one order (seeded by ``--seed``): what
-    differs between them then is arithmetic (loss, schedule, optimizer, pooling), not chance."""
-    from unittest import mock
+def sts_order(rows: int, batch: int, seed: int):
+    """``order(epoch)``: the batches of pair indices our trainer draws for ``seed`` in that epoch
+    (task ``sts``: shuffled, no de-duplication), for the peer to train on too."""
+    from bertdist.embed.config import EmbedConfig
+    from bertdist.embed.train import epoch_batches, epoch_rng
 
-    from scipy.stats import spearmanr
-    from sentence_transformers.sampler import DefaultBatchSampler
+    cfg, units = EmbedConfig(task="sts", seed=seed), [{}] * rows
+    return lambda epoch: epoch_batches(units, batch, epoch_rng(cfg, epoch), no_duplicates=False)
 
-    import bertdist.embed.train as ours_train
-    from bertdist.embed.model import load_bi_encoder
 
-    base = no_dropout_copy(args.base, work / "base-no-dropout")
-    order = list(range(len(train)))
-    random.Random(args.seed).shuffle(order)
-    batches = [order[i:i + args.sts_batch] for i in range(0, len(order), args.sts_batch)]
+def order_sampler(order):
+    """A sentence-transformers batch sampler class that yields ``order(epoch)`` (the trainer sets
+    the epoch) instead of drawing its own."""
+    try:
+        from sentence_transformers.base.sampler import DefaultBatchSampler
+    except ImportError:  # older releases
+        from sentence_transformers.sampler import DefaultBatchSampler
 
     class SharedOrder(DefaultBatchSampler):
         def __iter__(self):
-            yield from batches
+            yield from order(self.epoch)
 
         def __len__(self):
-            return len(batches)
+            return len(order(self.epoch))
 
+    return SharedOrder
+
+
+def paired_differences(ours: list[float], theirs: list[float]) -> dict:
+    """Seed-by-seed ours minus the peer's: mean, its standard error, median, wins, and the paired
+    t-test's and Wilcoxon signed-rank test's two-sided p-values."""
+    from scipy.stats import ttest_rel, wilcoxon
+
+    d = np.asarray(ours) - np.asarray(theirs)
+    out = {"differences": [float(x) for x in d], "mean": float(d.mean()), "median": float(np.median(d)),
+           "ours_ahead": int((d > 0).sum()), "n": len(d)}
+    if len(d) > 1:
+        out["standard_error"] = float(d.std(ddof=1) / np.sqrt(len(d)))
+        out["t_test_p"] = float(ttest_rel(ours, theirs).pvalue)
+        out["wilcoxon_p"] = float(wilcoxon(d).pvalue) if np.any(d != 0) else 1.0
+    return out
+
+
+def sts_aligned(args, work: Path, train: list, cosines, gold: np.ndarray) -> dict:
+    """Both trainers with dropout off and our order for ``--seed``: what differs between them then
+    is arithmetic (loss, schedule, optimizer, pooling), not chance."""
+    from scipy.stats import spearmanr
+
+    from bertdist.embed.model import load_bi_encoder
+
+    base = no_dropout_copy(args.base, work / "base-no-dropout")
+    order = sts_order(len(train), args.sts_batch, args.seed)
+    steps = len(order(0))
     out = work / "ours-sts-aligned"
-    with mock.patch.object(ours_train, "epoch_batches", lambda units, batch_size, rng, no_dup: batches):
-        run_ours_sts(args, out, base, len(train), len(batches), args.seed)
+    run_ours_sts(args, out, base, len(train), steps, args.seed)
     ours = load_bi_encoder(out / "model")
     cos_ours = cosines(lambda t: ours.encode(t, 64, 128))
-    st, _ = run_st_sts(args, work / "st-sts-aligned", base, train, args.seed, max_steps=len(batches),
-                       batch_sampler=SharedOrder)
+    st, _ = run_st_sts(args, work / "st-sts-aligned", base, train, args.seed, max_steps=steps,
+                       batch_sampler=order_sampler(order))
     cos_st = cosines(lambda t: st.encode(t, batch_size=64, convert_to_numpy=True))
-    return {"steps": len(batches), "order_seed": args.seed, "dev_pairs": len(gold),
+    return {"steps": steps, "order_seed": args.seed, "dev_pairs": len(gold),
             "ours": 100 * float(spearmanr(cos_ours, gold).statistic),
             "st": 100 * float(spearmanr(cos_st, gold).statistic),
             "max_abs_cosine_difference": float(np.abs(cos_ours - cos_st).max())}
@@ -461,8 +499,10 @@ def run_ours_sts(args, out: Path, base, rows: int, steps: int, seed: int) -> dic
     return run_embed(cfg)
 
 
-def _sts_st(args, work: Path, train: list, seed: int, spearman) -> tuple[float, float, int]:
-    st, out = run_st_sts(args, work / f"st-sts-{seed}", args.base, train, seed, num_train_epochs=args.epochs)
+def _sts_st(args, work: Path, train: list, seed: int, spearman, order=None) -> tuple[float, float, int]:
+    shared = {"batch_sampler": order_sampler(order)} if order is not None else {}
+    st, out = run_st_sts(args, work / f"st-sts-{seed}", args.base, train, seed, num_train_epochs=args.epochs,
+                         **shared)
     score = spearman(lambda t: st.encode(t, batch_size=64, convert_to_numpy=True))
     return score, out.metrics["train_runtime"] / max(out.global_step, 1), out.global_step
 
@@ -513,6 +553,9 @@ def main(argv=None) -> int:
     p.add_argument("--sts-train", type=int, default=None, help="default: every STS-B train pair")
     p.add_argument("--sts-seeds", type=int, nargs="+", default=[42, 43, 44],
                    help="one STS-B run of each trainer per seed; the verdict compares the medians")
+    p.add_argument("--sts-order", choices=["shared", "own"], default="shared",
+                   help="shared: the peer trains on the batches our trainer draws for the seed (the runs of "
+                        "a seed differ in dropout masks only); own: each trainer draws its own order")
     p.add_argument("--own-checkpoint", default=None,
                    help="also train a bi-encoder from this MLM-pretrained bertdist run or checkpoint")
     p.add_argument("--own-seq", type=int, default=128, help="its sequence length (what it was pretrained at)")
@@ -668,23 +711,39 @@ def report(res: dict, args) -> str:
     if "stsb" in res:
         s = res["stsb"]
         runs = lambda who: ", ".join(f"{x:.2f}" for x in s[f"{who}_runs"])  # noqa: E731
+        order = ("each seed's batches are the ones our trainer draws from it, given to the peer too, so the "
+                 "two runs of a seed differ in their dropout masks only" if s.get("order") == "shared"
+                 else "each trainer draws its own batch order and dropout masks from the seed")
         lines += ["## STS-B dev (Spearman x 100)", "",
                   f"{s['train_pairs']} train pairs, {s['steps']['ours']} steps of {args.sts_batch}, one run per seed "
-                  f"({', '.join(map(str, s['seeds']))}); the median and every run.", "",
+                  f"({', '.join(map(str, s['seeds']))}); the median and every run. Order: {order}.", "",
                   "| model | Spearman (median) | runs | s/step (median) |", "|---|---|---|---|",
                   f"| untrained base | {s['untrained']:.2f} | | |",
                   f"| bertdist (CoSENT) | {s['ours']:.2f} | {runs('ours')} | {s['ours_time_per_step']:.3f} |",
                   f"| sentence-transformers (CoSENTLoss) | {s['st']:.2f} | {runs('st')} | {s['st_time_per_step']:.3f} |",
                   ""]
+        if "paired" in s:
+            lines += paired_lines(s["paired"])
         if "aligned" in s:
             lines += aligned_lines(s["aligned"])
     lines += ["## Targets", ""] + [f"- {v}" for v in verdicts(res)] + ["", f"Wall time: {res['seconds']:.0f} s", ""]
     return "\n".join(lines)
 
 
+def paired_lines(d: dict) -> list[str]:
+    line = (f"Seed by seed, ours minus sentence-transformers: {', '.join(f'{x:+.2f}' for x in d['differences'])}. "
+            f"Mean {d['mean']:+.2f}")
+    if "standard_error" in d:
+        line += f" (standard error {d['standard_error']:.2f})"
+    line += f", median {d['median']:+.2f}; ours ahead on {d['ours_ahead']} of {d['n']}."
+    if "t_test_p" in d:
+        line += f" Paired t-test p = {d['t_test_p']:.2f}; Wilcoxon signed-rank p = {d['wilcoxon_p']:.2f}."
+    return [line, ""]
+
+
 def aligned_lines(a: dict) -> list[str]:
     return ["### Aligned runs", "",
-            f"Dropout off in both, the same {a['steps']} batches in one order (seed {a['order_seed']}): ours "
+            f"Dropout off in both, the same {a['steps']} batches in one order (ours for seed {a['order_seed']}): ours "
             f"{a['ours']:.3f}, sentence-transformers {a['st']:.3f}; the largest difference between their "
             f"{a['dev_pairs']} dev cosines is {a['max_abs_cosine_difference']:.1e}.", ""]
 
@@ -715,7 +774,9 @@ def verdicts(res: dict) -> list[str]:
         spread = max(max(s["ours_runs"]) - min(s["ours_runs"]), max(s["st_runs"]) - min(s["st_runs"]))
         out.append(f"STS-B Spearman, medians over {len(s['seeds'])} seeds: {s['ours']:.2f} vs sentence-transformers "
                    f"{s['st']:.2f} ({d:+.2f} points; target >= -{TARGETS['sts_minus']}: "
-                   f"{_met(d >= -TARGETS['sts_minus'])}); the widest seed spread of either is {spread:.2f}")
+                   f"{_met(d >= -TARGETS['sts_minus'])}); the widest seed spread of either is {spread:.2f}"
+                   + (f"; seed by seed, ours minus the peer averages {s['paired']['mean']:+.2f} (standard error "
+                      f"{s['paired']['standard_error']:.2f})" if "standard_error" in s.get("paired", {}) else ""))
     return out
 
 

@@ -507,7 +507,7 @@ def run_embed(cfg: EmbedConfig) -> dict:
     micro = cfg.batch_size // world
     no_dup = cfg.task == "embed"
     # Batches without repeated texts can outnumber len(units) / batch_size: count epoch 0's.
-    per_epoch = max(1, sum(1 for b in epoch_batches(units, cfg.batch_size, _epoch_rng(cfg, 0), no_dup)
+    per_epoch = max(1, sum(1 for b in epoch_batches(units, cfg.batch_size, epoch_rng(cfg, 0), no_dup)
                            if _rank_share(b, 0, world)))
     total = cfg.max_steps if cfg.max_steps is not None else max(1, math.ceil(per_epoch * cfg.epochs))
     engine, opt, sched = build_optimization(model, cfg, param_groups(model, cfg), cfg.learning_rate, micro, total)
@@ -547,7 +547,7 @@ def run_embed(cfg: EmbedConfig) -> dict:
     step, epoch, losses = 0, 0, []
     model.train()
     while step < total and not state["stop"]:
-        rng = _epoch_rng(cfg, epoch)
+        rng = epoch_rng(cfg, epoch)
         for batch in epoch_batches(units, cfg.batch_size, rng, no_dup):
             mine = _rank_share(batch, rank, world)
             if not mine:
@@ -597,7 +597,7 @@ def run_embed(cfg: EmbedConfig) -> dict:
     return summary
 
 
-def _epoch_rng(cfg: EmbedConfig, epoch: int) -> random.Random:
+def epoch_rng(cfg: EmbedConfig, epoch: int) -> random.Random:
     return random.Random(cfg.seed * 1_000_003 + epoch)  # the same batches on every rank
 
 

@@ -182,3 +182,54 @@ def test_a_missing_peer_library_stops_the_run_before_any_part_runs(embeddings, m
         embeddings.main(["--out", "x.md", "--skip", "retrieval", "rerank"])
     embeddings.check_peer_installed(["retrieval", "sts", "rerank-peer"])  # no peer to train: runs
     embeddings.check_peer_installed(["retrieval", "sts", "rerank"])
+
+
+def test_paired_differences_are_ours_minus_the_peer_seed_by_seed(embeddings):
+    d = embeddings.paired_differences([81.0, 82.0, 83.0, 80.0], [82.0, 81.5, 83.5, 81.0])
+    assert d["differences"] == pytest.approx([-1.0, 0.5, -0.5, -1.0])
+    assert d["mean"] == pytest.approx(-0.5) and d["median"] == pytest.approx(-0.75)
+    assert d["ours_ahead"] == 1 and d["n"] == 4
+    # squared deviations from the mean 0.25 + 1 + 0 + 0.25 = 1.5: sample variance 0.5, over 4 seeds
+    assert d["standard_error"] == pytest.approx(0.5 ** 0.5 / 2)
+    assert d["t_test_p"] == pytest.approx(0.2522, abs=1e-3)  # t = -0.5 / 0.3536 = -1.414, 3 df
+    assert 0 < d["wilcoxon_p"] <= 1
+    res = {"stsb": {"ours": 81.5, "st": 81.75, "ours_runs": [81.0, 82.0, 83.0, 80.0],
+                    "st_runs": [82.0, 81.5, 83.5, 81.0], "seeds": [1, 2, 3, 4], "paired": d}}
+    assert "ours minus the peer averages -0.50 (standard error 0.35)" in embeddings.verdicts(res)[0]
+    (line, _) = embeddings.paired_lines(d)
+    assert line.startswith("Seed by seed, ours minus sentence-transformers: -1.00, +0.50, -0.50, -1.00. Mean -0.50")
+    assert "ours ahead on 1 of 4" in line
+
+
+def test_the_peer_trains_on_the_batches_our_sts_trainer_draws(embeddings, shared_data, tmp_path, monkeypatch):
+    """--sts-order shared: the order handed to the peer's batch sampler is, epoch by epoch, the one
+    `bertdist finetune sts` trains on for the same seed (recorded from a real run of ours)."""
+    pytest.importorskip("sentence_transformers")
+    import bertdist.embed.train as ours_train
+    from tests.embed import fixtures
+
+    ckpt = fixtures.tiny_checkpoint(tmp_path / "ckpt", shared_data / "vocab" / "bert-base-uncased-vocab.txt")
+    drawn = []
+
+    def recording(units, batch_size, rng, no_duplicates):
+        batches = epoch_batches(units, batch_size, rng, no_duplicates)
+        drawn.append(batches)
+        return batches
+
+    epoch_batches = ours_train.epoch_batches
+    monkeypatch.setattr(ours_train, "epoch_batches", recording)
+    monkeypatch.setattr(embeddings, "SHARED", shared_data)
+    args = argparse.Namespace(sts_batch=8, lr=1e-4)
+    rows, seed = 36, 7  # 5 batches an epoch, the last of 4
+    summary = embeddings.run_ours_sts(args, tmp_path / "ours", str(ckpt), rows, steps=10, seed=seed)
+    assert summary["steps"] == 10
+    trained = drawn[1:]  # the first call only counts an epoch's batches
+    assert len(trained) == 2 and trained[0] != trained[1]
+    order = embeddings.sts_order(rows, 8, seed)
+    assert [order(0), order(1)] == trained
+    assert embeddings.sts_order(rows, 8, seed + 1)(0) != trained[0]
+
+    sampler = embeddings.order_sampler(order)(list(range(rows)), batch_size=8, drop_last=False)
+    assert list(sampler) == trained[0] and len(sampler) == 5
+    sampler.set_epoch(1)
+    assert list(sampler) == trained[1]
