@@ -15,7 +15,10 @@ at the stated price of a 2-vCPU machine.
 
 Under load, `bertdist serve` runs the student in its own process and a client process keeps
 1-64 connections busy for a fixed time each, with dynamic batching on and off; every answer is
-checked against the offline model.
+checked against the offline model. Before each round, with the servers idle, the served model file
+is also timed alone on the load's sentences at the server's threads: at batch 1, and at batch 32
+sorted by length (the least padding any batcher could reach). The second over the unbatched
+server's throughput bounds what batching can give on this machine, whatever the HTTP layer costs.
 
     python benchmarks/serving.py --teacher T --student S --out benchmarks/results/serving_cpu_DATE.md
 """
@@ -145,10 +148,34 @@ def offline(name: str, hf_dir: Path, onnx_dir: Path, texts, labels, args) -> dic
 
 
 # ---------------------------------------------------------------- under load
-def load_test(onnx_dir: Path, texts: list[str], args) -> list[dict]:
+def model_alone(onnx_dir: Path, texts: list[str], args) -> dict:
+    """The served model file timed without a server, at the server's threads: sequences per second
+    at batch 1 (one sentence a call) and at batch 32 in length order."""
+    from transformers import AutoTokenizer
+
+    from bertdist.serve.card import FILES
+    from bertdist.serve.runtime import make_session
+
+    tok = AutoTokenizer.from_pretrained(str(onnx_dir))
+    session = make_session(onnx_dir / FILES[args.serve_variant], args.threads)
+    by_length = sorted(texts, key=lambda t: len(tok(t, truncation=True, max_length=128)["input_ids"]))
+    batches = {"b1": tokenise(tok, texts, 1), "b32_sorted": tokenise(tok, by_length, 32)}
+    for b in batches.values():  # warm-up
+        session.run(None, b[0])
+    out = {}
+    for name, bs in batches.items():
+        t0 = time.perf_counter()
+        for b in bs:
+            session.run(None, b)
+        out[f"{name}_seq_per_s"] = len(texts) / (time.perf_counter() - t0)
+    return out
+
+
+def load_test(onnx_dir: Path, texts: list[str], args) -> tuple[list[dict], dict]:
     """Two `bertdist serve` processes, batching on and off, each driven in turn by
     benchmarks/serving_load.py from another process: for each client count, on then off (the
-    order swapped each round), ``--load-rounds`` rounds; each row is the median round."""
+    order swapped each round), ``--load-rounds`` rounds; each row is the median round. Also the
+    model alone (``model_alone``) before each round: medians and every round."""
     from bertdist.serve.runtime import load_served_model
 
     m = load_served_model(onnx_dir, variant=args.serve_variant, threads=1)
@@ -173,7 +200,11 @@ def load_test(onnx_dir: Path, texts: list[str], args) -> list[dict]:
         for port, proc in servers.values():
             _wait_healthy(port, proc)
         runs: dict[tuple[bool, int], list[dict]] = {}
+        alone: list[dict] = []
         for rnd in range(args.load_rounds):
+            alone.append(model_alone(onnx_dir, sample, args))
+            print(f"[load] round {rnd + 1} model alone: " + ", ".join(f"{k} {v:.1f}" for k, v in alone[-1].items()),
+                  flush=True)
             for clients in args.clients:
                 for batching in ((True, False) if rnd % 2 == 0 else (False, True)):
                     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "serving_load.py"), "--port",
@@ -198,7 +229,9 @@ def load_test(onnx_dir: Path, texts: list[str], args) -> list[dict]:
                      "answered": sum(r["answered"] for r in rs), "wrong": sum(r["wrong"] for r in rs),
                      "shed": sum(r["shed"] for r in rs), "errors": sum(r["errors"] for r in rs),
                      "lost": sum(r["lost"] for r in rs)})
-    return rows
+    ceiling = {k: statistics.median(a[k] for a in alone) for k in alone[0]}
+    ceiling["rounds"] = [{k: round(v, 1) for k, v in a.items()} for a in alone]
+    return rows, ceiling
 
 
 def _free_port() -> int:
@@ -226,7 +259,7 @@ def _wait_healthy(port: int, proc, timeout: float = 60.0) -> None:
 
 
 # ---------------------------------------------------------------- report
-def report(res: dict, load: list[dict], args, seconds: float) -> str:
+def report(res: dict, load: list[dict], args, seconds: float, alone: dict | None = None) -> str:
     lines = [f"# Serving benchmark, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
              f"Command: `python benchmarks/serving.py {' '.join(sys.argv[1:])}`",
              f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, {args.threads} threads per variant; "
@@ -256,11 +289,16 @@ def report(res: dict, load: list[dict], args, seconds: float) -> str:
                          f"{', '.join(str(x) for x in r['rounds_rps'])} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
                          f"{r['answered']} | {r['wrong']} | {r['shed']} | {r['errors']} | {r['lost']} |")
         lines.append("")
-    lines += ["## Targets", ""] + [f"- {t}" for t in verdicts(res, load)] + ["", f"Wall time: {seconds:.0f} s", ""]
+    if alone:
+        rounds = "; ".join(f"{a['b1_seq_per_s']:.0f} and {a['b32_sorted_seq_per_s']:.0f}" for a in alone["rounds"])
+        lines += [f"The model alone (the served file, {args.threads} threads, no server), before each round: "
+                  f"{alone['b1_seq_per_s']:.1f} sentences/s at batch 1 and {alone['b32_sorted_seq_per_s']:.1f} at "
+                  f"batch 32 sorted by length (medians; every round: {rounds}).", ""]
+    lines += ["## Targets", ""] + [f"- {t}" for t in verdicts(res, load, alone)] + ["", f"Wall time: {seconds:.0f} s", ""]
     return "\n".join(lines)
 
 
-def verdicts(res: dict, load: list[dict]) -> list[str]:
+def verdicts(res: dict, load: list[dict], alone: dict | None = None) -> list[str]:
     out = []
     for name in res:
         r = res[name]
@@ -280,7 +318,12 @@ def verdicts(res: dict, load: list[dict]) -> list[str]:
         p99 = on[32]["p99_ms"]
         out.append(f"32 clients: batching {g:.2f}x the throughput without (target >= {TARGETS['batching_gain_32_clients']}: "
                    f"{'met' if g >= TARGETS['batching_gain_32_clients'] else 'NOT met'}), p99 {p99:.0f} ms (target <= "
-                   f"{TARGETS['p99_ms_32_clients']:.0f}: {'met' if p99 <= TARGETS['p99_ms_32_clients'] else 'NOT met'})")
+                   f"{TARGETS['p99_ms_32_clients']:.0f}: {'met' if p99 <= TARGETS['p99_ms_32_clients'] else 'NOT met'})"
+                   + (f"; the model alone at batch 32 sorted by length runs "
+                      f"{alone['b32_sorted_seq_per_s'] / off[32]['throughput_rps']:.2f}x the unbatched server's "
+                      f"throughput ({alone['b32_sorted_seq_per_s'] / alone['b1_seq_per_s']:.2f}x "
+                      "its own batch-1 rate): the most batching could give here, with HTTP at no cost"
+                      if alone else ""))
     if load:
         n = sum(r["answered"] for r in load)
         differ = sum(r["wrong"] for r in load)
@@ -316,11 +359,12 @@ def main(argv=None) -> int:
     models = {"teacher": Path(args.teacher), "student": Path(args.student)}
     onnx = {n: export(d, work / f"onnx-{n}", args.threads) for n, d in models.items()}
     res = {} if args.skip_offline else {n: offline(n, models[n], onnx[n], texts, labels, args) for n in models}
-    load = [] if args.skip_load else load_test(onnx["student"], texts, args)
+    load, alone = ([], {}) if args.skip_load else load_test(onnx["student"], texts, args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"offline": res, "load": load, "args": vars(args)}, indent=2) + "\n")
-    out.write_text(report(res, load, args, time.time() - t0))
+    out.with_suffix(".json").write_text(json.dumps({"offline": res, "load": load, "model_alone": alone,
+                                                    "args": vars(args)}, indent=2) + "\n")
+    out.write_text(report(res, load, args, time.time() - t0, alone))
     print(out.read_text())
     return 0
 

@@ -1,0 +1,43 @@
+"""benchmarks/serving.py: the model-alone ceiling beside the load test, and its verdict (a tiny
+exported model; no server is started)."""
+import argparse
+
+import pytest
+
+pytest.importorskip("onnxruntime")
+
+
+@pytest.fixture(scope="module")
+def serving(load_benchmark):
+    return load_benchmark("serving")
+
+
+def _load(batching: bool, rps: float) -> dict:
+    return {"batching": batching, "clients": 32, "throughput_rps": rps, "p50_ms": 20.0, "p99_ms": 40.0,
+            "rounds_rps": [rps], "answered": 100, "wrong": 0, "shed": 0, "errors": 0, "lost": 0}
+
+
+def test_the_batching_verdict_gives_the_model_alone_ceiling(serving):
+    load = [_load(True, 1000.0), _load(False, 500.0)]
+    alone = {"b1_seq_per_s": 1000.0, "b32_sorted_seq_per_s": 1400.0, "rounds": [{"b1_seq_per_s": 1000.0,
+                                                                               "b32_sorted_seq_per_s": 1400.0}]}
+    line = serving.verdicts({}, load, alone)[0]
+    assert line.startswith("32 clients: batching 2.00x the throughput without (target >= 3.0: NOT met)")
+    assert "batch 32 sorted by length runs 2.80x the unbatched server's throughput (1.40x its own batch-1 rate)" in line
+    assert "sorted by length" not in serving.verdicts({}, load)[0]  # no ceiling measured: no clause
+
+
+def test_the_model_alone_is_timed_on_the_served_file(serving, tmp_path, small_vocab):
+    from bertdist.serve.onnx_export import ExportOptions, export_onnx
+    from tests.serve.conftest import make_hf_dir
+
+    onnx_dir = tmp_path / "onnx"
+    export_onnx(make_hf_dir(tmp_path / "hf", "classification", small_vocab), onnx_dir, ExportOptions(),
+                log=lambda *_: None)
+    args = argparse.Namespace(serve_variant="fp32", threads=1, load_rounds=1, load_seconds=1.0)
+    texts = ["a short one", "a somewhat longer sentence than the first one is"] * 40
+    alone = serving.model_alone(onnx_dir, texts, args)
+    assert set(alone) == {"b1_seq_per_s", "b32_sorted_seq_per_s"} and min(alone.values()) > 0
+    (onnx_dir / "model.onnx").unlink()
+    with pytest.raises(Exception, match="model.onnx"):  # the served variant's own file, nothing else
+        serving.model_alone(onnx_dir, texts, args)
