@@ -128,7 +128,7 @@ def bm25_rankings(split: Split, k: int = 100) -> list[list[int]]:
 
 # ---------------------------------------------------------------- bi-encoders
 def ours_embed(split: Split, work: Path, args, checkpoint: str | None = None, seq: int | None = None,
-               lr: float | None = None, name: str = "ours-embed") -> tuple[object, dict]:
+               lr: float | None = None, epochs: float | None = None, name: str = "ours-embed") -> tuple[object, dict]:
     """`bertdist finetune embed` from ``checkpoint`` (default: the base) on the split's train pairs."""
     from bertdist.embed.config import load_embed_config
     from bertdist.embed.model import load_bi_encoder
@@ -142,15 +142,15 @@ def ours_embed(split: Split, work: Path, args, checkpoint: str | None = None, se
     cfg = load_embed_config(None, ["task=embed", f"checkpoint={checkpoint or args.base}", f"data={data}",
                                    f"output_dir={work / name}", f"batch_size={args.batch_size}",
                                    f"max_seq_length={seq or args.seq}", f"learning_rate={lr or args.lr}",
-                                   f"max_steps={peer_steps(len(split.train), args.batch_size, args)}",
+                                   f"max_steps={peer_steps(len(split.train), args.batch_size, epochs or args.epochs)}",
                                    f"seed={args.seed}", "save_model=true", "progress=false"])
     summary = run_embed(cfg)
     return load_bi_encoder(work / name / "model"), summary
 
 
 def own_encoder(split: Split, work: Path, args) -> dict:
-    """A bi-encoder from our own MLM-pretrained checkpoint: untrained (mean pooling) and trained the
-    same way as the base, at the checkpoint's own sequence length and learning rate."""
+    """A bi-encoder from our own MLM-pretrained checkpoint: untrained (mean pooling) and trained on
+    the base's pairs and batches, at the checkpoint's own sequence length, learning rate and epochs."""
     from bertdist.embed.model import load_bi_encoder
 
     seq = args.own_seq
@@ -159,21 +159,22 @@ def own_encoder(split: Split, work: Path, args) -> dict:
         return retrieval_scores(dense_ranking(lambda t: model.encode(t, 64, seq), split.queries, split.corpus),
                                 split.relevant)
 
-    res = {"checkpoint": args.own_checkpoint, "seq": seq, "lr": args.own_lr,
+    epochs = args.own_epochs or args.epochs
+    res = {"checkpoint": args.own_checkpoint, "seq": seq, "lr": args.own_lr, "epochs": epochs,
            "untrained": scores(load_bi_encoder(args.own_checkpoint, max_seq_length=seq))}
     model, s = ours_embed(split, work, args, checkpoint=args.own_checkpoint, seq=seq, lr=args.own_lr,
-                          name="own-embed")
+                          epochs=epochs, name="own-embed")
     res["trained"] = {**scores(model), "steps": s.get("steps"), "seconds_per_step": s.get("seconds_per_step")}
     return res
 
 
-def peer_steps(rows: int, batch: int, args) -> int:
+def peer_steps(rows: int, batch: int, epochs: float) -> int:
     """The steps sentence-transformers' trainer takes: ceil(rows / batch) per epoch, whatever its
     no-duplicates sampler yields; ours gets the same number (its own no-duplicates batching would
     add small batches at an epoch's end)."""
     import math
 
-    return max(1, math.ceil(math.ceil(rows / batch) * args.epochs))
+    return max(1, math.ceil(math.ceil(rows / batch) * epochs))
 
 
 def peer_optimizer() -> dict:
@@ -253,7 +254,7 @@ def ours_rerank(groups, work: Path, args):
     cfg = load_embed_config(None, [
         "task=rerank", f"checkpoint={args.base}", f"data={data}", f"output_dir={work / 'ours-rerank'}",
         f"batch_size={per_step}", f"max_seq_length={args.seq}", f"learning_rate={args.rerank_lr}",
-        f"max_steps={peer_steps(len(groups) * (args.negatives + 1), args.rerank_pairs_per_step, args)}",
+        f"max_steps={peer_steps(len(groups) * (args.negatives + 1), args.rerank_pairs_per_step, args.epochs)}",
         f"seed={args.seed}", f"num_negatives={args.negatives}", "mine=none",
         "save_model=true", "progress=false"])
     summary = run_embed(cfg)
@@ -481,7 +482,7 @@ def _sts_ours(args, work: Path, train: list, seed: int, spearman) -> tuple[float
     from bertdist.embed.model import load_bi_encoder
 
     out = work / f"ours-sts-{seed}"
-    summary = run_ours_sts(args, out, args.base, len(train), peer_steps(len(train), args.sts_batch, args), seed)
+    summary = run_ours_sts(args, out, args.base, len(train), peer_steps(len(train), args.sts_batch, args.epochs), seed)
     model = load_bi_encoder(out / "model")
     return spearman(lambda t: model.encode(t, 64, 128)), summary["seconds_per_step"], summary["steps"]
 
@@ -560,6 +561,7 @@ def main(argv=None) -> int:
                    help="also train a bi-encoder from this MLM-pretrained bertdist run or checkpoint")
     p.add_argument("--own-seq", type=int, default=128, help="its sequence length (what it was pretrained at)")
     p.add_argument("--own-lr", type=float, default=1e-4)
+    p.add_argument("--own-epochs", type=float, default=None, help="its epochs over the train pairs (default: --epochs)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--skip", nargs="*", default=[], choices=["retrieval", "rerank", "rerank-peer", "sts", "sts-aligned"],
                    help="parts not to run; rerank-peer: train no sentence-transformers cross-encoder")
@@ -674,8 +676,9 @@ def report(res: dict, args) -> str:
     if "own" in res:
         o = res["own"]
         lines += ["### From our own MLM-pretrained encoder", "",
-                  f"`{o['checkpoint']}`, at seq {o['seq']} and learning rate {o['lr']:g}, the same train pairs, batch "
-                  "and steps as above.", "",
+                  f"`{o['checkpoint']}`, at seq {o['seq']} and learning rate {o['lr']:g}, the same train pairs and "
+                  "batch as above, " + ("the same steps." if o.get("epochs", args.epochs) == args.epochs else
+                                        f"{o['epochs']:g} epochs."), "",
                   "| model | nDCG@10 | Recall@1 | Recall@5 | Recall@20 | MRR@10 | steps | s/step |",
                   "|---|---|---|---|---|---|---|---|"]
         for name, r in (("untrained (mean pooling)", o["untrained"]), ("bertdist (MNRL)", o["trained"])):

@@ -116,6 +116,22 @@ def test_the_rerank_report_without_a_peer_or_a_bi_encoder(embeddings):
     assert "87.9 -> 92.0 (+4.1; target >= 4.0: met); no sentence-transformers peer in this run" in text
 
 
+def test_the_own_encoder_report_states_its_epochs(embeddings):
+    """--own-epochs: the own encoder's section says how long it trained when that differs from the
+    base's epochs, and its rows carry its own steps."""
+    counts = {"train_articles": 24, "train_pairs_used": 2400, "eval_articles": 24, "eval_questions_used": 600,
+              "eval_queries": 5173, "eval_paragraphs": 1044}
+    scores = {"ndcg@10": 3.7, "recall@1": 0.7, "recall@5": 5.3, "recall@20": 11.5, "mrr@10": 2.5}
+    own = {"checkpoint": "runs/mini", "seq": 128, "lr": 5e-4, "epochs": 4.0, "untrained": scores,
+           "trained": {**scores, "ndcg@10": 18.5, "steps": 300, "seconds_per_step": 0.97}}
+    args = argparse.Namespace(threads=2, epochs=1.0)
+    text = embeddings.report({"counts": counts, "seconds": 1.0, "bm25": {}, "own": own}, args)
+    assert "at seq 128 and learning rate 0.0005, the same train pairs and batch as above, 4 epochs." in text
+    assert "| bertdist (MNRL) | 18.5 | 0.7 | 5.3 | 11.5 | 2.5 | 300 | 0.97 |" in text
+    text = embeddings.report({"counts": counts, "seconds": 1.0, "bm25": {}, "own": {**own, "epochs": 1.0}}, args)
+    assert "the same train pairs and batch as above, the same steps." in text
+
+
 def test_a_reused_rerank_run_must_hold_train_half_questions_only(embeddings, tmp_path, monkeypatch):
     """--rerank-model: a finished run is re-used only when every question it trained on is a
     train-half question, and the report says it was not trained in this run."""
