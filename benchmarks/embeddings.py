@@ -15,8 +15,10 @@ odd articles eval), and GLUE STS-B.
   (question, paragraph, BM25-mined negatives) groups: ours with `bertdist finetune rerank`
   (listwise softmax over 1 positive + k negatives, `batch_size` questions a step), the peer with
   sentence-transformers' CrossEncoderTrainer and BinaryCrossEntropyLoss with ``pos_weight = k``
-  (the recipe its documentation gives for hard negatives), over the same pairs per step. Each
-  re-ranks BM25's top 20 and our bi-encoder's top 20: nDCG@10 before and after.
+  (the recipe its documentation gives for hard negatives), over the same pairs per step, or with
+  ``--st-rerank-loss listwise`` its MultipleNegativesRankingLoss over the same groups (our loss, plus
+  the one in-batch negative it requires). Each re-ranks BM25's top 20 and our bi-encoder's top 20:
+  nDCG@10 before and after.
 * **STS-B.** Ours (`bertdist finetune sts`, CoSENT) against sentence-transformers with CoSENTLoss,
   same base, batch, steps: Spearman of cosine similarity on the dev set (1,500 pairs), once per seed.
   By default (``--sts-order shared``) each seed's batches are the ones our trainer draws from it,
@@ -309,24 +311,46 @@ def st_rerank(groups, work: Path, args):
     from datasets import Dataset
     from sentence_transformers.cross_encoder import (CrossEncoder, CrossEncoderTrainer,
                                                      CrossEncoderTrainingArguments)
-    from sentence_transformers.cross_encoder.losses import BinaryCrossEntropyLoss
+    from sentence_transformers.cross_encoder.losses import BinaryCrossEntropyLoss, MultipleNegativesRankingLoss
 
     model = CrossEncoder(args.base, num_labels=1, max_length=args.seq, device="cpu")
-    qs, ps, ls = [], [], []
-    for g in groups:
-        for j, c in enumerate([g["positive"], *g["negatives"]]):
-            qs.append(g["query"])
-            ps.append(c)
-            ls.append(1.0 if j == 0 else 0.0)
-    ds = Dataset.from_dict({"query": qs, "passage": ps, "label": ls})
+    if args.st_rerank_loss == "listwise":
+        ds, per_step = Dataset.from_dict(listwise_columns(groups)), args.rerank_pairs_per_step // (args.negatives + 1)
+        # Its loss needs at least one in-batch negative; raw logits and scale 1 make the rest our softmax.
+        loss = MultipleNegativesRankingLoss(model, num_negatives=1, scale=1.0, activation_fn=None)
+    else:
+        qs, ps, ls = [], [], []
+        for g in groups:
+            for j, c in enumerate([g["positive"], *g["negatives"]]):
+                qs.append(g["query"])
+                ps.append(c)
+                ls.append(1.0 if j == 0 else 0.0)
+        ds, per_step = Dataset.from_dict({"query": qs, "passage": ps, "label": ls}), args.rerank_pairs_per_step
+        loss = BinaryCrossEntropyLoss(model, pos_weight=torch.tensor(float(args.negatives)))
     targs = CrossEncoderTrainingArguments(
         output_dir=str(work / "st-rerank"), num_train_epochs=args.epochs,
-        per_device_train_batch_size=args.rerank_pairs_per_step, learning_rate=args.rerank_lr, **peer_optimizer(),
+        per_device_train_batch_size=per_step, learning_rate=args.rerank_lr, **peer_optimizer(),
         seed=args.seed, save_strategy="no", report_to="none", logging_steps=1000, use_cpu=True, dataloader_num_workers=0)
-    loss = BinaryCrossEntropyLoss(model, pos_weight=torch.tensor(float(args.negatives)))
     opt = (st_head_optimizer(model, args.rerank_lr, args.st_head_rate), None) if args.st_head_rate else (None, None)
     out = CrossEncoderTrainer(model=model, args=targs, train_dataset=ds, loss=loss, optimizers=opt).train()
     return model, {"steps": out.global_step, "seconds": out.metrics["train_runtime"]}
+
+
+def listwise_columns(groups: list[dict]) -> dict:
+    """The groups as sentence-transformers' n-tuple columns (query, positive, negative_1..k): one row a
+    group, so a step of ``per_step`` rows scores the same groups as one of ours."""
+    k = len(groups[0]["negatives"])
+    cols = {"query": [g["query"] for g in groups], "positive": [g["positive"] for g in groups]}
+    for j in range(k):
+        cols[f"negative_{j + 1}"] = [g["negatives"][j] for g in groups]
+    return cols
+
+
+def st_rerank_name(args) -> str:
+    loss = ("listwise: its MultipleNegativesRankingLoss, raw logits, + 1 in-batch negative"
+            if getattr(args, "st_rerank_loss", "bce") == "listwise" else "BCE, pos_weight")
+    head = f", head at {args.st_head_rate:g}x" if getattr(args, "st_head_rate", None) else ""
+    return f"sentence-transformers CrossEncoder ({loss}{head})"
 
 
 def st_head_optimizer(model, lr: float, head_rate: float):
@@ -545,6 +569,11 @@ def main(argv=None) -> int:
     p.add_argument("--rerank-lr", type=float, default=2e-5)
     p.add_argument("--st-head-rate", type=float, default=None,
                    help="train the peer cross-encoder's head at this multiple of --rerank-lr (default: one rate)")
+    p.add_argument("--st-rerank-loss", choices=["bce", "listwise"], default="bce",
+                   help="the peer cross-encoder's loss: bce (BinaryCrossEntropyLoss with pos_weight = k, the recipe "
+                        "its documentation gives for hard negatives) or listwise (its MultipleNegativesRankingLoss "
+                        "over each group's positive and k negatives, raw logits, scale 1: our loss, plus the one "
+                        "in-batch negative it requires)")
     p.add_argument("--rerank-questions", type=int, default=300, help="eval questions re-ranked")
     p.add_argument("--rerank-model", default=None,
                    help="re-rank with this finished `bertdist finetune rerank` run (its output directory) "
@@ -635,7 +664,10 @@ def main(argv=None) -> int:
                                   "head_learning_rate": s_ours["model"]["head_learning_rate"]}}
         if "rerank-peer" not in args.skip:
             ce_st, s_st = st_rerank(groups, work, sub)
-            res["rerank"]["st"] = {**evaluate(lambda pr: ce_st.predict(pr, batch_size=64)), "steps": s_st["steps"],
+            # Raw logits: a saturated sigmoid would tie the top candidates.
+            res["rerank"]["st"] = {**evaluate(lambda pr: ce_st.predict(pr, batch_size=64,
+                                                                       activation_fn=torch.nn.Identity())),
+                                   "steps": s_st["steps"], "loss": args.st_rerank_loss,
                                    "seconds_per_step": s_st["seconds"] / max(s_st["steps"], 1)}
         print("rerank", res["rerank"], flush=True)
     if "sts" not in args.skip:
@@ -700,9 +732,7 @@ def report(res: dict, args) -> str:
                                    else "; sentence-transformers' trainer has one rate."), "",
                   "| re-ranker | BM25 top 20: before | after | bi-encoder top 20: before | after | steps | s/step |",
                   "|---|---|---|---|---|---|---|"]
-        st_name = "sentence-transformers CrossEncoder (BCE, pos_weight" + (
-            f", head at {args.st_head_rate:g}x)" if getattr(args, "st_head_rate", None) else ")")
-        for name, key in (("bertdist (listwise)", "ours"), (st_name, "st")):
+        for name, key in (("bertdist (listwise)", "ours"), (st_rerank_name(args), "st")):
             if key not in r:
                 continue
             x = r[key]

@@ -116,6 +116,28 @@ def test_the_rerank_report_without_a_peer_or_a_bi_encoder(embeddings):
     assert "87.9 -> 92.0 (+4.1; target >= 4.0: met); no sentence-transformers peer in this run" in text
 
 
+def test_the_listwise_peer_scores_each_group_as_ours_does(embeddings):
+    """--st-rerank-loss listwise: one n-tuple row a group (query, positive, its negatives in order), so a
+    step of 8 rows holds the 8 groups of one of ours; the report names the peer's loss."""
+    groups = [{"query": f"q{i}", "positive": f"p{i}", "negatives": [f"n{i}a", f"n{i}b", f"n{i}c"]} for i in range(5)]
+    cols = embeddings.listwise_columns(groups)
+    assert list(cols) == ["query", "positive", "negative_1", "negative_2", "negative_3"]
+    assert [cols[c][3] for c in cols] == ["q3", "p3", "n3a", "n3b", "n3c"]
+    counts = {"train_articles": 24, "train_pairs_used": 2400, "eval_articles": 24, "eval_questions_used": 600,
+              "eval_queries": 5173, "eval_paragraphs": 1044}
+    row = {"bm25_top20": {"before": 87.9, "after": 90.0}, "steps": 300, "seconds_per_step": 3.0}
+    res = {"counts": counts, "seconds": 1.0, "bm25": {}, "rerank": {
+        "groups": 2400, "negatives": 3, "ours": {**row, "head_learning_rate": 2e-3},
+        "st": {**row, "bm25_top20": {"before": 87.9, "after": 89.5}}}}
+    for loss, name in (("listwise", "(listwise: its MultipleNegativesRankingLoss, raw logits, + 1 in-batch negative)"),
+                       ("bce", "(BCE, pos_weight)")):
+        args = argparse.Namespace(threads=2, rerank_questions=300, rerank_lr=1e-4, st_head_rate=None,
+                                  st_rerank_loss=loss)
+        text = embeddings.report(res, args)
+        assert f"| sentence-transformers CrossEncoder {name} | 87.9 | 89.5 |" in text
+        assert "87.9 -> 90.0 (+2.1; target >= 4.0: NOT met); sentence-transformers' 89.5" in text
+
+
 def test_the_own_encoder_report_states_its_epochs(embeddings):
     """--own-epochs: the own encoder's section says how long it trained when that differs from the
     base's epochs, and its rows carry its own steps."""
