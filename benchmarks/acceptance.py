@@ -63,6 +63,11 @@ TARGET_LARGE_128_MFU = 0.45
 TARGET_VS_HF = 1.5
 TARGET_VS_HF_COMPILE = 1.2
 TARGET_ELECTRA_STEP_RATIO = 1.35  # ELECTRA's step over an MLM step of the same discriminator
+# The trainer's own step, in the side-by-side benchmark (train_throughput's ours-trainer).
+TRAINER_VARIANT = "ours-trainer"
+MODEL_ONLY_VARIANT = "ours-reference-compile"  # the same model and compile, torch's AdamW, no trainer
+TARGET_TRAINER_VS_HF_COMPILE = 1.25
+TARGET_TRAINER_OVER_MODEL = 1.10  # the trainer's step time over the model-only step's, at most
 # (preset, seq, batch) in the order they are measured: the target configuration first.
 GPU_CONFIGS = [("large", 128, 64), ("large", 512, 16), ("base", 128, 64), ("base", 512, 16)]
 CPU_CONFIGS = [("mini", 64, 2)]
@@ -199,14 +204,18 @@ def stage_decisions(configs: list[tuple[str, int, int]], device_type: str, preci
 
 
 def stage_throughput(preset: str, seq: int, batch: int, manifest: str | None, variants: str, steps: int | None,
-                     precision: str | None, rounds: int, deadline: Deadline) -> dict:
+                     precision: str | None, rounds: int, deadline: Deadline, extra: tuple[str, ...] = ()) -> dict:
     """benchmarks/train_throughput.py in a child process (killed at the deadline): every variant
-    built in that one process and timed interleaved, ``rounds`` rounds that rotate the order."""
+    built in that one process and timed interleaved, ``rounds`` rounds that rotate the order.
+    Without ``steps`` (the GPU default): 5 distinct batches, 10 warm-up steps and 10 steps a round,
+    so that each round of the trainer's step holds exactly one of its settles (one per 10 steps)."""
     argv = ["--preset", preset, "--seq", str(seq), "--batch", str(batch), "--variants", variants,
-            "--interleave", str(rounds), "--keep-going"]
+            "--interleave", str(rounds), "--keep-going", *extra]
     argv += ["--lengths-from", manifest] if manifest else []
     if steps:
         argv += ["--steps", str(steps), "--warmup", "1", "--num-batches", str(min(2, steps))]
+    else:
+        argv += ["--steps", str(10 * rounds), "--warmup", "10", "--num-batches", "5"]
     if precision:
         argv += ["--precision", precision]
     with tempfile.TemporaryDirectory(prefix="bench_throughput_") as tmp:
@@ -506,9 +515,12 @@ def targets(env: dict, runs: list[dict], auto_ref: dict | None,
     else:
         out.append((f"BERT-large seq 128 bf16 on one H100 or H200: {TARGET_LARGE_128_SEQ_PER_S:,} seq/s, "
                     f"{TARGET_LARGE_128_MFU:.0%} MFU", "-", f"n/a on {env['device']}"))
+    out += trainer_targets(runs, dev, gpu)
     for r in runs:
         variants = r.get("variants", {})
         o = variants.get("ours-optimized")
+        if o is None and TRAINER_VARIANT in variants:  # judged by the trainer's rows above
+            continue
         for base, goal in (("hf-sdpa", TARGET_VS_HF), ("hf-sdpa-compile", TARGET_VS_HF_COMPILE)):
             label = f"{r['preset']} seq {r['seq']}: ours-optimized >= {goal}x {base} seq/s (same process, interleaved)"
             hf = variants.get(base)
@@ -535,6 +547,41 @@ def targets(env: dict, runs: list[dict], auto_ref: dict | None,
                     f"{e['ratio']:.2f}x ({e['electra_ms']:.1f} ms vs {e['mlm_ms']:.1f} ms)",
                     ("met" if e["ratio"] <= TARGET_ELECTRA_STEP_RATIO else "NOT met") if gpu
                     else "n/a (CPU: no GPU claim)"))
+    return out
+
+
+def trainer_targets(runs: list[dict], dev: str | None, gpu: bool) -> list[tuple[str, str, str]]:
+    """The trainer's own step (``ours-trainer``) in each side-by-side run: its speed against HF +
+    SDPA + torch.compile, its MFU at BERT-large seq 128, and its step time against the model-only
+    step of the same model (``ours-reference-compile``), all from the same process."""
+    out = []
+    for r in runs:
+        variants = r.get("variants", {})
+        t = variants.get(TRAINER_VARIANT)
+        if t is None:
+            continue
+        where = f"{r['preset']} seq {r['seq']} batch {r['batch']}"
+        judged = (lambda ok: "met" if ok else "NOT met") if gpu else (lambda ok: "n/a (CPU: no GPU claim)")
+        hf = variants.get("hf-sdpa-compile")
+        label = (f"{where}: bertdist pretrain's step >= {TARGET_TRAINER_VS_HF_COMPILE}x hf-sdpa-compile seq/s "
+                 "(same process, interleaved)")
+        if hf:
+            ratio = t["seq_per_s"] / hf["seq_per_s"]
+            out.append((label, f"{ratio:.2f}x ({t['seq_per_s']:,.0f} vs {hf['seq_per_s']:,.0f} seq/s)",
+                        judged(ratio >= TARGET_TRAINER_VS_HF_COMPILE)))
+        elif gpu:
+            why = (r.get("skipped") or {}).get("hf-sdpa-compile") or "not measured"
+            out.append((label, "-", f"NOT met (no measurement: {why})"))
+        model = variants.get(MODEL_ONLY_VARIANT)
+        if model:
+            over = t["step_s"] / model["step_s"]
+            out.append((f"{where}: bertdist pretrain's step <= {TARGET_TRAINER_OVER_MODEL}x the model-only step "
+                        f"({MODEL_ONLY_VARIANT})", f"{over:.2f}x ({1e3 * t['step_s']:.1f} vs "
+                        f"{1e3 * model['step_s']:.1f} ms)", judged(over <= TARGET_TRAINER_OVER_MODEL)))
+        if dev and r["preset"] == "large" and r["seq"] == 128:
+            out.append((f"BERT-large seq 128 bf16, one {dev}: >= {TARGET_LARGE_128_MFU:.0%} MFU, {dev} peak "
+                        "(bertdist pretrain's step, train_throughput ours-trainer)", f"{t['mfu']:.1%} "
+                        f"({t['seq_per_s']:,.0f} seq/s)", judged(t["mfu"] >= TARGET_LARGE_128_MFU)))
     return out
 
 
@@ -754,6 +801,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--profile", action="store_true",
                     help=f"run the last {PROFILE_STEPS} steps of every recipe run under torch.profiler: the report "
                          f"says where each step's time goes (host and device, per part of the step)")
+    ap.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                    help="each throughput variant's next N steps under torch.profiler after its timed rounds: "
+                         "launches, host syncs, device-busy fraction, top kernels")
+    ap.add_argument("--compile-cache-dir", metavar="DIR",
+                    help="torch's compile cache of each throughput configuration, loaded from and saved to "
+                         "DIR/compile_cache_PRESET_SEQ.bin")
     ap.add_argument("--skip", default="", help=f"comma-separated stages to skip: {','.join(STAGES)}")
     return ap.parse_args(argv)
 
@@ -856,8 +909,11 @@ def main(argv: list[str] | None = None) -> dict:
         pool = lengths or manifests.get("static", {})
         manifest = pool.get(seq) or next(iter(pool.values()), None)
         failed_before = len(report["failed_stages"])
+        extra = (("--profile-steps", str(args.profile_steps)) if args.profile_steps else ()) + (
+            ("--compile-cache", str(Path(args.compile_cache_dir).resolve() / f"compile_cache_{preset}_{seq}.bin"))
+            if args.compile_cache_dir else ())
         r = timed("throughput", label, stage_throughput, preset, seq, batch, manifest, variants, steps, precision,
-                  rounds, deadline)
+                  rounds, deadline, extra)
         if r is not None:
             report["throughput"].append(r)
         elif len(report["failed_stages"]) > failed_before:

@@ -10,11 +10,22 @@ Variants (``--variants``; default: all on CUDA, ours-optimized, ours-reference a
                    ours-optimized, so not a CPU default
   ours-reference   bertdist, padded encoder, sparse MLM head, kernels=reference (what the shipped
                    recipes run: unpad false)
-  ours-reference-compile  the same under torch.compile, as the trainer's ``model.compile: true`` runs it
+  ours-reference-compile  the same compiled regionally, as the trainer's ``model.compile: true`` runs it
+                   (the model-only step that ours-trainer is compared with)
+  ours-trainer     ``bertdist pretrain``'s own step (``bertdist.train.step.launch_step``) on the
+                   DeepSpeed engine a run builds from ``--trainer-recipe`` (default: BERT-large
+                   phase 1: LAMB, gradient clipping, its precision and kernels), scaled to this
+                   preset, batch, seq and precision, compiled regionally as ``model.compile: true``
+                   runs it, settling (one host sync) every ``logging.every_steps`` steps as the
+                   trainer does; one process group of this process alone (NCCL on CUDA)
+  ours-trainer-eager  the same with ``model.compile: false``
+  ours-trainer-torchopt  ours-trainer with ``optimizer.implementation: torch`` (bertdist's multi-tensor
+                   LAMB, torch's AdamW) in place of DeepSpeed's fused optimizer
   hf-sdpa          transformers.BertForPreTraining, attn_implementation="sdpa" (dense MLM head)
   hf-sdpa-compile  the same under torch.compile (skipped, with the reason, if compiling fails)
 
-One training step = forward + backward + AdamW step (fused on CUDA) on a right-padded batch of
+One training step = forward + backward + AdamW step (fused on CUDA; the trainer variants: the
+recipe's optimizer and clipping) on a right-padded batch of
 ``--batch`` rows of width ``--seq`` (fixed shape, as in the public BERT benchmarks). Every variant
 runs the same batches. Row lengths are realistic:
   --lengths-from MANIFEST  lengths are sampled from the ``input_ids`` list lengths of the real
@@ -83,7 +94,22 @@ import torch  # noqa: E402
 from bertdist.model import IGNORE_INDEX  # noqa: E402
 from bertdist.train.loader import batch_to_device, packing  # noqa: E402
 
-VARIANTS = ("ours-optimized", "ours-torch", "ours-reference", "ours-reference-compile", "hf-sdpa", "hf-sdpa-compile")
+VARIANTS = ("ours-trainer", "ours-trainer-eager", "ours-trainer-torchopt", "ours-optimized", "ours-torch", "ours-reference",
+            "ours-reference-compile", "hf-sdpa", "hf-sdpa-compile")
+# trainer variant -> its overrides of the recipe
+TRAINER_VARIANTS = {
+    "ours-trainer": ("model.compile=true",),
+    "ours-trainer-eager": ("model.compile=false",),
+    "ours-trainer-torchopt": ("model.compile=true", "optimizer.implementation=torch"),
+}
+RECIPES = Path(__file__).resolve().parents[1] / "configs" / "pretrain"
+TRAINER_RECIPE = RECIPES / "bert-large-phase1.yaml"
+
+
+def default_recipe(preset: str, seq: int) -> Path:
+    """BERT's recipe of this size and phase (phase 2 above seq 128), else BERT-large phase 1's."""
+    path = RECIPES / f"bert-{preset}-phase{1 if seq <= 128 else 2}.yaml"
+    return path if path.is_file() else TRAINER_RECIPE
 CPU_DEFAULT_VARIANTS = ("ours-optimized", "ours-reference", "hf-sdpa")
 BASELINE = "hf-sdpa"
 SHORT_SEQ_PROB = 0.1  # BERT's create_pretraining_data default
@@ -202,7 +228,11 @@ def build_variant(name: str, cfg, device: torch.device, compile_ours: bool, *, b
         plan = raw.bert.kernels.plan
         if plan is not None:
             info["kernel_plan"] = {"table": plan.table(), "plan": plan.to_dict()}
-        return (torch.compile(raw) if compiled else raw), raw, info
+        if compiled:  # regionally, in place, as the trainer's model.compile does
+            from bertdist.train.compile import CompileDecision, apply_compile
+
+            info["compiled_regions"] = len(apply_compile(raw, CompileDecision(True, "benchmark variant")))
+        return raw, raw, info
     import transformers
 
     hf_cfg = transformers.BertConfig(**cfg.to_hf_dict(), attn_implementation="sdpa")
@@ -254,11 +284,12 @@ def with_packing(b: "Batch") -> dict[str, torch.Tensor]:
 
 
 def encoder_rows(raw: torch.nn.Module, data: dict, hidden: int) -> int:
-    """Rows of hidden states the encoder ran on for this batch (a forward hook, no grad)."""
+    """Rows of hidden states the encoder ran on for this batch (a forward hook, no grad; compiled
+    regions run eagerly for it, so that it compiles no inference graph)."""
     seen = []
     h = raw.bert.encoder.register_forward_pre_hook(lambda _m, args: seen.append(args[0].numel() // hidden))
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             raw(**data)
     finally:
         h.remove()
@@ -345,16 +376,68 @@ class Live:
     loss: float = float("nan")
 
 
+def trainer_config(name: str, cfg, recipe: Path, batch: int, seq: int, precision: str):
+    """The recipe's TrainConfig scaled to this benchmark: its model preset, vocab and dropout, one
+    micro-batch per step, this seq and precision, no evaluation or checkpoints."""
+    from bertdist.train.config import load_train_config
+
+    tc = load_train_config(str(recipe), [
+        f"model.preset={cfg.preset}", *TRAINER_VARIANTS[name],
+        f"model.hidden_dropout_prob={cfg.hidden_dropout_prob}",
+        f"model.attention_probs_dropout_prob={cfg.attention_probs_dropout_prob}",
+        f"data.max_seq_length={seq}", f"data.micro_batch_size={batch}", f"data.global_batch_size={batch}",
+        f"deepspeed.precision={precision}", "data.eval_split=null", "checkpoint.every_steps=0"])
+    return dataclasses.replace(tc, model=tc.model.with_vocab(cfg.vocab_size))
+
+
+def build_trainer_variant(name: str, cfg, recipe: Path, device: torch.device, batch: int, seq: int,
+                          precision: str) -> tuple[Callable[[dict], torch.Tensor], dict]:
+    """(step, description) of the trainer's own step: launched every call, settled every
+    ``logging.every_steps`` calls; the step returns its loss slot, still on the device."""
+    from bertdist.ops import kernels_for_run
+    from bertdist.train.inprocess import build_run
+    from bertdist.train.precision import autocast_dtype
+    from bertdist.train.step import STEP_FIELDS, launch_step, settle
+
+    tc = trainer_config(name, cfg, recipe, batch, seq, precision)
+    kernels = kernels_for_run(tc.model.kernels, tc.model, device, micro_batch=batch, seq=seq, precision=precision,
+                              autocast=autocast_dtype(precision) is not None)
+    run = build_run(tc, device, kernels)
+    every, pending, loss_at = tc.logging.every_steps, [], STEP_FIELDS.index("loss")
+
+    def step(data: dict) -> torch.Tensor:
+        pending.append(launch_step(run.runner, [data], False))
+        loss = pending[-1].sums.values[loss_at]
+        if len(pending) == every:
+            settle(pending, 1, precision)
+            pending.clear()
+        return loss
+
+    module = run.engine.module
+    info = {"impl": "bertdist pretrain step", "recipe": recipe.name, "unpad": tc.model.unpad,
+            "sparse_mlm_head": tc.model.sparse_mlm_head, "kernels": dict(module.bert.kernels.sources),
+            "compile": tc.model.compile, "compile_reason": run.compile_reason, "overrides": TRAINER_VARIANTS[name],
+            "compiled_regions": run.compiled_regions, "optimizer": type(run.engine.optimizer).__name__,
+            "optimizer_name": tc.optimizer.name, "gradient_clipping": tc.deepspeed.gradient_clipping,
+            "settle_every": every}
+    return step, info
+
+
 def build_live(name: str, cfg, batches: list[Batch], device: torch.device, precision: str, warmup: int,
-               compile_ours: bool) -> Live:
+               compile_ours: bool, recipe: Path = TRAINER_RECIPE) -> Live:
     on_dev = [batch_to_device(with_packing(b) if name.startswith("ours-") else b.tensors, device) for b in batches]
     gc.collect()
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
     torch.manual_seed(0)
-    model, raw, info = build_variant(name, cfg, device, compile_ours, batch=len(batches[0].lengths),
-                                     seq=batches[0].tensors["input_ids"].shape[1], precision=precision)
-    check = encoder_rows(raw, on_dev[0], cfg.hidden_size)
-    step = make_step(model, device, precision)
+    batch, seq = len(batches[0].lengths), batches[0].tensors["input_ids"].shape[1]
+    if name in TRAINER_VARIANTS:
+        step, info = build_trainer_variant(name, cfg, recipe, device, batch, seq, precision)
+        # the recipe runs the padded encoder: every row of the batch (no check forward, which would compile)
+        check = batch * seq if not info["unpad"] else batches[0].real_tokens
+    else:
+        model, raw, info = build_variant(name, cfg, device, compile_ours, batch=batch, seq=seq, precision=precision)
+        check = encoder_rows(raw, on_dev[0], cfg.hidden_size)
+        step = make_step(model, device, precision)
     for i in range(warmup):  # also compiles, for every batch shape (warmup >= number of batches)
         step(on_dev[i % len(on_dev)])
     sync(device)
@@ -380,11 +463,12 @@ def rates(v: Live, batches: list[Batch], steps: int, dt: float, flops_per_batch:
 
 
 def run_variant(name: str, cfg, batches: list[Batch], device: torch.device, precision: str, steps: int,
-                warmup: int, compile_ours: bool, flops_per_batch: list[float], peak_flops: float) -> dict:
+                warmup: int, compile_ours: bool, flops_per_batch: list[float], peak_flops: float,
+                recipe: Path = TRAINER_RECIPE) -> dict:
     if device.type == "cpu":
         prime_code_paths(name, cfg, device, precision)
     with PeakMemory(device) as mem:
-        v = build_live(name, cfg, batches, device, precision, warmup, compile_ours)
+        v = build_live(name, cfg, batches, device, precision, warmup, compile_ours, recipe)
         t0 = time.perf_counter()
         for i in range(steps):
             loss = v.step(v.on_dev[i % len(v.on_dev)])
@@ -419,12 +503,18 @@ def run_interleaved(names: list[str], args, cfg, batches: list[Batch], device: t
     same batches for every variant; a variant's time is its median round. Peak memory on CUDA:
     its resident state plus the allocator's peak above the baseline during its own rounds (None
     on CPU, where RSS cannot be split between variants of one process)."""
+    from bertdist.train.compile import compile_seconds, load_compile_cache, save_compile_cache
+
     per_round = math.ceil(max(1, steps // rounds) / len(batches)) * len(batches)
     live, out = [], {"variants": {}, "skipped": {}, "failed": {}}
+    cache = {"path": args.compile_cache, "loaded": load_compile_cache(args.compile_cache)}
     for name in names:
         print(f"  {name}: build and warm up ...", flush=True)
         try:
-            live.append(build_live(name, cfg, batches, device, precision, warmup, args.compile))
+            t0, compiling = time.perf_counter(), compile_seconds()
+            live.append(build_live(name, cfg, batches, device, precision, warmup, args.compile,
+                                   Path(args.trainer_recipe or default_recipe(args.preset, args.seq))))
+            live[-1].info.update(build_s=time.perf_counter() - t0, compile_s=compile_seconds() - compiling)
         except torch.OutOfMemoryError as e:
             out["skipped"][name] = f"out of memory ({str(e).splitlines()[0][:120]})"
         except Exception as e:  # noqa: BLE001 - compile failures are skips, others failures (or raised)
@@ -440,6 +530,11 @@ def run_interleaved(names: list[str], args, cfg, batches: list[Batch], device: t
         for v in live[r % len(live):] + live[:r % len(live)] if live else []:
             time_block(v, per_round, device)
     seqs = sum(len(batches[i % len(batches)].lengths) for i in range(per_round))
+    if args.compile_cache:
+        cache["saved"] = save_compile_cache(args.compile_cache)
+    out["compile_cache"] = cache
+    if args.profile_steps:
+        out["profiles"] = profile_variants(live, args.profile_steps, device)
     for v in live:
         out["variants"][v.name] = {
             **rates(v, batches, per_round, statistics.median(v.block_s), flops_per_batch, peak_flops),
@@ -449,6 +544,33 @@ def run_interleaved(names: list[str], args, cfg, batches: list[Batch], device: t
             "round_seq_per_s": [seqs / t for t in v.block_s],
             "interleaved": {"rounds": rounds, "steps_per_round": per_round},
         }
+    return out
+
+
+def profile_variants(live: list[Live], steps: int, device: torch.device, top: int = 8) -> dict[str, dict]:
+    """Each built variant's next ``steps`` steps under torch.profiler (after its timed rounds):
+    wall and device-busy time per step, kernels, launches and host syncs per step, the top kernels
+    and operators (``bertdist.train.profiling.summarize``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bertdist.train.profiling import summarize
+
+    out = {}
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for v in live:
+        sync(device)
+        with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            for i in range(steps):
+                v.step(v.on_dev[i % len(v.on_dev)])
+            sync(device)
+            wall = time.perf_counter() - t0
+        out[v.name] = summarize(prof, steps, wall, top, device.type)
+        print(f"  profile {v.name}: {out[v.name]['wall_ms_per_step']:.1f} ms/step"
+              + (f", device busy {100 * out[v.name]['device_busy_fraction']:.0f}%, "
+                 f"{out[v.name]['launches_per_step']:.0f} launches/step, "
+                 f"{out[v.name]['host_syncs_per_step']:.1f} host syncs/step" if device.type == "cuda" else ""),
+              flush=True)
     return out
 
 
@@ -569,12 +691,38 @@ def markdown(res: dict) -> str:
                      f"{ratio(r, 'peak_mem_bytes')} | {c['encoder_rows']} of {c['padded_tokens']} |")
     for name, why in res["skipped"].items():
         lines.append(f"| {name} | skipped: {why} | | | | | | | |")
+    built = {n: r for n, r in res["variants"].items() if "build_s" in r}
+    if built:
+        lines += ["", "Build and warm-up (compile included) per variant: " + "; ".join(
+            f"{n} {r['build_s']:.0f} s ({r['compile_s']:.0f} s compiling)" for n, r in built.items()) + "."]
+    if res.get("compile_cache", {}).get("path"):
+        c = res["compile_cache"]
+        lines += ["", f"Compile cache `{c['path']}`: loaded {c['loaded']}, saved {c.get('saved')}."]
+    trainer = {n: r for n, r in res["variants"].items() if r.get("impl") == "bertdist pretrain step"}
+    for n, r in trainer.items():
+        lines += ["", f"{n}: recipe {r['recipe']}, optimizer {r['optimizer_name']} ({r['optimizer']}), clipping "
+                  f"{r['gradient_clipping']}, kernels {r['kernels']}, {r['compile_reason']} "
+                  f"({r['compiled_regions']} regions), one host sync every {r['settle_every']} steps."]
     lines += ["", f"Peak memory: {res['peak_mem_kind']}. Kernels of ours-optimized: "
               f"{res['variants'].get('ours-optimized', {}).get('kernels', '-')}."]
     plan = res["variants"].get("ours-optimized", {}).get("kernel_plan")
     if plan:
         lines += ["", "kernels: auto decisions of ours-optimized (numerics vs the fp32 reference, then time):", "",
                   "```", plan["table"], "```"]
+    if res.get("profiles"):
+        lines += ["", "Profiled steps (torch.profiler, after the timed rounds; per step):", "",
+                  "| variant | steps | wall ms | device busy ms | busy | kernels | launches | host syncs | aten calls |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for name, p in res["profiles"].items():
+            cell = lambda k, spec: format(p[k], spec) if k in p else "-"  # noqa: E731
+            busy = f"{100 * p['device_busy_fraction']:.0f}%" if "device_busy_fraction" in p else "-"
+            lines.append(f"| {name} | {p['steps']} | {p['wall_ms_per_step']:.1f} | {cell('device_busy_ms_per_step', '.1f')} | "
+                         f"{busy} | {cell('kernels_per_step', '.0f')} | {cell('launches_per_step', '.0f')} | "
+                         f"{cell('host_syncs_per_step', '.1f')} | {p['aten_calls_per_step']:.0f} |")
+        for name, p in res["profiles"].items():
+            if p.get("top_kernels"):
+                lines += ["", f"Top kernels of {name} (device ms over the profiled steps):", ""]
+                lines += [f"- {k['self_device_ms']:.2f} ms, {k['calls']} calls: `{k['op'][:110]}`" for k in p["top_kernels"]]
     if res.get("loss_curve"):
         lc = res["loss_curve"]
         lines += ["", f"Loss curve: {lc['steps']} steps on {lc['manifest']} (batch {lc['batch']}, seq {lc['max_seq_length']}, "
@@ -588,7 +736,7 @@ def measure(name: str, args, cfg, batches, device, precision, steps, warmup, flo
     """{"result": {...}} or {"skipped": reason}; compile failures and OOM are skips, anything else raises."""
     try:
         return {"result": run_variant(name, cfg, batches, device, precision, steps, warmup, args.compile,
-                                      flops_per_batch, peak)}
+                                      flops_per_batch, peak, Path(args.trainer_recipe or default_recipe(args.preset, args.seq)))}
     except torch.OutOfMemoryError as e:
         return {"skipped": f"out of memory ({str(e).splitlines()[0][:120]})"}
     except Exception as e:  # noqa: BLE001 - only compile failures are tolerated, reported with the reason
@@ -629,6 +777,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help=f"comma-separated subset of {','.join(VARIANTS)} (default: all on CUDA, "
                          f"{','.join(CPU_DEFAULT_VARIANTS)} on CPU)")
     ap.add_argument("--compile", action="store_true", help="torch.compile ours-optimized")
+    ap.add_argument("--trainer-recipe", default=None,
+                    help="the pretraining recipe whose step the ours-trainer variants run (default: "
+                         "configs/pretrain/bert-PRESET-phase1.yaml at seq <= 128, phase2 above, else "
+                         "bert-large-phase1.yaml)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 30 on CUDA, 3 on CPU)")
     ap.add_argument("--warmup", type=int, default=None,
                     help="untimed steps first (default max(10, 2 x batches) on CUDA, 1 on CPU)")
@@ -648,6 +800,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
                     help="build every variant in this process, then time them in ROUNDS rounds of "
                          "steps / ROUNDS steps each, the order rotating per round (median round reported)")
+    ap.add_argument("--compile-cache", metavar="PATH",
+                    help="with --interleave: torch's compile cache artifacts, loaded first when the file exists, "
+                         "written after every variant is warm (a later run on the same image starts warm)")
+    ap.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                    help="with --interleave: after the timed rounds, each variant's next N steps under "
+                         "torch.profiler (launches, host syncs, device-busy fraction, top kernels)")
     ap.add_argument("--keep-going", action="store_true",
                     help="a variant that raises is reported as failed and the others still run")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -664,6 +822,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    chosen = args.variants.split(",") if args.variants else []
+    if not any(v in TRAINER_VARIANTS for v in chosen):
+        return _main(args, argv)
+    import os
+
+    from bertdist.train.distributed import single_process_group
+
+    gpu = torch.cuda.is_available()
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if gpu else "cpu")  # before DeepSpeed is imported
+    with single_process_group("nccl" if gpu else "gloo"):  # the trainer variants' DeepSpeed engines
+        return _main(args, argv)
+
+
+def _main(args: argparse.Namespace, argv: list[str] | None) -> dict:
     import transformers
 
     from bertdist.model import BertConfig, train_flops_per_sequence
@@ -734,6 +906,9 @@ def main(argv: list[str] | None = None) -> dict:
         got = run_interleaved(chosen, args, cfg, batches, device, precision, steps, warmup, flops_per_batch, peak,
                               args.interleave)
         res["variants"], res["skipped"] = got["variants"], got["skipped"]
+        if "profiles" in got:
+            res["profiles"] = got["profiles"]
+        res["compile_cache"] = got["compile_cache"]
         if got["failed"]:
             res["failed"] = got["failed"]
         res["isolated_processes"] = False

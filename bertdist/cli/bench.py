@@ -43,6 +43,10 @@ def run(args) -> int:
         argv.append("--quick")
     if args.profile:
         argv.append("--profile")
+    if args.profile_steps:
+        argv += ["--profile-steps", str(args.profile_steps)]
+    if args.compile_cache_dir:
+        argv += ["--compile-cache-dir", args.compile_cache_dir]
     if args.lengths_from:
         argv += ["--lengths-from", *args.lengths_from]
     # 1 on a failed set-up step or GPU test (pytest's exit 5, nothing collected, included), a failed
@@ -75,6 +79,10 @@ def register(sub) -> None:
     p.add_argument("--repeats", type=int, help="interleaved runs per side of kernels auto vs reference")
     p.add_argument("--profile", action="store_true",
                    help="the last steps of every recipe run under torch.profiler: where each step's time goes")
+    p.add_argument("--profile-steps", type=int, help="each throughput variant's next N steps under torch.profiler "
+                                                      "(launches, host syncs, device busy, top kernels)")
+    p.add_argument("--compile-cache-dir", help="load and save torch's compile cache of each throughput "
+                                               "configuration here (DIR/compile_cache_PRESET_SEQ.bin)")
     p.add_argument("--skip", help="stages to skip: records,throughput,auto_vs_reference,recipes,tests,kernels,"
                                   "decisions")
     p.set_defaults(func=run)

@@ -123,10 +123,11 @@ class BertSelfAttention(nn.Module):
             )
             return ctx.reshape(t, self.heads * self.head_dim)
         b, s, _ = h.shape
-        qkv = qkv.view(b, s, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        ctx = self.kernels.attention(
-            qkv[0], qkv[1], qkv[2], mask, dropout_p=self.dropout_p, training=self.training
-        )  # [b, heads, s, head_dim]
+        # unbind, not qkv[0], qkv[1], qkv[2]: in backward each index would zero-fill a whole QKV
+        # gradient and the three would be added; unbind's backward stacks them once.
+        q, k, v = qkv.view(b, s, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        ctx = self.kernels.attention(q, k, v, mask, dropout_p=self.dropout_p, training=self.training
+                                     )  # [b, heads, s, head_dim]
         return ctx.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
 
 

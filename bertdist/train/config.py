@@ -280,6 +280,10 @@ class TrainConfig:
     profiling: ProfilingConfig = dataclasses.field(default_factory=ProfilingConfig)
     distill: Optional[PretrainDistillConfig] = None  # general distillation from a teacher; null: plain pretraining
     electra: Optional[PretrainElectraConfig] = None  # ELECTRA replaced-token detection; null: MLM (+ NSP)
+    # torch.compile's cache artifacts (model.compile): loaded before the first step when the file
+    # exists, written after it, so the next run on the same image starts warm. Compiled code: only a
+    # file a run of yours wrote. null: only torch's own local cache.
+    compile_cache: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.distill is not None and self.electra is not None:

@@ -88,10 +88,11 @@ _DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "
 
 
 @contextlib.contextmanager
-def single_process_group() -> Iterator[bool]:
-    """A one-process gloo group for DeepSpeed work inside a larger program (``import-hf``, tests),
-    torn down afterwards with its rendezvous variables (children inherit the environment). Inside
-    an existing group it does nothing; yields whether it made one."""
+def single_process_group(backend: str = "gloo") -> Iterator[bool]:
+    """A one-process group (gloo; nccl for a benchmark that times CUDA collectives as a run makes
+    them) for DeepSpeed work inside a larger program (``import-hf``, tests, benchmarks), torn down
+    afterwards with its rendezvous variables (children inherit the environment). Inside an existing
+    group it does nothing; yields whether it made one."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -100,7 +101,7 @@ def single_process_group() -> Iterator[bool]:
     saved = {k: os.environ.get(k) for k in _DIST_ENV}
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0", LOCAL_SIZE="1")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group(backend, rank=0, world_size=1)
     try:
         yield True
     finally:

@@ -15,14 +15,14 @@ from typing import Any
 
 from bertdist.config import ConfigError
 from bertdist.train.config import TrainConfig
-from bertdist.train.precision import ds_precision_sections
+from bertdist.train.precision import ds_precision_sections, trainer_clips
 
 # Where each generated DeepSpeed key comes from in our config (for conflict messages).
 _SOURCE = {
     "train_batch_size": "data.global_batch_size",
     "train_micro_batch_size_per_gpu": "data.micro_batch_size",
     "gradient_accumulation_steps": "data.global_batch_size / (micro x world)",
-    "gradient_clipping": "deepspeed.gradient_clipping",
+    "gradient_clipping": "deepspeed.gradient_clipping (0 where the trainer clips: precision.trainer_clips)",
     "zero_optimization.stage": "deepspeed.zero_stage",
     "bf16.enabled": "deepspeed.precision (bf16 runs under torch_autocast over fp32 weights)",
     "fp16.enabled": "deepspeed.precision",
@@ -35,6 +35,9 @@ _SOURCE = {
     "fp16.hysteresis": "deepspeed.hysteresis",
     "fp16.min_loss_scale": "deepspeed.min_loss_scale",
     "fp16.loss_scale": "deepspeed.precision (dynamic scaling)",
+    "timers.throughput.enabled": "off: it synchronizes the device every micro-batch (profiling.enabled profiles a step)",
+    "timers.throughput.synchronized": "off: it synchronizes the device every micro-batch",
+    "wall_clock_breakdown": "off: it synchronizes the device (profiling.enabled profiles a step)",
 }
 _FORBIDDEN = {
     "optimizer": "set optimizer.* in the YAML (bertdist builds the optimizer)",
@@ -48,12 +51,16 @@ def generate_ds_config(cfg: TrainConfig, world_size: int, grad_accum: int) -> di
         "train_batch_size": cfg.data.global_batch_size,
         "train_micro_batch_size_per_gpu": cfg.data.micro_batch_size,
         "gradient_accumulation_steps": grad_accum,
-        "gradient_clipping": d.gradient_clipping,
+        # Where the trainer computes the norm, it clips too (step.clip_gradients): DeepSpeed's is off.
+        "gradient_clipping": 0.0 if trainer_clips(d.precision, d.zero_stage) else d.gradient_clipping,
         "zero_optimization": {"stage": d.zero_stage},
         # Our optimizers are plain torch ones (AdamW) or DeepSpeed's; LAMB is refused with ZeRO (config.py).
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,  # our own logging replaces DeepSpeed's
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer synchronizes the device around every micro-batch. Our metrics
+        # time the steps without it, and the profiler (``profiling``) sees the step as it runs.
+        "timers": {"throughput": {"enabled": False, "synchronized": False}},
         # What each precision stores, computes, accumulates and communicates: precision.py.
         **ds_precision_sections(d.precision, initial_scale_power=d.initial_scale_power,
                                 loss_scale_window=d.loss_scale_window, hysteresis=d.hysteresis,

@@ -46,6 +46,10 @@ def build_engine(cfg: TrainConfig, plan: RestorePlan, world_size: int, grad_accu
     apply_activation_checkpointing(model, cfg.deepspeed.activation_checkpointing, ds_config)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=ds_config, dist_init_required=False)
+    if world_size == 1 and cfg.deepspeed.zero_stage == 0:
+        # Alone, there is nothing to reduce: DeepSpeed would still flatten every gradient into
+        # buckets, all-reduce them with itself and copy them back, every step.
+        engine.enable_backward_allreduce = False
     return Engine(engine, scheduler, ds_config)
 
 

@@ -94,3 +94,11 @@ def engine_reports_grad_norm(precision: str, zero_stage: int) -> bool:
     """Whether DeepSpeed computes the global gradient norm itself: its fp16 wrapper and ZeRO do;
     at ZeRO 0 with fp32 weights (fp32, bf16) the optimizer is ours and the trainer computes it."""
     return precision == "fp16" or zero_stage > 0
+
+
+def trainer_clips(precision: str, zero_stage: int) -> bool:
+    """Whether the trainer computes the gradient norm and clips (``step.clip_gradients``) instead
+    of DeepSpeed: wherever DeepSpeed reports no norm of its own. Its clipping there loops over the
+    parameters, all-reduces a norm that every rank already has, and leaves us to compute the norm a
+    second time for the logs."""
+    return not engine_reports_grad_norm(precision, zero_stage)

@@ -75,6 +75,13 @@ def regions(events, names: tuple[str, ...], steps: int) -> dict[str, dict]:
     return out
 
 
+# CUDA runtime calls that make the host wait for the device, and those that launch a kernel
+HOST_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+                   "cuStreamSynchronize", "cuCtxSynchronize")
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+                "cudaLaunchCooperativeKernel", "cudaGraphLaunch")
+
+
 def summarize(prof, steps: int, wall_s: float, top: int, device_type: str) -> dict:
     """The numbers of one profiled window of ``steps`` steps that took ``wall_s`` seconds."""
     from bertdist.train.step import REGIONS
@@ -98,7 +105,10 @@ def summarize(prof, steps: int, wall_s: float, top: int, device_type: str) -> di
     }
     if device_type == "cuda":
         busy = busy_us([(e.time_range.start, e.time_range.end) for e in work]) / 1e3
+        host = [e for e in events if not _is_device_event(e)]
         out.update(
+            host_syncs_per_step=sum(1 for e in host if e.name in HOST_SYNC_CALLS) / steps,
+            launches_per_step=sum(1 for e in host if e.name in LAUNCH_CALLS) / steps,
             device_busy_ms_per_step=busy / steps, device_busy_fraction=busy / steps / per_step if per_step else 0.0,
             kernels_per_step=(len(work) - len(copies)) / steps, copies_per_step=len(copies) / steps,
             collectives_ms_per_step=busy_us([(e.time_range.start, e.time_range.end) for e in comm]) / 1e3 / steps,
@@ -197,7 +207,8 @@ def describe(summary: dict) -> str:
     s += f", {summary['aten_calls_per_step']:.0f} aten calls/step"
     if "device_busy_ms_per_step" in summary:
         s += (f", device busy {summary['device_busy_ms_per_step']:.1f} ms/step "
-              f"({100 * summary['device_busy_fraction']:.0f}%), {summary['kernels_per_step']:.0f} kernels/step")
+              f"({100 * summary['device_busy_fraction']:.0f}%), {summary['kernels_per_step']:.0f} kernels/step, "
+              f"{summary['launches_per_step']:.0f} launches/step, {summary['host_syncs_per_step']:.1f} host syncs/step")
     parts = [f"{k} {v['wall_ms_per_step']:.1f} ms / {v['aten_calls_per_step']:.0f} calls"
              for k, v in summary.get("regions", {}).items()]
     return s + ("; per step: " + ", ".join(parts) if parts else "")

@@ -1,11 +1,15 @@
 """One optimizer step and one evaluation pass, with the statistics they log.
 
-Everything logged is summed on the device in named slots of one float64 tensor (``DeviceSums``)
-and all-reduced once per step: no host sync per micro-batch, one collective, and NCCL reduces
-only device tensors. The step's sums also carry the non-finite and SIGTERM flags, so every rank
-takes the same decision at the same step. That all-reduce is the step's only host sync: the
-batches carry their packing (``loader.batch_to_device``), so the model reads no data-dependent
-size from the device, and the non-finite check waits for the step's sums.
+Everything logged is summed on the device in named slots of one float64 tensor per step
+(``DeviceSums``): no host read per micro-batch. ``launch_step`` queues a step's work and returns
+it unread (``PendingStep``); ``settle`` stacks the sums of any number of queued steps, all-reduces
+them in one collective (NCCL reduces only device tensors) and reads them in one host sync. The
+trainer settles once per logging window (``logging.every_steps``), so the steps in between never
+wait for the device. The sums also carry the non-finite and SIGTERM flags, so every rank takes
+the same decision at the same step. Nothing else in a step reads the device: the batches carry
+their packing (``loader.batch_to_device``), the gradient norm stays a device tensor, and at ZeRO 0
+the gradients are clipped here with torch's multi-tensor norm (``clip_gradients``), in place of
+DeepSpeed's per-parameter loop and its extra all-reduce.
 """
 from __future__ import annotations
 
@@ -27,28 +31,66 @@ class NonFiniteLossError(RuntimeError):
     """Training produced non-finite losses that the run cannot recover from."""
 
 
+# (fields, names added together, device) -> the names' positions, on the device
+_POSITIONS: dict[tuple, torch.Tensor] = {}
+
+
 class DeviceSums:
-    """Named float64 sums on one device, all-reduced together."""
+    """Named float64 sums, all-reduced together. Device values are added in one ``index_add_``
+    per call of ``add_all`` (not one indexed add per name); host numbers are summed on the host
+    and join the device values when they are read."""
 
     def __init__(self, fields: Sequence[str], device: torch.device):
         self.fields = tuple(fields)
         self._index = {f: i for i, f in enumerate(self.fields)}
+        self.device = device
         self.values = torch.zeros(len(self.fields), dtype=torch.float64, device=device)
+        self.host = [0.0] * len(self.fields)
 
     def add(self, name: str, value) -> None:
-        self.values[self._index[name]] += value
+        self.add_all({name: value})
+
+    def add_all(self, values: dict[str, "torch.Tensor | float"]) -> None:
+        device = {k: v for k, v in values.items() if isinstance(v, torch.Tensor)}
+        for k, v in values.items():
+            if not isinstance(v, torch.Tensor):
+                self.host[self._index[k]] += float(v)
+        if not device:
+            return
+        key = (self.fields, tuple(device), self.device)
+        if key not in _POSITIONS:  # the same names every micro-batch: one blocking index copy per run
+            _POSITIONS[key] = torch.tensor([self._index[k] for k in key[1]], device=self.device)
+        stacked = torch.stack([v.detach().reshape(()).to(torch.float64) for v in device.values()])
+        self.values.index_add_(0, _POSITIONS[key], stacked)
+
+    def combined(self) -> torch.Tensor:
+        """Device and host sums in one device vector (a host-to-device copy, no wait)."""
+        if not any(self.host):
+            return self.values
+        return self.values + torch.tensor(self.host, dtype=torch.float64).to(self.device, non_blocking=True)
 
     def all_reduce(self) -> dict[str, float]:
         import torch.distributed as dist
 
-        dist.all_reduce(self.values)
-        return dict(zip(self.fields, self.values.tolist()))
+        total = self.combined()
+        if dist.get_world_size() > 1:
+            dist.all_reduce(total)
+        return dict(zip(self.fields, total.tolist()))
+
+
+def clip_gradients(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """The global L2 norm of the gradients of ``params`` (fp32, on the device, never read here),
+    and, with ``max_norm`` > 0, the gradients scaled by min(1, max_norm / (norm + 1e-6)) in place:
+    DeepSpeed's clipping rule, in torch's multi-tensor kernels (a few launches for all tensors)."""
+    if max_norm > 0:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True).float()
+    return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True).float()
 
 
 # Per-step sums: losses are averaged over the accumulation steps on each rank, everything else counts.
 STEP_FIELDS = ("loss", "mlm_loss", "nsp_loss", "mlm_correct", "mlm_count", "nsp_correct", "nsp_count",
                "real_tokens", "padded_tokens", "sequences", "flops", "nonfinite", "stop", "mlm_kl", "hidden_cos",
-               "disc_loss", "disc_correct", "disc_count", "replaced_count")
+               "disc_loss", "disc_correct", "disc_count", "replaced_count", "grad_norm")
 # The parts of a distillation objective's loss (train/distill_objective.py), logged when it has them.
 DISTILL_FIELDS = ("mlm_kl", "hidden_cos")
 EVAL_FIELDS = ("mlm_loss_sum", "mlm_correct", "mlm_count", "nsp_correct", "nsp_count", "nsp_loss_sum",
@@ -81,10 +123,22 @@ class StepRunner:
     grad_accum: int
     precision: str
     model: BertConfig
-    # DeepSpeed computes no global gradient norm for fp32 without ZeRO: then we do.
+    # DeepSpeed computes no global gradient norm for fp32 without ZeRO: then we do, and clip with it.
     own_grad_norm: bool
     # (output, batch) -> output with the loss to train on, from outside the model (general distillation)
     objective: Any = None
+    # With own_grad_norm: the max norm we clip to (DeepSpeed's gradient_clipping is 0 then; ds_config.py)
+    clip: float = 0.0
+
+    @classmethod
+    def for_run(cls, engine, cfg, device: torch.device, grad_accum: int, objective=None) -> "StepRunner":
+        """The runner of a TrainConfig's run: who computes the gradient norm and clips
+        (``precision.trainer_clips``) follows from its precision and ZeRO stage."""
+        from bertdist.train.precision import trainer_clips
+
+        own = trainer_clips(cfg.deepspeed.precision, cfg.deepspeed.zero_stage)
+        return cls(engine, device, grad_accum, cfg.deepspeed.precision, cfg.model_config, own_grad_norm=own,
+                   objective=objective, clip=cfg.deepspeed.gradient_clipping if own else 0.0)
 
     def __post_init__(self):
         self.params = list({id(p): p for p in self.engine.module.parameters()}.values())
@@ -109,32 +163,39 @@ class StepResult:
     skipped: int  # optimizer steps DeepSpeed skipped in this step (fp16 overflow)
 
 
+@dataclasses.dataclass
+class PendingStep:
+    """A step whose work is queued on the device and whose sums are not read yet."""
+
+    sums: DeviceSums  # this rank's, not yet all-reduced
+    lr: float
+    skipped: int
+    engine_grad_norm: float | None  # DeepSpeed's own (fp16, ZeRO), already on the host; else in sums
+
+
 def _accumulate(r: StepRunner, sums: DeviceSums, out, mb: dict[str, torch.Tensor]) -> None:
-    lv = out.loss.detach().float().double()
-    sums.add("loss", lv / r.grad_accum)
-    sums.add("mlm_loss", out.mlm_loss.detach().float().double() / r.grad_accum)
+    lv = out.loss.detach().float()
+    values = {"loss": lv / r.grad_accum, "mlm_loss": out.mlm_loss.detach().float() / r.grad_accum}
     if out.nsp_loss is not None:
-        sums.add("nsp_loss", out.nsp_loss.detach().float().double() / r.grad_accum)
+        values["nsp_loss"] = out.nsp_loss.detach().float() / r.grad_accum
     if getattr(out, "disc_loss", None) is not None:
-        sums.add("disc_loss", out.disc_loss.detach().float().double() / r.grad_accum)
+        values["disc_loss"] = out.disc_loss.detach().float() / r.grad_accum
     for name in DISTILL_FIELDS:
         if getattr(out, name, None) is not None:
-            sums.add(name, getattr(out, name).detach().double() / r.grad_accum)
+            values[name] = getattr(out, name).detach().double() / r.grad_accum
     stats = batch_stats(out, mb)
-    for name, value in stats.items():
-        sums.add(name, value)
+    values.update(stats)
     n_seq, width = mb["input_ids"].shape
-    sums.add("real_tokens", mb["attention_mask"].sum())
-    sums.add("padded_tokens", n_seq * width)
-    sums.add("sequences", n_seq)
-    sums.add("flops", r.flops(mb, stats["mlm_count"]))
-    sums.add("nonfinite", (~torch.isfinite(lv)).double())
+    values.update(real_tokens=mb["attention_mask"].sum(), padded_tokens=n_seq * width, sequences=n_seq,
+                  flops=r.flops(mb, stats["mlm_count"]), nonfinite=~torch.isfinite(lv))
+    sums.add_all(values)
 
 
 def _refuse_nonfinite(totals: dict[str, float], step: int, precision: str) -> None:
-    """Without a loss scaler nothing undoes a NaN update. The flag is read from the step's one
-    all-reduce (reading it before the update would stall the device once more per step), and
-    every rank raises at the same step, before the update is logged or saved."""
+    """Without a loss scaler nothing undoes a NaN update. The flag is read with the logging
+    window's sums (reading it before the update would stall the device once more per step), every
+    rank raises at the same step, and the trainer settles before every checkpoint, so a NaN update
+    is never saved."""
     if totals["nonfinite"] > 0:
         raise NonFiniteLossError(
             f"non-finite loss at step {step} ({precision}); the update was not saved. Try a lower "
@@ -142,15 +203,13 @@ def _refuse_nonfinite(totals: dict[str, float], step: int, precision: str) -> No
             f"and check the records; then restart from the last good checkpoint with --resume auto")
 
 
-def train_step(r: StepRunner, micro_batches: list[dict[str, torch.Tensor]], step: int, stop_requested: bool
-               ) -> StepResult:
-    """Forward, backward and optimizer step over ``grad_accum`` micro-batches; ``step`` is the
-    number of the step being taken (1-based, for messages)."""
+def launch_step(r: StepRunner, micro_batches: list[dict[str, torch.Tensor]], stop_requested: bool) -> PendingStep:
+    """Forward, backward and optimizer step over ``grad_accum`` micro-batches, queued without
+    reading the device (``settle`` reads the result)."""
     engine = r.engine
     skipped_before = engine.skipped_steps
     lr = engine.get_lr()[0]  # the scheduler moves on inside engine.step
     sums = DeviceSums(STEP_FIELDS, r.device)
-    own_gn = float("nan")
     for i, mb in enumerate(micro_batches):
         last = i == r.grad_accum - 1
         mb = batch_to_device(mb, r.device)
@@ -164,15 +223,41 @@ def train_step(r: StepRunner, micro_batches: list[dict[str, torch.Tensor]], step
             engine.backward(out.loss)
         with record_function(REGIONS[3]):
             if last and r.own_grad_norm:  # gradients are reduced by now
-                own_gn = torch.sqrt(sum((p.grad.detach().float() ** 2).sum() for p in r.params if p.grad is not None))
+                sums.add("grad_norm", clip_gradients(r.params, r.clip).double())
             engine.step()
     sums.add("stop", 1.0 if stop_requested else 0.0)
-    totals = sums.all_reduce()
-    if r.precision != "fp16":
-        _refuse_nonfinite(totals, step, r.precision)
-    gn = engine.get_global_grad_norm()
-    return StepResult(totals, lr, float(gn) if gn is not None else float(own_gn),
-                      engine.skipped_steps - skipped_before)
+    gn = None if r.own_grad_norm else engine.get_global_grad_norm()
+    return PendingStep(sums, lr, engine.skipped_steps - skipped_before,
+                       None if gn is None else float(gn))
+
+
+def settle(pending: list[PendingStep], first_step: int, precision: str) -> list[StepResult]:
+    """The results of queued steps ``first_step``, ``first_step + 1``, ...: their sums
+    all-reduced in one collective and read in one host sync. The gradient norm is the same on
+    every rank, so its sum is divided by the world size. Raises at the first non-finite step
+    (fp32, bf16)."""
+    import torch.distributed as dist
+
+    if not pending:
+        return []
+    stacked = torch.stack([p.sums.combined() for p in pending])
+    world = dist.get_world_size()
+    if world > 1:
+        dist.all_reduce(stacked)
+    results = []
+    for k, (p, row) in enumerate(zip(pending, stacked.tolist())):
+        totals = dict(zip(STEP_FIELDS, row))
+        if precision != "fp16":
+            _refuse_nonfinite(totals, first_step + k, precision)
+        gn = totals["grad_norm"] / world if p.engine_grad_norm is None else p.engine_grad_norm
+        results.append(StepResult(totals, p.lr, gn, p.skipped))
+    return results
+
+
+def train_step(r: StepRunner, micro_batches: list[dict[str, torch.Tensor]], step: int, stop_requested: bool
+               ) -> StepResult:
+    """One step, launched and settled at once; ``step`` is its number (1-based, for messages)."""
+    return settle([launch_step(r, micro_batches, stop_requested)], step, r.precision)[0]
 
 
 def step_metrics(res: StepResult, seconds: float, world_size: int, peak_flops: float, loss_scale: float,

@@ -106,12 +106,12 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS handle
     from bertdist.ops import kernels_for_run
     from bertdist.train.checkpoint import CheckpointManager, ensure_universal
-    from bertdist.train.compile import apply_compile, decide_compile
+    from bertdist.train.compile import apply_compile, decide_compile, load_compile_cache
     from bertdist.train.distributed import init_distributed
     from bertdist.train.engine import build_engine, save_ds_config
     from bertdist.train.loader import LoaderState, PretrainingLoader
     from bertdist.train.metrics import RunLogger, device_peak_flops
-    from bertdist.train.precision import autocast_dtype, engine_reports_grad_norm
+    from bertdist.train.precision import autocast_dtype
     from bertdist.train.restore import check_fresh_start, new_state, plan_restore, restore
     from bertdist.train.step import StepRunner
 
@@ -145,6 +145,7 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool
     built = build_engine(cfg, plan, world, grad_accum, device.type, kernels)
     engine = built.engine
     compiled = decide_compile(cfg.model.compile, device.type)
+    cache_loaded = load_compile_cache(cfg.compile_cache) if compiled.enabled else None
     apply_compile(engine.module, compiled)  # in place: checkpoints and export see the same module
     if rank == 0:
         save_ds_config(built.ds_config, run_dir)
@@ -177,9 +178,7 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool
                                    "steps_per_epoch": loader.steps_per_epoch,
                                    "dropped_per_epoch": loader.dropped_per_epoch, "loader": state.loader},
                tensorboard=False)
-    runner = StepRunner(engine, device, grad_accum, cfg.deepspeed.precision, cfg.model_config,
-                        own_grad_norm=not engine_reports_grad_norm(cfg.deepspeed.precision, cfg.deepspeed.zero_stage),
-                        objective=objective)
+    runner = StepRunner.for_run(engine, cfg, device, grad_accum, objective)
     if teacher is not None:
         log.message(objective.describe(teacher.origin))
     elif objective is not None:
@@ -188,6 +187,8 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool
         log.message("the records carry NSP labels: ELECTRA has no NSP head, so they are not used")
     session = _Session(cfg, engine, ckpt, log, eval_set, device, world, state, objective,
                        StepProfiler(cfg.profiling, run_dir, rank, device))
+    if compiled.enabled:
+        session.compile_pending = {"cache_loaded": cache_loaded, "cache": cfg.compile_cache, "rank": rank}
     stop = _Stop()
     if cfg.checkpoint.save_on_sigterm:
         stop.install()
@@ -213,6 +214,8 @@ class _Session:
         self.eval_set, self.device, self.world, self.state = eval_set, device, world, state
         self.objective, self.profiler = objective, profiler
         self.last_checkpoint: str | None = None
+        self.consecutive_bad = 0  # steps in a row with a non-finite loss or an fp16 overflow
+        self.compile_pending: dict | None = None  # compiled: reported (and its cache saved) after the first step
         self.final_eval: dict[str, float] | None = None
         self.stopped_by = "end" if cfg.steps_to_run == cfg.schedule.total_steps else "max_steps"
 
@@ -252,49 +255,94 @@ class _Session:
         prof.close(self.state.step)  # a window cut short by SIGTERM still writes what it has
         self._finish()
 
-    def _loop(self, runner, steps, stop: _Stop, total: int, peak: float) -> None:
-        from bertdist.train.step import step_metrics, train_step
+    def _settles_after(self, step: int, total: int) -> bool:
+        """Whether the loop reads the device after ``step``: at the end of each logging window, and
+        before whatever needs the step's results (an evaluation, a checkpoint, the last step), and
+        around the profiled window, which then holds the steps as they run between two logs. fp16
+        settles every step: DeepSpeed's loss scaler reads the device anyway."""
+        cfg, prof = self.cfg, self.cfg.profiling
+        return (step % cfg.logging.every_steps == 0 or step == total or cfg.deepspeed.precision == "fp16"
+                or self.compile_pending is not None
+                or bool(cfg.eval.every_steps and step % cfg.eval.every_steps == 0)
+                or bool(cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0)
+                or (prof.enabled and step in (prof.start_step - 1, prof.last_step)))
 
-        cfg, log, prof = self.cfg, self.log, self.profiler
-        fp16 = cfg.deepspeed.precision == "fp16"
-        consecutive_bad = 0
+    def _loop(self, runner, steps, stop: _Stop, total: int, peak: float) -> None:
+        """Steps are launched without reading the device; every ``_settles_after`` step the queued
+        ones are settled together (one all-reduce, one host sync) and logged, each with the
+        window's mean step time."""
+        from bertdist.train.step import launch_step, settle
+
+        pending, epochs, t0 = [], [], time.time()
         while self.state.step < total:
-            t0 = time.time()
             micro_batches, next_loader = next(steps)
-            prof.before(self.state.step + 1)
-            res = train_step(runner, micro_batches, self.state.step + 1, stop.requested)
+            self.profiler.before(self.state.step + 1)
+            pending.append(launch_step(runner, micro_batches, stop.requested))
+            epochs.append(next_loader.epoch)
             self.state = dataclasses.replace(self.state, step=self.state.step + 1, loader=next_loader.to_dict())
             step = self.state.step
-            scale = float(self.engine.optimizer.cur_scale) if fp16 and hasattr(self.engine.optimizer, "cur_scale") \
-                else 1.0
-            m = step_metrics(res, time.time() - t0, self.world, peak, scale, int(self.engine.skipped_steps),
-                             next_loader.epoch)
-            if prof.active(step):
-                m["profiled"] = True  # slower under the profiler: left out of throughput figures
-                summary = prof.after(step)
-                if summary is not None:
-                    log.message(describe(summary) + f" ({prof.dir})")
-                    log.record("profile", step, summary, tensorboard=False)
-            log_now = step % cfg.logging.every_steps == 0 or step == total
-            log.record("train", step, m, tensorboard=log_now)
-            if log_now:
-                log.progress(step, {"loss": m["loss"], "lr": res.lr, "seq/s": round(m["seq_per_s"], 1)})
-            consecutive_bad = consecutive_bad + 1 if res.sums["nonfinite"] > 0 or res.skipped > 0 else 0
-            if consecutive_bad >= cfg.max_consecutive_nonfinite:
-                raise NonFiniteLossError(
-                    f"{consecutive_bad} consecutive steps with non-finite loss or gradient overflow (fp16 loss "
-                    f"scale now {scale}) at step {step}. Try bf16 instead of fp16, a lower optimizer.lr or a "
-                    f"longer warmup, a lower deepspeed.initial_scale_power (min_loss_scale is an integer >= 1, "
-                    f"now {cfg.deepspeed.min_loss_scale}), and check the "
-                    f"records; restart from the last good checkpoint with --resume auto")
-            if res.sums["stop"] > 0:
+            if not self._settles_after(step, total):
+                continue
+            results = settle(pending, step - len(pending) + 1, self.cfg.deepspeed.precision)
+            seconds = (time.time() - t0) / len(pending)
+            for k, res in enumerate(results):
+                self._log_step(step - len(results) + 1 + k, res, seconds, epochs[k], total, peak)
+            pending, epochs = [], []
+            if self.compile_pending is not None:
+                self._report_compile(step, seconds)
+            if any(res.sums["stop"] > 0 for res in results):
                 self.stopped_by = "sigterm"
-                log.message(f"SIGTERM: stopping after step {step}")
+                self.log.message(f"SIGTERM: stopping after step {step}")
                 break
+            cfg = self.cfg
             if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < total:
                 self.evaluate()
             if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
                 self.save()
+            t0 = time.time()
+
+    def _report_compile(self, step: int, first_step_s: float) -> None:
+        """After the first compiled step: the compile time as a metric of the run, and the compile
+        cache written for the next run (by rank 0; every rank compiled the same graphs)."""
+        from bertdist.train.compile import compile_seconds, save_compile_cache
+
+        info, self.compile_pending = self.compile_pending, None
+        saved = save_compile_cache(info["cache"]) if info["rank"] == 0 else None
+        values = {"compile_s": compile_seconds(), "first_step_s": first_step_s,
+                  "cache_loaded": info["cache_loaded"], "cache_saved": saved, "cache": info["cache"]}
+        self.log.record("compile", step, values, tensorboard=False)
+        self.log.message(f"torch.compile: {values['compile_s']:.1f} s compiling, first step {first_step_s:.1f} s"
+                         + (f"; cache {info['cache']}: loaded {info['cache_loaded']}, saved {saved}"
+                            if info["cache"] else ""))
+
+    def _log_step(self, step: int, res, seconds: float, epoch: int, total: int, peak: float) -> None:
+        """metrics.jsonl's row of one settled step (TensorBoard and progress at logging steps), and
+        the check on consecutive bad steps."""
+        from bertdist.train.step import step_metrics
+
+        cfg, log, prof = self.cfg, self.log, self.profiler
+        fp16 = cfg.deepspeed.precision == "fp16"
+        scale = float(self.engine.optimizer.cur_scale) if fp16 and hasattr(self.engine.optimizer, "cur_scale") \
+            else 1.0
+        m = step_metrics(res, seconds, self.world, peak, scale, int(self.engine.skipped_steps), epoch)
+        if prof.active(step):
+            m["profiled"] = True  # slower under the profiler: left out of throughput figures
+            summary = prof.after(step)
+            if summary is not None:
+                log.message(describe(summary) + f" ({prof.dir})")
+                log.record("profile", step, summary, tensorboard=False)
+        log_now = step % cfg.logging.every_steps == 0 or step == total
+        log.record("train", step, m, tensorboard=log_now)
+        if log_now:
+            log.progress(step, {"loss": m["loss"], "lr": res.lr, "seq/s": round(m["seq_per_s"], 1)})
+        self.consecutive_bad = self.consecutive_bad + 1 if res.sums["nonfinite"] > 0 or res.skipped > 0 else 0
+        if self.consecutive_bad >= cfg.max_consecutive_nonfinite:
+            raise NonFiniteLossError(
+                f"{self.consecutive_bad} consecutive steps with non-finite loss or gradient overflow (fp16 loss "
+                f"scale now {scale}) at step {step}. Try bf16 instead of fp16, a lower optimizer.lr or a "
+                f"longer warmup, a lower deepspeed.initial_scale_power (min_loss_scale is an integer >= 1, "
+                f"now {cfg.deepspeed.min_loss_scale}), and check the "
+                f"records; restart from the last good checkpoint with --resume auto")
 
     def _finish(self) -> None:
         saved_now = self.last_checkpoint == checkpoint_tag(self.state.step)

@@ -135,8 +135,7 @@ def run_steps(cfg, records_path, n: int, *, fault=None):
     records = open_training_records(str(records_path), cfg.data.vocab_file, cfg.data.max_seq_length)
     loader = PretrainingLoader(records, cfg.data, rank=0, world_size=1, grad_accum=1,
                                continuation=continuation_mask(cfg.data.vocab_file))
-    runner = StepRunner(built.engine, torch.device("cpu"), 1, cfg.deepspeed.precision, cfg.model,
-                        own_grad_norm=True)
+    runner = StepRunner.for_run(built.engine, cfg, torch.device("cpu"), 1)
     steps = loader.steps(LoaderState())
     try:
         results = [train_step(runner, next(steps)[0], i + 1, stop_requested=False) for i in range(n)]

@@ -320,7 +320,6 @@ def test_one_step_and_an_export_of_the_checkpoint(setup, tmp_path, group, sample
     from bertdist.train.electra_objective import ReplacedTokenDetection
     from bertdist.train.engine import build_engine
     from bertdist.train.loader import LoaderState, PretrainingLoader, open_training_records
-    from bertdist.train.precision import engine_reports_grad_norm
     from bertdist.train.restore import RestorePlan, new_state, restore
     from bertdist.train.step import StepRunner, evaluate, step_metrics, train_step
 
@@ -334,9 +333,7 @@ def test_one_step_and_an_export_of_the_checkpoint(setup, tmp_path, group, sample
     loader = PretrainingLoader(records, cfg.data, rank=0, world_size=1, grad_accum=1,
                                continuation=continuation_mask(cfg.data.vocab_file))
     model_cfg = cfg.model_config
-    runner = StepRunner(built.engine, torch.device("cpu"), 1, cfg.deepspeed.precision, model_cfg,
-                        own_grad_norm=not engine_reports_grad_norm(cfg.deepspeed.precision, cfg.deepspeed.zero_stage),
-                        objective=objective)
+    runner = StepRunner.for_run(built.engine, cfg, torch.device("cpu"), 1, objective)
     steps = loader.steps(LoaderState())
     try:
         batch = next(steps)[0]

@@ -154,7 +154,6 @@ def test_a_teacher_equal_to_the_student_gives_zero_kl_and_cosine(zero, tmp_path,
     from bertdist.train.loader import LoaderState, PretrainingLoader, open_training_records
     from bertdist.train.restore import RestorePlan
     from bertdist.train.distill_objective import build_objective
-    from bertdist.train.precision import engine_reports_grad_norm
     from bertdist.train.step import StepRunner, step_metrics, train_step
 
     cfg = tiny_cfg(tmp_path, sample_records, small_vocab, "model.hidden_dropout_prob=0",
@@ -166,9 +165,7 @@ def test_a_teacher_equal_to_the_student_gives_zero_kl_and_cosine(zero, tmp_path,
     records = open_training_records(str(sample_records), cfg.data.vocab_file, cfg.data.max_seq_length)
     loader = PretrainingLoader(records, cfg.data, rank=0, world_size=1, grad_accum=1,
                                continuation=continuation_mask(cfg.data.vocab_file))
-    runner = StepRunner(built.engine, torch.device("cpu"), 1, cfg.deepspeed.precision, cfg.model,
-                        own_grad_norm=not engine_reports_grad_norm(cfg.deepspeed.precision, cfg.deepspeed.zero_stage),
-                        objective=objective)
+    runner = StepRunner.for_run(built.engine, cfg, torch.device("cpu"), 1, objective)
     steps = loader.steps(LoaderState())
     try:
         first = train_step(runner, next(steps)[0], 1, stop_requested=False)
