@@ -73,17 +73,17 @@ def compile_regions(module) -> list[tuple[object, bool]]:
     return out
 
 
-def apply_compile(module, decision: CompileDecision) -> list:
+def apply_compile(module, decision: CompileDecision, backend: str = "inductor") -> list:
     """Compile ``module``'s regions in place when the decision says so (the whole module when it
-    has none); returns the compiled submodules."""
+    has none); returns the compiled submodules. ``backend``: torch.compile's (tests use a cheaper one)."""
     if not decision.enabled:
         return []
     regions = compile_regions(module)
     if not regions:
-        module.compile()
+        module.compile(backend=backend)
         return [module]
     for region, dynamic in regions:
-        region.compile(dynamic=True if dynamic else None)
+        region.compile(backend=backend, dynamic=True if dynamic else None)
     return [region for region, _ in regions]
 
 
