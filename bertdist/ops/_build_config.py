@@ -170,6 +170,7 @@ EMU_CORE_SOURCES = (
     "emu/flat_optim.cpp",
     "emu/selftest.cpp",
     "emu/checks.cpp",
+    "emu/optim_checks.cpp",
     "cpu_layer_norm.cpp",
     "cpu_attention.cpp",
     "cpu_flat_optim.cpp",
