@@ -604,9 +604,9 @@ std::vector<at::Tensor> varlen_attention_bwd(const at::Tensor& dout, const at::T
 // The segment table [2, segments + 1] (element offsets, chunk offsets) of buffers of n elements.
 // Its contents are checked where they are on the CPU; on CUDA that would cost a device sync, and
 // the caller (bertdist.ops.flat_layout, which built it on the CPU) vouches.
-FlatSegments check_flat_table(const at::Tensor& ref, const at::Tensor& table, int64_t chunks, int64_t chunk_size,
-                              const char* op) {
-  check_same_device(ref, table, op, "params", "table");
+FlatSegments check_flat_table(const at::Tensor& ref, const char* ref_name, const at::Tensor& table, int64_t chunks,
+                              int64_t chunk_size, const char* op) {
+  check_same_device(ref, table, op, ref_name, "table");
   check_dtype(table, at::kLong, op, "table");
   TORCH_CHECK(table.dim() == 2 && table.size(0) == 2 && table.size(1) >= 1, op,
               ": table must be [2, segments + 1] (element offsets, chunk offsets), got shape ", shape_str(table));
@@ -659,7 +659,7 @@ std::vector<at::Tensor> flat_grad_norm(const at::Tensor& g, const at::Tensor& ta
   check_contiguous(g, op, "grads");
   const DType gt = flat_grad_dtype(g, op);
   FlatNormParams p;
-  p.seg = check_flat_table(g, table, num_chunks, chunk_size, op);
+  p.seg = check_flat_table(g, "grads", table, num_chunks, chunk_size, op);
   const auto opts = g.options().dtype(at::kFloat);
   auto partial = at::empty({num_chunks}, opts), seg_norm2 = at::empty({p.seg.segments}, opts);
   auto stats = at::empty({2}, opts);
@@ -692,7 +692,7 @@ FlatStepParams flat_step_params(const at::Tensor& p, const at::Tensor& g, const 
     check_dtype(*t, at::kFloat, op, name);
   }
   FlatStepParams f;
-  f.seg = check_flat_table(p, table, num_chunks, chunk_size, op);
+  f.seg = check_flat_table(p, "params", table, num_chunks, chunk_size, op);
   check_same_device(p, weight_decay, op, "params", "weight_decay");
   check_dtype(weight_decay, at::kFloat, op, "weight_decay");
   check_vector(weight_decay, f.seg.segments, op, "weight_decay");
