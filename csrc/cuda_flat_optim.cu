@@ -118,11 +118,12 @@ __global__ void __launch_bounds__(kThreads) flat_adamw_kernel(FlatStepParams p) 
   }
 }
 
+// The kernel instance for the gradient's dtype: pick(G{}) returns it.
 template <typename F>
-void dispatch_grad_dtype(DType t, const char* op, F&& f) {
+auto for_grad_dtype(DType t, const char* op, F&& pick) -> decltype(pick(float{})) {
   switch (t) {
-    case DType::F32: f(float{}); break;
-    case DType::BF16: f(__nv_bfloat16{}); break;
+    case DType::F32: return pick(float{});
+    case DType::BF16: return pick(__nv_bfloat16{});
     default: throw std::runtime_error(std::string(op) + ": the gradient must be float32 or bfloat16");
   }
 }
@@ -134,18 +135,21 @@ unsigned grid_of(const FlatSegments& s, const char* op) {
   return static_cast<unsigned>(s.chunks);
 }
 
+// One block per chunk.
+template <typename P>
+void launch_chunks(void (*kernel)(P), const char* name, const P& p, cudaStream_t s) {
+  BD_LAUNCH(kernel, name, grid_of(p.seg, name), kThreads, 0, s)(p);
+  check_launch(name);
+}
+
 }  // namespace
 
 void flat_norm_cuda(const FlatNormParams& p, DType g, void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
   check_before_launch("flat_norm_cuda");
-  if (p.seg.chunks > 0) {
-    dispatch_grad_dtype(g, "flat_norm_cuda", [&](auto gv) {
-      using G = decltype(gv);
-      BD_LAUNCH(flat_sumsq_kernel<G>, "flat_sumsq_kernel", grid_of(p.seg, "flat_norm_cuda"), kThreads, 0, s)(p);
-      check_launch("flat_sumsq_kernel");
-    });
-  }
+  if (p.seg.chunks > 0)
+    launch_chunks(for_grad_dtype(g, "flat_norm_cuda", [](auto gv) { return flat_sumsq_kernel<decltype(gv)>; }),
+                  "flat_sumsq_kernel", p, s);
   BD_LAUNCH(flat_norm_finalize_kernel, "flat_norm_finalize_kernel", 1, kThreads, 0, s)(p);
   check_launch("flat_norm_finalize_kernel");
 }
@@ -153,27 +157,17 @@ void flat_norm_cuda(const FlatNormParams& p, DType g, void* stream) {
 void flat_lamb_cuda(const FlatStepParams& p, DType g, void* stream) {
   if (p.seg.chunks == 0) return;
   const auto s = static_cast<cudaStream_t>(stream);
-  const unsigned grid = grid_of(p.seg, "flat_lamb_cuda");
   check_before_launch("flat_lamb_cuda");
-  dispatch_grad_dtype(g, "flat_lamb_cuda", [&](auto gv) {
-    using G = decltype(gv);
-    BD_LAUNCH(flat_lamb_moments_kernel<G>, "flat_lamb_moments_kernel", grid, kThreads, 0, s)(p);
-    check_launch("flat_lamb_moments_kernel");
-  });
-  BD_LAUNCH(flat_lamb_apply_kernel, "flat_lamb_apply_kernel", grid, kThreads, 0, s)(p);
-  check_launch("flat_lamb_apply_kernel");
+  launch_chunks(for_grad_dtype(g, "flat_lamb_cuda", [](auto gv) { return flat_lamb_moments_kernel<decltype(gv)>; }),
+                "flat_lamb_moments_kernel", p, s);
+  launch_chunks(flat_lamb_apply_kernel, "flat_lamb_apply_kernel", p, s);
 }
 
 void flat_adamw_cuda(const FlatStepParams& p, DType g, void* stream) {
   if (p.seg.chunks == 0) return;
-  const auto s = static_cast<cudaStream_t>(stream);
-  const unsigned grid = grid_of(p.seg, "flat_adamw_cuda");
   check_before_launch("flat_adamw_cuda");
-  dispatch_grad_dtype(g, "flat_adamw_cuda", [&](auto gv) {
-    using G = decltype(gv);
-    BD_LAUNCH(flat_adamw_kernel<G>, "flat_adamw_kernel", grid, kThreads, 0, s)(p);
-    check_launch("flat_adamw_kernel");
-  });
+  launch_chunks(for_grad_dtype(g, "flat_adamw_cuda", [](auto gv) { return flat_adamw_kernel<decltype(gv)>; }),
+                "flat_adamw_kernel", p, static_cast<cudaStream_t>(stream));
 }
 
 }  // namespace bertdist

@@ -195,10 +195,8 @@ class _FlatOptimizer(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
         self._gather_grads()
         L = self._layout
         _, self._stats = self._ops.grad_norm(self._flat_grads, self._table, L.num_chunks, L.chunk_size,
