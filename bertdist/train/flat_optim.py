@@ -12,7 +12,9 @@ the number of parameter tensors.
 At construction the optimizer copies every parameter into one flat fp32 buffer and makes each
 parameter a view of its slice (``p.data``), and gives each a ``.grad`` that is a view of a flat
 gradient buffer, so backward accumulates straight into it. Build it after the model is on its
-device, and do not move the parameters afterwards (that would detach them from the buffer).
+device, and do not move the parameters afterwards (that would detach them from the buffer); a
+wrapper that puts other tensors in the param groups (DeepSpeed's bf16 or ZeRO optimizers) is
+refused at ``step``.
 ``zero_grad`` zeroes the gradient buffer in one fill and keeps the views. A ``.grad`` that is not
 the view (``Module.zero_grad()`` set it to None and backward made a new one, or a framework
 assigned one) is copied into the buffer at ``step``; a parameter with no gradient then counts as
@@ -140,6 +142,11 @@ class _FlatOptimizer(Optimizer):
 
     def _gather_grads(self) -> None:
         """Brings every gradient into the flat buffer (a no-op for the views backward filled)."""
+        current = [p for g in self.param_groups for p in g["params"]]
+        if len(current) != len(self._params) or any(a is not b for a, b in zip(current, self._params)):
+            raise RuntimeError(f"the param groups hold other tensors than the {len(self._params)} the flat buffers were "
+                               f"built for (now {len(current)}): a wrapper (DeepSpeed's bf16 or ZeRO optimizer) "
+                               "replaced them; give it the flat optimizer's parameters or use another optimizer")
         for p, view in zip(self._params, self._grad_views):
             g = p.grad
             if g is view:

@@ -184,3 +184,7 @@ def test_constructor_checks():
     assert opt.kernel_source == "fused"
     with pytest.raises(RuntimeError, match="fixed at construction"):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+    # A wrapper that swaps the group's tensors (as DeepSpeed's bf16 optimizer does) is refused at step.
+    opt.param_groups[0]["params"] = [p.detach().clone() for p in opt.param_groups[0]["params"]]
+    with pytest.raises(RuntimeError, match=r"the param groups hold other tensors than the 7 the flat buffers"):
+        opt.step()
