@@ -10,9 +10,12 @@ import torch
 from bertdist.ops import emulated, fused_optim
 from bertdist.ops.flat_layout import flat_layout
 from bertdist.ops.optim_dispatch import REFERENCE
+from bertdist.train.flat_optim import FlatLamb
+from bertdist.train.lamb import Lamb
 from tests.emu._util import emu, launched
 from tests.ops._util import assert_close_rel, ext
 from tests.ops.flat_optim_cases import clip_coefficient, flat, make_grads, make_params, run_flat, run_torch
+from tests.train.test_flat_optim import flat_params, groups, model, train
 
 TOL = 1e-6
 WD_MIXED = [0.01, 0.0, 0.01, 0.01, 0.0, 0.01]
@@ -108,3 +111,13 @@ def test_repeated_runs_are_bitwise_equal():
     for x, y in zip(a[:3], b[:3]):
         assert torch.equal(x, y)
     assert all(torch.equal(s, t) for s, t in zip(a[3], b[3]))
+
+
+def test_flat_lamb_optimizer_on_the_emulated_kernels():
+    emu()
+    a, b = model(), model()
+    opt = FlatLamb(groups(a), lr=0.01, max_grad_norm=0.05, kernels="emulated", chunk_size=32)
+    assert opt.kernel_source == "emulated"
+    train(a, opt, 3)
+    train(b, Lamb(groups(b), lr=0.01), 3, clip=0.05)
+    assert_close_rel(flat_params(a), flat_params(b), TOL, "params against Lamb with clip_grad_norm_")

@@ -80,6 +80,15 @@ def test_lamb_matches_lamb_optimizer(impl, chunk_size):
 
 
 @pytest.mark.parametrize("impl", _impls())
+def test_lamb_without_bias_correction_matches_lamb_optimizer(impl):
+    params, grads = make_params(), make_grads(steps=3)
+    p, m, v, _ = run_flat(_ops(impl), "lamb", params, grads, WD_MIXED, bias_correction=False)
+    rp, rm, rv = run_torch("lamb", params, grads, WD_MIXED, bias_correction=False)
+    for name, a, b in (("params", p, rp), ("exp_avg", m, rm), ("exp_avg_sq", v, rv)):
+        assert_close_rel(a, b, TOL, name)
+
+
+@pytest.mark.parametrize("impl", _impls())
 def test_lamb_trust_ratio_rules(impl):
     # One step from m = v = 0 makes u = g / (|g| + eps) ~ sign(g): ||u|| ~ sqrt(n). Scaled params
     # push ||p|| / ||u|| above max_coeff and below min_coeff; a zero gradient with no weight decay
