@@ -9,6 +9,7 @@
 // CPU tensors to the CUDA kernels, run by the SIMT emulator (csrc/emu), as a GPU would get them.
 #include <torch/extension.h>
 
+#include <cmath>
 #include <mutex>
 #include <sstream>
 #include <string>
@@ -598,6 +599,165 @@ std::vector<at::Tensor> varlen_attention_bwd(const at::Tensor& dout, const at::T
   return run_attention_bwd(p, dout, q, k, v, o, stats, rng_state, op);
 }
 
+// ---------------------------------------------------------------- flat-buffer optimizers
+
+// The segment table [2, segments + 1] (element offsets, chunk offsets) of buffers of n elements.
+// Its contents are checked where they are on the CPU; on CUDA that would cost a device sync, and
+// the caller (bertdist.ops.flat_layout, which built it on the CPU) vouches.
+FlatSegments check_flat_table(const at::Tensor& ref, const char* ref_name, const at::Tensor& table, int64_t chunks,
+                              int64_t chunk_size, const char* op) {
+  check_same_device(ref, table, op, ref_name, "table");
+  check_dtype(table, at::kLong, op, "table");
+  TORCH_CHECK(table.dim() == 2 && table.size(0) == 2 && table.size(1) >= 1, op,
+              ": table must be [2, segments + 1] (element offsets, chunk offsets), got shape ", shape_str(table));
+  check_contiguous(table, op, "table");
+  TORCH_CHECK(chunk_size >= 1, op, ": chunk_size must be >= 1, got ", chunk_size);
+  TORCH_CHECK(chunks >= 0, op, ": num_chunks must be >= 0, got ", chunks);
+  FlatSegments s;
+  s.segments = table.size(1) - 1;
+  s.offsets = table.data_ptr<int64_t>();
+  s.chunk_offsets = s.offsets + table.size(1);
+  s.chunks = chunks;
+  s.chunk_size = chunk_size;
+  if (table.device().is_cpu()) {
+    TORCH_CHECK(s.offsets[0] == 0 && s.chunk_offsets[0] == 0, op, ": the table must start at 0, got offsets[0] = ",
+                s.offsets[0], ", chunk_offsets[0] = ", s.chunk_offsets[0]);
+    for (int64_t i = 0; i < s.segments; ++i) {
+      const int64_t len = s.offsets[i + 1] - s.offsets[i], got = s.chunk_offsets[i + 1] - s.chunk_offsets[i];
+      TORCH_CHECK(len >= 0, op, ": segment ", i, " ends before it starts: offsets ", s.offsets[i], " then ",
+                  s.offsets[i + 1]);
+      const int64_t want = (len + chunk_size - 1) / chunk_size;
+      TORCH_CHECK(got == want, op, ": segment ", i, " of ", len, " elements needs ", want, " chunks of ", chunk_size,
+                  ", the table gives it ", got);
+    }
+    TORCH_CHECK(s.offsets[s.segments] == ref.numel(), op, ": the segments cover ", s.offsets[s.segments],
+                " elements, the buffers have ", ref.numel());
+    TORCH_CHECK(s.chunk_offsets[s.segments] == chunks, op, ": the table has ", s.chunk_offsets[s.segments],
+                " chunks, num_chunks is ", chunks);
+  }
+  return s;
+}
+
+void check_flat(const at::Tensor& ref, const at::Tensor& t, const char* op, const char* name) {
+  check_same_device(ref, t, op, "params", name);
+  TORCH_CHECK(t.dim() == 1 && t.numel() == ref.numel(), op, ": ", name, " must be a flat [", ref.numel(),
+              "] buffer, got shape ", shape_str(t));
+  check_contiguous(t, op, name);
+}
+
+DType flat_grad_dtype(const at::Tensor& g, const char* op) {
+  TORCH_CHECK(g.scalar_type() == at::kFloat || g.scalar_type() == at::kBFloat16, op,
+              ": grads must be float32 or bfloat16, got ", g.scalar_type());
+  return g.scalar_type() == at::kFloat ? DType::F32 : DType::BF16;
+}
+
+// Returns (seg_norm2 [segments], stats [2] = (global norm, clip coefficient)), fp32.
+std::vector<at::Tensor> flat_grad_norm(const at::Tensor& g, const at::Tensor& table, int64_t num_chunks,
+                                       int64_t chunk_size, double max_norm) {
+  const char* op = "bertdist.flat_grad_norm";
+  TORCH_CHECK(g.dim() == 1, op, ": grads must be a flat buffer, got shape ", shape_str(g));
+  check_contiguous(g, op, "grads");
+  const DType gt = flat_grad_dtype(g, op);
+  FlatNormParams p;
+  p.seg = check_flat_table(g, "grads", table, num_chunks, chunk_size, op);
+  const auto opts = g.options().dtype(at::kFloat);
+  auto partial = at::empty({num_chunks}, opts), seg_norm2 = at::empty({p.seg.segments}, opts);
+  auto stats = at::empty({2}, opts);
+  p.g = g.data_ptr();
+  p.partial = partial.data_ptr<float>();
+  p.seg_norm2 = seg_norm2.data_ptr<float>();
+  p.stats = stats.data_ptr<float>();
+  p.max_norm = static_cast<float>(max_norm);
+  run_on_device(g, op, [&] { flat_norm_cpu(p, gt); }, [&](void* s) {
+#ifdef BERTDIST_CUDA_KERNELS
+    flat_norm_cuda(p, gt, s);
+#endif
+  });
+  return {seg_norm2, stats};
+}
+
+// The checked arguments both steps share; returns the gradient's dtype in *gt.
+FlatStepParams flat_step_params(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, const at::Tensor& v,
+                                const at::Tensor& table, int64_t num_chunks, int64_t chunk_size,
+                                const at::Tensor& weight_decay, const at::Tensor& stats, int64_t step, double lr,
+                                double beta1, double beta2, double eps, bool bias_correction, const char* op,
+                                DType* gt) {
+  TORCH_CHECK(p.dim() == 1, op, ": params must be a flat buffer, got shape ", shape_str(p));
+  check_dtype(p, at::kFloat, op, "params");
+  check_contiguous(p, op, "params");
+  check_flat(p, g, op, "grads");
+  *gt = flat_grad_dtype(g, op);
+  for (const auto& [t, name] : {std::pair{&m, "exp_avg"}, std::pair{&v, "exp_avg_sq"}}) {
+    check_flat(p, *t, op, name);
+    check_dtype(*t, at::kFloat, op, name);
+  }
+  FlatStepParams f;
+  f.seg = check_flat_table(p, "params", table, num_chunks, chunk_size, op);
+  check_same_device(p, weight_decay, op, "params", "weight_decay");
+  check_dtype(weight_decay, at::kFloat, op, "weight_decay");
+  check_vector(weight_decay, f.seg.segments, op, "weight_decay");
+  check_contiguous(weight_decay, op, "weight_decay");
+  check_same_device(p, stats, op, "params", "stats");
+  check_dtype(stats, at::kFloat, op, "stats");
+  check_vector(stats, 2, op, "stats");
+  TORCH_CHECK(step >= 1, op, ": step must be >= 1 (the count including this step), got ", step);
+  TORCH_CHECK(lr >= 0.0, op, ": lr must be >= 0, got ", lr);
+  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0 && beta2 >= 0.0 && beta2 < 1.0, op, ": betas must be in [0, 1), got (",
+              beta1, ", ", beta2, ")");
+  TORCH_CHECK(eps >= 0.0, op, ": eps must be >= 0, got ", eps);
+  f.p = p.data_ptr<float>();
+  f.g = g.data_ptr();
+  f.m = m.data_ptr<float>();
+  f.v = v.data_ptr<float>();
+  f.weight_decay = weight_decay.data_ptr<float>();
+  f.stats = stats.data_ptr<float>();
+  f.lr = static_cast<float>(lr);
+  f.beta1 = static_cast<float>(beta1);
+  f.beta2 = static_cast<float>(beta2);
+  f.eps = static_cast<float>(eps);
+  f.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  f.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  // In double on the host, as torch's optimizers compute them.
+  f.bc1 = bias_correction ? static_cast<float>(1.0 - std::pow(beta1, static_cast<double>(step))) : 1.f;
+  f.bc2 = bias_correction ? static_cast<float>(1.0 - std::pow(beta2, static_cast<double>(step))) : 1.f;
+  return f;
+}
+
+void flat_lamb_step(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, const at::Tensor& v,
+                    const at::Tensor& table, int64_t num_chunks, int64_t chunk_size, const at::Tensor& weight_decay,
+                    const at::Tensor& stats, int64_t step, double lr, double beta1, double beta2, double eps,
+                    bool bias_correction, double max_coeff, double min_coeff) {
+  const char* op = "bertdist.flat_lamb_step";
+  DType gt;
+  FlatStepParams f = flat_step_params(p, g, m, v, table, num_chunks, chunk_size, weight_decay, stats, step, lr, beta1,
+                                      beta2, eps, bias_correction, op, &gt);
+  TORCH_CHECK(min_coeff >= 0.0 && min_coeff <= max_coeff, op, ": need 0 <= min_coeff <= max_coeff, got min_coeff ",
+              min_coeff, ", max_coeff ", max_coeff);
+  f.max_coeff = static_cast<float>(max_coeff);
+  f.min_coeff = static_cast<float>(min_coeff);
+  auto partial = at::empty({2 * num_chunks}, p.options());
+  f.partial = partial.data_ptr<float>();
+  run_on_device(p, op, [&] { flat_lamb_cpu(f, gt); }, [&](void* s) {
+#ifdef BERTDIST_CUDA_KERNELS
+    flat_lamb_cuda(f, gt, s);
+#endif
+  });
+}
+
+void flat_adamw_step(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, const at::Tensor& v,
+                     const at::Tensor& table, int64_t num_chunks, int64_t chunk_size, const at::Tensor& weight_decay,
+                     const at::Tensor& stats, int64_t step, double lr, double beta1, double beta2, double eps) {
+  const char* op = "bertdist.flat_adamw_step";
+  DType gt;
+  const FlatStepParams f = flat_step_params(p, g, m, v, table, num_chunks, chunk_size, weight_decay, stats, step, lr,
+                                            beta1, beta2, eps, true, op, &gt);
+  run_on_device(p, op, [&] { flat_adamw_cpu(f, gt); }, [&](void* s) {
+#ifdef BERTDIST_CUDA_KERNELS
+    flat_adamw_cuda(f, gt, s);
+#endif
+  });
+}
+
 // The dropout keep masks the kernels use, materialised on CPU: for tests (an explicit-mask
 // reference must match the fused ops with dropout on) and for anyone checking reproducibility.
 at::Tensor hidden_keep_mask(int64_t rows, int64_t hidden, double p_drop, int64_t seed, int64_t offset) {
@@ -713,7 +873,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("run_checks", &run_checks, py::arg("suite") = "all", py::arg("filter") = "", py::arg("keep_going") = false,
         py::arg("quick") = false, "The emulator's C++ checks (csrc/emu/checks.h)");
 #else
-  m.doc() = "bertdist fused kernels: layer norm, bias+dropout+residual+layer norm, attention (CPU and CUDA)";
+  m.doc() = "bertdist fused kernels: layer norm, bias+dropout+residual+layer norm, attention, flat LAMB/AdamW (CPU and CUDA)";
 #endif
   m.def("layer_norm_fwd", &layer_norm_fwd, py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("eps"));
   m.def("layer_norm_bwd", &layer_norm_bwd, py::arg("grad_out"), py::arg("x"), py::arg("mean"), py::arg("rstd"),
@@ -739,6 +899,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_keep_mask", &attention_keep_mask, py::arg("batch_heads"), py::arg("rows"), py::arg("cols"),
         py::arg("p"), py::arg("seed"), py::arg("offset"),
         "Keep mask [batch*heads, rows, cols] of the fused attention dropout (CPU); varlen uses per-sequence rows/cols");
+  m.def("flat_grad_norm", &flat_grad_norm, py::arg("grads"), py::arg("table"), py::arg("num_chunks"),
+        py::arg("chunk_size"), py::arg("max_norm"),
+        "(per-segment sums of g^2, [global norm, clip coefficient]) of a flat gradient buffer");
+  m.def("flat_lamb_step", &flat_lamb_step, py::arg("params"), py::arg("grads"), py::arg("exp_avg"),
+        py::arg("exp_avg_sq"), py::arg("table"), py::arg("num_chunks"), py::arg("chunk_size"),
+        py::arg("weight_decay"), py::arg("stats"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
+        py::arg("eps"), py::arg("bias_correction"), py::arg("max_coeff"), py::arg("min_coeff"),
+        "One LAMB step over flat buffers, in place; grads scaled by stats[1]");
+  m.def("flat_adamw_step", &flat_adamw_step, py::arg("params"), py::arg("grads"), py::arg("exp_avg"),
+        py::arg("exp_avg_sq"), py::arg("table"), py::arg("num_chunks"), py::arg("chunk_size"),
+        py::arg("weight_decay"), py::arg("stats"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
+        py::arg("eps"), "One AdamW step (torch.optim.AdamW's) over flat buffers, in place; grads scaled by stats[1]");
   m.def("with_cuda", &with_cuda, "True when this build contains the CUDA kernels");
   m.def("build_info", &build_info, "How this module was built (CUDA archs, OpenMP, notes)");
 }

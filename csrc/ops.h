@@ -101,11 +101,59 @@ struct AttnParams {
   DropoutRng rng;
 };
 
+// The flat-buffer optimizers (cpu_flat_optim.cpp, cuda_flat_optim.cu). Every parameter tensor
+// lives back to back in one fp32 buffer per quantity (params, exp_avg, exp_avg_sq; the gradient
+// fp32 or bf16). Segment s (one original tensor) is elements offsets[s] .. offsets[s + 1]; it is
+// cut into chunks of at most chunk_size elements, numbered chunk_offsets[s] .. chunk_offsets[s + 1]
+// (an empty segment has none). One CUDA block works on one chunk, so a chunk never spans two
+// segments, and every sum is taken per chunk, then over the chunks in index order: the result
+// does not depend on scheduling (no atomics).
+struct FlatSegments {
+  const int64_t* offsets = nullptr;        // [segments + 1]
+  const int64_t* chunk_offsets = nullptr;  // [segments + 1]
+  int64_t segments = 0;
+  int64_t chunks = 0;
+  int64_t chunk_size = 0;
+};
+
+// The gradient's norms: seg_norm2[s] = sum of g^2 over segment s, stats[0] = the global norm
+// sqrt(sum over all), stats[1] = the clip coefficient min(1, max_norm / (norm + 1e-6)), 1 when
+// max_norm <= 0. The updates read stats[1] on the device: no host sync.
+struct FlatNormParams {
+  FlatSegments seg;
+  const void* g = nullptr;     // fp32 or bf16
+  float* partial = nullptr;    // [chunks] workspace
+  float* seg_norm2 = nullptr;  // [segments]
+  float* stats = nullptr;      // [2]
+  float max_norm = 0.f;
+};
+
+// One LAMB or AdamW step over the flat buffers, the gradient scaled by stats[1] first.
+// bc1, bc2: the bias corrections 1 - beta^step (1 without bias correction).
+struct FlatStepParams {
+  FlatSegments seg;
+  float* p = nullptr;
+  const void* g = nullptr;              // fp32 or bf16
+  float* m = nullptr;                   // exp_avg
+  float* v = nullptr;                   // exp_avg_sq
+  const float* weight_decay = nullptr;  // [segments]
+  const float* stats = nullptr;         // [2], the norm pass's
+  float* partial = nullptr;             // LAMB: [2][chunks] workspace (||p||^2, ||u||^2 per chunk)
+  float lr = 0.f, beta1 = 0.f, beta2 = 0.f, eps = 0.f, bc1 = 1.f, bc2 = 1.f;
+  // 1 - beta, rounded from double on the host: 1.f - 0.999f is 4.7e-5 away from 0.001f, as torch's is not
+  float one_minus_beta1 = 1.f, one_minus_beta2 = 1.f;
+  float max_coeff = 10.f, min_coeff = 0.01f;  // LAMB's trust-ratio clamp
+};
+
 // CPU kernels (always built).
 void ln_fwd_cpu(const LnFwdParams& p, DType t);
 void ln_bwd_cpu(const LnBwdParams& p, DType t);
 void attn_fwd_cpu(const AttnParams& p, DType t);
 void attn_bwd_cpu(const AttnParams& p, DType t);
+// `g` is the gradient's dtype (F32 or BF16).
+void flat_norm_cpu(const FlatNormParams& p, DType g);
+void flat_lamb_cpu(const FlatStepParams& p, DType g);
+void flat_adamw_cpu(const FlatStepParams& p, DType g);
 
 // CUDA kernels (built when BERTDIST_WITH_CUDA); `stream` is a cudaStream_t.
 // Each throws std::runtime_error on an unsupported shape or a launch error.
@@ -114,5 +162,8 @@ int ln_bwd_cuda_parts(int64_t rows, int device);
 void ln_bwd_cuda(const LnBwdParams& p, DType t, float* workspace, int parts, void* stream);
 void attn_fwd_cuda(const AttnParams& p, DType t, void* stream);
 void attn_bwd_cuda(const AttnParams& p, DType t, void* stream);
+void flat_norm_cuda(const FlatNormParams& p, DType g, void* stream);
+void flat_lamb_cuda(const FlatStepParams& p, DType g, void* stream);
+void flat_adamw_cuda(const FlatStepParams& p, DType g, void* stream);
 
 }  // namespace bertdist

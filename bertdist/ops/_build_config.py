@@ -15,9 +15,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 CSRC = REPO / "csrc"
-CPU_SOURCES = ("bindings.cpp", "cpu_layer_norm.cpp", "cpu_attention.cpp")
-# Two translation units, kept free of torch headers so nvcc compiles them quickly.
-CUDA_SOURCES = ("cuda_layer_norm.cu", "cuda_attention.cu")
+CPU_SOURCES = ("bindings.cpp", "cpu_layer_norm.cpp", "cpu_attention.cpp", "cpu_flat_optim.cpp")
+# Kept free of torch headers so nvcc compiles them quickly.
+CUDA_SOURCES = ("cuda_layer_norm.cu", "cuda_attention.cu", "cuda_flat_optim.cu")
 EXT_NAME = "bertdist._C"
 
 # BERTDIST_CUDA_ARCHS uses TORCH_CUDA_ARCH_LIST's syntax: "8.0;9.0+PTX" (the default) means
@@ -167,10 +167,13 @@ EMU_CORE_SOURCES = (
     "emu/fiber.cpp",
     "emu/layer_norm.cpp",
     "emu/attention.cpp",
+    "emu/flat_optim.cpp",
     "emu/selftest.cpp",
     "emu/checks.cpp",
+    "emu/optim_checks.cpp",
     "cpu_layer_norm.cpp",
     "cpu_attention.cpp",
+    "cpu_flat_optim.cpp",
 )
 EMU_EXT_SOURCES = ("bindings.cpp",) + EMU_CORE_SOURCES
 EMU_DRIVER_SOURCES = EMU_CORE_SOURCES + ("emu/driver.cpp",)

@@ -4,8 +4,9 @@
 C++ compiler for the emulator: the same entry points, argument checks, launchers
 (``dispatch_layout``, tile choices) and kernels a GPU runs, executed thread by thread on the
 CPU. The ops here are ``fused``'s custom ops registered a second time, as
-``torch.ops.bertdist_emu.*`` over that module (``fused.define_ops``); the four functions have
-the signatures of their twins in ``reference.py``. ``kernels: emulated`` gives them to the model.
+``torch.ops.bertdist_emu.*`` over that module (``fused.define_ops``, and
+``fused_optim.define_optim_ops`` for the flat optimizer ops, in ``OPTIM``); the functions have the
+signatures of their twins in ``reference.py``. ``kernels: emulated`` gives them to the model.
 
 They exist to test the CUDA code where no GPU is: they are orders of magnitude slower than
 any other kernel set. What the emulator checks and what it cannot: ``csrc/emu/emu.h`` and the
@@ -24,7 +25,7 @@ from pathlib import Path
 from types import ModuleType
 
 from bertdist.ops import _build_config as bc
-from bertdist.ops import fused
+from bertdist.ops import fused, fused_optim
 
 OPS = fused.OPS
 EXT_ENV = "BERTDIST_EMU_EXT"
@@ -75,8 +76,8 @@ def _C_emu() -> ModuleType:
 
 def availability(op: str, device_type: str) -> tuple[bool, str]:
     """(usable, reason) for running ``op`` through the emulated CUDA kernels on ``device_type``."""
-    if op not in OPS:
-        return False, f"no emulated op named {op!r} (have {', '.join(OPS)})"
+    if op not in OPS + fused_optim.OPTIM_OPS:
+        return False, f"no emulated op named {op!r} (have {', '.join(OPS + fused_optim.OPTIM_OPS)})"
     ext, why = load()
     if ext is None:
         return False, why
@@ -99,3 +100,4 @@ layer_norm = _OPS.layer_norm
 bias_dropout_add_layer_norm = _OPS.bias_dropout_add_layer_norm
 attention = _OPS.attention
 varlen_attention = _OPS.varlen_attention
+OPTIM = fused_optim.define_optim_ops("bertdist_emu", _C_emu)

@@ -123,3 +123,70 @@ def reference_varlen_attention(
         o = reference_attention_math(qs, ks, vs, None, dropout_p=dropout_p, training=training, scale=scale)
         out[start:end] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+# ---------------------------------------------------------------- flat-buffer optimizers
+# The oracles of fused_optim's ops, same signatures: every tensor of the model back to back in
+# flat fp32 buffers, segment s being elements table[0, s]:table[0, s + 1] (flat_layout.py). They
+# split the buffers per segment with the offsets read on the host (a device sync on CUDA) and
+# ignore the chunking, which changes only the kernels' order of summation.
+
+
+def _flat_segments(table: torch.Tensor) -> list[int]:
+    offsets = table[0].tolist()
+    return [b - a for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+def _per_segment_sum(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    return torch.stack([s.sum() for s in x.split(sizes)]) if sizes else x.new_zeros(0)
+
+
+def reference_flat_grad_norm(grads: torch.Tensor, table: torch.Tensor, num_chunks: int, chunk_size: int,
+                             max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-segment sums of g^2, [global norm, clip coefficient min(1, max_norm / (norm + 1e-6))]);
+    the coefficient is 1 when max_norm <= 0."""
+    g = grads.float()
+    seg_norm2 = _per_segment_sum(g * g, _flat_segments(table))
+    norm = torch.linalg.vector_norm(g)
+    clip = (max_norm / (norm + 1e-6)).clamp(max=1.0) if max_norm > 0 else torch.ones_like(norm)
+    return seg_norm2, torch.stack([norm, clip])
+
+
+def reference_flat_lamb_step_(params: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor,
+                              exp_avg_sq: torch.Tensor, table: torch.Tensor, num_chunks: int, chunk_size: int,
+                              weight_decay: torch.Tensor, stats: torch.Tensor, *, step: int, lr: float, beta1: float,
+                              beta2: float, eps: float, bias_correction: bool = True, max_coeff: float = 10.0,
+                              min_coeff: float = 0.01) -> None:
+    """bertdist.train.lamb.Lamb's step for every segment, the gradient scaled by stats[1] first:
+    ``u = m_hat / (sqrt(v_hat) + eps) + wd * p``, ``p -= lr * r * u`` with the segment's trust ratio
+    ``r = clamp(||p|| / ||u||, min_coeff, max_coeff)``, 1 when either norm is 0."""
+    sizes = _flat_segments(table)
+    g = grads.float() * stats[1]
+    exp_avg.mul_(beta1).add_(g, alpha=1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bc1, bc2 = (1 - beta1**step, 1 - beta2**step) if bias_correction else (1.0, 1.0)
+    wd = torch.repeat_interleave(weight_decay, torch.tensor(sizes, device=params.device), output_size=params.numel())
+    u = (exp_avg / bc1) / ((exp_avg_sq / bc2).sqrt() + eps) + wd * params
+    w_norm = _per_segment_sum(params * params, sizes).sqrt()
+    u_norm = _per_segment_sum(u * u, sizes).sqrt()
+    ratio = (w_norm / u_norm).clamp(min_coeff, max_coeff)
+    trust = torch.where((w_norm > 0) & (u_norm > 0), ratio, torch.ones_like(ratio))
+    r = torch.repeat_interleave(trust, torch.tensor(sizes, device=params.device), output_size=params.numel())
+    params.sub_(lr * (r * u))
+
+
+def reference_flat_adamw_step_(params: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor,
+                               exp_avg_sq: torch.Tensor, table: torch.Tensor, num_chunks: int, chunk_size: int,
+                               weight_decay: torch.Tensor, stats: torch.Tensor, *, step: int, lr: float, beta1: float,
+                               beta2: float, eps: float) -> None:
+    """torch.optim.AdamW's step (decoupled weight decay, bias correction) for every segment, the
+    gradient scaled by stats[1] first."""
+    sizes = _flat_segments(table)
+    g = grads.float() * stats[1]
+    wd = torch.repeat_interleave(weight_decay, torch.tensor(sizes, device=params.device), output_size=params.numel())
+    params.mul_(1 - lr * wd)
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    step_size = lr / (1 - beta1**step)
+    denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
+    params.addcdiv_(exp_avg, denom, value=-step_size)

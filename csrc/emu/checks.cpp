@@ -718,6 +718,7 @@ std::vector<NamedCheck> kernel_checks(bool quick) {
                    [t](std::string* why) { return check_attn_mask(t, 0.2f, why); }});
   out.push_back({"kernels/launcher/attributes_cached_per_device", check_attributes_cached_per_device});
   out.push_back({"kernels/launcher/pending_error_is_not_ours", check_pending_error_is_not_ours});
+  for (auto& c : optim_checks(quick)) out.push_back(std::move(c));
   return out;
 }
 

@@ -6,7 +6,8 @@
 // - "kernels": every CUDA kernel and launcher of csrc/cuda_*.cu, run by the emulator, against
 //   the C++ CPU twins (csrc/cpu_*.cpp) in the same dtype and in float64 (the exact
 //   reference): layer norm and bias + dropout + residual + layer norm, attention padded and
-//   varlen, forward and backward, fp32/bf16/fp16, dropout masks bit for bit.
+//   varlen, forward and backward, fp32/bf16/fp16, dropout masks bit for bit; the flat-buffer
+//   LAMB and AdamW steps.
 //
 // Run by the standalone driver (check_kernels: `make emu-test`, the sanitizer run, the
 // mutation tests) and by bertdist._C_emu.run_checks (pytest).
@@ -41,5 +42,6 @@ struct NamedCheck {
 };
 std::vector<NamedCheck> selftests();       // selftest.cpp
 std::vector<NamedCheck> kernel_checks(bool quick);  // checks.cpp
+std::vector<NamedCheck> optim_checks(bool quick);   // optim_checks.cpp (part of kernel_checks)
 
 }  // namespace bdemu

@@ -114,6 +114,16 @@ MUTANTS = (
            "  const cudaError_t e = cudaSuccess;\n  if (e != cudaSuccess)\n"),
     Mutant("max_threads_not_cached", "kernel attributes queried at every launch", "cuda_layer_norm.cu",
            "  static PerKernelDevice cache;\n", "  PerKernelDevice cache;\n"),
+    Mutant("flat_lamb_trust_unclamped", "LAMB trust ratio not clamped to [min_coeff, max_coeff]",
+           "cuda_flat_optim.cu", "fminf(fmaxf(w_norm / u_norm, p.min_coeff), p.max_coeff)", "w_norm / u_norm"),
+    Mutant("flat_lamb_trust_inverted", "LAMB trust ratio ||u|| / ||p|| instead of ||p|| / ||u||", "cuda_flat_optim.cu",
+           "fmaxf(w_norm / u_norm, p.min_coeff)", "fmaxf(u_norm / w_norm, p.min_coeff)"),
+    Mutant("flat_norm_drops_last_chunk", "the gradient norm leaves out each segment's last chunk",
+           "cuda_flat_optim.cu", "c < p.seg.chunk_offsets[s + 1]; ++c) a += p.partial[c];",
+           "c + 1 < p.seg.chunk_offsets[s + 1]; ++c) a += p.partial[c];"),
+    Mutant("flat_lamb_apply_one_chunk", "the trust ratio from the block's own chunk, not its whole segment",
+           "cuda_flat_optim.cu", "for (int64_t c = p.seg.chunk_offsets[r.seg] + threadIdx.x; c < p.seg.chunk_offsets[r.seg + 1];",
+           "for (int64_t c = blockIdx.x + threadIdx.x; c < blockIdx.x + 1;"),
 )
 REPRESENTATIVE = ("attn_fwd_tile_loop_syncthreads", "attn_dkdv_syncwarp_2", "attn_fwd_shuffle_in_lane_lt_16")
 

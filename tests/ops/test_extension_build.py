@@ -206,7 +206,8 @@ def test_cuda_sources_compile_and_link(tmp_path):
         assert info["cuda_archs"] == label, info
         so = Path(mod.__file__).read_bytes()
         assert b".nv_fatbin" in so, "no CUDA fatbinary section in the built module"
-        for name in ("attn_fwd_kernel", "attn_dq_kernel", "attn_dkdv_kernel", "ln_fwd_kernel", "ln_bwd_kernel"):
+        for name in ("attn_fwd_kernel", "attn_dq_kernel", "attn_dkdv_kernel", "ln_fwd_kernel", "ln_bwd_kernel",
+                     "flat_sumsq_kernel", "flat_lamb_moments_kernel", "flat_lamb_apply_kernel", "flat_adamw_kernel"):
             assert name.encode() in so, f"kernel {name} missing from {mod.__file__}"
         return
     r = _run_hidden(

@@ -1,0 +1,190 @@
+"""FlatLamb and FlatAdamW (bertdist.train.flat_optim) on a small model, against Lamb and
+torch.optim.AdamW; gradients through the flat buffer; clipping; checkpoints.
+
+Tolerance 1e-6 of the scale, as tests/ops/test_flat_optim.py explains (same fp32 formulas, norm
+sums in another order). The CPU-side implementations are the C++ twin ("fused") and the
+reference ops; the emulated CUDA kernels run in tests/emu, the real ones in the GPU tests."""
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from bertdist.train.flat_optim import FlatAdamW, FlatLamb
+from bertdist.train.lamb import Lamb
+from tests.ops._util import assert_close_rel
+
+TOL = 1e-6
+IMPLS = ["fused", "reference"]
+
+
+def model(seed=0) -> nn.Module:
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Embedding(11, 8), nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 1))
+    with torch.no_grad():
+        m[1].bias.zero_()  # a zero tensor: LAMB's r = 1 rule in a real model
+    return m
+
+
+def groups(m: nn.Module, **extra) -> list[dict]:
+    decay = [p for n, p in m.named_parameters() if "weight" in n and "3." not in n]
+    no_decay = [p for n, p in m.named_parameters() if not ("weight" in n and "3." not in n)]
+    return [{"params": decay, "weight_decay": 0.01, **extra}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def backward(m: nn.Module, step: int) -> None:
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, 11, (6, 5), generator=g)
+    out = m(ids)
+    ((out - torch.randn(out.shape, generator=g)) ** 2).mean().backward()
+
+
+def train(m: nn.Module, opt, steps: int, first: int = 0, clip: float = 0.0) -> list[float]:
+    norms = []
+    for s in range(first, first + steps):
+        opt.zero_grad()
+        backward(m, s)
+        norms.append(torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in m.parameters()])).item())
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+        opt.step()
+    return norms
+
+
+def flat_params(m: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+
+@pytest.mark.parametrize("kernels", IMPLS)
+def test_flat_lamb_matches_lamb(kernels):
+    a, b = model(), model()
+    train(a, FlatLamb(groups(a), lr=0.01, kernels=kernels, chunk_size=32), 5)
+    train(b, Lamb(groups(b), lr=0.01), 5)
+    assert_close_rel(flat_params(a), flat_params(b), TOL, "params after 5 steps")
+
+
+@pytest.mark.parametrize("kernels", IMPLS)
+def test_flat_adamw_matches_torch_adamw(kernels):
+    a, b = model(), model()
+    train(a, FlatAdamW(groups(a), lr=0.01, kernels=kernels, chunk_size=32), 5)
+    train(b, torch.optim.AdamW(groups(b), lr=0.01, foreach=False), 5)
+    assert_close_rel(flat_params(a), flat_params(b), TOL, "params after 5 steps")
+
+
+@pytest.mark.parametrize("cls,other", [(FlatLamb, Lamb), (FlatAdamW, torch.optim.AdamW)])
+def test_groups_with_their_own_lr_each_get_it(cls, other):
+    # Differing lr: the groups go to the kernels as separate runs of the flat buffers.
+    a, b = model(), model()
+    opt = cls(groups(a, lr=0.003), lr=0.01, kernels="fused", chunk_size=32)
+    assert len(opt._runs()) == 2
+    train(a, opt, 4)
+    train(b, other(groups(b, lr=0.003), lr=0.01), 4)
+    assert_close_rel(flat_params(a), flat_params(b), TOL, "params")
+
+
+@pytest.mark.parametrize("cls,other", [(FlatLamb, Lamb), (FlatAdamW, torch.optim.AdamW)])
+def test_clipping_and_the_reported_norm(cls, other):
+    a, b = model(), model()
+    opt = cls(groups(a), lr=0.01, max_grad_norm=0.05, kernels="fused", chunk_size=32)
+    assert opt.grad_norm is None
+    norms = []
+    for s in range(4):
+        opt.zero_grad()
+        backward(a, s)
+        norms.append(torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in a.parameters()])).item())
+        opt.step()
+        assert abs(opt.grad_norm.item() - norms[-1]) <= 1e-6 * norms[-1], (opt.grad_norm.item(), norms[-1])
+        assert opt.grad_norm.dim() == 0 and opt.grad_norm.device == opt.device
+    assert min(norms) > 0.05, f"the gradients must be clipped for this test to mean anything: norms {norms}"
+    train(b, other(groups(b), lr=0.01), 4, clip=0.05)
+    assert_close_rel(flat_params(a), flat_params(b), TOL, "params against clip_grad_norm_ + the per-tensor optimizer")
+
+
+def test_parameters_and_gradients_live_in_the_flat_buffers():
+    m = model()
+    opt = FlatLamb(groups(m), lr=0.01, kernels="fused")
+    flat = opt.flat_params
+    base, end = flat.data_ptr(), flat.data_ptr() + 4 * flat.numel()
+    for p in m.parameters():
+        assert base <= p.data_ptr() < end or p.numel() == 0
+    backward(m, 0)
+    assert torch.equal(opt._flat_grads, torch.cat([p.grad.reshape(-1) for p in opt._params]))
+    # Module.zero_grad() drops the views; backward then makes fresh tensors, copied in at step.
+    m.zero_grad()
+    backward(m, 1)
+    fresh = torch.cat([p.grad.reshape(-1) for p in opt._params]).clone()
+    opt.step()
+    assert torch.equal(opt._flat_grads, fresh)
+    assert all(p.grad.data_ptr() == v.data_ptr() for p, v in zip(opt._params, opt._grad_views))
+
+
+@pytest.mark.parametrize("cls", [FlatLamb, FlatAdamW])
+@pytest.mark.parametrize("kernels", IMPLS)
+def test_state_dict_round_trip_resumes_exactly(cls, kernels):
+    straight = model()
+    opt = cls(groups(straight), lr=0.01, max_grad_norm=1.0, kernels=kernels, chunk_size=32)
+    train(straight, opt, 5)
+
+    first = model()
+    opt1 = cls(groups(first), lr=0.01, max_grad_norm=1.0, kernels=kernels, chunk_size=32)
+    train(first, opt1, 3)
+    buf = io.BytesIO()
+    torch.save({"model": first.state_dict(), "optim": opt1.state_dict()}, buf)
+    sd = opt1.state_dict()
+    for p, st in zip(opt1._params, (sd["state"][i] for i in range(len(opt1._params)))):
+        assert set(st) == {"step", "exp_avg", "exp_avg_sq"} and st["exp_avg"].shape == p.shape
+        assert st["step"].item() == 3.0 and st["step"].device.type == "cpu"
+
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    resumed = model(seed=1)  # other initial values: everything must come from the checkpoint
+    resumed.load_state_dict(ckpt["model"])
+    opt2 = cls(groups(resumed), lr=0.01, max_grad_norm=1.0, kernels=kernels, chunk_size=32)
+    opt2.load_state_dict(ckpt["optim"])
+    train(resumed, opt2, 2, first=3)
+    assert torch.equal(flat_params(resumed), flat_params(straight)), "resume differs from the uninterrupted run"
+    assert torch.equal(opt2._exp_avg, opt._exp_avg) and torch.equal(opt2._exp_avg_sq, opt._exp_avg_sq)
+
+
+def test_a_lamb_checkpoint_loads_into_flat_lamb():
+    # Same state names and shapes as Lamb: a checkpoint of today's optimizer resumes here.
+    a, b = model(), model()
+    lamb = Lamb(groups(a), lr=0.01)
+    train(a, lamb, 3)
+    b.load_state_dict(a.state_dict())
+    flat = FlatLamb(groups(b), lr=0.01, kernels="fused", chunk_size=32)
+    flat.load_state_dict(lamb.state_dict())
+    train(a, lamb, 2, first=3)
+    train(b, flat, 2, first=3)
+    assert_close_rel(flat_params(b), flat_params(a), TOL, "params after resuming Lamb's checkpoint")
+
+
+def test_mismatched_step_counts_in_a_group_are_refused():
+    m = model()
+    lamb = Lamb(groups(m), lr=0.01)
+    train(m, lamb, 2)
+    sd = lamb.state_dict()
+    sd["state"][0]["step"] = torch.tensor(7.0)
+    flat = FlatLamb(groups(model()), lr=0.01, kernels="fused")
+    with pytest.raises(ValueError, match=r"param group 0: .* per-parameter step counts \[2, 7\]"):
+        flat.load_state_dict(sd)
+
+
+def test_constructor_checks():
+    m = model()
+    with pytest.raises(ValueError, match=r"fp32 parameters; got torch.float16"):
+        FlatLamb([nn.Parameter(torch.zeros(3, dtype=torch.float16))])
+    with pytest.raises(ValueError, match=r"need 0 <= min_coeff <= max_coeff, got min_coeff 2.0, max_coeff 1.0"):
+        FlatLamb(m.parameters(), max_coeff=1.0, min_coeff=2.0)
+    with pytest.raises(ValueError, match=r"kernels must be one of auto, fused, reference, emulated, got 'fast'"):
+        FlatAdamW(m.parameters(), kernels="fast")
+    opt = FlatAdamW(groups(m), kernels="fused")
+    assert opt.kernel_source == "fused"
+    with pytest.raises(RuntimeError, match="fixed at construction"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+    # A wrapper that swaps the group's tensors (as DeepSpeed's bf16 optimizer does) is refused at step.
+    opt.param_groups[0]["params"] = [p.detach().clone() for p in opt.param_groups[0]["params"]]
+    with pytest.raises(RuntimeError, match=r"the param groups hold other tensors than the 7 the flat buffers"):
+        opt.step()
