@@ -21,6 +21,8 @@ Variants (``--variants``; default: all on CUDA, ours-optimized, ours-reference a
   ours-trainer-eager  the same with ``model.compile: false``
   ours-trainer-torchopt  ours-trainer with ``optimizer.implementation: torch`` (bertdist's multi-tensor
                    LAMB, torch's AdamW) in place of DeepSpeed's fused optimizer
+  ours-trainer-flat  ours-trainer with ``optimizer.implementation: flat`` (bertdist's flat-buffer
+                   kernels, clipping fused in)
   hf-sdpa          transformers.BertForPreTraining, attn_implementation="sdpa" (dense MLM head)
   hf-sdpa-compile  the same under torch.compile (skipped, with the reason, if compiling fails)
 
@@ -94,13 +96,14 @@ import torch  # noqa: E402
 from bertdist.model import IGNORE_INDEX  # noqa: E402
 from bertdist.train.loader import batch_to_device, packing  # noqa: E402
 
-VARIANTS = ("ours-trainer", "ours-trainer-eager", "ours-trainer-torchopt", "ours-optimized", "ours-torch", "ours-reference",
+VARIANTS = ("ours-trainer", "ours-trainer-eager", "ours-trainer-torchopt", "ours-trainer-flat", "ours-optimized", "ours-torch", "ours-reference",
             "ours-reference-compile", "hf-sdpa", "hf-sdpa-compile")
 # trainer variant -> its overrides of the recipe
 TRAINER_VARIANTS = {
     "ours-trainer": ("model.compile=true",),
     "ours-trainer-eager": ("model.compile=false",),
     "ours-trainer-torchopt": ("model.compile=true", "optimizer.implementation=torch"),
+    "ours-trainer-flat": ("model.compile=true", "optimizer.implementation=flat"),
 }
 RECIPES = Path(__file__).resolve().parents[1] / "configs" / "pretrain"
 TRAINER_RECIPE = RECIPES / "bert-large-phase1.yaml"
@@ -419,6 +422,7 @@ def build_trainer_variant(name: str, cfg, recipe: Path, device: torch.device, ba
             "compile": tc.model.compile, "compile_reason": run.compile_reason, "overrides": TRAINER_VARIANTS[name],
             "compiled_regions": run.compiled_regions, "optimizer": type(run.engine.optimizer).__name__,
             "optimizer_name": tc.optimizer.name, "gradient_clipping": tc.deepspeed.gradient_clipping,
+            "optimizer_kernels": getattr(run.engine.optimizer, "kernel_source", None),
             "settle_every": every}
     return step, info
 
@@ -700,7 +704,8 @@ def markdown(res: dict) -> str:
         lines += ["", f"Compile cache `{c['path']}`: loaded {c['loaded']}, saved {c.get('saved')}."]
     trainer = {n: r for n, r in res["variants"].items() if r.get("impl") == "bertdist pretrain step"}
     for n, r in trainer.items():
-        lines += ["", f"{n}: recipe {r['recipe']}, optimizer {r['optimizer_name']} ({r['optimizer']}), clipping "
+        kernels = f", its kernels {r['optimizer_kernels']}" if r.get("optimizer_kernels") else ""
+        lines += ["", f"{n}: recipe {r['recipe']}, optimizer {r['optimizer_name']} ({r['optimizer']}{kernels}), clipping "
                   f"{r['gradient_clipping']}, kernels {r['kernels']}, {r['compile_reason']} "
                   f"({r['compiled_regions']} regions), one host sync every {r['settle_every']} steps."]
     lines += ["", f"Peak memory: {res['peak_mem_kind']}. Kernels of ours-optimized: "

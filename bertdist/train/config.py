@@ -68,7 +68,13 @@ class OptimizerConfig:
     # LAMB trust-ratio clamp, as in DeepSpeed's FusedLamb (max_coeff / min_coeff).
     lamb_max_coeff: float = 10.0
     lamb_min_coeff: float = 0.01
-    implementation: Literal["auto", "fused", "torch"] = "auto"  # auto: fused on CUDA where it loads (train/optim.py)
+    # auto: fused on CUDA where it loads; flat: bertdist's flat-buffer kernels (train/optim.py)
+    implementation: Literal["auto", "fused", "torch", "flat"] = "auto"
+
+    @property
+    def clips_itself(self) -> bool:
+        """Whether the optimizer computes the global gradient norm and clips inside its step (flat)."""
+        return self.implementation == "flat"
 
     def __post_init__(self) -> None:
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
@@ -296,6 +302,14 @@ class TrainConfig:
                               f"run's last step {self.steps_to_run} (schedule.total_steps "
                               f"{self.schedule.total_steps}, max_steps {self.max_steps}); lower "
                               f"profiling.start_step or profiling.num_steps")
+        if self.optimizer.implementation == "flat" and (self.deepspeed.zero_stage > 0
+                                                        or self.deepspeed.precision == "fp16"):
+            # The flat optimizer owns the fp32 parameters as views of its buffer; ZeRO partitions
+            # them itself, and DeepSpeed's fp16 mode keeps its own fp32 copies.
+            raise ConfigError(
+                f"optimizer.implementation=flat needs deepspeed.zero_stage=0 and precision fp32 or bf16 (got "
+                f"zero_stage {self.deepspeed.zero_stage}, precision {self.deepspeed.precision}); use "
+                "implementation auto or torch there")
         if self.optimizer.name == "lamb" and self.deepspeed.zero_stage > 0:
             # ZeRO flattens and partitions the parameters, so the optimizer would see slices of a flat
             # buffer instead of layers, and LAMB's per-layer trust ratio ||w|| / ||update|| would be wrong.

@@ -51,8 +51,10 @@ def generate_ds_config(cfg: TrainConfig, world_size: int, grad_accum: int) -> di
         "train_batch_size": cfg.data.global_batch_size,
         "train_micro_batch_size_per_gpu": cfg.data.micro_batch_size,
         "gradient_accumulation_steps": grad_accum,
-        # Where the trainer computes the norm, it clips too (step.clip_gradients): DeepSpeed's is off.
-        "gradient_clipping": 0.0 if trainer_clips(d.precision, d.zero_stage) else d.gradient_clipping,
+        # Where the trainer computes the norm it clips too (step.clip_gradients), and a flat optimizer
+        # clips inside its step: DeepSpeed's clipping is off then.
+        "gradient_clipping": (0.0 if trainer_clips(d.precision, d.zero_stage) or cfg.optimizer.clips_itself
+                              else d.gradient_clipping),
         "zero_optimization": {"stage": d.zero_stage},
         # Our optimizers are plain torch ones (AdamW) or DeepSpeed's; LAMB is refused with ZeRO (config.py).
         "zero_allow_untested_optimizer": True,

@@ -38,7 +38,11 @@ def build_engine(cfg: TrainConfig, plan: RestorePlan, world_size: int, grad_accu
         model = ElectraForPreTraining(cfg.model_config, device_type=device_type, kernels=kernels)
     else:
         model = BertForPreTraining(cfg.model, device_type=device_type, kernels=kernels)
-    optimizer = build_optimizer(model, cfg.optimizer, device_type)
+    clips = cfg.optimizer.clips_itself
+    if clips:  # it keeps the parameters as views of its own buffer: they must be where they will stay
+        model.to(_local_device(device_type))
+    optimizer = build_optimizer(model, cfg.optimizer, device_type,
+                                max_grad_norm=cfg.deepspeed.gradient_clipping if clips else 0.0)
     scheduler = build_scheduler(optimizer, cfg.schedule)
     ds_config = build_ds_config(cfg, world_size, grad_accum)
     if plan.universal:
@@ -51,6 +55,13 @@ def build_engine(cfg: TrainConfig, plan: RestorePlan, world_size: int, grad_accu
         # buckets, all-reduce them with itself and copy them back, every step.
         engine.enable_backward_allreduce = False
     return Engine(engine, scheduler, ds_config)
+
+
+def _local_device(device_type: str):
+    """This rank's device (``distributed.init_distributed`` made it current)."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
 
 
 def use_tf32(device_type: str) -> None:

@@ -9,6 +9,11 @@
   their op can neither be loaded nor built. DeepSpeed compiles these ops at first use unless
   it was installed with them prebuilt (``DS_BUILD_FUSED_LAMB=1 DS_BUILD_FUSED_ADAM=1``).
 - ``torch`` (and ``auto`` on CPU): our ``Lamb`` / ``torch.optim.AdamW``.
+- ``flat``: ``bertdist.train.flat_optim``'s FlatLamb / FlatAdamW: every parameter a view of one
+  flat fp32 buffer, a fixed handful of kernel launches per step whatever the number of tensors,
+  and the global-norm clipping fused in (``deepspeed.gradient_clipping`` goes to the optimizer,
+  DeepSpeed's own is 0). Our CUDA kernels where the extension is built, else its CPU twin or the
+  reference ops. ZeRO 0, fp32 or bf16.
 ``optimizer_choice`` says which, and why, for a ``DeviceProfile`` (``pretrain --plan`` prints it).
 Biases and LayerNorm weights get no weight decay (``no_decay``), as in BERT.
 
@@ -35,6 +40,8 @@ FUSED_ADAM = "deepspeed.ops.adam.FusedAdam"
 TORCH_LAMB = "bertdist.train.lamb.Lamb"
 TORCH_ADAMW = "torch.optim.AdamW"
 TORCH_FUSED_ADAMW = "torch.optim.AdamW(fused=True)"
+FLAT_LAMB = "bertdist.train.flat_optim.FlatLamb"
+FLAT_ADAMW = "bertdist.train.flat_optim.FlatAdamW"
 
 
 def toolkit_refused(profile: DeviceProfile) -> str | None:
@@ -117,6 +124,9 @@ def optimizer_choice(cfg: OptimizerConfig, profile: DeviceProfile, *, build: boo
                           "Use implementation: torch (or auto).")
     if impl == "torch":
         return plain, "optimizer.implementation=torch"
+    if impl == "flat":
+        return (FLAT_LAMB if lamb else FLAT_ADAMW), ("optimizer.implementation=flat: bertdist's flat-buffer "
+                                                     "kernels, clipping fused in")
     if not profile.is_cuda:
         return plain, f"implementation {impl} on {profile.type}: DeepSpeed's fused optimizers are CUDA-only"
     if impl == "auto" and not lamb:
@@ -151,15 +161,25 @@ def param_groups(model: torch.nn.Module, cfg: OptimizerConfig) -> list[dict]:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device_type: str,
-                    profile: DeviceProfile | None = None) -> torch.optim.Optimizer:
+                    profile: DeviceProfile | None = None, max_grad_norm: float = 0.0) -> torch.optim.Optimizer:
     """The optimizer ``optimizer_choice`` picks on ``profile`` (default: this machine's
-    ``device_type`` device), DeepSpeed's op built first; a fallback is warned about, naming why."""
+    ``device_type`` device), DeepSpeed's op built first; a fallback is warned about, naming why.
+    ``max_grad_norm``: the clipping of an optimizer that clips by itself (``clips_itself``);
+    such an optimizer holds the parameters where they are now, so the model must be on its device."""
     profile = profile or for_device_type(device_type)
     choice, why = optimizer_choice(cfg, profile, build=True)
     if cfg.implementation == "auto" and profile.is_cuda and choice == TORCH_LAMB:
         warnings.warn(f"optimizer lamb on CUDA: {why}", RuntimeWarning, stacklevel=2)
     groups = param_groups(model, cfg)
     betas = tuple(cfg.betas)
+    if choice in (FLAT_LAMB, FLAT_ADAMW):
+        from bertdist.train.flat_optim import FlatAdamW, FlatLamb
+
+        if choice == FLAT_LAMB:
+            return FlatLamb(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                            max_coeff=cfg.lamb_max_coeff, min_coeff=cfg.lamb_min_coeff, max_grad_norm=max_grad_norm)
+        return FlatAdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                         max_grad_norm=max_grad_norm)
     if choice == FUSED_LAMB:
         from deepspeed.ops.lamb import FusedLamb
 

@@ -129,6 +129,8 @@ class StepRunner:
     objective: Any = None
     # With own_grad_norm: the max norm we clip to (DeepSpeed's gradient_clipping is 0 then; ds_config.py)
     clip: float = 0.0
+    # The optimizer computes the norm and clips inside its step (flat_optim): its norm is logged
+    optimizer_norm: bool = False
 
     @classmethod
     def for_run(cls, engine, cfg, device: torch.device, grad_accum: int, objective=None) -> "StepRunner":
@@ -136,9 +138,11 @@ class StepRunner:
         (``precision.trainer_clips``) follows from its precision and ZeRO stage."""
         from bertdist.train.precision import trainer_clips
 
-        own = trainer_clips(cfg.deepspeed.precision, cfg.deepspeed.zero_stage)
+        by_optimizer = cfg.optimizer.clips_itself
+        own = trainer_clips(cfg.deepspeed.precision, cfg.deepspeed.zero_stage) and not by_optimizer
         return cls(engine, device, grad_accum, cfg.deepspeed.precision, cfg.model_config, own_grad_norm=own,
-                   objective=objective, clip=cfg.deepspeed.gradient_clipping if own else 0.0)
+                   objective=objective, clip=cfg.deepspeed.gradient_clipping if own else 0.0,
+                   optimizer_norm=by_optimizer)
 
     def __post_init__(self):
         self.params = list({id(p): p for p in self.engine.module.parameters()}.values())
@@ -225,8 +229,13 @@ def launch_step(r: StepRunner, micro_batches: list[dict[str, torch.Tensor]], sto
             if last and r.own_grad_norm:  # gradients are reduced by now
                 sums.add("grad_norm", clip_gradients(r.params, r.clip).double())
             engine.step()
+            if last and r.optimizer_norm:
+                sums.add("grad_norm", engine.optimizer.grad_norm)
+                # DeepSpeed dropped every .grad after its step: the flat optimizer's views of its
+                # gradient buffer come back, zeroed in one fill, before the next backward
+                engine.optimizer.zero_grad()
     sums.add("stop", 1.0 if stop_requested else 0.0)
-    gn = None if r.own_grad_norm else engine.get_global_grad_norm()
+    gn = None if r.own_grad_norm or r.optimizer_norm else engine.get_global_grad_norm()
     return PendingStep(sums, lr, engine.skipped_steps - skipped_before,
                        None if gn is None else float(gn))
 
