@@ -680,8 +680,8 @@ std::vector<at::Tensor> flat_grad_norm(const at::Tensor& g, const at::Tensor& ta
 FlatStepParams flat_step_params(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, const at::Tensor& v,
                                 const at::Tensor& table, int64_t num_chunks, int64_t chunk_size,
                                 const at::Tensor& weight_decay, const at::Tensor& stats, int64_t step, double lr,
-                                double beta1, double beta2, double eps, bool bias_correction, const char* op,
-                                DType* gt) {
+                                double beta1, double beta2, double eps, bool bias_correction,
+                                const at::Tensor& params_bf16, const char* op, DType* gt) {
   TORCH_CHECK(p.dim() == 1, op, ": params must be a flat buffer, got shape ", shape_str(p));
   check_dtype(p, at::kFloat, op, "params");
   check_contiguous(p, op, "params");
@@ -710,6 +710,11 @@ FlatStepParams flat_step_params(const at::Tensor& p, const at::Tensor& g, const 
   f.m = m.data_ptr<float>();
   f.v = v.data_ptr<float>();
   f.weight_decay = weight_decay.data_ptr<float>();
+  if (params_bf16.numel() > 0) {  // empty: no bf16 copy
+    check_flat(p, params_bf16, op, "params_bf16");
+    check_dtype(params_bf16, at::kBFloat16, op, "params_bf16");
+    f.p_bf16 = params_bf16.data_ptr();
+  }
   f.stats = stats.data_ptr<float>();
   f.lr = static_cast<float>(lr);
   f.beta1 = static_cast<float>(beta1);
@@ -726,11 +731,11 @@ FlatStepParams flat_step_params(const at::Tensor& p, const at::Tensor& g, const 
 void flat_lamb_step(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, const at::Tensor& v,
                     const at::Tensor& table, int64_t num_chunks, int64_t chunk_size, const at::Tensor& weight_decay,
                     const at::Tensor& stats, int64_t step, double lr, double beta1, double beta2, double eps,
-                    bool bias_correction, double max_coeff, double min_coeff) {
+                    bool bias_correction, double max_coeff, double min_coeff, const at::Tensor& params_bf16) {
   const char* op = "bertdist.flat_lamb_step";
   DType gt;
   FlatStepParams f = flat_step_params(p, g, m, v, table, num_chunks, chunk_size, weight_decay, stats, step, lr, beta1,
-                                      beta2, eps, bias_correction, op, &gt);
+                                      beta2, eps, bias_correction, params_bf16, op, &gt);
   TORCH_CHECK(min_coeff >= 0.0 && min_coeff <= max_coeff, op, ": need 0 <= min_coeff <= max_coeff, got min_coeff ",
               min_coeff, ", max_coeff ", max_coeff);
   f.max_coeff = static_cast<float>(max_coeff);
@@ -746,11 +751,12 @@ void flat_lamb_step(const at::Tensor& p, const at::Tensor& g, const at::Tensor& 
 
 void flat_adamw_step(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, const at::Tensor& v,
                      const at::Tensor& table, int64_t num_chunks, int64_t chunk_size, const at::Tensor& weight_decay,
-                     const at::Tensor& stats, int64_t step, double lr, double beta1, double beta2, double eps) {
+                     const at::Tensor& stats, int64_t step, double lr, double beta1, double beta2, double eps,
+                     const at::Tensor& params_bf16) {
   const char* op = "bertdist.flat_adamw_step";
   DType gt;
   const FlatStepParams f = flat_step_params(p, g, m, v, table, num_chunks, chunk_size, weight_decay, stats, step, lr,
-                                            beta1, beta2, eps, true, op, &gt);
+                                            beta1, beta2, eps, true, params_bf16, op, &gt);
   run_on_device(p, op, [&] { flat_adamw_cpu(f, gt); }, [&](void* s) {
 #ifdef BERTDIST_CUDA_KERNELS
     flat_adamw_cuda(f, gt, s);
@@ -905,12 +911,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("flat_lamb_step", &flat_lamb_step, py::arg("params"), py::arg("grads"), py::arg("exp_avg"),
         py::arg("exp_avg_sq"), py::arg("table"), py::arg("num_chunks"), py::arg("chunk_size"),
         py::arg("weight_decay"), py::arg("stats"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
-        py::arg("eps"), py::arg("bias_correction"), py::arg("max_coeff"), py::arg("min_coeff"),
-        "One LAMB step over flat buffers, in place; grads scaled by stats[1]");
+        py::arg("eps"), py::arg("bias_correction"), py::arg("max_coeff"), py::arg("min_coeff"), py::arg("params_bf16"),
+        "One LAMB step over flat buffers, in place; grads scaled by stats[1]; params_bf16 (empty: none) gets a bf16 copy");
   m.def("flat_adamw_step", &flat_adamw_step, py::arg("params"), py::arg("grads"), py::arg("exp_avg"),
         py::arg("exp_avg_sq"), py::arg("table"), py::arg("num_chunks"), py::arg("chunk_size"),
         py::arg("weight_decay"), py::arg("stats"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
-        py::arg("eps"), "One AdamW step (torch.optim.AdamW's) over flat buffers, in place; grads scaled by stats[1]");
+        py::arg("eps"), py::arg("params_bf16"),
+        "One AdamW step (torch.optim.AdamW's) over flat buffers, in place; grads scaled by stats[1]; params_bf16 as LAMB's");
   m.def("with_cuda", &with_cuda, "True when this build contains the CUDA kernels");
   m.def("build_info", &build_info, "How this module was built (CUDA archs, OpenMP, notes)");
 }

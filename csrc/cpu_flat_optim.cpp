@@ -19,6 +19,12 @@ inline float lamb_direction(float m, float v, float w, float wd, const FlatStepP
   return (m / p.bc1) / (std::sqrt(v / p.bc2) + p.eps) + wd * w;
 }
 
+// The updated parameter, and its bf16 copy (round to nearest even, as the GPU's) where one is kept.
+inline void store_param(const FlatStepParams& p, int64_t i, float w) {
+  p.p[i] = w;
+  if (p.p_bf16) static_cast<c10::BFloat16*>(p.p_bf16)[i] = c10::BFloat16(w);
+}
+
 template <typename F>
 void dispatch_grad_dtype(DType t, const char* op, F&& f) {
   switch (t) {
@@ -94,7 +100,7 @@ void lamb_impl(const FlatStepParams& p) {
     const float wd = p.weight_decay[r.seg], t = trust[r.seg];
     for (int64_t i = r.begin; i < r.end; ++i) {
       const float w = p.p[i];
-      p.p[i] = w - p.lr * (t * lamb_direction(p.m[i], p.v[i], w, wd, p));
+      store_param(p, i, w - p.lr * (t * lamb_direction(p.m[i], p.v[i], w, wd, p)));
     }
   }
 }
@@ -115,7 +121,7 @@ void adamw_impl(const FlatStepParams& p) {
       const float v = p.beta2 * p.v[i] + p.one_minus_beta2 * gi * gi;
       p.m[i] = m;
       p.v[i] = v;
-      p.p[i] = p.p[i] * decay - step_size * (m / (std::sqrt(v) / bc2_sqrt + p.eps));
+      store_param(p, i, p.p[i] * decay - step_size * (m / (std::sqrt(v) / bc2_sqrt + p.eps)));
     }
   }
 }

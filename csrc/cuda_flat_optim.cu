@@ -24,6 +24,12 @@ __device__ __forceinline__ float lamb_direction(float m, float v, float w, float
   return (m / p.bc1) / (sqrtf(v / p.bc2) + p.eps) + wd * w;
 }
 
+// The updated parameter, and its bf16 copy where one is kept.
+__device__ __forceinline__ void store_param(const FlatStepParams& p, int64_t i, float w) {
+  p.p[i] = w;
+  if (p.p_bf16) static_cast<__nv_bfloat16*>(p.p_bf16)[i] = from_f<__nv_bfloat16>(w);
+}
+
 template <typename G>
 __global__ void __launch_bounds__(kThreads) flat_sumsq_kernel(FlatNormParams p) {
   BD_SHARED(float, red, 66);
@@ -96,7 +102,7 @@ __global__ void __launch_bounds__(kThreads) flat_lamb_apply_kernel(FlatStepParam
   const float wd = p.weight_decay[r.seg];
   for (int64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
     const float w = p.p[i];
-    p.p[i] = w - p.lr * (trust * lamb_direction(p.m[i], p.v[i], w, wd, p));
+    store_param(p, i, w - p.lr * (trust * lamb_direction(p.m[i], p.v[i], w, wd, p)));
   }
 }
 
@@ -114,7 +120,7 @@ __global__ void __launch_bounds__(kThreads) flat_adamw_kernel(FlatStepParams p) 
     const float v = p.beta2 * p.v[i] + p.one_minus_beta2 * gi * gi;
     p.m[i] = m;
     p.v[i] = v;
-    p.p[i] = p.p[i] * decay - step_size * (m / (sqrtf(v) / bc2_sqrt + p.eps));
+    store_param(p, i, p.p[i] * decay - step_size * (m / (sqrtf(v) / bc2_sqrt + p.eps)));
   }
 }
 

@@ -139,6 +139,7 @@ struct FlatStepParams {
   const float* weight_decay = nullptr;  // [segments]
   const float* stats = nullptr;         // [2], the norm pass's
   float* partial = nullptr;             // LAMB: [2][chunks] workspace (||p||^2, ||u||^2 per chunk)
+  void* p_bf16 = nullptr;               // optional: receives the updated params rounded to bf16
   float lr = 0.f, beta1 = 0.f, beta2 = 0.f, eps = 0.f, bc1 = 1.f, bc2 = 1.f;
   // 1 - beta, rounded from double on the host: 1.f - 0.999f is 4.7e-5 away from 0.001f, as torch's is not
   float one_minus_beta1 = 1.f, one_minus_beta2 = 1.f;

@@ -12,6 +12,9 @@ table of ``flat_layout``:
   ``stats[1]``; ``weight_decay`` is fp32 [segments]. Two launches on CUDA.
 - ``flat_adamw_step_(...)``: ``torch.optim.AdamW``'s step (decoupled weight decay), one launch.
 
+Both steps take ``params_bf16``: a flat bf16 buffer that receives the updated params rounded to
+nearest even in the same pass (for a bf16 copy of the model), or None.
+
 They update params, exp_avg and exp_avg_sq in place and never read a device value on the host:
 ``step`` and ``lr`` are host scalars, the clip coefficient stays on the device. The public
 functions have the signatures of their twins in ``reference.py`` (``reference_flat_*``).
@@ -41,10 +44,15 @@ class FlatOptimOps:
     adamw_step_: Callable
 
 
+def _bf16_or_empty(params: Tensor, params_bf16: Tensor | None) -> Tensor:
+    # The ops take an empty tensor for "no bf16 copy" (a mutable Optional[Tensor] is not needed then).
+    return params.new_empty(0, dtype=torch.bfloat16) if params_bf16 is None else params_bf16
+
+
 def define_optim_ops(namespace: str, extension: Callable[[], ModuleType]) -> FlatOptimOps:
     """Registers ``torch.ops.<namespace>.flat_*`` over ``extension()`` and returns the public functions."""
     ops = getattr(torch.ops, namespace)
-    state = ("params", "exp_avg", "exp_avg_sq")
+    state = ("params", "exp_avg", "exp_avg_sq", "params_bf16")
 
     @torch.library.custom_op(f"{namespace}::flat_grad_norm", mutates_args=())
     def _grad_norm(grads: Tensor, table: Tensor, num_chunks: int, chunk_size: int,
@@ -59,9 +67,10 @@ def define_optim_ops(namespace: str, extension: Callable[[], ModuleType]) -> Fla
     @torch.library.custom_op(f"{namespace}::flat_lamb_step", mutates_args=state)
     def _lamb(params: Tensor, grads: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, table: Tensor, num_chunks: int,
               chunk_size: int, weight_decay: Tensor, stats: Tensor, step: int, lr: float, beta1: float, beta2: float,
-              eps: float, bias_correction: bool, max_coeff: float, min_coeff: float) -> None:
+              eps: float, bias_correction: bool, max_coeff: float, min_coeff: float, params_bf16: Tensor) -> None:
         extension().flat_lamb_step(params, grads, exp_avg, exp_avg_sq, table, num_chunks, chunk_size, weight_decay,
-                                   stats, step, lr, beta1, beta2, eps, bias_correction, max_coeff, min_coeff)
+                                   stats, step, lr, beta1, beta2, eps, bias_correction, max_coeff, min_coeff,
+                                   params_bf16)
 
     @_lamb.register_fake
     def _(*args):
@@ -70,9 +79,9 @@ def define_optim_ops(namespace: str, extension: Callable[[], ModuleType]) -> Fla
     @torch.library.custom_op(f"{namespace}::flat_adamw_step", mutates_args=state)
     def _adamw(params: Tensor, grads: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, table: Tensor, num_chunks: int,
                chunk_size: int, weight_decay: Tensor, stats: Tensor, step: int, lr: float, beta1: float,
-               beta2: float, eps: float) -> None:
+               beta2: float, eps: float, params_bf16: Tensor) -> None:
         extension().flat_adamw_step(params, grads, exp_avg, exp_avg_sq, table, num_chunks, chunk_size, weight_decay,
-                                    stats, step, lr, beta1, beta2, eps)
+                                    stats, step, lr, beta1, beta2, eps, params_bf16)
 
     @_adamw.register_fake
     def _(*args):
@@ -86,18 +95,19 @@ def define_optim_ops(namespace: str, extension: Callable[[], ModuleType]) -> Fla
     def flat_lamb_step_(params: Tensor, grads: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, table: Tensor,
                         num_chunks: int, chunk_size: int, weight_decay: Tensor, stats: Tensor, *, step: int,
                         lr: float, beta1: float, beta2: float, eps: float, bias_correction: bool = True,
-                        max_coeff: float = 10.0, min_coeff: float = 0.01) -> None:
-        """One LAMB step of every segment, in place."""
+                        max_coeff: float = 10.0, min_coeff: float = 0.01, params_bf16: Tensor | None = None) -> None:
+        """One LAMB step of every segment, in place; ``params_bf16`` (flat bf16) receives the new params."""
         ops.flat_lamb_step(params, grads, exp_avg, exp_avg_sq, table, int(num_chunks), int(chunk_size), weight_decay,
                            stats, int(step), float(lr), float(beta1), float(beta2), float(eps), bool(bias_correction),
-                           float(max_coeff), float(min_coeff))
+                           float(max_coeff), float(min_coeff), _bf16_or_empty(params, params_bf16))
 
     def flat_adamw_step_(params: Tensor, grads: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, table: Tensor,
                          num_chunks: int, chunk_size: int, weight_decay: Tensor, stats: Tensor, *, step: int,
-                         lr: float, beta1: float, beta2: float, eps: float) -> None:
-        """One AdamW step of every segment, in place."""
+                         lr: float, beta1: float, beta2: float, eps: float, params_bf16: Tensor | None = None) -> None:
+        """One AdamW step of every segment, in place; ``params_bf16`` as LAMB's."""
         ops.flat_adamw_step(params, grads, exp_avg, exp_avg_sq, table, int(num_chunks), int(chunk_size),
-                            weight_decay, stats, int(step), float(lr), float(beta1), float(beta2), float(eps))
+                            weight_decay, stats, int(step), float(lr), float(beta1), float(beta2), float(eps),
+                            _bf16_or_empty(params, params_bf16))
 
     return FlatOptimOps(flat_grad_norm, flat_lamb_step_, flat_adamw_step_)
 

@@ -156,10 +156,11 @@ def reference_flat_lamb_step_(params: torch.Tensor, grads: torch.Tensor, exp_avg
                               exp_avg_sq: torch.Tensor, table: torch.Tensor, num_chunks: int, chunk_size: int,
                               weight_decay: torch.Tensor, stats: torch.Tensor, *, step: int, lr: float, beta1: float,
                               beta2: float, eps: float, bias_correction: bool = True, max_coeff: float = 10.0,
-                              min_coeff: float = 0.01) -> None:
+                              min_coeff: float = 0.01, params_bf16: torch.Tensor | None = None) -> None:
     """bertdist.train.lamb.Lamb's step for every segment, the gradient scaled by stats[1] first:
     ``u = m_hat / (sqrt(v_hat) + eps) + wd * p``, ``p -= lr * r * u`` with the segment's trust ratio
-    ``r = clamp(||p|| / ||u||, min_coeff, max_coeff)``, 1 when either norm is 0."""
+    ``r = clamp(||p|| / ||u||, min_coeff, max_coeff)``, 1 when either norm is 0. ``params_bf16``
+    receives the new params in bf16."""
     sizes = _flat_segments(table)
     g = grads.float() * stats[1]
     exp_avg.mul_(beta1).add_(g, alpha=1 - beta1)
@@ -173,14 +174,16 @@ def reference_flat_lamb_step_(params: torch.Tensor, grads: torch.Tensor, exp_avg
     trust = torch.where((w_norm > 0) & (u_norm > 0), ratio, torch.ones_like(ratio))
     r = torch.repeat_interleave(trust, torch.tensor(sizes, device=params.device), output_size=params.numel())
     params.sub_(lr * (r * u))
+    if params_bf16 is not None:
+        params_bf16.copy_(params)
 
 
 def reference_flat_adamw_step_(params: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor,
                                exp_avg_sq: torch.Tensor, table: torch.Tensor, num_chunks: int, chunk_size: int,
                                weight_decay: torch.Tensor, stats: torch.Tensor, *, step: int, lr: float, beta1: float,
-                               beta2: float, eps: float) -> None:
+                               beta2: float, eps: float, params_bf16: torch.Tensor | None = None) -> None:
     """torch.optim.AdamW's step (decoupled weight decay, bias correction) for every segment, the
-    gradient scaled by stats[1] first."""
+    gradient scaled by stats[1] first; ``params_bf16`` receives the new params in bf16."""
     sizes = _flat_segments(table)
     g = grads.float() * stats[1]
     wd = torch.repeat_interleave(weight_decay, torch.tensor(sizes, device=params.device), output_size=params.numel())
@@ -190,3 +193,5 @@ def reference_flat_adamw_step_(params: torch.Tensor, grads: torch.Tensor, exp_av
     step_size = lr / (1 - beta1**step)
     denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
     params.addcdiv_(exp_avg, denom, value=-step_size)
+    if params_bf16 is not None:
+        params_bf16.copy_(params)

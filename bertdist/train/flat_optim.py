@@ -33,6 +33,9 @@ The state is kept per parameter under the names and shapes of today's optimizers
 parameters of a group), so ``state_dict()`` checkpoints look like ``Lamb``'s / AdamW's and load
 either way; ``load_state_dict`` copies the moments back into the flat buffers (an exact resume).
 
+``bf16_copy=True`` keeps a flat bf16 copy of the parameters (``flat_params_bf16``,
+``bf16_params()``), written by the update kernels in the same pass: no extra launch.
+
 ``kernels`` picks the implementation as ``bertdist.ops.optim_dispatch`` says: ``auto`` (the
 compiled kernels of the parameters' device, else the reference ops), ``fused``, ``reference``,
 ``emulated``. ``chunk_size`` is the kernels' reduction chunk (``flat_layout``); every
@@ -53,7 +56,8 @@ class _FlatOptimizer(Optimizer):
     # the group keys that must agree for groups to share one kernel call (weight decay is per tensor)
     _run_keys: tuple[str, ...] = ()
 
-    def __init__(self, params, defaults: dict, max_grad_norm: float, kernels: str, chunk_size: int):
+    def __init__(self, params, defaults: dict, max_grad_norm: float, kernels: str, chunk_size: int,
+                 bf16_copy: bool):
         self._flat_ready = False
         super().__init__(params, defaults)
         self.max_grad_norm = float(max_grad_norm)
@@ -74,6 +78,7 @@ class _FlatOptimizer(Optimizer):
         self._flat_params = torch.empty(n, dtype=torch.float32, device=self.device)
         self._flat_grads, self._exp_avg, self._exp_avg_sq = (torch.zeros_like(self._flat_params) for _ in range(3))
         self._spans = self._layout.spans()
+        self._flat_params_bf16 = None
         self._grad_views = []
         with torch.no_grad():
             for p, (a, b) in zip(self._params, self._spans):
@@ -84,6 +89,8 @@ class _FlatOptimizer(Optimizer):
                     view.copy_(p.grad)
                 p.grad = view
                 self._grad_views.append(view)
+        if bf16_copy:
+            self._flat_params_bf16 = self._flat_params.to(torch.bfloat16)
         # group i owns segments _group_bounds[i] .. _group_bounds[i + 1]
         self._group_bounds = [0]
         for g in self.param_groups:
@@ -170,6 +177,19 @@ class _FlatOptimizer(Optimizer):
         return self._flat_params
 
     @property
+    def flat_params_bf16(self) -> torch.Tensor | None:
+        """With ``bf16_copy``: the parameters rounded to bf16 (round to nearest even), taken at
+        construction and rewritten by every step in the update's own pass (weights loaded into the
+        model in between reach it at the next step); else None."""
+        return self._flat_params_bf16
+
+    def bf16_params(self) -> list[torch.Tensor]:
+        """Views of ``flat_params_bf16`` shaped like the parameters, in param-group order."""
+        if self._flat_params_bf16 is None:
+            raise RuntimeError("this optimizer keeps no bf16 copy: construct it with bf16_copy=True")
+        return [self._flat_params_bf16[a:b].view(p.shape) for p, (a, b) in zip(self._params, self._spans)]
+
+    @property
     def layout(self) -> FlatLayout:
         return self._layout
 
@@ -216,10 +236,12 @@ class _FlatOptimizer(Optimizer):
             if layout.numel == 0:
                 continue
             bufs = (self._flat_params[a:b], self._flat_grads[a:b], self._exp_avg[a:b], self._exp_avg_sq[a:b])
-            self._update(self.param_groups[g0], self._steps[g0], bufs, table, layout, wd)
+            bf16 = None if self._flat_params_bf16 is None else self._flat_params_bf16[a:b]
+            self._update(self.param_groups[g0], self._steps[g0], bufs, table, layout, wd, bf16)
         return loss
 
-    def _update(self, group: dict, step: int, bufs, table, layout: FlatLayout, wd: torch.Tensor) -> None:
+    def _update(self, group: dict, step: int, bufs, table, layout: FlatLayout, wd: torch.Tensor,
+                bf16: torch.Tensor | None) -> None:
         raise NotImplementedError
 
 
@@ -241,20 +263,21 @@ class FlatLamb(_FlatOptimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.01,
                  max_coeff: float = 10.0, min_coeff: float = 0.01, max_grad_norm: float = 0.0, *,
-                 bias_correction: bool = True, kernels: str = "auto", chunk_size: int = DEFAULT_CHUNK_SIZE):
+                 bias_correction: bool = True, kernels: str = "auto", chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 bf16_copy: bool = False):
         _check_common(lr, betas, eps, max_grad_norm)
         if not 0.0 <= min_coeff <= max_coeff:
             raise ValueError(f"need 0 <= min_coeff <= max_coeff, got min_coeff {min_coeff}, max_coeff {max_coeff}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, max_coeff=max_coeff, min_coeff=min_coeff)
-        super().__init__(params, defaults, max_grad_norm, kernels, chunk_size)
+        super().__init__(params, defaults, max_grad_norm, kernels, chunk_size, bf16_copy)
 
-    def _update(self, group, step, bufs, table, layout, wd):
+    def _update(self, group, step, bufs, table, layout, wd, bf16):
         b1, b2 = group["betas"]
         self._ops.lamb_step_(*bufs, table, layout.num_chunks, layout.chunk_size, wd, self._stats, step=step,
                              lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
                              bias_correction=group["bias_correction"], max_coeff=group["max_coeff"],
-                             min_coeff=group["min_coeff"])
+                             min_coeff=group["min_coeff"], params_bf16=bf16)
 
 
 class FlatAdamW(_FlatOptimizer):
@@ -264,12 +287,13 @@ class FlatAdamW(_FlatOptimizer):
     _run_keys = ("lr", "betas", "eps")
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
-                 max_grad_norm: float = 0.0, *, kernels: str = "auto", chunk_size: int = DEFAULT_CHUNK_SIZE):
+                 max_grad_norm: float = 0.0, *, kernels: str = "auto", chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 bf16_copy: bool = False):
         _check_common(lr, betas, eps, max_grad_norm)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults, max_grad_norm, kernels, chunk_size)
+        super().__init__(params, defaults, max_grad_norm, kernels, chunk_size, bf16_copy)
 
-    def _update(self, group, step, bufs, table, layout, wd):
+    def _update(self, group, step, bufs, table, layout, wd, bf16):
         b1, b2 = group["betas"]
         self._ops.adamw_step_(*bufs, table, layout.num_chunks, layout.chunk_size, wd, self._stats, step=step,
-                              lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"])
+                              lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"], params_bf16=bf16)

@@ -14,7 +14,8 @@ from bertdist.train.flat_optim import FlatLamb
 from bertdist.train.lamb import Lamb
 from tests.emu._util import emu, launched
 from tests.ops._util import assert_close_rel, ext
-from tests.ops.flat_optim_cases import clip_coefficient, flat, make_grads, make_params, run_flat, run_torch
+from tests.ops.flat_optim_cases import (clip_coefficient, flat, make_grads, make_params, run_flat, run_torch,
+                                        step_with_bf16_copy)
 from tests.train.test_flat_optim import flat_params, groups, model, train
 
 TOL = 1e-6
@@ -102,6 +103,12 @@ def test_a_lamb_step_is_four_launches_whatever_the_tensor_count():
                          "flat_lamb_apply_kernel"}, names
         launches = {k: after["kernels"][k][0] - before["kernels"].get(k, (0, 0, 0))[0] for k in names}
         assert launches == dict.fromkeys(names, 1), f"{count} tensors: {launches}"
+
+
+@pytest.mark.parametrize("kind", ["lamb", "adamw"])
+def test_the_bf16_copy_is_the_updated_params_rounded(kind):
+    p, p_bf16 = step_with_bf16_copy(_emu_ops(), kind)
+    assert torch.equal(p_bf16, p.to(torch.bfloat16)), (p_bf16.float() - p).abs().max()
 
 
 def test_repeated_runs_are_bitwise_equal():

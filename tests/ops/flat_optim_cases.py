@@ -82,3 +82,17 @@ def run_torch(kind: str, params, grads_per_step, weight_decay, *, max_norm=0.0, 
     st = [opt.state[p] for p in ps]
     return (flat([p.detach() for p in ps]), flat([s.get("exp_avg", torch.zeros_like(p)) for s, p in zip(st, ps)]),
             flat([s.get("exp_avg_sq", torch.zeros_like(p)) for s, p in zip(st, ps)]))
+
+
+def step_with_bf16_copy(ops, kind: str, chunk_size=7) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step that also writes the bf16 copy of the params; returns (params, the copy). The copy
+    starts as NaN, so an element the kernels skip shows."""
+    params, grads = make_params(), make_grads(steps=1)[0]
+    layout = flat_layout([t.numel() for t in params], chunk_size)
+    p, g, m, v = flat(params), flat(grads), torch.zeros(layout.numel), torch.zeros(layout.numel)
+    p_bf16 = torch.full((layout.numel,), float("nan"), dtype=torch.bfloat16)
+    wd = torch.full((len(params),), 0.01)
+    _, stats = ops.grad_norm(g, layout.table, layout.num_chunks, chunk_size, 1.0)
+    step = ops.lamb_step_ if kind == "lamb" else ops.adamw_step_
+    step(p, g, m, v, layout.table, layout.num_chunks, chunk_size, wd, stats, step=1, **HYPER, params_bf16=p_bf16)
+    return p, p_bf16

@@ -17,7 +17,7 @@ from bertdist.ops.flat_layout import flat_layout
 from bertdist.ops.optim_dispatch import REFERENCE
 from tests.ops._util import assert_close_rel, ext
 from tests.ops.flat_optim_cases import (SHAPES, ZERO_PARAM, clip_coefficient, flat, make_grads, make_params,
-                                        run_flat, run_torch)
+                                        run_flat, run_torch, step_with_bf16_copy)
 
 TOL = 1e-6
 WD_MIXED = [0.01, 0.0, 0.01, 0.01, 0.0, 0.01]  # two param groups' worth: decay on some tensors, off on others
@@ -133,6 +133,13 @@ def test_clipping_equals_prescaled_gradients(impl, kind):
     assert_close_rel(p, rp, TOL, f"params against the per-tensor {kind} with clip_grad_norm_")
 
 
+@pytest.mark.parametrize("impl", _impls())
+@pytest.mark.parametrize("kind", ["lamb", "adamw"])
+def test_the_bf16_copy_is_the_updated_params_rounded(impl, kind):
+    p, p_bf16 = step_with_bf16_copy(_ops(impl), kind)
+    assert torch.equal(p_bf16, p.to(torch.bfloat16)), (p_bf16 - p.to(torch.bfloat16)).abs().max()
+
+
 @pytest.mark.parametrize("kind", ["lamb", "adamw"])
 def test_twin_matches_reference_with_bf16_gradients(kind):
     params, grads = make_params(), make_grads(steps=3)
@@ -176,6 +183,9 @@ def test_entry_points_check_arguments():
         ops.grad_norm(g.half(), layout.table, 4, 2, 0.0)
     with pytest.raises(RuntimeError, match=r"step must be >= 1 \(the count including this step\), got 0"):
         ops.lamb_step_(p, g, torch.zeros(7), torch.zeros(7), layout.table, 4, 2, wd, stats, **{**kw, "step": 0})
+    with pytest.raises(RuntimeError, match=r"params_bf16 must have dtype BFloat16, got Float"):
+        ops.adamw_step_(p, g, torch.zeros(7), torch.zeros(7), layout.table, 4, 2, wd, stats, **kw,
+                        params_bf16=torch.zeros(7))
     with pytest.raises(RuntimeError, match=r"need 0 <= min_coeff <= max_coeff, got min_coeff 2, max_coeff 1"):
         ops.lamb_step_(p, g, torch.zeros(7), torch.zeros(7), layout.table, 4, 2, wd, stats, **kw, max_coeff=1.0,
                        min_coeff=2.0)
@@ -188,6 +198,6 @@ def test_fake_kernels_pass_opcheck():
     torch.library.opcheck(torch.ops.bertdist.flat_grad_norm, (g, layout.table, 4, 2, 1.0))
     args = (torch.randn(7), g, torch.zeros(7), torch.zeros(7), layout.table, 4, 2, torch.zeros(2), torch.ones(2), 1,
             0.1, 0.9, 0.999, 1e-6)
-    torch.library.opcheck(torch.ops.bertdist.flat_adamw_step, args)
-    torch.library.opcheck(torch.ops.bertdist.flat_lamb_step, args + (True, 10.0, 0.01))
+    torch.library.opcheck(torch.ops.bertdist.flat_adamw_step, args + (torch.empty(7, dtype=torch.bfloat16),))
+    torch.library.opcheck(torch.ops.bertdist.flat_lamb_step, args + (True, 10.0, 0.01, torch.empty(0, dtype=torch.bfloat16)))
 

@@ -102,6 +102,19 @@ def test_clipping_and_the_reported_norm(cls, other):
     assert_close_rel(flat_params(a), flat_params(b), TOL, "params against clip_grad_norm_ + the per-tensor optimizer")
 
 
+@pytest.mark.parametrize("cls", [FlatLamb, FlatAdamW])
+def test_the_bf16_copy_follows_every_step(cls):
+    m = model()
+    opt = cls(groups(m), lr=0.01, kernels="fused", bf16_copy=True)
+    assert torch.equal(opt.flat_params_bf16, opt.flat_params.to(torch.bfloat16))
+    train(m, opt, 2)
+    assert torch.equal(opt.flat_params_bf16, opt.flat_params.to(torch.bfloat16))
+    for p, b in zip(opt._params, opt.bf16_params()):
+        assert b.shape == p.shape and torch.equal(b, p.detach().to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bf16_copy=True"):
+        cls(groups(model()), kernels="fused").bf16_params()
+
+
 def test_parameters_and_gradients_live_in_the_flat_buffers():
     m = model()
     opt = FlatLamb(groups(m), lr=0.01, kernels="fused")

@@ -113,6 +113,15 @@ class _CudaOps:
         self._step(fused_optim.flat_adamw_step_, *a, **kw)
 
 
+@pytest.mark.parametrize("cls", [FlatLamb, FlatAdamW])
+def test_the_bf16_copy_on_cuda(cls):
+    _fused_ok()
+    m = cuda_model()
+    opt = cls(groups(m), lr=0.01, max_grad_norm=1.0, kernels="fused", bf16_copy=True)
+    _train(m, opt, 2)
+    assert torch.equal(opt.flat_params_bf16, opt.flat_params.to(torch.bfloat16))
+
+
 def test_many_chunks_per_tensor_against_lamb():
     # 3 M elements: 46 chunks of the default size in one tensor, beside small ones.
     _fused_ok()
