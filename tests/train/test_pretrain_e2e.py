@@ -146,3 +146,21 @@ def test_phase2_starts_from_phase1_with_fresh_schedule(reference_run, tmp_path, 
     res = run_pretrain(1, [*tiny_args(tmp_path, train_records, small_vocab, "phase=2", "schedule.total_steps=8",
                                       "optimizer.lr=4e-3", "schedule.warmup_steps=2"), "--resume", "auto"])
     assert res.returncode == 2 and "schedule.total_steps: checkpoint 4, config 8" in res.stderr, res.stderr[-2000:]
+
+
+def test_flat_optimizer_kill_and_resume_is_bitwise_exact(tmp_path, train_records, small_vocab):
+    """The flat optimizer (parameters as views of its fp32 buffer, clipping fused in) through two
+    ranks, a SIGKILL and --resume: the resumed steps repeat the uninterrupted run's losses bitwise."""
+    extra = ("optimizer.implementation=flat", "schedule.total_steps=24", "checkpoint.every_steps=10",
+             "eval.every_steps=0")
+    ref_dir, run_dir = tmp_path / "reference", tmp_path / "killed"
+    assert_ok(run_pretrain(2, tiny_args(ref_dir, train_records, small_vocab, *extra)))
+    ref = {r["step"]: r["loss"] for r in metrics(ref_dir)}
+    assert sorted(ref) == list(range(1, 25)) and all(r["grad_norm"] > 0 for r in metrics(ref_dir))
+    assert json.loads((ref_dir / "ds_config.json").read_text())["gradient_clipping"] == 0.0  # the optimizer clips
+    res = run_pretrain(2, tiny_args(run_dir, train_records, small_vocab, *extra), faults=["--kill-after-step", "13"])
+    assert res.returncode != 0
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000010"
+    assert_ok(run_pretrain(2, [*tiny_args(run_dir, train_records, small_vocab, *extra), "--resume", "auto"]))
+    resumed = metrics(run_dir)[-14:]
+    assert [(r["step"], r["loss"]) for r in resumed] == [(s, ref[s]) for s in range(11, 25)]
