@@ -117,3 +117,32 @@ def test_a_failing_variant_does_not_stop_the_interleaved_others(harness, sample_
                         "ours-optimized,hf-sdpa", "--interleave", "2", "--keep-going"])
     assert set(res["variants"]) == {"ours-optimized"}
     assert res["failed"] == {"hf-sdpa": "RuntimeError: no such model"}
+
+
+@pytest.mark.slow  # builds two DeepSpeed engines and compiles the tiny model with inductor (about a minute)
+def test_the_trainers_own_step_runs_beside_hf_with_profiles_and_a_compile_cache(harness, sample_records, tmp_path):
+    """ours-trainer*: the trainer's step (bertdist.train.step.launch_step on the engine a run builds
+    from the recipe) in the same process and on the same batches as HF's; the GPU window's command
+    runs these options."""
+    out, cache = tmp_path / "tt.json", tmp_path / "cache" / "compile.bin"
+    harness.main(["--preset", "tiny", "--batch", "4", "--seq", "64", "--steps", "4", "--warmup", "2",
+                  "--num-batches", "2", "--lengths-from", str(sample_records), "--variants",
+                  "ours-trainer-flat,ours-trainer-eager,hf-sdpa", "--interleave", "2", "--profile-steps", "1",
+                  "--compile-cache", str(cache), "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert data["variants"].keys() == {"ours-trainer-flat", "ours-trainer-eager", "hf-sdpa"} and not data["skipped"]
+    flat, eager = data["variants"]["ours-trainer-flat"], data["variants"]["ours-trainer-eager"]
+    for r in (flat, eager):
+        assert r["impl"] == "bertdist pretrain step" and r["recipe"] == "bert-large-phase1.yaml"
+        assert r["optimizer_name"] == "lamb" and r["gradient_clipping"] == 1.0 and r["settle_every"] == 10
+        assert r["seq_per_s"] > 0 and math.isfinite(r["final_loss"])
+    assert flat["optimizer"] == "FlatLamb" and flat["optimizer_kernels"] in ("fused", "reference")
+    assert flat["compile"] is True and flat["compiled_regions"] == 4  # 2 layers, embeddings, MLM head
+    assert eager["compile"] is False and eager["compiled_regions"] == 0 and eager["optimizer"] == "Lamb"
+    assert len({r["real_tokens"] for r in data["variants"].values()}) == 1  # the same batches
+    assert set(data["profiles"]) == set(data["variants"])
+    assert all(p["steps"] == 1 and p["wall_ms_per_step"] > 0 and p["aten_calls_per_step"] > 0
+               for p in data["profiles"].values())
+    saved = data["compile_cache"]["saved"]
+    assert saved["bytes"] == cache.stat().st_size > 0
+    assert "Profiled steps" in data["markdown"] and "one host sync every 10 steps" in data["markdown"]
