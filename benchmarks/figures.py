@@ -134,7 +134,7 @@ def recipes_table() -> list[str]:
 
 
 def mutations_line() -> list[str]:
-    name = "emu_mutations_2026-11-23.md"
+    name = "emu_mutations_2026-11-28.md"
     text = read(name)
     for line in text.splitlines():
         if line.startswith("Score:"):
@@ -315,6 +315,19 @@ def gpu_electra_profile_table() -> list[str]:
     return out
 
 
+GPU_FLAT_OPTIMIZER = "gpu-node_nvidia-h200_2026-11-28_flat-optimizer/README.md"
+
+
+def gpu_flat_optimizer_table() -> list[str]:
+    """One optimizer step on BERT-large's parameter list (benchmarks/optimizer_step.py), two runs."""
+    rows = md_table(GPU_FLAT_OPTIMIZER, "optimizer", "kernels/step")
+    out = ["| optimizer | ms/step (run 1, run 2) | kernels/step | raw results |", "|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['optimizer']} | {r['run 1 (ms/step)']}, {r['run 2 (ms/step)']} | {r['kernels/step']} | "
+                   f"{link(GPU_FLAT_OPTIMIZER.rsplit('/', 1)[0] + '/')} |")
+    return out
+
+
 DISTILL_RESULTS = ("distill_sst2_cpu_2026-11-25.json", "distill_ner_cpu_2026-11-25.json")
 
 
@@ -424,6 +437,8 @@ TABLES = (
      gpu_electra_table),
     ("GPU: where the ELECTRA and MLM steps' time goes on one H200 (torch.profiler, the last 3 steps of each run)",
      gpu_electra_profile_table),
+    ("GPU: one optimizer step on BERT-large's 398 tensors (336 M parameters), one H200, median of 20 steps",
+     gpu_flat_optimizer_table),
     ("Data build", data_build_table),
     ("NSP negatives: distinct (document, start sentence) windows per random-next row", negatives_table),
     ("Model step on CPU against Hugging Face (batch 8 × 128, fp32, forward + backward)", model_table),
