@@ -324,7 +324,7 @@ def gpu_flat_optimizer_table() -> list[str]:
     out = ["| optimizer | ms/step (run 1, run 2) | kernels/step | raw results |", "|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['optimizer']} | {r['run 1 (ms/step)']}, {r['run 2 (ms/step)']} | {r['kernels/step']} | "
-                   f"{link(GPU_FLAT_OPTIMIZER.rsplit('/', 1)[0] + '/')} |")
+                   f"{link(GPU_FLAT_OPTIMIZER)} |")
     return out
 
 
