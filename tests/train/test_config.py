@@ -97,3 +97,30 @@ def test_user_ds_config_merge_and_conflicts(tmp_path):
     user.write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         build_ds_config(cfg, 2, 1)
+
+
+def test_who_clips_and_that_deepspeed_never_synchronizes_to_time_the_step():
+    """At ZeRO 0 (fp32, bf16) the trainer clips with its own norm, a flat optimizer inside its step;
+    either way DeepSpeed's clipping is 0. Its fp16 wrapper and ZeRO keep clipping themselves. Its
+    throughput timer (a device sync around every micro-batch) is off everywhere."""
+    from bertdist.train.precision import trainer_clips
+
+    tiny = REPO / "configs/pretrain/tiny.yaml"
+    cases = {  # overrides -> (DeepSpeed's gradient_clipping, trainer clips)
+        ("deepspeed.gradient_clipping=0.5",): (0.0, True),
+        ("deepspeed.gradient_clipping=0.5", "deepspeed.precision=bf16"): (0.0, True),
+        ("deepspeed.gradient_clipping=0.5", "optimizer.implementation=flat"): (0.0, True),
+        ("deepspeed.gradient_clipping=0.5", "optimizer.name=adamw", "deepspeed.zero_stage=2"): (0.5, False),
+        ("deepspeed.gradient_clipping=0.5", "deepspeed.precision=fp16"): (0.5, False),
+    }
+    for overrides, (ds_clip, trainer) in cases.items():
+        cfg = load_train_config(tiny, list(overrides))
+        ds = generate_ds_config(cfg, world_size=1, grad_accum=2)
+        assert ds["gradient_clipping"] == ds_clip, overrides
+        assert trainer_clips(cfg.deepspeed.precision, cfg.deepspeed.zero_stage) is trainer, overrides
+        assert ds["timers"] == {"throughput": {"enabled": False, "synchronized": False}}
+        assert ds["wall_clock_breakdown"] is False
+    assert load_train_config(tiny, ["optimizer.implementation=flat"]).optimizer.clips_itself
+    for bad in (["deepspeed.zero_stage=1", "optimizer.name=adamw"], ["deepspeed.precision=fp16"]):
+        with pytest.raises(ConfigError, match="optimizer.implementation=flat needs deepspeed.zero_stage=0"):
+            load_train_config(tiny, ["optimizer.implementation=flat", *bad])

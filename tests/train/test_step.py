@@ -66,3 +66,28 @@ def test_evaluate_sums_held_out_statistics(group, tmp_path, train_records, small
     assert res["sequences"] == sum(b["input_ids"].shape[0] for b in batches)
     assert 0 < res["mlm_loss"] < 20 and 0 <= res["mlm_acc"] <= 1 and res["masked_tokens"] > 0
     assert engine.module.training  # evaluation hands the engine back in training mode
+
+
+def test_a_single_process_skips_deepspeeds_gradient_all_reduce_with_itself(group, tmp_path, train_records,
+                                                                          small_vocab):
+    _, engine = run_steps(tiny_cfg(tmp_path, train_records, small_vocab), train_records, 1)
+    assert engine.enable_backward_allreduce is False  # nothing to reduce alone (engine.py)
+    _, engine = run_steps(tiny_cfg(tmp_path, train_records, small_vocab, "optimizer.name=adamw",
+                                   "deepspeed.zero_stage=1"), train_records, 1)
+    assert engine.enable_backward_allreduce is True  # ZeRO's own reduction path stays
+
+
+def test_the_flat_optimizer_steps_inside_the_trainer_and_logs_its_own_norm(group, tmp_path, train_records,
+                                                                          small_vocab):
+    """optimizer.implementation=flat: the parameters are views of its buffer, its gradients stay
+    views after DeepSpeed's step, and the logged norm is the one it clipped with."""
+    results, engine = run_steps(tiny_cfg(tmp_path, train_records, small_vocab, "optimizer.implementation=flat"),
+                                train_records, 3)
+    opt = engine.optimizer
+    assert type(opt).__name__ == "FlatLamb" and opt.max_grad_norm == 1.0
+    flat = opt.flat_params
+    assert all(p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+               for p in engine.module.parameters())
+    assert all(p.grad is not None for p in engine.module.parameters())  # the views came back
+    assert all(math.isfinite(r.grad_norm) and r.grad_norm > 0 for r in results)
+    assert results[-1].grad_norm == pytest.approx(float(opt.grad_norm), rel=1e-6)
