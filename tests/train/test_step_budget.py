@@ -21,18 +21,16 @@ CASES = {  # budget key -> overrides of the tiny recipe (fp32 on CPU; LAMB as in
 
 
 def _runner(cfg, records):
+    """The run's engine and runner as the trainer builds them (``inprocess.build_run``), and its loader."""
     from bertdist.data import continuation_mask
-    from bertdist.train.engine import build_engine
+    from bertdist.train.inprocess import build_run
     from bertdist.train.loader import LoaderState, PretrainingLoader, open_training_records
-    from bertdist.train.restore import RestorePlan, new_state, restore
-    from bertdist.train.step import StepRunner
 
-    built = build_engine(cfg, RestorePlan("fresh"), 1, 1, "cpu")
-    restore(built.engine, built.scheduler, RestorePlan("fresh"), cfg, 0, new_state(cfg, 1, 1))
+    run = build_run(cfg, torch.device("cpu"))
     loader = PretrainingLoader(open_training_records(str(records), cfg.data.vocab_file, cfg.data.max_seq_length),
                                cfg.data, rank=0, world_size=1, grad_accum=1,
                                continuation=continuation_mask(cfg.data.vocab_file))
-    return StepRunner.for_run(built.engine, cfg, torch.device("cpu"), 1), loader.steps(LoaderState())
+    return run.runner, loader.steps(LoaderState())
 
 
 def _host_tensors(engine) -> list[torch.Tensor]:
