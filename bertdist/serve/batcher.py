@@ -194,6 +194,17 @@ class Batcher:
 
     # -- submitting -----------------------------------------------------------------------------
 
+    def check_fits(self, n: int) -> None:
+        """Raises what ``submit`` would for a job of ``n`` items, before the job is built."""
+        if not self._accepting:
+            raise Draining(f"model {self.name!r} is shutting down (or not started)", self.retry_after())
+        if n > self.max_queue:
+            raise TooManyItems(f"the request holds {n} items; this server queues at most {self.max_queue} "
+                               f"per model (send fewer per request)")
+        if self._queued + n > self.max_queue:
+            raise Overloaded(f"model {self.name!r} is overloaded: {self._queued} items queued, {n} more do not fit "
+                             f"(queue limit {self.max_queue})", self.retry_after())
+
     async def submit(self, job) -> Any:
         """Queues the job's items and returns ``job.finish(outputs)`` once all are done.
 
@@ -201,17 +212,10 @@ class Batcher:
         queue has no room for all the job's items, ``TooManyItems`` when it never could.
         Raises ``BatchFailed`` when a batch holding one of its items failed.
         """
-        if not self._accepting:
-            raise Draining(f"model {self.name!r} is shutting down (or not started)", self.retry_after())
         n = len(job.items)
-        if n > self.max_queue:
-            raise TooManyItems(f"the request holds {n} items; this server queues at most {self.max_queue} "
-                               f"per model (send fewer per request)")
+        self.check_fits(n)
         if n == 0:
             return job.finish([])
-        if self._queued + n > self.max_queue:
-            raise Overloaded(f"model {self.name!r} is overloaded: {self._queued} items queued, {n} more do not fit "
-                             f"(queue limit {self.max_queue})", self.retry_after())
         pending = _Pending(job, asyncio.get_running_loop().create_future())
         now = time.monotonic()
         for i, enc in enumerate(job.items):

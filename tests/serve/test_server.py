@@ -343,14 +343,14 @@ def test_wrong_methods_and_unknown_paths_answer_json(server):
     got, hdrs, body = call(server.port, "GET", "/embed")
     assert got == 405 and "GET is not allowed on /embed" in body["error"] and "POST" in hdrs.get("allow", "")
     got, _, body = call(server.port, "GET", "/nothing/here")
-    assert got == 404 and "models: cls (/predict); enc (/embed); reg (/predict, /rerank)" in body["error"], body
+    assert got == 404 and "models: cls (/predict); enc (/embed, /similarity); reg (/predict, /rerank)" in body["error"], body
 
 
 def test_health_info_and_metrics_count_the_requests_sent(server, offline):
     assert call(server.port, "GET", "/health")[:3:2] == (200, {"status": "ok"})
     status, _, info = call(server.port, "GET", "/info")
     assert status == 200 and [m["name"] for m in info["models"]] == ["cls", "enc", "reg"]
-    assert {m["name"]: m["routes"] for m in info["models"]} == {"cls": ["predict"], "enc": ["embed"],
+    assert {m["name"]: m["routes"] for m in info["models"]} == {"cls": ["predict"], "enc": ["embed", "similarity"],
                                                                "reg": ["predict", "rerank"]}
     assert info["batching"] == {"enabled": True, "max_batch_size": 8, "max_wait_ms": 10, "max_queue": 512}
 
