@@ -51,6 +51,8 @@ class ServeSettings:
     max_queue: int = 256  # items waiting, per model
     batching: bool = True
     max_body_bytes: int = 1 << 20
+    body_timeout: float = 30.0  # seconds for a request's body to arrive once its head has
+    grace_seconds: float = 25.0  # from a stop signal to exit; Kubernetes' default grace period is 30 s
 
 
 class HTTPError(Exception):
@@ -83,8 +85,37 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The raw body, read at most ``limit`` bytes far."""
+class CutOff(HTTPError):
+    """The server stopped before the request could be answered (its body was still arriving, or
+    the grace period ended first)."""
+
+    def __init__(self, message: str):
+        super().__init__(503, message, "Unhealthy", {"Connection": "close"})
+
+
+async def read_body(request: Request, limit: int, timeout: float, stopping: asyncio.Event) -> bytes:
+    """The raw body, read at most ``limit`` bytes far, within ``timeout`` seconds; cut off once
+    ``stopping`` is set."""
+    got = []
+    reader = asyncio.ensure_future(_read_body(request, limit, got))
+    stopper = asyncio.ensure_future(stopping.wait())
+    try:
+        await asyncio.wait({reader, stopper}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopper.cancel()
+    if reader.done():
+        return reader.result()
+    reader.cancel()
+    with contextlib.suppress(asyncio.CancelledError, ClientDisconnect):
+        await reader
+    arrived = f"{sum(map(len, got))} of {request.headers.get('content-length', 'an unknown number of')} bytes arrived"
+    if stopping.is_set():
+        raise CutOff(f"the server is stopping, and this request's body was still arriving ({arrived})")
+    raise HTTPError(408, f"the request's body did not arrive within {timeout:g} s ({arrived})", None,
+                    {"Connection": "close"})
+
+
+async def _read_body(request: Request, limit: int, chunks: list) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -93,7 +124,7 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise HTTPError(400, f"bad Content-Length header {declared!r}") from None
         if size > limit:
             raise HTTPError(413, f"the body is {size} bytes, over this server's limit of {limit} bytes")
-    chunks, size = [], 0
+    size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:  # a chunked body or a lying Content-Length
@@ -153,13 +184,25 @@ class ServeState:
                                             max_wait_ms=settings.max_wait_ms, max_queue=settings.max_queue,
                                             batching=settings.batching, observer=self.metrics)
         self.prep_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="serve-prepare")
+        self.cutting_bodies = asyncio.Event()  # set at stop: bodies still arriving are cut off
+        self.grace_over = asyncio.Event()  # set when the grace period ends: unanswered requests are cut off
+        self.answered = 0
+        self.cut_off = 0
+        self.stop_began: float | None = None
         self.serving = False  # after startup
         self.stopping = False  # once shutdown begins: /health answers 503; accepted requests are still answered
 
     def begin_stop(self) -> None:
         """Shutdown has begun: /health answers 503, and queued items stop waiting for batches to
         fill; accepted requests are still answered."""
+        if self.stopping:
+            return
         self.stopping = True
+        self.stop_began = time.monotonic()
+        self.cutting_bodies.set()
+        grace = self.settings.grace_seconds
+        # The answers still pending get a second less than the grace period, to be written.
+        asyncio.get_running_loop().call_later(max(grace - 1.0, grace / 2), self.grace_over.set)
         for b in self.batchers.values():
             b.stop_waiting()
 
@@ -209,15 +252,20 @@ class ServeState:
         await self.encode(model, job)
         answer = asyncio.ensure_future(batcher.submit(job))
         gone = asyncio.ensure_future(wait_for_disconnect(request))
+        over = asyncio.ensure_future(self.grace_over.wait())
         try:
-            await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({answer, gone, over}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
+            over.cancel()
         if answer.done():
             return answer.result()
         answer.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await answer
+        if self.grace_over.is_set():
+            raise CutOff(f"the server stopped: its grace period of {self.settings.grace_seconds:g} s ended before "
+                         f"this answer was ready")
         raise ClientGone()
 
     async def answer(self, request: Request, route: str | None, name: str | None, *, api: str = "tei") -> Response:
@@ -225,12 +273,13 @@ class ServeState:
         ``/v1/embeddings`` (OpenAI's bodies and errors)."""
         start = time.perf_counter()
         label_model, label_route = "", route or "root"  # only names of loaded models become label values
-        model = None
+        model, cut = None, False
         try:
             model = (self.only_model() if route is None else
                      None if api == "openai" else self.model_for(route, name))
             label_model = model.name if model is not None else ""
-            raw = await read_body(request, self.settings.max_body_bytes)
+            raw = await read_body(request, self.settings.max_body_bytes, self.settings.body_timeout,
+                                  self.cutting_bodies)
             if api == "openai":
                 body = await self.offload(parse_json_object, raw)
                 model = openai_api.pick_encoder(list(self.models.values()), body.get("model"))
@@ -249,6 +298,11 @@ class ServeState:
             response = Response(status_code=499)
         except Exception as e:  # noqa: BLE001 - any failure is this request's 4xx/5xx, never the server's
             response = self.error(e, api, label_model, label_route)
+            cut = isinstance(e, CutOff)
+        if cut:
+            self.cut_off += 1
+        elif response.status_code != 499:
+            self.answered += 1
         self.metrics.observe_request(label_model, label_route if label_route in ROUTES + ("root", "v1_embeddings")
                                      else "other", response.status_code, time.perf_counter() - start)
         return response

@@ -62,6 +62,8 @@ class Observer(Protocol):
 
     def set_queue_depth(self, model: str, items: int) -> None: ...
 
+    def observe_abandoned(self, model: str, items: int) -> None: ...
+
 
 def length_bucket(length: int, edges: Sequence[int] = DEFAULT_BUCKET_EDGES) -> int:
     """Index of the bucket for an item of ``length`` tokens: the first edge >= length."""
@@ -232,14 +234,16 @@ class Batcher:
             return await pending.future
         except asyncio.CancelledError:
             # The caller went away (client disconnect, shutdown): its waiting items leave the
-            # queue; an item already running finishes and is dropped.
-            self._withdraw(pending)
+            # queue unrun; an item already running finishes and is dropped.
+            removed = self._withdraw(pending)
+            if removed and self._observer is not None:
+                self._observer.observe_abandoned(self.name, removed)
             if not pending.future.done():
                 pending.future.cancel()
             raise
 
-    def _withdraw(self, pending: _Pending) -> None:
-        """Removes the job's still-queued items from the queue."""
+    def _withdraw(self, pending: _Pending) -> int:
+        """Removes the job's still-queued items from the queue; returns how many."""
         if self.batching:
             removed = 0
             for bucket in {it.bucket for it in pending.items}:
@@ -254,6 +258,7 @@ class Batcher:
                 self._jobs.remove(pending)
         self._queued -= removed
         self._report_depth()
+        return removed
 
     def _fail_all(self, err: Exception) -> None:
         jobs = {id(it.pending): it.pending for q in self._buckets.values() for it in q}

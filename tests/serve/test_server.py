@@ -482,7 +482,7 @@ def test_sigterm_answers_the_requests_in_flight_and_exits_0(model_dirs, offline)
     out = "".join(srv.output)
     assert rc == 0, out
     assert stopped_in < 10, f"took {stopped_in:.1f} s to stop"
-    assert "stopped by SIGTERM" in out, out
+    assert "stopped by SIGTERM" in out and f"{n} requests answered, 0 cut off" in out, out
     assert sorted(results) == list(range(n))
     for i, (status, _, got) in results.items():
         assert status == 200, got
@@ -514,7 +514,7 @@ def test_a_public_address_is_warned_about(monkeypatch, capsys, model_dirs):
 
     hosts = []
     monkeypatch.setattr(serve, "_bind", lambda host, port: hosts.append(host) or _listening_socket())
-    monkeypatch.setattr(serve, "_serve", lambda app, sock: sock.close() or 0)
+    monkeypatch.setattr(serve, "_serve", lambda app, sock, limits: sock.close() or 0)
     for host, warned in (("127.0.0.1", False), ("localhost", False), ("0.0.0.0", True), ("::", True)):
         assert main(["serve", str(model_dirs["cls"]), "--host", host]) == 0
         out = capsys.readouterr().out
