@@ -61,6 +61,7 @@ def run(args) -> int:
             return 2
     for flag, value, low in (("--max-batch-size", args.max_batch_size, 1), ("--max-queue", args.max_queue, 1),
                              ("--max-wait-ms", args.max_wait_ms, 0), ("--port", args.port, 0),
+                             ("--max-batch-tokens", args.max_batch_tokens, 0),
                              ("--grace", args.grace, 1), ("--head-timeout", args.head_timeout, 0.1),
                              ("--body-timeout", args.body_timeout, 0.1)):
         if value < low:
@@ -94,7 +95,8 @@ def run(args) -> int:
 
     settings = ServeSettings(max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms,
                              max_queue=args.max_queue, batching=not args.no_batching,
-                             body_timeout=args.body_timeout, grace_seconds=args.grace)
+                             body_timeout=args.body_timeout, grace_seconds=args.grace,
+                             max_batch_tokens=args.max_batch_tokens or None)
     app = make_app(models, settings)
     try:
         sock = _bind(args.host, args.port)
@@ -182,6 +184,9 @@ def register(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (0: any free one; the URL is printed)")
     p.add_argument("--max-batch-size", type=int, default=32, help="items per model run")
+    p.add_argument("--max-batch-tokens", type=int, default=2048,
+                   help="tokens per model run at most (at least one text; 0: no bound), so a batch of long texts "
+                        "takes no longer than one of short texts")
     p.add_argument("--max-wait-ms", type=float, default=0.0,
                    help="how long the first queued item waits for more to batch with (0: none; a batch is "
                         "what queued while the previous one ran)")

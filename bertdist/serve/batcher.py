@@ -7,7 +7,13 @@ grouped by length bucket so that a batch pads little; a batch is one ``run`` cal
 
 When a batch runs: a bucket is ready once it holds ``max_batch_size`` items, or its oldest item
 has waited ``max_wait_ms``, or the batcher is draining; among the ready buckets, the one whose
-oldest item is oldest goes first, so a rarely used length still gets its turn.
+first item has waited longest for a turn goes first, so a rarely used length still gets its turn.
+
+Requests take turns: a batch takes one item of each waiting request in turn (not the first
+request's items first), and the items left of the requests that rode in it go behind those of the
+requests that did not, as if newly queued. A request of hundreds of texts thus shares the model
+with small ones instead of holding it. A batch also holds at most ``max_batch_tokens`` tokens
+(at least one item), so one batch of long texts is no longer than a batch of short ones.
 """
 from __future__ import annotations
 
@@ -88,7 +94,7 @@ class _Pending:
 
 
 class _Item:
-    __slots__ = ("pending", "index", "encoded", "bucket", "queued_at")
+    __slots__ = ("pending", "index", "encoded", "bucket", "queued_at", "turn")
 
     def __init__(self, pending: _Pending, index: int, encoded, bucket: int, queued_at: float):
         self.pending = pending
@@ -96,6 +102,7 @@ class _Item:
         self.encoded = encoded
         self.bucket = bucket
         self.queued_at = queued_at
+        self.turn = queued_at  # when its request last rode in a batch, or was queued
 
 
 class Batcher:
@@ -108,6 +115,7 @@ class Batcher:
 
     def __init__(self, run: Callable[[list], list], *, name: str = "model", max_batch_size: int = 32,
                  max_wait_ms: float = 0.0, max_queue: int = 256, batching: bool = True,
+                 max_batch_tokens: int | None = None,
                  bucket_edges: Sequence[int] = DEFAULT_BUCKET_EDGES, observer: Observer | None = None):
         if max_batch_size < 1 or max_queue < 1 or max_wait_ms < 0:
             raise ValueError(f"need max_batch_size >= 1, max_queue >= 1, max_wait_ms >= 0; got "
@@ -117,6 +125,7 @@ class Batcher:
         self._run = run
         self.name = name
         self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
         self.max_wait = max_wait_ms / 1000.0
         self.max_queue = max_queue
         self.batching = batching
@@ -302,15 +311,48 @@ class Batcher:
         for bucket, q in self._buckets.items():
             if not q:
                 continue
-            head = q[0].queued_at
-            ready = len(q) >= self.max_batch_size or now - head >= self.max_wait or self._closing or self._no_wait
-            if ready and (best is None or head < self._buckets[best][0].queued_at):
+            head = q[0].turn
+            ready = (len(q) >= self.max_batch_size or now - q[0].queued_at >= self.max_wait or self._closing
+                     or self._no_wait)
+            if ready and (best is None or head < self._buckets[best][0].turn):
                 best = bucket
         if best is None:
             return None
         q = self._buckets[best]
-        batch = [q.popleft() for _ in range(min(self.max_batch_size, len(q)))]
+        batch = self._take_turns(q)
         self._queued -= len(batch)
+        rode = {id(it.pending) for it in batch}
+        rest = list(q)
+        for it in rest:
+            if id(it.pending) in rode:
+                it.turn = now
+        rest.sort(key=lambda it: it.turn)  # stable: each request's items keep their order
+        self._buckets[best] = collections.deque(rest)
+        return batch
+
+    def _take_turns(self, q: collections.deque) -> list[_Item]:
+        """Up to ``max_batch_size`` items (and ``max_batch_tokens`` tokens) off ``q``, one of each
+        waiting request in turn, in the order the requests' turns came."""
+        jobs: dict[int, collections.deque] = {}
+        for it in q:
+            jobs.setdefault(id(it.pending), collections.deque()).append(it)
+        batch, tokens = [], 0
+        while jobs and len(batch) < self.max_batch_size:
+            for key in list(jobs):
+                it = jobs[key][0]
+                if batch and self.max_batch_tokens and tokens + it.encoded.length > self.max_batch_tokens:
+                    jobs.clear()
+                    break
+                batch.append(jobs[key].popleft())
+                tokens += it.encoded.length
+                if not jobs[key]:
+                    del jobs[key]
+                if len(batch) == self.max_batch_size:
+                    break
+        taken = {id(it) for it in batch}
+        q_rest = [it for it in q if id(it) not in taken]
+        q.clear()
+        q.extend(q_rest)
         return batch
 
     def _next_deadline(self) -> float | None:

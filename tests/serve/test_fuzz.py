@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from tests.serve.test_server import ThreadServer, call
 
-FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None,
+FUZZ = settings(max_examples=80, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 ROUTES = ("/", "/predict", "/embed", "/similarity", "/rerank", "/models/cls/predict", "/models/enc/embed",
           "/models/enc/similarity", "/models/reg/rerank", "/v1/embeddings")

@@ -352,7 +352,8 @@ def test_health_info_and_metrics_count_the_requests_sent(server, offline):
     assert status == 200 and [m["name"] for m in info["models"]] == ["cls", "enc", "reg"]
     assert {m["name"]: m["routes"] for m in info["models"]} == {"cls": ["predict"], "enc": ["embed", "similarity"],
                                                                "reg": ["predict", "rerank"]}
-    assert info["batching"] == {"enabled": True, "max_batch_size": 8, "max_wait_ms": 10, "max_queue": 512}
+    assert info["batching"] == {"enabled": True, "max_batch_size": 8, "max_batch_tokens": 2048, "max_wait_ms": 10,
+                                "max_queue": 512}
 
     before = metric_values(server.port)
     for i in range(5):
