@@ -96,29 +96,12 @@ class CutOff(HTTPError):
         super().__init__(503, message, "Unhealthy", {"Connection": "close"})
 
 
-async def read_body(request: Request, limit: int, timeout: float, stopping: asyncio.Event) -> bytes:
-    """The raw body, read at most ``limit`` bytes far, within ``timeout`` seconds; cut off once
-    ``stopping`` is set."""
-    got = []
-    reader = asyncio.ensure_future(_read_body(request, limit, got))
-    stopper = asyncio.ensure_future(stopping.wait())
-    try:
-        await asyncio.wait({reader, stopper}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopper.cancel()
-    if reader.done():
-        return reader.result()
-    reader.cancel()
-    with contextlib.suppress(asyncio.CancelledError, ClientDisconnect):
-        await reader
-    arrived = f"{sum(map(len, got))} of {request.headers.get('content-length', 'an unknown number of')} bytes arrived"
-    if stopping.is_set():
-        raise CutOff(f"the server is stopping, and this request's body was still arriving ({arrived})")
-    raise HTTPError(408, f"the request's body did not arrive within {timeout:g} s ({arrived})", None,
-                    {"Connection": "close"})
+def _arrived(request: Request, chunks: list) -> str:
+    return f"{sum(map(len, chunks))} of {request.headers.get('content-length', 'an unknown number of')} bytes arrived"
 
 
 async def _read_body(request: Request, limit: int, chunks: list) -> bytes:
+    """The raw body, gathered in ``chunks`` as it arrives, at most ``limit`` bytes far."""
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -188,8 +171,11 @@ class ServeState:
                                             batching=settings.batching, max_batch_tokens=settings.max_batch_tokens,
                                             observer=self.metrics)
         self.prep_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="serve-prepare")
-        self.cutting_bodies = asyncio.Event()  # set at stop: bodies still arriving are cut off
-        self.grace_over = asyncio.Event()  # set when the grace period ends: unanswered requests are cut off
+        # Requests still receiving their bodies, and requests waiting for their answers: the stop
+        # cuts off the first at once and the second when the grace period ends.
+        self.receiving: set[asyncio.Task] = set()
+        self.answering: set[asyncio.Task] = set()
+        self.grace_over = False
         self.answered = 0
         self.cut_off = 0
         self.stop_began: float | None = None
@@ -203,12 +189,38 @@ class ServeState:
             return
         self.stopping = True
         self.stop_began = time.monotonic()
-        self.cutting_bodies.set()
+        for task in self.receiving:
+            task.cancel()
         grace = self.settings.grace_seconds
         # The answers still pending get a second less than the grace period, to be written.
-        asyncio.get_running_loop().call_later(max(grace - 1.0, grace / 2), self.grace_over.set)
+        asyncio.get_running_loop().call_later(max(grace - 1.0, grace / 2), self._end_grace)
         for b in self.batchers.values():
             b.stop_waiting()
+
+    def _end_grace(self) -> None:
+        self.grace_over = True
+        for task in self.answering:
+            task.cancel()
+
+    async def read_body(self, request: Request) -> bytes:
+        """The raw body, at most ``max_body_bytes``, within ``body_timeout`` seconds; cut off
+        (CutOff) once the server begins to stop."""
+        limit, timeout = self.settings.max_body_bytes, self.settings.body_timeout
+        task, got = asyncio.current_task(), []
+        self.receiving.add(task)
+        try:
+            async with asyncio.timeout(timeout):
+                return await _read_body(request, limit, got)
+        except TimeoutError:
+            raise HTTPError(408, f"the request's body did not arrive within {timeout:g} s ({_arrived(request, got)})",
+                            None, {"Connection": "close"}) from None
+        except asyncio.CancelledError:
+            if self.stopping and task.uncancel() == 0:  # cancelled by begin_stop, not by the server
+                raise CutOff(f"the server is stopping, and this request's body was still arriving "
+                             f"({_arrived(request, got)})") from None
+            raise
+        finally:
+            self.receiving.discard(task)
 
     def served(self) -> str:
         """Which model answers which route, for messages."""
@@ -254,22 +266,24 @@ class ServeState:
         batcher = self.batchers[model.name]
         batcher.check_fits(len(job.texts))  # before any tokenizing
         await self.encode(model, job)
-        answer = asyncio.ensure_future(batcher.submit(job))
+        ticket = batcher.enqueue(job)
         gone = asyncio.ensure_future(wait_for_disconnect(request))
-        over = asyncio.ensure_future(self.grace_over.wait())
+        task = asyncio.current_task()
+        self.answering.add(task)
         try:
-            await asyncio.wait({answer, gone, over}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({ticket.future, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            batcher.abandon(ticket)
+            if self.grace_over and task.uncancel() == 0:  # cancelled by _end_grace
+                raise CutOff(f"the server stopped: its grace period of {self.settings.grace_seconds:g} s ended "
+                             f"before this answer was ready") from None
+            raise
         finally:
             gone.cancel()
-            over.cancel()
-        if answer.done():
-            return answer.result()
-        answer.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await answer
-        if self.grace_over.is_set():
-            raise CutOff(f"the server stopped: its grace period of {self.settings.grace_seconds:g} s ended before "
-                         f"this answer was ready")
+            self.answering.discard(task)
+        if ticket.future.done():
+            return ticket.future.result()
+        batcher.abandon(ticket)
         raise ClientGone()
 
     async def answer(self, request: Request, route: str | None, name: str | None, *, api: str = "tei") -> Response:
@@ -282,8 +296,7 @@ class ServeState:
             model = (self.only_model() if route is None else
                      None if api == "openai" else self.model_for(route, name))
             label_model = model.name if model is not None else ""
-            raw = await read_body(request, self.settings.max_body_bytes, self.settings.body_timeout,
-                                  self.cutting_bodies)
+            raw = await self.read_body(request)
             if api == "openai":
                 body = await self.offload(parse_json_object, raw)
                 model = openai_api.pick_encoder(list(self.models.values()), body.get("model"))

@@ -223,11 +223,21 @@ class Batcher:
         queue has no room for all the job's items, ``TooManyItems`` when it never could.
         Raises ``BatchFailed`` when a batch holding one of its items failed.
         """
+        pending = self.enqueue(job)
+        try:
+            return await pending.future
+        except asyncio.CancelledError:
+            self.abandon(pending)
+            raise
+
+    def enqueue(self, job) -> _Pending:
+        """Queues the job's items (raising as ``submit`` does); its answer comes in ``.future``."""
         n = len(job.items)
         self.check_fits(n)
-        if n == 0:
-            return job.finish([])
         pending = _Pending(job, asyncio.get_running_loop().create_future())
+        if n == 0:
+            pending.future.set_result(job.finish([]))
+            return pending
         now = time.monotonic()
         for i, enc in enumerate(job.items):
             item = _Item(pending, i, enc, length_bucket(enc.length, self.bucket_edges), now)
@@ -239,17 +249,16 @@ class Batcher:
         self._queued += n
         self._report_depth()
         self._wakeup.set()
-        try:
-            return await pending.future
-        except asyncio.CancelledError:
-            # The caller went away (client disconnect, shutdown): its waiting items leave the
-            # queue unrun; an item already running finishes and is dropped.
-            removed = self._withdraw(pending)
-            if removed and self._observer is not None:
-                self._observer.observe_abandoned(self.name, removed)
-            if not pending.future.done():
-                pending.future.cancel()
-            raise
+        return pending
+
+    def abandon(self, pending: _Pending) -> None:
+        """The caller went away (client disconnect, shutdown): its waiting items leave the queue
+        unrun, counted; an item already running finishes and is dropped."""
+        removed = self._withdraw(pending)
+        if removed and self._observer is not None:
+            self._observer.observe_abandoned(self.name, removed)
+        if not pending.future.done():
+            pending.future.cancel()
 
     def _withdraw(self, pending: _Pending) -> int:
         """Removes the job's still-queued items from the queue; returns how many."""

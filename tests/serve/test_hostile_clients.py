@@ -199,3 +199,59 @@ def test_bad_unicode_gets_422_without_a_traceback(cls_dir, caplog):
     finally:
         server.stop()
     assert "Traceback" not in caplog.text
+
+
+def test_answers_not_ready_when_the_grace_period_ends_are_cut_off_with_json(cls_dir):
+    """A stop whose grace period ends while a batch still runs: its request gets our 503, is
+    counted as cut off, and the stop does not wait for the batch."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from bertdist.serve.app import ServeSettings, make_app
+    from bertdist.serve.runtime import load_served_model
+
+    class Slow:
+        def __init__(self, model):
+            self.model = model
+
+        def __getattr__(self, name):
+            return getattr(self.model, name)
+
+        def run(self, items):
+            time.sleep(2.5)
+            return self.model.run(items)
+
+    app = make_app([Slow(load_served_model(cls_dir, name="cls"))], ServeSettings(grace_seconds=1.0))
+    state = app.state.serve
+    body = json.dumps({"inputs": "a slow one"}).encode()
+
+    async def main():
+        for b in state.batchers.values():
+            await b.start()
+        sent = False
+
+        async def receive():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.sleep(3600)  # the client stays
+
+        scope = {"type": "http", "method": "POST", "path": "/predict", "headers": [(b"content-length",
+                                                                                    str(len(body)).encode())]}
+        answer = asyncio.ensure_future(state.answer(Request(scope, receive), "predict", None))
+        while not state.batchers["cls"].in_flight:
+            await asyncio.sleep(0.01)
+        start = time.monotonic()
+        state.begin_stop()
+        response = await answer
+        took = time.monotonic() - start
+        await asyncio.gather(*(b.drain() for b in state.batchers.values()))
+        return response, took
+
+    response, took = asyncio.run(main())
+    assert response.status_code == 503 and took < 1.0, (response.status_code, took)
+    got = json.loads(response.body)
+    assert got["error_type"] == "Unhealthy" and "grace period of 1 s ended before this answer was ready" in got["error"]
+    assert (state.answered, state.cut_off) == (0, 1)
