@@ -39,7 +39,8 @@ from bertdist.embed.evaluate import (MAIN_METRIC, build_rerank_dev, build_retrie
                                      sts_eval)
 from bertdist.embed.model import BiEncoder, CrossEncoder, forward_by_length, load_bi_encoder, load_cross_encoder
 from bertdist.finetune.errors import DataError
-from bertdist.finetune.train import _device, _dist, apply_update, build_optimization, seed_everything
+from bertdist.finetune.train import apply_update, build_optimization, seed_everything
+from bertdist.train.distributed import local_device, process_group, rank_and_world, start_process_group
 
 
 # ---------------------------------------------------------------- data
@@ -237,17 +238,13 @@ def _rank_share(batch: list[int], rank: int, world: int) -> list[int]:
 
 
 # ---------------------------------------------------------------- losses
-def _is_dist() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
 def mnrl_loss(q: torch.Tensor, p: torch.Tensor, n: torch.Tensor | None, cfg: EmbedConfig) -> torch.Tensor:
     """MNRL over the global batch (every rank's positives and negatives, gathered with their
     gradients), summed over the Matryoshka widths (one width: the full one)."""
     from bertdist.embed.gather import all_gather_with_grad, gathered_sizes
     from bertdist.embed.losses import mnrl
 
-    if _is_dist():
+    if process_group():
         sizes = gathered_sizes(q.shape[0], q.device)
         offset = sum(sizes[:torch.distributed.get_rank()])
         all_p = all_gather_with_grad(p)
@@ -421,18 +418,6 @@ def param_groups(model: torch.nn.Module, cfg: EmbedConfig) -> list[dict]:
     return grouped_parameters(model.named_parameters(), cfg.weight_decay, head_learning_rate(model, cfg))
 
 
-def _init_distributed(cfg: EmbedConfig) -> None:
-    if not cfg.deepspeed:
-        return
-    import deepspeed
-
-    from bertdist.train.distributed import prepare_environment
-
-    if not _is_dist():
-        prepare_environment()  # a launcher's variables, or a world of one on a free port
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-
-
 def _dev_set(cfg: EmbedConfig, dev: list):
     if cfg.task == "sts":
         return dev
@@ -451,7 +436,7 @@ def evaluate(cfg: EmbedConfig, model, dev) -> dict:
 
 def _broadcast(value: float, device: torch.device) -> float:
     """Rank 0's value on every rank: every rank must take the same early-stopping decision."""
-    if not _is_dist():
+    if not process_group():
         return value
     t = torch.tensor([value], dtype=torch.float64,
                      device=device if torch.distributed.get_backend() == "nccl" else "cpu")
@@ -462,9 +447,10 @@ def _broadcast(value: float, device: torch.device) -> float:
 def run_embed(cfg: EmbedConfig) -> dict:
     """Train (see the module doc), write the outputs, return the metrics JSON as a dict."""
     check_config(cfg)
-    _init_distributed(cfg)
-    rank, world = _dist()
-    barrier = torch.distributed.barrier if _is_dist() else None
+    if cfg.deepspeed:
+        start_process_group(deepspeed=True)
+    rank, world = rank_and_world()
+    barrier = torch.distributed.barrier if process_group() else None
     if cfg.batch_size % world:
         raise DataError(f"batch_size {cfg.batch_size} is not divisible by the {world} processes")
     out = Path(cfg.output_dir)
@@ -481,7 +467,7 @@ def run_embed(cfg: EmbedConfig) -> dict:
     if barrier is not None:
         barrier()
     seed_everything(cfg.seed)
-    device = _device(cfg)
+    device = local_device(cfg.device)
     model = build_model(cfg, device, loss_name)
 
     negatives_info, pools = None, None

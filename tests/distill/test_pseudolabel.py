@@ -32,7 +32,7 @@ def test_shards_hold_the_teachers_logits_for_every_row(tmp_path, task):
                             shard_rows=10)
     m = run_pseudo_label(cfg)
     assert m["rows"] == 37 and m["num_shards"] == 4 and m["logits"] == "full" and m["num_outputs"] == 2
-    assert m["teacher"]["weights_sha256"] and m["tokenizer"]["max_seq_length"] == 48
+    assert m["teacher"]["sha256"] and m["tokenizer"]["max_seq_length"] == 48
     assert m["sources"][0]["rows"] == 37 and len(m["sources"][0]["sha256"]) == 64
     rows = load_label_rows(tmp_path / "labels", read_manifest(tmp_path / "labels"))
     assert [pq.read_metadata(tmp_path / "labels" / s).num_rows for s in m["shards"]] == [10, 10, 10, 7]
@@ -62,7 +62,7 @@ def test_students_of_any_size_reuse_the_set_and_another_teacher_is_refused(tmp_p
     other = fx.teacher(tmp_path, "sst2", data, vocab, steps=4, seed=1)
     cfg = fx.distill_config("sst2", other, data, [unl], tmp_path / "s2", labels_dir=str(labels), steps=2,
                             student="layers:1")
-    with pytest.raises(LabelSetMismatch, match="another teacher or tokenizer.*teacher.weights_sha256"):
+    with pytest.raises(LabelSetMismatch, match="another teacher or tokenizer.*teacher.sha256"):
         run_distill(cfg)
     cfg = fx.distill_config("sst2", teacher, data, [unl], tmp_path / "s3", labels_dir=str(labels), steps=2,
                             student="layers:1")

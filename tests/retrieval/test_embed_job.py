@@ -18,8 +18,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from bertdist.finetune.errors import DataError
-from bertdist.retrieval.embed_job import (EmbeddingSetMismatch, model_sha256, read_embeddings, read_inputs,
-                                          read_manifest, run_embedding)
+from bertdist.retrieval.embed_job import (EmbeddingSetMismatch, read_embeddings, read_inputs, read_manifest,
+                                          run_embedding)
+from bertdist.stored_set import model_sha256
 from tests.conftest import REPO, SAMPLES, child_env, torchrun
 
 BOOKS = SAMPLES / "books"
@@ -145,11 +146,11 @@ def test_a_rerun_with_another_model_or_input_is_refused_and_the_same_model_reuse
     assert m["last_run"]["shards_embedded"] == 0 and m["last_run"]["shards_reused"] == 3
     assert {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*")} == stamp
     other = tiny_model(tmp_path / "other" / "tiny", seed=1)
-    with pytest.raises(EmbeddingSetMismatch, match=r"another model or input; model\.sha256: directory has "
+    with pytest.raises(EmbeddingSetMismatch, match=r"embeddings of another run: model\.sha256: set has "
                                                    f"'{model_sha256(model)}', this run has '{model_sha256(other)}'"):
         run_embedding(other, inputs, out, shard_rows=16, progress=False)
     inputs[1].write_text(inputs[1].read_text() + json.dumps({"text": "A new row at the end."}) + "\n")
-    with pytest.raises(EmbeddingSetMismatch, match=re.escape(f"input 2: directory has {inputs[1]} (10 rows")):
+    with pytest.raises(EmbeddingSetMismatch, match=re.escape("sources[1].rows: set has 10, this run has 11")):
         run_embedding(model, inputs, out, shard_rows=16, progress=False)
     assert {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*")} == stamp
 
