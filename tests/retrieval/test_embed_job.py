@@ -1,15 +1,11 @@
 """`bertdist embed`: shards that hold the model's own embeddings of every input row, the same rows
-from two ranks as from one, a killed job resumed without redoing its shards, and a rerun with
-another model or input refused."""
+from two ranks as from one, and a rerun with another model or input refused (a kill and a resume:
+tests/test_stored_set.py)."""
 import collections
 import json
-import os
 import re
 import shutil
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -228,45 +224,3 @@ def test_two_ranks_give_the_same_rows_as_one(tmp_path, model):
     a, b = read_embeddings(tmp_path / "one"), read_embeddings(tmp_path / "two")
     assert a.ids == b.ids and a.texts == b.texts and one["sources"] == two["sources"]
     np.testing.assert_allclose(a.vectors, b.vectors, atol=1e-5, rtol=0)
-
-
-EMBED_JOB = """
-import sys, time
-from bertdist.retrieval import embed_job
-write = embed_job._write_shard
-def slow(*a, **k):  # a slow model: the kill lands while shards are still being written
-    write(*a, **k)
-    time.sleep(0.4)
-embed_job._write_shard = slow
-from bertdist.cli.main import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
-@pytest.mark.slow
-def test_a_killed_job_resumes_without_redoing_done_shards(tmp_path, model):
-    inputs = write_inputs(tmp_path / "in", book_sentences(200, start=400))
-    out = tmp_path / "emb"
-    argv = ["embed", "--model", str(model), "--input", *map(str, inputs), "--out", str(out), "--shard-rows", "10",
-            "--no-progress"]
-    proc = subprocess.Popen([sys.executable, "-c", EMBED_JOB, *argv], cwd=REPO, env=child_env())
-    deadline = time.time() + 300
-    while len(list(out.glob("shard-*.parquet"))) < 3:
-        assert proc.poll() is None, "the embedding job ended before it could be killed"
-        assert time.time() < deadline
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    done = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*.parquet")}
-    assert 3 <= len(done) < 20 and not (out / "manifest.json").exists()
-    rc = subprocess.run([sys.executable, "-m", "bertdist.cli.main", *argv], cwd=REPO, env=child_env(),
-                        capture_output=True, text=True, timeout=600)
-    assert rc.returncode == 0, rc.stdout + rc.stderr
-    assert f"({20 - len(done)} embedded now, {len(done)} already there)" in rc.stdout
-    for name, mtime in done.items():
-        assert (out / name).stat().st_mtime_ns == mtime
-    assert not list(out.glob(".*tmp*"))
-    run_embedding(model, inputs, tmp_path / "whole", shard_rows=10, progress=False)
-    a, b = read_embeddings(out), read_embeddings(tmp_path / "whole")
-    assert a.ids == b.ids and a.texts == b.texts and len(a.ids) == 200
-    np.testing.assert_allclose(a.vectors, b.vectors, atol=1e-6, rtol=0)
