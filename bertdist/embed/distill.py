@@ -33,6 +33,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from bertdist.embed.config import EmbedConfig, resolved_negatives
+from bertdist.embed.data import TrainData
+from bertdist.embed.model import BiEncoder, load_bi_encoder, load_cross_encoder
 from bertdist.finetune.errors import DataError
 from bertdist.stored_set import model_sha256, open_or_make as open_or_make_set, source_entry
 
@@ -135,3 +138,77 @@ def embedding_mse(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"student embeddings {tuple(student.shape)} and teacher embeddings {tuple(teacher.shape)} "
                          "differ in shape; the projection must map the student to the teacher's width")
     return F.mse_loss(student.float(), teacher.to(student.device, torch.float32))
+
+
+# ---------------------------------------------------------------- a run's set-up
+def prepare_distillation(cfg: EmbedConfig, model: BiEncoder, units: list[dict], data: TrainData, out: Path,
+                         rank: int, barrier, device) -> tuple[list[dict], dict, dict]:
+    """The teacher's stored outputs for this run's units (computed once), and the units to train
+    on: triples for margin-MSE, rows for embedding MSE. Returns (units, what the step loss needs,
+    what the run's summary records)."""
+    loss = resolve_distill_loss(cfg.distill_loss, cfg.distill_from)
+    set_dir = Path(cfg.distill_set) if cfg.distill_set else out / "teacher_scores"
+    if loss == "margin_mse":
+        return _margin_units(cfg, units, data, set_dir, rank, barrier, device)
+    return _embedding_units(cfg, model, units, data, set_dir, rank, barrier, device)
+
+
+def _margin_units(cfg: EmbedConfig, units: list[dict], data: TrainData, set_dir: Path, rank: int, barrier,
+                  device) -> tuple[list[dict], dict, dict]:
+    """One unit per (query, positive, negative) triple, with the cross-encoder teacher's margin."""
+    loss = "margin_mse"
+    triples = [(u["q"], u["p"], n) for u in units for n in u["negs"][:resolved_negatives(cfg)]]
+    if not triples:
+        raise DataError(f"{data.train_path}: margin-MSE distillation needs (query, positive, negative) "
+                        f"triples, but none of the {len(units)} rows has a negative; list negatives in the rows, "
+                        "set mine=bm25 or hard_negatives=DIR")
+    teacher = load_cross_encoder(cfg.distill_from, kernels=cfg.kernels, device=device)
+    plan = make_plan(loss, teacher_identity(teacher, cfg.distill_from), {"train": data.train_path}, triples)
+    table, manifest = open_or_make(
+        set_dir, plan, lambda: margin_scores(teacher, triples, cfg.eval_batch_size), rank, barrier)
+    margins = np.asarray(table["teacher_positive"], np.float32) - np.asarray(table["teacher_negative"], np.float32)
+    new_units = [{"q": q, "p": p, "negs": [n], "margin": float(m), "texts": frozenset([q, p, n])}
+                 for (q, p, n), m in zip(triples, margins)]
+    info = {"loss": loss, "teacher": cfg.distill_from, "teacher_kind": "cross-encoder", "set": str(set_dir),
+            "reused": manifest["reused"], "triples": len(triples),
+            "rows_without_negatives": sum(not u["negs"] for u in units),
+            "teacher_margin_mean": float(margins.mean()), "teacher_margin_std": float(margins.std())}
+    del teacher
+    return new_units, {"loss": loss}, info
+
+
+def _embedding_units(cfg: EmbedConfig, model: BiEncoder, units: list[dict], data: TrainData, set_dir: Path, rank: int,
+                     barrier, device) -> tuple[list[dict], dict, dict]:
+    """The units as they are, each pointing at the bi-encoder teacher's embeddings of its query and
+    positive; the student gets a projection to the teacher's width when it has none and the widths differ."""
+    loss = "embedding_mse"
+    teacher = load_bi_encoder(cfg.distill_from, kernels=cfg.kernels, device=device)
+    texts = list(dict.fromkeys([u["q"] for u in units] + [u["p"] for u in units]))
+    plan = make_plan(loss, teacher_identity(teacher, cfg.distill_from), {"train": data.train_path},
+                     [(t,) for t in texts])
+    table, manifest = open_or_make(set_dir, plan, lambda: teacher_embeddings(teacher, texts, cfg.eval_batch_size),
+                                   rank, barrier)
+    vectors = np.asarray(table["embedding"], dtype=np.float32)
+    if vectors.ndim != 2 or vectors.shape[0] != len(texts):
+        raise DataError(f"{set_dir}: embeddings of shape {vectors.shape}, expected {len(texts)} rows of one width")
+    index = {t: i for i, t in enumerate(table["text"])}
+    teacher_dim, teacher_norm = vectors.shape[1], teacher.normalize
+    del teacher
+    projection = None
+    if model.projection is None and teacher_dim != model.full_dim:
+        from bertdist.model.bert import init_weights
+
+        model.projection = torch.nn.Linear(model.config.hidden_size, teacher_dim).to(device)
+        init_weights(model.projection, model.config.initializer_range)
+        projection = [model.config.hidden_size, teacher_dim]
+    elif model.full_dim != teacher_dim:
+        raise DataError(f"the student {cfg.checkpoint} embeds into {model.full_dim} dimensions (its Dense module), the "
+                        f"teacher {cfg.distill_from} into {teacher_dim}")
+    if cfg.truncate_dim and cfg.truncate_dim > model.full_dim:
+        raise DataError(f"truncate_dim {cfg.truncate_dim} is wider than the student's {model.full_dim} dimensions")
+    for u in units:
+        u["tq"], u["tp"] = index[u["q"]], index[u["p"]]
+    info = {"loss": loss, "teacher": cfg.distill_from, "teacher_kind": "bi-encoder", "set": str(set_dir),
+            "reused": manifest["reused"], "texts": len(texts), "teacher_dim": teacher_dim,
+            "teacher_normalize": teacher_norm, "projection": projection}
+    return units, {"loss": loss, "vectors": vectors, "teacher_normalize": teacher_norm}, info

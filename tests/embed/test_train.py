@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from bertdist.embed.config import EmbedConfig
-from bertdist.embed.train import epoch_batches, run_embed
+from bertdist.embed.batches import epoch_batches
+from bertdist.embed.train import run_embed
 from bertdist.finetune.errors import DataError
 from tests.conftest import child_env, torchrun
 from tests.embed import fixtures
@@ -154,7 +155,7 @@ def test_rerank_listwise_fits_its_training_groups(ckpt, tmp_path):
 def _rates(model, cfg, steps: int = 1) -> dict[str, float]:
     """Each trainable parameter's learning rate after ``steps`` scheduler steps of a 10-step run
     (step 0 runs at rate 0, the warmup's start)."""
-    from bertdist.embed.train import param_groups
+    from bertdist.embed.optim import param_groups
     from bertdist.finetune.train import build_optimization
 
     _, opt, sched = build_optimization(model, cfg, param_groups(model, cfg), cfg.learning_rate, 8, 10)
@@ -172,7 +173,8 @@ def test_cross_encoder_head_has_its_own_rate(ckpt, tmp_path):
     import torch
 
     from bertdist.embed.export import write_cross_encoder
-    from bertdist.embed.train import build_model, param_groups
+    from bertdist.embed.optim import param_groups
+    from bertdist.embed.train import build_model
 
     cfg = EmbedConfig(task="rerank", checkpoint=str(ckpt), learning_rate=1e-4, warmup_ratio=0.2, **FAST)
     model = build_model(cfg, torch.device("cpu"), "listwise")
@@ -201,7 +203,8 @@ def test_rerank_losses_on_groups_of_unequal_size(ckpt, loss):
 
     import torch
 
-    from bertdist.embed.train import Trainer, build_model
+    from bertdist.embed.step import StepLoss
+    from bertdist.embed.train import build_model
 
     cfg = EmbedConfig(task="rerank", checkpoint=str(ckpt), num_negatives=3, loss=loss, **FAST)
     torch.manual_seed(0)
@@ -210,7 +213,7 @@ def test_rerank_losses_on_groups_of_unequal_size(ckpt, loss):
     units = [{"q": r[0]["query"], "p": r[0]["positive"], "negs": [r[1]["positive"]]},
              {"q": r[2]["query"], "p": r[2]["positive"], "negs": [r[3]["positive"], r[4]["positive"],
                                                                   r[1]["positive"]]}]
-    got = Trainer(cfg, model, loss, None).step_loss(model, units, random.Random(0)).item()
+    got = StepLoss(cfg, model, loss, None).step_loss(model, units, random.Random(0)).item()
     terms = []
     for u in units:
         pairs = [(u["q"], c) for c in [u["p"], *u["negs"]]]
