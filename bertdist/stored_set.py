@@ -87,7 +87,7 @@ def plan_diff(have: dict, want: dict) -> list[str]:
 
 def _diff(a, b, where: str) -> list[str]:
     if isinstance(a, dict) and isinstance(b, dict):
-        out = [m for k in sorted((set(a) | set(b)) - IGNORED_KEYS) for m in _diff(a.get(k), b.get(k), f"{where}.{k}")]
+        out = [m for k in sorted(set(b) - IGNORED_KEYS) for m in _diff(a.get(k), b[k], f"{where}.{k}")]
         if out and a.get("path") != b.get("path"):  # name both files: which copy is which
             out = [f"{m} (the set's {where} is {a.get('path')}, this run's {b.get('path')})" for m in out]
         return out

@@ -35,11 +35,11 @@ def write_model(d: Path, bias: bytes = b"\0\1") -> Path:
 
 # ---------------------------------------------------------------- the one rule
 def test_plan_diff_sets_paths_aside_at_any_depth_and_names_every_other_difference():
-    have = {"model": {"path": "/a/m", "sha256": "1"}, "sources": [{"path": "/a/x.txt", "sha256": "s", "rows": 3}],
+    have = {"model": {"path": "/a/m", "sha256": "1", "format": "hf"}, "sources": [{"path": "/a/x.txt", "sha256": "s", "rows": 3}],
             "rows": 3, "created": "earlier"}
     same = {"model": {"path": "/b/m", "sha256": "1"}, "sources": [{"path": "/b/x.txt", "sha256": "s", "rows": 3}],
             "rows": 3}
-    assert plan_diff(have, same) == []  # and keys only the stored side has (created) are no difference
+    assert plan_diff(have, same) == []  # and keys only the stored side has (created, format) are no difference
     other = {"model": {"path": "/b/m", "sha256": "2"}, "sources": [{"path": "/b/y.txt", "sha256": "t", "rows": 4}],
              "rows": 4}
     assert plan_diff(have, other) == [

@@ -189,6 +189,19 @@ def check_label_set(manifest: dict, labels_dir, task: str, teacher, cfg) -> None
                                "teacher or tokenizer than this run's: " + "; ".join(diff))
 
 
+def check_sources(manifest: dict, labels_dir, paths: list[str]) -> None:
+    """Refuse a set made from other files than ``paths`` (none named: any); a copy of the same
+    file elsewhere is the same file."""
+    for p in paths:
+        if not Path(p).is_file():
+            raise DataError(f"{p}: --unlabeled file not found")
+    diff = plan_diff(manifest, {"sources": [source_entry(p) for p in paths]}) if paths else []
+    if diff:
+        raise LabelSetMismatch(f"{Path(labels_dir) / 'manifest.json'}: the pseudo-labels were made from other "
+                               f"files than --unlabeled names ({list(paths)}): " + "; ".join(diff)
+                               + "; give another labels_dir")
+
+
 def check_top_k(manifest: dict, labels_dir, want: int | None) -> None:
     """Refuse a set that lacks what the run's ``top_k`` needs: a top-k set cannot give full logits,
     nor a larger k. A full set serves any k (cut when read), a top-k set any smaller k."""

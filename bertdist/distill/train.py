@@ -28,8 +28,8 @@ import torch
 from bertdist.config import save_config
 from bertdist.distill import losses
 from bertdist.distill.config import DistillConfig
-from bertdist.distill.pseudolabel import (check_label_set, check_top_k, effective_top_k, load_label_rows, num_outputs,
-                                         read_manifest, run_labelling, top_k_of)
+from bertdist.distill.pseudolabel import (check_label_set, check_sources, check_top_k, effective_top_k, load_label_rows,
+                                         num_outputs, read_manifest, run_labelling, top_k_of)
 from bertdist.distill.student import StudentPlan, plan_student
 from bertdist.distill.teacher import Teacher, load_teacher
 from bertdist.export.tokenizer import bert_tokenizer
@@ -265,9 +265,7 @@ def pseudo_labels(cfg: DistillConfig, task: str, fcfg, runner, teacher: Teacher)
         manifest = read_manifest(labels_dir)
         check_label_set(manifest, labels_dir, task, teacher, fcfg)
         check_top_k(manifest, labels_dir, top_k)
-        if cfg.unlabeled and [Path(s["path"]).resolve() for s in manifest["sources"]] != [Path(p).resolve() for p in cfg.unlabeled]:
-            raise DataError(f"{labels_dir}/manifest.json: labels the sources {[s['path'] for s in manifest['sources']]}, "
-                            f"but --unlabeled names {list(cfg.unlabeled)}; give another labels_dir")
+        check_sources(manifest, labels_dir, cfg.unlabeled)
         manifest["reused"] = True
     else:
         manifest = run_labelling(task, runner, teacher, fcfg, list(cfg.unlabeled), labels_dir, shard_rows=cfg.shard_rows,

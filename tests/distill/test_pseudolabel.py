@@ -56,14 +56,22 @@ def test_students_of_any_size_reuse_the_set_and_another_teacher_is_refused(tmp_p
     tmp, vocab, data, teacher = task
     unl = fx.write_unlabeled_text(tmp_path / "u.txt", n=24)
     labels = tmp_path / "labels"
-    for i, student in enumerate(("layers:1", "preset:tiny")):
-        cfg = fx.distill_config("sst2", teacher, data, [unl], tmp_path / f"s{i}", labels_dir=str(labels), steps=2,
-                            student="layers:1")
+    copy = tmp_path / "copy" / "u.txt"  # the second student names a copy of the input: the same set
+    copy.parent.mkdir()
+    copy.write_bytes(unl.read_bytes())
+    for i, (student, source) in enumerate((("layers:1", unl), ("preset:tiny", copy))):
+        cfg = fx.distill_config("sst2", teacher, data, [source], tmp_path / f"s{i}", labels_dir=str(labels), steps=2,
+                                student="layers:1")
         r = run_distill(cfg)
         if i == 0:
             stamp = {p.name: p.stat().st_mtime_ns for p in labels.iterdir()}
         assert r["pseudo_labels"]["reused"] is (i == 1) and r["student"]["train_rows"] == 24 + 32
     assert {p.name: p.stat().st_mtime_ns for p in labels.iterdir()} == stamp  # nothing relabelled
+    copy.write_text(unl.read_text() + "one more line of text\n")
+    cfg = fx.distill_config("sst2", teacher, data, [copy], tmp_path / "s4", labels_dir=str(labels), steps=2,
+                            student="layers:1")
+    with pytest.raises(LabelSetMismatch, match=r"made from other files than --unlabeled names .*sources\[0\]\.sha256"):
+        run_distill(cfg)
     other = fx.teacher(tmp_path, "sst2", data, vocab, steps=4, seed=1)
     cfg = fx.distill_config("sst2", other, data, [unl], tmp_path / "s2", labels_dir=str(labels), steps=2,
                             student="layers:1")
