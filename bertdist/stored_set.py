@@ -35,6 +35,11 @@ MANIFEST = "manifest.json"
 IGNORED_KEYS = frozenset({"path"})  # where a file lies is not what it is
 
 
+class SetMismatch(DataError):
+    """A directory holding a stored set of another run (another model, other sources or settings);
+    each kind of set raises its own subclass, the message names every difference."""
+
+
 # ---------------------------------------------------------------- files
 def write_json_atomic(path: Path, obj: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -98,7 +103,7 @@ def _diff(a, b, where: str) -> list[str]:
     return [] if a == b else [f"{where}: set has {a!r}, this run has {b!r}"]
 
 
-def refuse_other(path: Path, plan: dict, mismatch: type[DataError], what: str, advice: str) -> None:
+def refuse_other(path: Path, plan: dict, mismatch: type[SetMismatch], what: str, advice: str) -> None:
     """Raise ``mismatch`` when the plan or manifest at ``path`` differs from ``plan``."""
     diff = plan_diff(read_json(path), plan)
     if diff:
@@ -127,7 +132,7 @@ def wait_for_shards(out: Path, n: int, timeout_s: float = 3600.0) -> None:
 
 
 def run_sharded(out_dir: str | Path, plan: dict, write_shard: Callable[[Path, int, int], None], *,
-                mismatch: type[DataError], what: str, verb: str, desc: str, unit: str, progress: bool = True,
+                mismatch: type[SetMismatch], what: str, verb: str, desc: str, unit: str, progress: bool = True,
                 shard_entry: Callable[[str, int, int], object] | None = None) -> dict:
     """Compute this rank's missing shards of the set ``plan`` pins (``rows``, ``shard_rows``,
     ``num_shards``): ``write_shard(path, lo, hi)`` writes rows ``lo:hi`` to ``path`` atomically.
@@ -181,7 +186,7 @@ def run_sharded(out_dir: str | Path, plan: dict, write_shard: Callable[[Path, in
 
 # ---------------------------------------------------------------- one-file sets
 def open_or_make(set_dir: str | Path, plan: dict, rows_file: str, compute: Callable[[], dict], *,
-                 mismatch: type[DataError], what: str, advice: str, rank: int = 0,
+                 mismatch: type[SetMismatch], what: str, advice: str, rank: int = 0,
                  barrier: Callable[[], None] | None = None) -> tuple[dict, dict]:
     """The set's columns and manifest: reused when ``set_dir`` holds a complete set of this plan,
     else computed by ``compute()`` (rank 0; the others wait at ``barrier``) into ``rows_file``. A

@@ -15,13 +15,13 @@ from types import SimpleNamespace
 import pytest
 
 from bertdist.finetune.errors import DataError
-from bertdist.stored_set import (MANIFEST, PLAN, model_sha256, num_shards, open_or_make, plan_diff, read_manifest,
-                                 run_sharded, shard_name, write_json_atomic, write_parquet_atomic)
+from bertdist.stored_set import (MANIFEST, PLAN, SetMismatch, model_sha256, num_shards, open_or_make, plan_diff,
+                                 read_manifest, run_sharded, shard_name, write_json_atomic, write_parquet_atomic)
 from tests.conftest import REPO, child_env
 
 
-class OtherSet(DataError):
-    pass
+class OtherSet(SetMismatch):
+    """The sets of these tests."""
 
 
 def write_model(d: Path, bias: bytes = b"\0\1") -> Path:
@@ -35,8 +35,8 @@ def write_model(d: Path, bias: bytes = b"\0\1") -> Path:
 
 # ---------------------------------------------------------------- the one rule
 def test_plan_diff_sets_paths_aside_at_any_depth_and_names_every_other_difference():
-    have = {"model": {"path": "/a/m", "sha256": "1", "format": "hf"}, "sources": [{"path": "/a/x.txt", "sha256": "s", "rows": 3}],
-            "rows": 3, "created": "earlier"}
+    have = {"model": {"path": "/a/m", "sha256": "1", "format": "hf"},
+            "sources": [{"path": "/a/x.txt", "sha256": "s", "rows": 3}], "rows": 3, "created": "earlier"}
     same = {"model": {"path": "/b/m", "sha256": "1"}, "sources": [{"path": "/b/x.txt", "sha256": "s", "rows": 3}],
             "rows": 3}
     assert plan_diff(have, same) == []  # and keys only the stored side has (created, format) are no difference
@@ -122,7 +122,8 @@ def test_a_sharded_set_is_resumed_and_reused_from_a_copy_of_its_sources_and_refu
     out = tmp_path / "set"
     m = sharded(out, plan_of(7, 3), shard_entry=lambda name, lo, hi: {"file": name, "rows": hi - lo})
     assert m["shards"] == [{"file": shard_name(k, 3), "rows": r} for k, r in enumerate((3, 3, 1))]
-    assert [pq.read_table(out / s["file"]).column("row").to_pylist() for s in m["shards"]] == [[0, 1, 2], [3, 4, 5], [6]]
+    rows = [pq.read_table(out / s["file"]).column("row").to_pylist() for s in m["shards"]]
+    assert rows == [[0, 1, 2], [3, 4, 5], [6]]
     assert m["last_run"]["shards_written"] == 3 and m["last_run"]["rows_written"] == 7
     (out / shard_name(1, 3)).unlink()
     stamp = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*")}

@@ -31,15 +31,15 @@ import numpy as np
 from bertdist.data.manifest import path_inside
 from bertdist.finetune.errors import DataError
 from bertdist.model import IGNORE_INDEX
-from bertdist.stored_set import num_shards, plan_diff, read_manifest as read_set_manifest, run_sharded, \
-    source_entry, write_parquet_atomic
+from bertdist.stored_set import (SetMismatch, num_shards, plan_diff, read_manifest as read_set_manifest, run_sharded,
+                                 source_entry, write_parquet_atomic)
 
 FORMAT = "bertdist-pseudo-labels/1"  # full logits
 FORMAT_TOP_K = "bertdist-pseudo-labels/2"  # top-k values and indices
 FORMATS = (FORMAT, FORMAT_TOP_K)
 
 
-class LabelSetMismatch(DataError):
+class LabelSetMismatch(SetMismatch):
     """A pseudo-label set made by another teacher, tokenizer, task or sources than the run names."""
 
 

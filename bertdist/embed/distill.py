@@ -37,14 +37,14 @@ from bertdist.embed.config import EmbedConfig, resolved_negatives
 from bertdist.embed.data import TrainData
 from bertdist.embed.model import BiEncoder, load_bi_encoder, load_cross_encoder
 from bertdist.finetune.errors import DataError
-from bertdist.stored_set import model_sha256, open_or_make as open_or_make_set, source_entry
+from bertdist.stored_set import SetMismatch, model_sha256, open_or_make as open_or_make_set, source_entry
 
 FORMAT = "bertdist-teacher-scores/1"
 ROWS_FILE = "teacher.parquet"
 KINDS = {"margin_mse": "cross-encoder", "embedding_mse": "bi-encoder"}
 
 
-class TeacherSetMismatch(DataError):
+class TeacherSetMismatch(SetMismatch):
     """A stored teacher set made by another teacher or from other data than the run's."""
 
 

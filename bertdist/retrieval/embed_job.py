@@ -37,7 +37,7 @@ import numpy as np
 
 from bertdist.data.manifest import path_inside
 from bertdist.finetune.errors import DataError, not_utf8
-from bertdist.stored_set import (MANIFEST, model_sha256, num_shards, read_manifest as read_set_manifest,
+from bertdist.stored_set import (MANIFEST, SetMismatch, model_sha256, num_shards, read_manifest as read_set_manifest,
                                  run_sharded, source_entry, write_parquet_atomic)
 
 FORMAT = "bertdist-embeddings/1"
@@ -45,7 +45,7 @@ JSONL_LAYOUT = '{"text": ..., "id": ... (optional)}'
 TSV_LAYOUT = "id<TAB>text (or a header line naming id and text columns)"
 
 
-class EmbeddingSetMismatch(DataError):
+class EmbeddingSetMismatch(SetMismatch):
     """An embedding directory made by another model, or from other inputs, than the run names."""
 
 
