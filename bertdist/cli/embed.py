@@ -4,6 +4,7 @@ the top k of queries, optionally hybrid with BM25 and re-ranked by a cross-encod
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from bertdist.cli.export import add_trust_flag
@@ -18,8 +19,6 @@ def _errors():
 
 def run_embed(args) -> int:
     from bertdist.export.safe_load import trust_checkpoints
-    import os
-
     from bertdist.retrieval.embed_job import run_embedding
     from bertdist.train.distributed import start_process_group
 

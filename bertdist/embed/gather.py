@@ -26,8 +26,8 @@ shows the local-slice backward failing that check.
 
 Ranks may hold different numbers of rows (a short last batch): the sizes are gathered first and
 the rows padded for the collective. Every rank must call the gather and run the backward, as with
-any collective; a rank without hard negatives joins their gather with zero rows. With unequal sizes the mean of
-the per-rank losses weighs each rank equally, as DDP does for any loss.
+any collective; a rank without hard negatives joins their gather with zero rows. With unequal
+sizes the mean of the per-rank losses weighs each rank equally, as DDP does for any loss.
 Without an initialised process group the gather returns ``x`` itself.
 """
 from __future__ import annotations
