@@ -99,7 +99,7 @@ def _diff(a, b, where: str) -> list[str]:
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
         return [m for i, (x, y) in enumerate(zip(a, b)) for m in _diff(x, y, f"{where}[{i}]")]
     if isinstance(a, list) and isinstance(b, list) and a and b and isinstance(b[0], dict):
-        return [f"{where}: set has {len(a)} entries, this run has {len(b)}"]
+        return [f"{where}: {len(a)} in the set, {len(b)} in this run"]
     return [] if a == b else [f"{where}: set has {a!r}, this run has {b!r}"]
 
 
@@ -140,8 +140,6 @@ def run_sharded(out_dir: str | Path, plan: dict, write_shard: Callable[[Path, in
     ``last_run``. ``shard_entry(name, lo, hi)``: a shard's entry in the manifest (default: its name);
     ``what``: the rows, in messages; ``verb``: the stats' name for computing a shard; ``desc``: the
     progress bar's."""
-    from tqdm.auto import tqdm
-
     from bertdist.train.distributed import process_group, rank_and_world
 
     out = Path(out_dir)
@@ -151,37 +149,45 @@ def run_sharded(out_dir: str | Path, plan: dict, write_shard: Callable[[Path, in
         refuse_other(out / PLAN, plan, mismatch, f"this directory holds {what}", "Use another output directory.")
     elif rank == 0:
         write_json_atomic(out / PLAN, plan)
-    n, size, rows = plan["num_shards"], plan["shard_rows"], plan["rows"]
-
-    def bounds(k: int) -> tuple[int, int]:
-        return k * size, min((k + 1) * size, rows)
-
-    mine = [k for k in range(n) if k % world == rank]
-    todo = [k for k in mine if not (out / shard_name(k, n)).is_file()]
-    todo_rows = sum(hi - lo for lo, hi in map(bounds, todo))
-    t0 = time.time()
-    bar = tqdm(total=todo_rows, desc=f"{desc} (rank {rank}/{world})", unit=unit,
-               disable=not progress or rank != 0, dynamic_ncols=True)
-    for k in todo:
-        lo, hi = bounds(k)
-        write_shard(out / shard_name(k, n), lo, hi)
-        bar.update(hi - lo)
-    bar.close()
-    stats = {"rank": rank, "world_size": world, f"shards_{verb}": len(todo), "shards_reused": len(mine) - len(todo),
-             f"rows_{verb}": todo_rows, "seconds": round(time.time() - t0, 3)}
+    stats = _write_missing_shards(out, plan, write_shard, rank, world, verb,
+                                  dict(desc=f"{desc} (rank {rank}/{world})", unit=unit, disable=not progress or rank != 0))
     group = process_group()
     if group:
         group.barrier()  # every rank's shards are written
     if rank == 0:
-        wait_for_shards(out, n)
+        wait_for_shards(out, plan["num_shards"])
         entry = shard_entry or (lambda name, lo, hi: name)
-        manifest = {**plan, "shards": [entry(shard_name(k, n), *bounds(k)) for k in range(n)],
-                    "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "last_run": stats}
+        shards = [entry(shard_name(k, plan["num_shards"]), *_bounds(plan, k)) for k in range(plan["num_shards"])]
+        manifest = {**plan, "shards": shards, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "last_run": stats}
         write_json_atomic(out / MANIFEST, manifest)
     if group:
         group.barrier()  # the manifest is there for every rank
         return {**read_json(out / MANIFEST), "last_run": stats}
     return manifest if rank == 0 else {**plan, "last_run": stats}
+
+
+def _bounds(plan: dict, k: int) -> tuple[int, int]:
+    """Shard k's rows, ``lo:hi``."""
+    return k * plan["shard_rows"], min((k + 1) * plan["shard_rows"], plan["rows"])
+
+
+def _write_missing_shards(out: Path, plan: dict, write_shard: Callable[[Path, int, int], None], rank: int,
+                          world: int, verb: str, bar: dict) -> dict:
+    """Rank r's shards (r, r + world, ...) that are not there yet; returns this run's counts."""
+    from tqdm.auto import tqdm
+
+    n = plan["num_shards"]
+    mine = [k for k in range(n) if k % world == rank]
+    todo = [k for k in mine if not (out / shard_name(k, n)).is_file()]
+    todo_rows = sum(hi - lo for lo, hi in (_bounds(plan, k) for k in todo))
+    t0 = time.time()
+    with tqdm(total=todo_rows, dynamic_ncols=True, **bar) as progress:
+        for k in todo:
+            lo, hi = _bounds(plan, k)
+            write_shard(out / shard_name(k, n), lo, hi)
+            progress.update(hi - lo)
+    return {"rank": rank, "world_size": world, f"shards_{verb}": len(todo), "shards_reused": len(mine) - len(todo),
+            f"rows_{verb}": todo_rows, "seconds": round(time.time() - t0, 3)}
 
 
 # ---------------------------------------------------------------- one-file sets

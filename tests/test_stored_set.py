@@ -47,7 +47,7 @@ def test_plan_diff_sets_paths_aside_at_any_depth_and_names_every_other_differenc
         "sources[0].rows: set has 3, this run has 4 (the set's sources[0] is /a/x.txt, this run's /b/y.txt)",
         "sources[0].sha256: set has 's', this run has 't' (the set's sources[0] is /a/x.txt, this run's /b/y.txt)",
         "rows: set has 3, this run has 4"]
-    assert plan_diff(have, {**same, "sources": same["sources"] * 2}) == ["sources: set has 1 entries, this run has 2"]
+    assert plan_diff(have, {**same, "sources": same["sources"] * 2}) == ["sources: 1 in the set, 2 in this run"]
     assert plan_diff({}, {"top_k": 4}) == ["top_k: set has None, this run has 4"]
 
 
