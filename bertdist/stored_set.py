@@ -149,8 +149,8 @@ def run_sharded(out_dir: str | Path, plan: dict, write_shard: Callable[[Path, in
         refuse_other(out / PLAN, plan, mismatch, f"this directory holds {what}", "Use another output directory.")
     elif rank == 0:
         write_json_atomic(out / PLAN, plan)
-    stats = _write_missing_shards(out, plan, write_shard, rank, world, verb,
-                                  dict(desc=f"{desc} (rank {rank}/{world})", unit=unit, disable=not progress or rank != 0))
+    bar = dict(desc=f"{desc} (rank {rank}/{world})", unit=unit, disable=not progress or rank != 0)
+    stats = _write_missing_shards(out, plan, write_shard, rank, world, verb, bar)
     group = process_group()
     if group:
         group.barrier()  # every rank's shards are written
