@@ -11,7 +11,6 @@ data parallel when ``cfg.deepspeed`` (launched with torchrun/deepspeed).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import random
 import time
