@@ -264,8 +264,9 @@ class ServeState:
     async def run_job(self, request: Request, model, job):
         """The job's answer; ClientGone (and the job taken off the queue) if the client leaves first."""
         batcher = self.batchers[model.name]
-        batcher.check_fits(len(job.texts))  # before any tokenizing
-        await self.encode(model, job)
+        if not job.encoded:
+            batcher.check_fits(len(job.texts))  # before any tokenizing
+            await self.encode(model, job)
         ticket = batcher.enqueue(job)
         gone = asyncio.ensure_future(wait_for_disconnect(request))
         task = asyncio.current_task()
@@ -298,12 +299,10 @@ class ServeState:
             label_model = model.name if model is not None else ""
             raw = await self.read_body(request)
             if api == "openai":
-                body = await self.offload(parse_json_object, raw)
-                model = openai_api.pick_encoder(list(self.models.values()), body.get("model"))
+                model, job = await self.offload(plan_openai, list(self.models.values()), raw, self.settings.max_queue)
                 label_model = model.name
-                job = await self.offload(openai_api.plan_embeddings, model, body)
             else:
-                job = await self.offload(plan_request, model, route or "root", raw)
+                job = await self.offload(plan_request, model, route or "root", raw, self.settings.max_queue)
             self.metrics.in_flight.labels(model.name).inc()
             try:
                 response = Json(await self.run_job(request, model, job))
@@ -345,10 +344,25 @@ class ServeState:
         return error_response(status, str(e), error_type, headers)
 
 
-def plan_request(model, route: str, raw: bytes):
-    """Parses a TEI-shaped body and validates it into the model's Job."""
+def plan_request(model, route: str, raw: bytes, max_queue: int):
+    """Parses a TEI-shaped body and validates it into the model's Job (a small one tokenized too)."""
     body = parse_json_object(raw)
-    return model.plan(root_route(model, body) if route == "root" else route, body)
+    return encode_if_small(model, model.plan(root_route(model, body) if route == "root" else route, body), max_queue)
+
+
+def plan_openai(models: list, raw: bytes, max_queue: int):
+    """(the encoder it names, its Job) for an OpenAI embeddings body."""
+    body = parse_json_object(raw)
+    model = openai_api.pick_encoder(models, body.get("model"))
+    return model, encode_if_small(model, openai_api.plan_embeddings(model, body), max_queue)
+
+
+def encode_if_small(model, job, max_queue: int):
+    """A job of one chunk is tokenized on the turn that planned it: one hop to the preparing
+    thread per ordinary request."""
+    if len(job.texts) <= min(ENCODE_CHUNK, max_queue):
+        job.items = model.encode(job.texts, job.truncate, job.direction)
+    return job
 
 
 def root_route(model, body: dict | None) -> str:
