@@ -62,6 +62,7 @@ def run(args) -> int:
     for flag, value, low in (("--max-batch-size", args.max_batch_size, 1), ("--max-queue", args.max_queue, 1),
                              ("--max-wait-ms", args.max_wait_ms, 0), ("--port", args.port, 0),
                              ("--max-batch-tokens", args.max_batch_tokens, 0),
+                             ("--max-connections", 1 if args.max_connections is None else args.max_connections, 1),
                              ("--grace", args.grace, 1), ("--head-timeout", args.head_timeout, 0.1),
                              ("--body-timeout", args.body_timeout, 0.1)):
         if value < low:
