@@ -13,7 +13,8 @@ Packed backends, all with one signature and all tested against the reference on 
 - ``sdpa``: the sequences re-padded to the longest, SDPA with a padding+window bool mask, packed
   again (``torch_native.varlen_attention_sdpa``); supports dropout;
 - ``flex``: torch's FlexAttention over the whole packed row with a block mask (same sequence and
-  within the window); blocks outside every sequence's band are skipped. No dropout.
+  within the window); blocks outside every sequence's band are skipped. No dropout, and on CPU
+  no backward (torch 2.14): there it serves inference only.
 """
 from __future__ import annotations
 
@@ -117,6 +118,9 @@ def flex_varlen_window_attention(q, k, v, packing: Packing, *, half_window: int 
     if training and dropout_p > 0:
         raise ValueError(f"the flex attention backend has no attention dropout, and this call trains with "
                          f"dropout_p={dropout_p}; use attention_backend=sdpa")
+    if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError("FlexAttention has no backward on CPU (torch 2.14), and this call needs gradients; "
+                         "train on CPU with attention_backend=sdpa (flex serves CPU inference and CUDA)")
     from torch.nn.attention.flex_attention import flex_attention
 
     block_mask = _flex_block_mask(packing, half_window, q.device)

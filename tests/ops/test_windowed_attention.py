@@ -68,3 +68,9 @@ def test_flex_refuses_attention_dropout():
     (q, k, v), packing = packed_qkv()
     with pytest.raises(ValueError, match="no attention dropout.*dropout_p=0.1"):
         VARLEN_BACKENDS["flex"](q, k, v, packing, dropout_p=0.1, training=True)
+
+
+def test_flex_refuses_training_on_cpu_with_the_way_out():
+    (q, k, v), packing = packed_qkv(requires_grad=True)
+    with pytest.raises(ValueError, match="no backward on CPU.*attention_backend=sdpa"):
+        VARLEN_BACKENDS["flex"](q, k, v, packing)
