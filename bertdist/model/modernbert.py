@@ -31,7 +31,8 @@ from bertdist.model.modernbert_config import ModernBertConfig
 from bertdist.ops.windowed_attention import PADDED_BACKENDS, VARLEN_BACKENDS, Packing
 
 
-def LayerNorm(cfg: ModernBertConfig) -> nn.LayerNorm:
+def layer_norm(cfg: ModernBertConfig) -> nn.LayerNorm:
+    """ModernBERT's LayerNorm: no bias."""
     return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=False)
 
 
@@ -67,7 +68,7 @@ class ModernBertEmbeddings(nn.Module):
     def __init__(self, cfg: ModernBertConfig):
         super().__init__()
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
-        self.norm = LayerNorm(cfg)
+        self.norm = layer_norm(cfg)
         self.drop = nn.Dropout(cfg.embedding_dropout)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -121,9 +122,9 @@ class ModernBertEncoderLayer(nn.Module):
 
     def __init__(self, cfg: ModernBertConfig, layer: int):
         super().__init__()
-        self.attn_norm = nn.Identity() if layer == 0 else LayerNorm(cfg)
+        self.attn_norm = nn.Identity() if layer == 0 else layer_norm(cfg)
         self.attn = ModernBertAttention(cfg, layer)
-        self.mlp_norm = LayerNorm(cfg)
+        self.mlp_norm = layer_norm(cfg)
         self.mlp = ModernBertMLP(cfg)
         self.is_global = cfg.is_global(layer)
 
@@ -141,7 +142,7 @@ class ModernBertModel(nn.Module):
         self.config = cfg
         self.embeddings = ModernBertEmbeddings(cfg)
         self.layers = nn.ModuleList(ModernBertEncoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.final_norm = LayerNorm(cfg)
+        self.final_norm = layer_norm(cfg)
         self.rotary = nn.ModuleDict({"global": Rotary(cfg.head_dim, cfg.global_rope_theta),
                                      "local": Rotary(cfg.head_dim, cfg.local_rope_theta)})
 
@@ -184,7 +185,7 @@ class ModernBertPredictionHead(nn.Module):
     def __init__(self, cfg: ModernBertConfig):
         super().__init__()
         self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.norm = LayerNorm(cfg)
+        self.norm = layer_norm(cfg)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.norm(F.gelu(self.dense(h)))
