@@ -27,6 +27,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 
 import torch
@@ -122,6 +123,8 @@ def bench(preset: str, args) -> list[dict]:
         spread = max(losses.values()) - min(losses.values())
         if spread > 1e-4:
             raise SystemExit(f"{preset} batch {i}: the arms' losses differ by {spread:.2e}: {losses}")
+        print(f"# {preset} batch {i + 1}/{len(batches)}: loss {losses['ours']:.4f}, arms' spread {spread:.1e}",
+              file=sys.stderr, flush=True)
     med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
     rows = []
     for n in names:

@@ -119,9 +119,10 @@ def reference_varlen_attention(
 ) -> torch.Tensor:
     """Unpadded attention: ``q, k, v`` are ``[total_tokens, heads, head_dim]`` and
     ``cu_seqlens`` ``[batch + 1]`` int32 holds the cumulative sequence lengths.
-    Each sequence attends only to itself (within ``half_window`` positions, when given). It loops over the sequences in Python: the oracle the
-    varlen kernels are tested against, and the unpadded path on CPU under ``reference`` and
-    ``auto`` (where torch has no varlen kernel); on CUDA those modes use torch_native.py."""
+    Each sequence attends only to itself (within ``half_window`` positions, when given). It loops
+    over the sequences in Python: the oracle the varlen kernels are tested against, and the
+    unpadded path on CPU under ``reference`` and ``auto`` (where torch has no varlen kernel); on
+    CUDA those modes use torch_native.py."""
     out = torch.empty_like(q)
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
