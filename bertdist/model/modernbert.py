@@ -153,8 +153,9 @@ class ModernBertModel(nn.Module):
         zeros at padding when ``config.unpad`` packs the batch; or packed ``input_ids`` [T] with
         ``cu_seqlens`` and ``max_seqlen`` -> [T, hidden]."""
         if cu_seqlens is not None:
-            if max_seqlen is None:
-                raise ValueError("packed input needs max_seqlen with cu_seqlens")
+            if max_seqlen is None or input_ids.dim() != 1:
+                raise ValueError(f"packed input is input_ids [total_tokens] with cu_seqlens and max_seqlen; got "
+                                 f"input_ids of shape {tuple(input_ids.shape)}, max_seqlen {max_seqlen}")
             packing = Packing.from_cu_seqlens(cu_seqlens, host_int(max_seqlen), input_ids.shape[0])
             return self.encode(self.embeddings(input_ids), packing.position, packing)
         if input_ids.dim() != 2:

@@ -174,3 +174,10 @@ def test_sequence_longer_than_the_context_is_refused():
     cu = torch.tensor([0, 10, 80], dtype=torch.int32)
     with pytest.raises(ValueError, match="70 tokens is longer than the model's context.*= 64"):
         model(torch.randint(3, VOCAB, (80,)), cu_seqlens=cu, max_seqlen=70)
+
+
+@torch.no_grad()
+def test_packed_input_must_be_one_row_of_tokens():
+    model, _ = models()
+    with pytest.raises(ValueError, match=r"got input_ids of shape \(2, 10\), max_seqlen 10"):
+        model(torch.randint(3, VOCAB, (2, 10)), cu_seqlens=torch.tensor([0, 10, 20], dtype=torch.int32), max_seqlen=10)
