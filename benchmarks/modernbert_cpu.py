@@ -3,6 +3,7 @@ batches, side by side in one process (CPU).
 
     python benchmarks/modernbert_cpu.py                                # tiny and base, 2,048-token batches
     python benchmarks/modernbert_cpu.py --presets base --iters 5 --threads 2
+    python benchmarks/modernbert_cpu.py --presets tiny --iters 16 --arms ours hf-packed-sparse
 
 Batches: sequences of mixed lengths (uniform in [--min-len, --max-len]) packed greedily into
 batches of at most --tokens tokens, 30% of the tokens masked (labels), as ModernBERT pretrains.
@@ -83,6 +84,9 @@ def hf_padded_inputs(b: dict) -> dict:
     return dict(input_ids=ids, attention_mask=mask.long(), labels=labels)
 
 
+ARMS = ("ours", "ours-dense", "hf-packed", "hf-packed-sparse", "hf-padded")
+
+
 def bench(preset: str, args) -> list[dict]:
     cfg = ModernBertConfig.from_preset(preset, attention_backend="sdpa")
     torch.manual_seed(0)
@@ -115,7 +119,7 @@ def bench(preset: str, args) -> list[dict]:
     }
     for b in batches:  # transformers' inputs are built before the clock starts (ours builds its masks inside)
         b.update(hf_packed=hf_packed_inputs(b, cfg.half_window), hf_padded=hf_padded_inputs(b))
-    names = list(arms)
+    names = [n for n in arms if n in args.arms]
     times: dict[str, list[float]] = {n: [] for n in names}
     for i, b in enumerate(batches):
         order = names[i % len(names):] + names[:i % len(names)]
@@ -151,7 +155,10 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=7)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS,
+                   help="the arms to run (ours is always one: the ratios are over it)")
     args = p.parse_args()
+    args.arms = sorted(set(args.arms) | {"ours"}, key=ARMS.index)
     torch.set_num_threads(args.threads)
     print(f"# torch {torch.__version__}, transformers {transformers.__version__}, {platform.machine()}, "
           f"{torch.get_num_threads()} threads; {vars(args)}")
