@@ -24,6 +24,10 @@ def run(args) -> int:
         out = write_torch_dir(args.out, w)
         print(f"wrote {out} (bertdist torch format)")
         return 0
+    from bertdist.model.modernbert_config import ModernBertConfig
+
+    if isinstance(w.config, ModernBertConfig):
+        return export_modernbert(args, w)
     if w.vocab_file is None:
         print("bertdist export: the checkpoint does not name its vocab file; pass --vocab FILE")
         return 2
@@ -50,6 +54,34 @@ def run(args) -> int:
         if not ok:
             return 1
     return 0
+
+
+def export_modernbert(args, w) -> int:
+    """A ModernBERT model as a ``ModernBertForMaskedLM`` directory, its tokenizer files carried along."""
+    from bertdist.export.hf import ExportError
+    from bertdist.export.modernbert_hf import write_modernbert_hf_dir
+
+    try:
+        out = write_modernbert_hf_dir(args.out, w.config, w.state_dict, w.tokenizer_files)
+    except ExportError as e:
+        print(f"bertdist export: {e}")
+        return 2
+    print(f"wrote {out}: config.json, model.safetensors (ModernBertForMaskedLM)"
+          + (f", {', '.join(f.name for f in w.tokenizer_files)}" if w.tokenizer_files else ", no tokenizer files"))
+    return 0 if args.no_verify else verify_modernbert(out, w, "bertdist export")
+
+
+def verify_modernbert(hf_dir, w, command: str) -> int:
+    """0 when our ModernBERT, padded and packed, gives transformers' logits within 1e-4; else 1."""
+    from bertdist.export.verify import modernbert_max_logit_diff
+
+    d = modernbert_max_logit_diff(hf_dir, w.config, w.state_dict)
+    ok = max(d.values()) <= 1e-4
+    print(f"verify: max |ours - transformers| MLM logits (fp32): padded {d['mlm']:.2e}, packed {d['mlm_packed']:.2e}"
+          f" -> {'OK' if ok else 'MISMATCH'}")
+    if not ok:
+        print(f"{command}: our model does not reproduce the HF model's outputs")
+    return 0 if ok else 1
 
 
 def run_onnx(args) -> int:

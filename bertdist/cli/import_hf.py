@@ -27,6 +27,10 @@ def run(args) -> int:
     except (ExportError, FileNotFoundError) as e:
         print(f"bertdist import-hf: {e}")
         return 2
+    from bertdist.model.modernbert_config import ModernBertConfig
+
+    if isinstance(w.config, ModernBertConfig):
+        return import_modernbert(args, w)
     fresh = w.origin.get("newly_initialised") or []
     electra = isinstance(w.config, ElectraConfig)
     if not args.no_verify:
@@ -75,6 +79,25 @@ def run(args) -> int:
                  f" electra.generator_num_attention_heads={c.generator_num_attention_heads}"
                  f" electra.generator_intermediate_size={c.generator_intermediate_size}" if electra else "")
               + " (records must be built with the same vocab)")
+    return 0
+
+
+def import_modernbert(args, w) -> int:
+    """A ``ModernBertForMaskedLM`` directory -> our torch format (the trainer does not take ModernBERT yet)."""
+    from bertdist.cli.export import verify_modernbert
+    from bertdist.export.sources import write_torch_dir
+
+    if args.format != "torch":
+        print("bertdist import-hf: a ModernBERT model imports with --format torch (its weights, config and "
+              "tokenizer files, which bertdist export reads); the trainer does not start from ModernBERT yet")
+        return 2
+    if not args.no_verify and verify_modernbert(args.hf_dir, w, "bertdist import-hf"):
+        return 1
+    out = write_torch_dir(args.out, w)
+    c = w.config
+    print(f"wrote {out}: ModernBERT L={c.num_hidden_layers} H={c.hidden_size} A={c.num_attention_heads} "
+          f"vocab={c.vocab_size} context={c.max_position_embeddings} window={c.local_attention} "
+          f"(global every {c.global_attn_every_n_layers} layers)")
     return 0
 
 

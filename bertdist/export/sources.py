@@ -6,6 +6,9 @@ Everything ends up as one ``PretrainedWeights``: our ``BertConfig``, a state
 dict that loads strictly into our ``BertForPreTraining``, and the vocab and
 casing the weights were trained with. ELECTRA (a run with an ``electra`` section, or an HF
 ELECTRA directory): an ``ElectraConfig`` and a state dict for our ``ElectraForPreTraining``.
+ModernBERT (an HF ``ModernBertForMaskedLM`` directory, or a torch-format directory made from
+one): a ``ModernBertConfig``, a state dict for our ``ModernBertForMaskedLM``, and its tokenizer
+as the files it came in (``tokenizer_files``; no WordPiece vocab).
 """
 from __future__ import annotations
 
@@ -18,9 +21,11 @@ from typing import Any
 import torch
 
 from bertdist.export.hf import ExportError, is_hf_dir, read_hf_dir
+from bertdist.export.modernbert_hf import TOKENIZER_FILES, is_modernbert_dir, read_modernbert_hf_dir
 from bertdist.export.tokenizer import infer_do_lower_case, read_tokenizer_casing
 from bertdist.model import BertConfig, ElectraConfig
 from bertdist.model.config import model_config_from_mapping
+from bertdist.model.modernbert_config import ModernBertConfig
 
 TORCH_WEIGHTS = "bertdist_model.pt"
 TORCH_CONFIG = "bertdist_model.yaml"
@@ -33,6 +38,7 @@ class PretrainedWeights:
     vocab_file: Path | None
     do_lower_case: bool | None
     origin: dict[str, Any]  # what was read: kind, path, tag, zero stage, ...
+    tokenizer_files: list[Path] = dataclasses.field(default_factory=list)  # carried as they are (ModernBERT)
 
 
 def is_torch_dir(path: str | os.PathLike) -> bool:
@@ -53,6 +59,10 @@ def load_pretrained(
         raise ExportError(f"checkpoint path does not exist: {p}")
     if is_torch_dir(p):
         w = _load_torch_dir(p)
+    elif is_modernbert_dir(p):
+        ck = read_modernbert_hf_dir(p)
+        w = PretrainedWeights(ck.config, ck.state_dict, None, None, {"kind": "hf", "path": str(p)},
+                              ck.tokenizer_files)
     elif is_hf_dir(p):
         ck = read_hf_dir(p)
         origin = {"kind": "hf", "path": str(p)}
@@ -79,9 +89,12 @@ def _load_torch_dir(p: Path) -> PretrainedWeights:
     from bertdist.export.safe_load import load_file
 
     sd = load_file(p / TORCH_WEIGHTS)
+    origin = {"kind": "torch", "path": str(p)}
+    if isinstance(cfg, ModernBertConfig):
+        return PretrainedWeights(cfg, sd, None, None, origin, [p / n for n in TOKENIZER_FILES if (p / n).is_file()])
     vocab = p / "vocab.txt"
     lower = read_tokenizer_casing(p)
-    return PretrainedWeights(cfg, sd, vocab if vocab.is_file() else None, lower, {"kind": "torch", "path": str(p)})
+    return PretrainedWeights(cfg, sd, vocab if vocab.is_file() else None, lower, origin)
 
 
 def write_torch_dir(out_dir: str | os.PathLike, w: PretrainedWeights) -> Path:
@@ -99,6 +112,8 @@ def write_torch_dir(out_dir: str | os.PathLike, w: PretrainedWeights) -> Path:
         shutil.copyfile(w.vocab_file, out / "vocab.txt")
         lower = w.do_lower_case if w.do_lower_case is not None else infer_do_lower_case(w.vocab_file)
         (out / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": lower}, indent=2) + "\n")
+    for f in w.tokenizer_files:
+        shutil.copyfile(f, out / f.name)
     (out / "origin.json").write_text(json.dumps(w.origin, indent=2, default=str) + "\n")
     return out
 

@@ -9,6 +9,7 @@ from typing import Mapping
 import torch
 
 from bertdist.model import BertConfig, BertForPreTraining, ElectraConfig
+from bertdist.model.modernbert_config import ModernBertConfig
 
 
 def padded_batch(vocab_size: int, batch: int = 4, seq: int = 32, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -71,3 +72,27 @@ def electra_max_logit_diff(hf_dir: str | Path, cfg: ElectraConfig, state_dict: M
         gen = ElectraForMaskedLM.from_pretrained(str(Path(hf_dir) / GENERATOR_DIR), dtype=torch.float32).eval()
         out["generator_mlm"] = (ours.generator(**batch) - gen(**batch).logits)[real].abs().max().item()
     return out
+
+
+@torch.no_grad()
+def modernbert_max_logit_diff(hf_dir: str | Path, cfg: ModernBertConfig, state_dict: Mapping[str, torch.Tensor]
+                              ) -> dict[str, float]:
+    """Max |ours - HF| MLM logits over real positions, ``ModernBertForMaskedLM`` at ``hf_dir``: on a
+    padded batch longer than the local window (so local and global layers differ), our padded path
+    ("mlm") and our packed one ("mlm_packed")."""
+    from transformers import ModernBertForMaskedLM as HFModernBertForMaskedLM
+
+    from bertdist.model.modernbert import ModernBertForMaskedLM
+
+    ours = ModernBertForMaskedLM(dataclasses.replace(cfg, unpad=False)).eval()
+    ours.load_state_dict(state_dict, strict=True)
+    hf = HFModernBertForMaskedLM.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation="sdpa").eval()
+    batch = padded_batch(cfg.vocab_size, seq=min(cfg.local_attention + 32, cfg.max_position_embeddings))
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    real = mask.bool()
+    want = hf(input_ids=ids, attention_mask=mask).logits
+    lengths = mask.sum(1)
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    packed = ours(ids[real], cu_seqlens=cu, max_seqlen=int(lengths.max())).logits
+    return {"mlm": (ours(ids, mask).logits - want)[real].abs().max().item(),
+            "mlm_packed": (packed - want[real]).abs().max().item()}

@@ -1,14 +1,17 @@
 """The BERT model (bert.py), ELECTRA built from its parts (electra.py), their configs and presets
-(config.py), FLOP accounting (flops.py).
+(config.py), ModernBERT (modernbert.py, its config and presets in modernbert_config.py), FLOP
+accounting (flops.py).
 
 The config and the FLOP accounting import no torch, so schemas and tooling can use them without
 it; the model classes load torch when first asked for.
 """
 from bertdist.model.config import BERT_VOCAB_SIZE, IGNORE_INDEX, PRESETS, BertConfig, ElectraConfig
+from bertdist.model.modernbert_config import MODERNBERT_PRESETS, ModernBertConfig
 from bertdist.model.flops import forward_flops_per_sequence, mfu, train_flops_per_sequence
 
 _MODEL_NAMES = ("BertForPreTraining", "BertModel", "PreTrainingOutput", "count_parameters", "mlm_loss", "nsp_loss")
 _ELECTRA_NAMES = ("ElectraForPreTraining", "ElectraModel", "ElectraPreTrainingOutput")
+_MODERNBERT_NAMES = ("ModernBertForMaskedLM", "ModernBertModel")
 
 
 def __getattr__(name: str):
@@ -20,12 +23,17 @@ def __getattr__(name: str):
         from bertdist.model import electra
 
         return getattr(electra, name)
+    if name in _MODERNBERT_NAMES:
+        from bertdist.model import modernbert
+
+        return getattr(modernbert, name)
     raise AttributeError(f"module 'bertdist.model' has no attribute {name!r}")
 
 
 __all__ = [
     "BERT_VOCAB_SIZE",
     "IGNORE_INDEX",
+    "MODERNBERT_PRESETS",
     "PRESETS",
     "BertConfig",
     "BertForPreTraining",
@@ -34,6 +42,9 @@ __all__ = [
     "ElectraForPreTraining",
     "ElectraModel",
     "ElectraPreTrainingOutput",
+    "ModernBertConfig",
+    "ModernBertForMaskedLM",
+    "ModernBertModel",
     "PreTrainingOutput",
     "count_parameters",
     "forward_flops_per_sequence",

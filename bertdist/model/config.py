@@ -10,9 +10,12 @@ and summaries work without a vocab.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Optional
 
 from bertdist.config import ConfigError, from_dict
+
+if TYPE_CHECKING:
+    from bertdist.model.modernbert_config import ModernBertConfig
 
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, intermediate_size=512),
@@ -185,9 +188,13 @@ class ElectraConfig(BertConfig):
         return dataclasses.replace(self, **{name: None for name in GENERATOR_FIELDS})
 
 
-def model_config_from_mapping(data: Mapping[str, Any]) -> BertConfig:
+def model_config_from_mapping(data: Mapping[str, Any]) -> "BertConfig | ModernBertConfig":
     """A ``model:`` mapping (a run's YAML, a torch-format dir): ElectraConfig when it says
-    ``model_type: electra``, else BertConfig."""
+    ``model_type: electra``, ModernBertConfig when it says ``model_type: modernbert``, else BertConfig."""
     if data.get("model_type") == "electra":
         return ElectraConfig.from_mapping(data)
+    if data.get("model_type") == "modernbert":
+        from bertdist.model.modernbert_config import ModernBertConfig
+
+        return ModernBertConfig.from_mapping(data)
     return BertConfig.from_mapping(data)

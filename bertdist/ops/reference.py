@@ -70,12 +70,19 @@ def reference_attention_math(
     dropout_p: float = 0.0,
     training: bool = False,
     scale: float | None = None,
+    half_window: int | None = None,
 ) -> torch.Tensor:
-    """``softmax(Q K^T * scale + mask) -> dropout -> @ V``, explicit; softmax in fp32."""
+    """``softmax(Q K^T * scale + mask) -> dropout -> @ V``, explicit; softmax in fp32.
+    ``half_window``: query i sees only keys j with ``|i - j| <= half_window`` (a sliding window;
+    None: every key)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if key_padding_mask is not None:
         scores = scores + _additive_mask(key_padding_mask, torch.float32)
+    if half_window is not None:
+        seq = torch.arange(q.shape[-2], device=q.device)
+        outside = (seq[:, None] - seq[None, :]).abs() > half_window
+        scores = scores.masked_fill(outside, torch.finfo(torch.float32).min)
     probs = torch.softmax(scores, dim=-1)
     probs = F.dropout(probs, p=dropout_p, training=training)
     return torch.matmul(probs, v.float()).to(q.dtype)
@@ -108,19 +115,22 @@ def reference_varlen_attention(
     dropout_p: float = 0.0,
     training: bool = False,
     scale: float | None = None,
+    half_window: int | None = None,
 ) -> torch.Tensor:
     """Unpadded attention: ``q, k, v`` are ``[total_tokens, heads, head_dim]`` and
     ``cu_seqlens`` ``[batch + 1]`` int32 holds the cumulative sequence lengths.
-    Each sequence attends only to itself. It loops over the sequences in Python: the oracle the
-    varlen kernels are tested against, and the unpadded path on CPU under ``reference`` and
-    ``auto`` (where torch has no varlen kernel); on CUDA those modes use torch_native.py."""
+    Each sequence attends only to itself (within ``half_window`` positions, when given). It loops
+    over the sequences in Python: the oracle the varlen kernels are tested against, and the
+    unpadded path on CPU under ``reference`` and ``auto`` (where torch has no varlen kernel); on
+    CUDA those modes use torch_native.py."""
     out = torch.empty_like(q)
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end == start:
             continue
         qs, ks, vs = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        o = reference_attention_math(qs, ks, vs, None, dropout_p=dropout_p, training=training, scale=scale)
+        o = reference_attention_math(qs, ks, vs, None, dropout_p=dropout_p, training=training, scale=scale,
+                                     half_window=half_window)
         out[start:end] = o.squeeze(0).transpose(0, 1)
     return out
 

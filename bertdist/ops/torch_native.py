@@ -90,14 +90,21 @@ def sdpa_with(*backend_names: str):
 # ---------------------------------------------------------------- packing
 
 
-def packed_index(cu_seqlens: torch.Tensor, total: int, seq: int) -> torch.Tensor:
-    """Flat position in ``[B * seq]`` of each of the ``total`` packed tokens (int64, no host sync)."""
+def packed_positions(cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the sequence of each of the ``total`` packed tokens, its position in that sequence), int64,
+    no host sync."""
     cu = cu_seqlens.to(torch.int64)
     lengths = cu[1:] - cu[:-1]
     batch = torch.arange(len(lengths), device=cu.device)
     seq_of_token = torch.repeat_interleave(batch, lengths, output_size=total)
     token = torch.arange(total, device=cu.device)
-    return seq_of_token * seq + (token - cu[seq_of_token])
+    return seq_of_token, token - cu[seq_of_token]
+
+
+def packed_index(cu_seqlens: torch.Tensor, total: int, seq: int) -> torch.Tensor:
+    """Flat position in ``[B * seq]`` of each of the ``total`` packed tokens (int64, no host sync)."""
+    seq_of_token, position = packed_positions(cu_seqlens, total)
+    return seq_of_token * seq + position
 
 
 def lengths_mask(cu_seqlens: torch.Tensor, seq: int) -> torch.Tensor:

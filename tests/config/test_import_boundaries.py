@@ -18,6 +18,7 @@ BOOKS = str(Path(__file__).resolve().parents[2] / "data_pipeline" / "samples" / 
 LIGHT_IMPORTS = {
     "config schema": "import bertdist.config",
     "model contract": "import bertdist.model.config",
+    "ModernBERT config": "import bertdist.model.modernbert_config",
     "training config": "import bertdist.train.config",
     "data build config": "import data_pipeline.config",
     "cluster training config": "import cluster.training",
