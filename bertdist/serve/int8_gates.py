@@ -123,6 +123,16 @@ class Int8Inputs:
         return self.timing or self.calibration
 
 
+def check_task(task: str | None, src_task: str) -> None:
+    """Refuse at once a bi- or cross-encoder metric asked of the other kind of model."""
+    if task not in EMBED_TASKS:
+        return
+    want = "regression" if task == "rerank" else "encoder"
+    if src_task != want:
+        raise ExportError(f"--task {task} measures a{'' if want == 'regression' else 'n'} {want} model "
+                          f"({'a cross-encoder' if want == 'regression' else 'a bi-encoder'}); this one is {src_task}")
+
+
 def embed_rows(task: str, dev: str | Path) -> list:
     from bertdist.embed.train import _read
 
@@ -143,10 +153,6 @@ def embed_inputs(task: str, src_task: str, dev: str | Path, tok, max_length: int
     """STS Spearman, retrieval or re-ranking nDCG@10 on the dev rows; calibration on their texts."""
     from bertdist.embed import evaluate
 
-    want = "regression" if task == "rerank" else "encoder"
-    if src_task != want:
-        raise ExportError(f"--task {task} measures a{'' if want == 'regression' else 'n'} {want} model "
-                          f"({'a cross-encoder' if want == 'regression' else 'a bi-encoder'}); this one is {src_task}")
     rows = embed_rows(task, dev)[:max_examples or None]
     if task == "sts":
         texts: list = [t for r in rows for t in (r.text_a, r.text_b)]

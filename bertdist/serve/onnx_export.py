@@ -255,6 +255,10 @@ def export_onnx(source: str | os.PathLike, out: str | os.PathLike, opts: ExportO
     if opts.quantize and src.task != "encoder" and not (opts.dev and opts.task) and not opts.skip_metric_check:
         raise ExportError("int8 export of a task model checks the task metric before and after: pass --task NAME "
                           "and --dev DIR_OR_FILE (the dev set), or --skip-metric-check to export it unchecked")
+    if opts.quantize:
+        from bertdist.serve.int8_gates import check_task
+
+        check_task(opts.task, src.task)
     max_length = opts.max_length or default_max_length(src)
     stage = staging_dir(out)
     try:
