@@ -83,8 +83,8 @@ def cosine_gate(fp32_session, sample) -> Gate:
     from bertdist.serve import parity
 
     def judge(v: float) -> dict:
-        return {"metric": "embedding_cosine_min", "fp32": 1.0, "int8": v, "min_cosine": v, "minimum": parity.MIN_EMBEDDING_COSINE,
-                "examples": sum(len(b["input_ids"]) for b in sample),
+        return {"metric": "embedding_cosine_min", "fp32": 1.0, "int8": v, "min_cosine": v,
+                "minimum": parity.MIN_EMBEDDING_COSINE, "examples": sum(len(b["input_ids"]) for b in sample),
                 "within_tolerance": v >= parity.MIN_EMBEDDING_COSINE}
 
     return Gate("sentence-embedding cosine to fp32 (lowest)", "embedding_cosine_min", 1.0,
@@ -148,7 +148,7 @@ def embed_rows(task: str, dev: str | Path) -> list:
     return _read(task, d)
 
 
-def embed_inputs(task: str, src_task: str, dev: str | Path, tok, max_length: int, fp32_session,
+def embed_inputs(task: str, dev: str | Path, tok, max_length: int, fp32_session,
                  tolerance_points: float, max_examples: int | None, calibration: int) -> Int8Inputs:
     """STS Spearman, retrieval or re-ranking nDCG@10 on the dev rows; calibration on their texts."""
     from bertdist.embed import evaluate
@@ -180,7 +180,7 @@ def int8_inputs(src_task: str, opts, stage: Path, fp32_session, sample, max_leng
     tok = AutoTokenizer.from_pretrained(str(stage))
     n_cal = opts.calibration
     if opts.task in EMBED_TASKS and opts.dev and not opts.skip_metric_check:
-        return embed_inputs(opts.task, src_task, opts.dev, tok, max_length, fp32_session, opts.tolerance_points,
+        return embed_inputs(opts.task, opts.dev, tok, max_length, fp32_session, opts.tolerance_points,
                             opts.max_eval_examples, n_cal)
     if src_task == "encoder" or opts.skip_metric_check or not (opts.task and opts.dev):
         examples = text_examples(tok, parity.sample_texts(), max_length)
