@@ -7,9 +7,11 @@
    runs once per ``--modes`` (dynamic, per-channel, static), as a user runs it; each card keeps the
    fallback's steps (nodes kept in fp32, dev accuracy, speed).
 3. PyTorch eager fp32 (transformers, default attention), ONNX Runtime fp32 and each mode's int8
-   file are timed interleaved, the order rotated every round: batch 32 over the whole SST-2 dev set
-   in file order (each batch padded to its longest; the dev accuracy comes from these outputs), and
-   batch 1 over its first ``--latency-sentences``. Figures are medians over ``--rounds``.
+   file take turns batch by batch (the order rotated every batch): batch 32 over the whole SST-2
+   dev set in file order (each batch padded to its longest; the dev accuracy comes from these
+   outputs), and batch 1 over its first ``--latency-sentences``. Figures are medians over
+   ``--rounds``; on a machine shared with other jobs, taking turns per batch lets their load fall
+   on every variant alike.
 4. With ``--sts``: all-MiniLM-L6-v2 itself, a bi-encoder, exported with ``--task sts`` on STS-B dev
    (Spearman of cosine similarities) in each mode.
 
@@ -73,13 +75,20 @@ def finetune(work: Path, args) -> dict:
 
 
 def export(source: str, out: Path, mode: str, task: str, dev: Path, args, log: Path) -> dict:
+    """`bertdist export` of ``source`` in ``mode``; with ``--reuse-exports``, an earlier run's card
+    in ``out`` is read instead (its command, exit status and seconds as that run recorded them)."""
+    earlier = out.parent / f"{out.name}.json"
+    if args.reuse_exports and earlier.is_file():
+        return json.loads(earlier.read_text())
     cmd = ["export", source, "--format", "onnx", "--quantize", "int8", "--int8-mode", mode, "--task", task,
            "--dev", str(dev), "--int8-tolerance", str(args.tolerance), "--calibration", str(args.calibration),
            "--threads", str(args.threads), "--out", str(out), "--overwrite"]
     rc, secs = bertdist(cmd, log)
     card = json.loads((out / "onnx_card.json").read_text()) if rc == 0 else None
-    return {"mode": mode, "command": "bertdist " + " ".join(cmd), "exit": rc, "seconds": round(secs, 1), "card": card,
-            "log_tail": log.read_text().splitlines()[-3:]}
+    res = {"mode": mode, "command": "bertdist " + " ".join(cmd), "exit": rc, "seconds": round(secs, 1), "card": card,
+           "log_tail": log.read_text().splitlines()[-3:]}
+    earlier.write_text(json.dumps(res))
+    return res
 
 
 def time_side_by_side(teacher: Path, exports: dict, args) -> dict:
@@ -117,15 +126,14 @@ def time_side_by_side(teacher: Path, exports: dict, args) -> dict:
     b1_rate = {v: [] for v in names}
     acc = {}
     for rnd in range(args.rounds):
-        for v in names[rnd % len(names):] + names[:rnd % len(names)]:
-            t0 = time.perf_counter()
-            preds = np.concatenate([runners[v](b) for b in b32]).argmax(-1)
-            thr[v].append(len(texts) / (time.perf_counter() - t0))
-            acc[v] = float((preds == np.asarray(labels)).mean())
-            t0 = time.perf_counter()
-            for b in b1:
-                runners[v](b)
-            b1_rate[v].append(len(b1) / (time.perf_counter() - t0))
+        # interleaved batch by batch, each batch's order rotated: a neighbour's load that comes and
+        # goes within a round falls on every variant alike
+        t32, preds = interleaved(runners, names, b32, rnd)
+        t1, _ = interleaved(runners, names, b1, rnd)
+        for v in names:
+            thr[v].append(len(texts) / t32[v])
+            b1_rate[v].append(len(b1) / t1[v])
+            acc[v] = float((np.concatenate(preds[v]).argmax(-1) == np.asarray(labels)).mean())
         print(f"round {rnd + 1}/{args.rounds}: " + ", ".join(f"{v} {thr[v][-1]:.0f}/s" for v in names), flush=True)
     base32, base1 = statistics.median(thr["torch_eager_fp32"]), statistics.median(b1_rate["torch_eager_fp32"])
     ort32, ort1 = statistics.median(thr["onnx_fp32"]), statistics.median(b1_rate["onnx_fp32"])
@@ -138,6 +146,19 @@ def time_side_by_side(teacher: Path, exports: dict, args) -> dict:
                   "b32_vs_onnx_fp32": round(m32 / ort32, 3), "b1_vs_onnx_fp32": round(m1 / ort1, 3),
                   "dev_accuracy": round(acc[v], 4)}
     return out
+
+
+def interleaved(runners: dict, names: list[str], batches: list, rnd: int) -> tuple[dict, dict]:
+    """Seconds per variant over ``batches``, the variants taking turns on each batch; and the outputs."""
+    secs = dict.fromkeys(names, 0.0)
+    outs = {v: [] for v in names}
+    for i, b in enumerate(batches):
+        k = (rnd + i) % len(names)
+        for v in names[k:] + names[:k]:
+            t0 = time.perf_counter()
+            outs[v].append(runners[v](b))
+            secs[v] += time.perf_counter() - t0
+    return secs, outs
 
 
 def env_text(args, load_before: tuple, load_after: tuple) -> str:
@@ -179,7 +200,7 @@ def report(res: dict, args) -> str:
              f"all-MiniLM-L6-v2 fine-tuned with `bertdist finetune sst2` on the first {args.rows:,} SST-2 train rows "
              f"(lr 5e-5, batch 32, 1 epoch, sequence 64, seed 42): dev accuracy {res['teacher']['dev_accuracy']:.4f}. "
              f"Each int8 mode exported with `--int8-tolerance {args.tolerance}` and `--calibration {args.calibration}`. "
-             f"Timing: {args.rounds} interleaved rounds, the order rotated each round, {args.threads} threads each; "
+             f"Timing: {args.rounds} rounds, the variants taking turns batch by batch (order rotated), {args.threads} threads each; "
              f"batch 32 over the 872 SST-2 dev sentences in file order, batch 1 over the first "
              f"{args.latency_sentences}; medians. Environment: `env.txt`.", "",
              "| variant | dev accuracy | drop (points) | nodes kept in fp32 | batch 32 seq/s | x PyTorch eager | x fp32 ONNX "
@@ -241,6 +262,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--latency-sentences", type=int, default=64)
     p.add_argument("--sts", action="store_true", help="also export all-MiniLM-L6-v2 with --task sts on STS-B dev")
+    p.add_argument("--reuse-exports", action="store_true",
+                   help="read the exports an earlier run left in --work instead of exporting again (timing only)")
     args = p.parse_args(argv)
     from bertdist.serve.quantization import DEFAULT_MODE
 

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import statistics
-import time
 from pathlib import Path
 
 import numpy as np
@@ -65,17 +64,17 @@ def node_errors(fp32_file: Path, int8_file: Path, feeds: list[dict[str, np.ndarr
     return {k: (err[k] / ref[k]) ** 0.5 if ref[k] > 0 else 0.0 for k in quantised}
 
 
-def throughput(session, feeds: list[dict[str, np.ndarray]], repeats: int = 3) -> float:
-    """Sequences per second over ``feeds``, the median of ``repeats`` passes after one warm-up batch."""
-    session.run(None, feeds[0])
+def throughput(sessions: dict, feeds: list[dict[str, np.ndarray]], repeats: int = 3) -> dict[str, float]:
+    """Sequences per second of each session over ``feeds``, the sessions taking turns batch by batch
+    (bertdist.serve.int8_report.take_turns); the median of ``repeats`` passes after a warm-up batch."""
+    from bertdist.serve.int8_report import take_turns
+
+    runners = {k: (lambda s: lambda f: s.run(None, f))(s) for k, s in sessions.items()}
+    for run in runners.values():
+        run(feeds[0])
     n = sum(len(f["input_ids"]) for f in feeds)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for f in feeds:
-            session.run(None, f)
-        times.append(time.perf_counter() - t0)
-    return n / statistics.median(times)
+    passes = [take_turns(runners, feeds) for _ in range(repeats)]
+    return {k: n / statistics.median(p[k] for p in passes) for k in runners}
 
 
 def search(fp32_file: Path, out_file: Path, mode: str, gate: Gate | None, calibration: list, budget: int,
@@ -88,7 +87,7 @@ def search(fp32_file: Path, out_file: Path, mode: str, gate: Gate | None, calibr
     cal_feeds = batch_feeds(calibration, 16)
     timing = timing or calibration
     speed_feeds = batch_feeds(timing[:SPEED_EXAMPLES], SPEED_BATCH)
-    fp32_speed = throughput(make_session(fp32_file, threads), speed_feeds)
+    fp32_session = make_session(fp32_file, threads)
     kept: list[str] = []
     order: list[str] | None = None
     errors: dict[str, float] = {}
@@ -97,10 +96,11 @@ def search(fp32_file: Path, out_file: Path, mode: str, gate: Gate | None, calibr
         settings = quantize(fp32_file, out_file, mode, kept, cal_feeds if mode == "static" else None)
         session = make_session(out_file, threads)
         verdict = gate.judge(gate.measure(session)) if gate is not None else {"metric": None, "checked": False}
-        speed = throughput(session, speed_feeds)
+        speed = throughput({"fp32": fp32_session, "int8": session}, speed_feeds)
         steps.append({"step": len(steps), "kept_fp32": list(kept), "metric": verdict.get("int8"),
                       "drop_points": verdict.get("drop_points"), "within_tolerance": verdict.get("within_tolerance"),
-                      "seq_per_s_b32": round(speed, 1), "speedup_vs_fp32_onnx": round(speed / fp32_speed, 3)})
+                      "seq_per_s_b32": round(speed["int8"], 1), "fp32_onnx_seq_per_s_b32": round(speed["fp32"], 1),
+                      "speedup_vs_fp32_onnx": round(speed["int8"] / speed["fp32"], 3)})
         _log_step(steps[-1], gate, log)
         if gate is None or verdict["within_tolerance"] or len(kept) >= budget:
             break
@@ -115,8 +115,7 @@ def search(fp32_file: Path, out_file: Path, mode: str, gate: Gate | None, calibr
         kept.append(remaining[0])
     shown = sorted(errors, key=lambda k: -errors[k])[:SENSITIVITY_SHOWN]
     return {"settings": settings, "verdict": verdict, "session": session,
-            "fallback": {"budget": budget, "steps": steps, "fp32_onnx_seq_per_s_b32": round(fp32_speed, 1),
-                         "speed_examples": min(len(timing), SPEED_EXAMPLES),
+            "fallback": {"budget": budget, "steps": steps, "speed_examples": min(len(timing), SPEED_EXAMPLES),
                          "sensitivity": {k: round(errors[k], 5) for k in shown}}}
 
 

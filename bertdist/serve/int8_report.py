@@ -2,9 +2,9 @@
 the nodes kept in fp32, and the speed against fp32 ONNX and against PyTorch eager fp32 (the
 model the export traced) at batch 1 and 32.
 
-The three are timed interleaved, pass by pass, on the same real examples (the calibration set's
-first ones, each batch padded to its longest), so that a machine busy with other work slows all
-of them alike; each figure is the median of the passes.
+The three take turns batch by batch on the same real examples (a task's first dev examples, else
+the calibration set's; each batch padded to its longest), so that a machine busy with other work
+slows all of them alike; each figure is the median of 3 passes.
 """
 from __future__ import annotations
 
@@ -13,15 +13,20 @@ import time
 
 from bertdist.serve.int8_gates import batch_feeds
 
-BATCHES = {1: 16, 32: 128}  # batch size -> examples timed per pass
+BATCHES = {1: 16, 32: 64}  # batch size -> examples timed per pass
 REPEATS = 3
 
 
-def _pass(run, feeds) -> float:
-    t0 = time.perf_counter()
-    for f in feeds:
-        run(f)
-    return time.perf_counter() - t0
+def take_turns(runners: dict, feeds: list) -> dict[str, float]:
+    """Seconds of each runner over ``feeds``, taking turns batch by batch (the order rotated)."""
+    names = list(runners)
+    secs = dict.fromkeys(names, 0.0)
+    for i, f in enumerate(feeds):
+        for k in names[i % len(names):] + names[:i % len(names)]:
+            t0 = time.perf_counter()
+            runners[k](f)
+            secs[k] += time.perf_counter() - t0
+    return secs
 
 
 def speed(torch_model, fp32_session, int8_session, examples: list, threads: int | None = None,
@@ -46,8 +51,8 @@ def speed(torch_model, fp32_session, int8_session, examples: list, threads: int 
                 run(feeds[0])  # warm-up
             times = {k: [] for k in runners}
             for _ in range(repeats):
-                for k, run in runners.items():
-                    times[k].append(_pass(run, feeds))
+                for k, t in take_turns(runners, feeds).items():
+                    times[k].append(t)
             rate = {k: seqs / statistics.median(v) for k, v in times.items()}
             out[f"batch_{batch}"] = {**{f"{k}_seq_per_s": round(v, 1) for k, v in rate.items()},
                                      "int8_vs_onnx_fp32": round(rate["onnx_int8"] / rate["onnx_fp32"], 3),
