@@ -202,7 +202,9 @@ def report(res: dict, args) -> str:
              f"Each int8 mode exported with `--int8-tolerance {args.tolerance}` and `--calibration {args.calibration}`. "
              f"Timing: {args.rounds} rounds, the variants taking turns batch by batch (order rotated), {args.threads} threads each; "
              f"batch 32 over the 872 SST-2 dev sentences in file order, batch 1 over the first "
-             f"{args.latency_sentences}; medians. Environment: `env.txt`.", "",
+             f"{args.latency_sentences}; medians. Environment: `env.txt`."
+             + (" The fine-tuned model and the exports are an earlier run's in the same --work (`--reuse-exports`); "
+                "their seconds are that run's." if args.reuse_exports else ""), "",
              "| variant | dev accuracy | drop (points) | nodes kept in fp32 | batch 32 seq/s | x PyTorch eager | x fp32 ONNX "
              "| batch 1 seq/s | x PyTorch eager | x fp32 ONNX |", "|---|---|---|---|---|---|---|---|---|---|"]
     fp32_acc = t["torch_eager_fp32"]["dev_accuracy"]
@@ -223,10 +225,10 @@ def report(res: dict, args) -> str:
         sens = e["card"]["quantization"]["fallback"]["sensitivity"]
         if sens:
             lines += ["", "Most sensitive nodes (relative output error against fp32): " +
-                      ", ".join(f"`{k}` {v:.3g}" for k, v in list(sens.items())[:5]) + "."]
+                      ", ".join(f"`{s['node']}` {s['error']:.3g}" for s in sens[:5]) + "."]
+    if res.get("sts"):
+        lines += ["", "## all-MiniLM-L6-v2 as a bi-encoder: STS-B dev Spearman (`--task sts`)", ""]
     for mode, e in res.get("sts", {}).items():
-        if not lines[-1].startswith("## STS"):
-            lines += ["", "## all-MiniLM-L6-v2 as a bi-encoder: STS-B dev Spearman (`--task sts`)", ""]
         if e["card"] is None:
             lines.append(f"- `{mode}`: exit {e['exit']}: {e['log_tail'][-1] if e['log_tail'] else ''}")
             continue

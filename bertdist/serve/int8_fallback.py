@@ -40,7 +40,8 @@ def node_errors(fp32_file: Path, int8_file: Path, feeds: list[dict[str, np.ndarr
     # a node left in fp32 keeps its name and op; a quantised one is replaced (dynamic: NAME_quant,
     # static: the same name, its weight now from a DequantizeLinear)
     q_weights = {i.name for i in q.graph.initializer}
-    nodes = {n.name: n for n in fp.graph.node if n.name in set(weight_matmuls(fp))}
+    candidates = set(weight_matmuls(fp))
+    nodes = {n.name: n for n in fp.graph.node if n.name in candidates}
     kept = {n.name for n in q.graph.node if n.op_type == "MatMul" and n.input[1] in q_weights and n.name in nodes}
     quantised = {k: v for k, v in nodes.items() if k not in kept and (k in q_names or k + "_quant" in q_names)}
     tensors = list(dict.fromkeys(t for n in quantised.values() for t in (n.input[0], n.output[0])))
@@ -116,7 +117,7 @@ def search(fp32_file: Path, out_file: Path, mode: str, gate: Gate | None, calibr
     shown = sorted(errors, key=lambda k: -errors[k])[:SENSITIVITY_SHOWN]
     return {"settings": settings, "verdict": verdict, "session": session,
             "fallback": {"budget": budget, "steps": steps, "speed_examples": min(len(timing), SPEED_EXAMPLES),
-                         "sensitivity": {k: round(errors[k], 5) for k in shown}}}
+                         "sensitivity": [{"node": k, "error": round(errors[k], 5)} for k in shown]}}
 
 
 def _log_step(step: dict, gate: Gate | None, log) -> None:
