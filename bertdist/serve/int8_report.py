@@ -73,7 +73,7 @@ def log_lines(report: dict) -> list[str]:
     lines = []
     if report["metric"] is not None:
         lines.append(f"int8 report ({report['mode']}): {report['metric']} {report['fp32']:.4f} fp32 -> "
-                     f"{report['int8']:.4f} int8" + (f" ({report['drop_points']:+.2f} points)"
+                     f"{report['int8']:.4f} int8" + (f" (drop {report['drop_points']:+.2f} points)"
                                                      if report["drop_points"] is not None else ""))
     kept = report["kept_fp32"]
     lines.append(f"int8 report: {len(kept)} node(s) kept in fp32" + (f": {', '.join(kept)}" if kept else ""))
