@@ -68,7 +68,8 @@ def test_fallback_keeps_exactly_the_planted_layer_in_fp32(planted, tmp_path, mod
     assert q["kept_fp32"] == [PLANTED] and len(steps) == 2 and steps[1]["within_tolerance"]
     assert card["parity"]["int8"]["within_tolerance"] and card["parity"]["int8"]["drop_points"] <= 5.0
     report = card["int8_report"]
-    assert report["kept_fp32"] == [PLANTED] and report["fp32"] == 1.0
+    assert report["kept_fp32"] == [PLANTED] and report["int8"] == steps[1]["metric"] == card["parity"]["int8"]["int8"]
+    assert report["fp32"] == card["parity"]["int8"]["fp32"] >= 0.95  # the dev set is the fp32 model's own labels
     for b in ("batch_1", "batch_32"):
         assert report["speed"][b]["onnx_int8_seq_per_s"] > 0 and report["speed"][b]["int8_vs_torch_eager"] > 0
     for s in steps:
