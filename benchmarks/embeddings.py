@@ -359,7 +359,7 @@ def st_head_optimizer(model, lr: float, head_rate: float):
     import torch
 
     from bertdist.embed.config import EmbedConfig
-    from bertdist.embed.train import grouped_parameters
+    from bertdist.embed.optim import grouped_parameters
 
     c = EmbedConfig()
     groups = grouped_parameters(model.named_parameters(), c.weight_decay, lr * head_rate,
@@ -440,7 +440,7 @@ def sts_order(rows: int, batch: int, seed: int):
     """``order(epoch)``: the batches of pair indices our trainer draws for ``seed`` in that epoch
     (task ``sts``: shuffled, no de-duplication), for the peer to train on too."""
     from bertdist.embed.config import EmbedConfig
-    from bertdist.embed.train import epoch_batches, epoch_rng
+    from bertdist.embed.batches import epoch_batches, epoch_rng
 
     cfg, units = EmbedConfig(task="sts", seed=seed), [{}] * rows
     return lambda epoch: epoch_batches(units, batch, epoch_rng(cfg, epoch), no_duplicates=False)

@@ -43,7 +43,8 @@ VARIANTS = ("torch_fp32", "torch_int8", "ort_fp32", "ort_optimized", "ort_int8")
 LABELS = {"torch_fp32": "PyTorch eager fp32", "torch_int8": "PyTorch dynamic int8", "ort_fp32": "ONNX Runtime fp32",
           "ort_optimized": "ONNX Runtime optimised fp32", "ort_int8": "ONNX Runtime int8"}
 TARGETS = {"ort_int8_vs_torch_b32": 2.0, "max_accuracy_drop_points": 1.0, "student_vs_teacher_eager": 3.5,
-           "batching_gain_32_clients": 3.0, "p99_ms_32_clients": 250.0}
+           "batching_gain_32_clients": 3.0, "p99_ms_32_clients": 250.0, "served_vs_model_alone_32_clients": 0.70,
+           "p99_with_hostile_vs_without": 2.0}
 
 
 def sst2_dev() -> tuple[list[str], list[int]]:
@@ -234,6 +235,37 @@ def load_test(onnx_dir: Path, texts: list[str], args) -> tuple[list[dict], dict]
     return rows, ceiling
 
 
+def hostile_test(onnx_dir: Path, args) -> dict:
+    """One `bertdist serve` with its default settings; 16 well-behaved clients with and without
+    one client sending maximum-size bodies beside them (benchmarks/serving_load.py --hostile),
+    alternating, ``--hostile-rounds`` rounds each. Their p99 (median round) with it over without."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "bertdist.cli.main", "serve", str(onnx_dir), "--port", str(port),
+                             "--variant", args.serve_variant, "--threads", str(args.threads)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+    runs: dict[int, list[dict]] = {0: [], 1: []}
+    try:
+        _wait_healthy(port, proc)
+        for rnd in range(args.hostile_rounds):
+            for hostile in ((0, 1) if rnd % 2 == 0 else (1, 0)):
+                out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "serving_load.py"), "--port", str(port),
+                                      "--clients", "16", "--seconds", str(args.load_seconds), "--expected",
+                                      str(Path(args.work) / "expected.json"), "--hostile", str(hostile)],
+                                     capture_output=True, text=True, check=True)
+                row = json.loads(out.stdout)
+                runs[hostile].append(row)
+                print(f"[hostile] round {rnd + 1} hostile={hostile}: {row['throughput_rps']:.1f} req/s, p99 "
+                      f"{row['p99_ms']:.1f} ms, hostile answers {row['hostile']}", flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    med = {h: sorted(rs, key=lambda r: r["p99_ms"])[len(rs) // 2] for h, rs in runs.items()}
+    return {"without": med[0], "with": med[1], "rounds_p99_ms": {h: [round(r["p99_ms"], 1) for r in rs]
+                                                                for h, rs in runs.items()},
+            "hostile_answers": [r["hostile"] for r in runs[1]],
+            "ratio": med[1]["p99_ms"] / med[0]["p99_ms"]}
+
+
 def _free_port() -> int:
     import socket
 
@@ -259,7 +291,8 @@ def _wait_healthy(port: int, proc, timeout: float = 60.0) -> None:
 
 
 # ---------------------------------------------------------------- report
-def report(res: dict, load: list[dict], args, seconds: float, alone: dict | None = None) -> str:
+def report(res: dict, load: list[dict], args, seconds: float, alone: dict | None = None,
+           hostile: dict | None = None) -> str:
     lines = [f"# Serving benchmark, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
              f"Command: `python benchmarks/serving.py {' '.join(sys.argv[1:])}`",
              f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, {args.threads} threads per variant; "
@@ -294,11 +327,25 @@ def report(res: dict, load: list[dict], args, seconds: float, alone: dict | None
         lines += [f"The model alone (the served file, {args.threads} threads, no server), before each round: "
                   f"{alone['b1_seq_per_s']:.1f} sentences/s at batch 1 and {alone['b32_sorted_seq_per_s']:.1f} at "
                   f"batch 32 sorted by length (medians; every round: {rounds}).", ""]
-    lines += ["## Targets", ""] + [f"- {t}" for t in verdicts(res, load, alone)] + ["", f"Wall time: {seconds:.0f} s", ""]
+    if hostile:
+        w, wo = hostile["with"], hostile["without"]
+        lines += ["## Beside a hostile client", "",
+                  f"`bertdist serve` with its default settings; 16 well-behaved clients for {args.load_seconds:.0f} s, "
+                  f"with and without one more client sending maximum-size bodies (a megabyte of one text, 256 texts of "
+                  f"4 KiB, 1,000 texts of a kilobyte, in turn), alternating; medians of {args.hostile_rounds} rounds "
+                  "(every round's p99 listed).", "",
+                  "| beside them | req/s | p50 ms | p99 ms | every round's p99 ms | answered | errors | lost |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for name, r, h in (("nothing", wo, 0), ("the hostile client", w, 1)):
+            lines.append(f"| {name} | {r['throughput_rps']:.1f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
+                         f"{', '.join(str(x) for x in hostile['rounds_p99_ms'][h])} | {r['answered']} | "
+                         f"{r['errors']} | {r['lost']} |")
+        lines += ["", f"The hostile client's answers by status, each round: {hostile['hostile_answers']}.", ""]
+    lines += ["## Targets", ""] + [f"- {t}" for t in verdicts(res, load, alone, hostile)] + ["", f"Wall time: {seconds:.0f} s", ""]
     return "\n".join(lines)
 
 
-def verdicts(res: dict, load: list[dict], alone: dict | None = None) -> list[str]:
+def verdicts(res: dict, load: list[dict], alone: dict | None = None, hostile: dict | None = None) -> list[str]:
     out = []
     for name in res:
         r = res[name]
@@ -324,6 +371,16 @@ def verdicts(res: dict, load: list[dict], alone: dict | None = None) -> list[str
                       f"throughput ({alone['b32_sorted_seq_per_s'] / alone['b1_seq_per_s']:.2f}x "
                       "its own batch-1 rate): the most batching could give here, with HTTP at no cost"
                       if alone else ""))
+    if 32 in on and alone:
+        x = on[32]["throughput_rps"] / alone["b32_sorted_seq_per_s"]
+        t = TARGETS["served_vs_model_alone_32_clients"]
+        out.append(f"32 clients: the batching server answers {x:.0%} of the model's own batch-32 length-sorted rate "
+                   f"(target >= {t:.0%}: {'met' if x >= t else 'NOT met'})")
+    if hostile:
+        t = TARGETS["p99_with_hostile_vs_without"]
+        out.append(f"16 clients' p99 beside a client sending maximum-size bodies: {hostile['with']['p99_ms']:.1f} ms, "
+                   f"{hostile['ratio']:.2f}x their p99 without it ({hostile['without']['p99_ms']:.1f} ms; target <= "
+                   f"{t}x: {'met' if hostile['ratio'] <= t else 'NOT met'})")
     if load:
         n = sum(r["answered"] for r in load)
         differ = sum(r["wrong"] for r in load)
@@ -351,6 +408,7 @@ def main(argv=None) -> int:
     p.add_argument("--load-sentences", type=int, default=872)
     p.add_argument("--max-wait-ms", type=float, default=5.0)
     p.add_argument("--serve-variant", default="int8")
+    p.add_argument("--hostile-rounds", type=int, default=3, help="rounds of the hostile-client comparison (0: none)")
     args = p.parse_args(argv)
     t0 = time.time()
     work = Path(args.work)
@@ -360,11 +418,12 @@ def main(argv=None) -> int:
     onnx = {n: export(d, work / f"onnx-{n}", args.threads) for n, d in models.items()}
     res = {} if args.skip_offline else {n: offline(n, models[n], onnx[n], texts, labels, args) for n in models}
     load, alone = ([], {}) if args.skip_load else load_test(onnx["student"], texts, args)
+    hostile = hostile_test(onnx["student"], args) if args.hostile_rounds and not args.skip_load else None
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"offline": res, "load": load, "model_alone": alone,
-                                                    "args": vars(args)}, indent=2) + "\n")
-    out.write_text(report(res, load, args, time.time() - t0, alone))
+                                                    "hostile": hostile, "args": vars(args)}, indent=2) + "\n")
+    out.write_text(report(res, load, args, time.time() - t0, alone, hostile))
     print(out.read_text())
     return 0
 

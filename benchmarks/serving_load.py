@@ -1,5 +1,10 @@
 """A bounded load on `bertdist serve`: N keep-alive connections send `POST /predict` for a fixed time.
 
+With ``--hostile H``, H more connections send maximum-size bodies (just under the server's 1 MiB
+limit) in turn: one text of a megabyte, 256 texts of 4 KiB (as many as the default queue takes),
+and 1,000 texts of a kilobyte (more than it takes). Their answers are counted apart; the
+latencies are the well-behaved clients' only.
+
 Every answer is checked against the label the offline model gave the same sentence (``--expected``,
 written by benchmarks/serving.py). Prints one JSON object: throughput, p50/p99 latency, and the
 counts of answered, wrong, shed (503) and failed requests, and of requests sent but never answered.
@@ -46,6 +51,44 @@ async def one_client(i: int, n: int, args, texts, labels, stats) -> None:
         writer.close()
 
 
+def hostile_bodies(texts: list[str], limit: int = (1 << 20) - 4096) -> list[bytes]:
+    """Bodies within the limits that cost a naive server the most: a megabyte of one text, and
+    megabytes of many texts."""
+    words = " ".join(texts).split()
+
+    def text_of(chars: int, start: int) -> str:
+        out, n, i = [], 0, start
+        while n < chars:
+            w = words[i % len(words)]
+            out.append(w)
+            n += len(w) + 1
+            i += 1
+        return " ".join(out)[:chars]
+
+    bodies = [{"inputs": text_of(limit - 32, 0)},
+              {"inputs": [text_of(4000, 97 * i) for i in range(256)]},
+              {"inputs": [text_of(1000, 31 * i) for i in range(1000)]}]
+    return [json.dumps(b).encode() for b in bodies]
+
+
+async def one_hostile(i: int, bodies: list[bytes], args, stats) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", args.port)
+    k = i
+    try:
+        while time.perf_counter() < stats["deadline"]:
+            body = bodies[k % len(bodies)]
+            k += 1
+            writer.write((f"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                          f"Content-Length: {len(body)}\r\n\r\n").encode() + body)
+            await writer.drain()
+            status, _ = await read_response(reader)
+            stats["hostile"][str(status)] = stats["hostile"].get(str(status), 0) + 1
+    except (ConnectionError, asyncio.IncompleteReadError):
+        stats["hostile"]["dropped"] = stats["hostile"].get("dropped", 0) + 1
+    finally:
+        writer.close()
+
+
 async def read_response(reader) -> tuple[int, bytes]:
     head = await reader.readuntil(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
@@ -56,17 +99,20 @@ async def read_response(reader) -> tuple[int, bytes]:
 
 async def run(args) -> dict:
     exp = json.loads(open(args.expected).read())
-    stats = {"sent": 0, "answered": 0, "wrong": 0, "shed": 0, "errors": 0, "lat": [],
+    stats = {"sent": 0, "answered": 0, "wrong": 0, "shed": 0, "errors": 0, "lat": [], "hostile": {},
              "deadline": time.perf_counter() + args.seconds}
+    bodies = hostile_bodies(exp["texts"]) if args.hostile else []
     t0 = time.perf_counter()
     await asyncio.gather(*(one_client(i, args.clients, args, exp["texts"], exp["labels"], stats)
-                           for i in range(args.clients)))
+                           for i in range(args.clients)),
+                         *(one_hostile(i, bodies, args, stats) for i in range(args.hostile)))
     wall = time.perf_counter() - t0
     lat = np.asarray(stats["lat"]) * 1000 if stats["lat"] else np.asarray([float("nan")])
     return {"throughput_rps": stats["answered"] / wall, "p50_ms": float(np.percentile(lat, 50)),
             "p99_ms": float(np.percentile(lat, 99)), "sent": stats["sent"], "answered": stats["answered"],
             "wrong": stats["wrong"], "shed": stats["shed"], "errors": stats["errors"],
-            "lost": stats["sent"] - stats["answered"] - stats["shed"] - stats["errors"], "seconds": wall}
+            "lost": stats["sent"] - stats["answered"] - stats["shed"] - stats["errors"], "seconds": wall,
+            "hostile": stats["hostile"]}
 
 
 def main() -> None:
@@ -75,6 +121,7 @@ def main() -> None:
     p.add_argument("--clients", type=int, required=True)
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--expected", required=True)
+    p.add_argument("--hostile", type=int, default=0, help="connections sending maximum-size bodies beside them")
     print(json.dumps(asyncio.run(run(p.parse_args()))))
 
 

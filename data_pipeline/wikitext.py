@@ -63,13 +63,25 @@ class Page:
     text: str
 
 
+# The skip counter of each kind iter_page_blobs reports besides pages.
+SKIP_EVENTS = {"malformed": "skipped_wiki_malformed_page", "oversized": "skipped_wiki_oversized_page",
+               "junk": "skipped_wiki_junk_outside_pages"}
+
+
+def _is_junk(line: bytes) -> bool:
+    """Outside a page a dump holds only XML lines (the header, siteinfo) and blank ones."""
+    stripped = line.strip()
+    return bool(stripped) and (not stripped.startswith(b"<") or b"\x00" in stripped)
+
+
 def iter_page_blobs(stream: BinaryIO, max_page_bytes: int) -> Iterator[tuple[str, bytes]]:
     """Yield ("page", bytes) per ``<page>`` element, or ("malformed"|"oversized", b"") for a page
     that never closed before the next one / was larger than ``max_page_bytes`` or held a line
-    longer than MAX_LINE_BYTES. Memory stays bounded by those two whatever the stream holds."""
+    longer than MAX_LINE_BYTES, and ("junk", b"") once per run of lines outside any page that are
+    not XML (zeros, stray text). Memory stays bounded by those two whatever the stream holds."""
     buf: list[bytes] = []
     size = 0
-    inside = oversized = False
+    inside = oversized = in_junk = False
     readline = stream.readline
     while True:
         line, n = read_line(readline, MAX_LINE_BYTES)
@@ -78,7 +90,16 @@ def iter_page_blobs(stream: BinaryIO, max_page_bytes: int) -> Iterator[tuple[str
         if line is None:  # a line longer than any wikitext line: read in pieces and dropped
             if inside:
                 oversized, buf = True, []
+            elif not in_junk:
+                in_junk = True
+                yield ("junk", b"")
             continue
+        if not inside and b"<page>" not in line:
+            if _is_junk(line) and not in_junk:
+                yield ("junk", b"")
+            in_junk = _is_junk(line) or (in_junk and not line.strip())
+            continue
+        in_junk = False
         if b"<page>" in line:
             if inside:
                 yield ("malformed", b"")

@@ -4,6 +4,7 @@ the top k of queries, optionally hybrid with BM25 and re-ranked by a cross-encod
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from bertdist.cli.export import add_trust_flag
@@ -18,11 +19,12 @@ def _errors():
 
 def run_embed(args) -> int:
     from bertdist.export.safe_load import trust_checkpoints
-    from bertdist.retrieval.embed_job import init_distributed, run_embedding
+    from bertdist.retrieval.embed_job import run_embedding
+    from bertdist.train.distributed import start_process_group
 
     started = False
     try:
-        started = init_distributed()
+        started = int(os.environ.get("WORLD_SIZE", 1)) > 1 and start_process_group()
         with trust_checkpoints(args.trust_checkpoint):
             m = run_embedding(args.model, args.input, args.out, batch_size=args.batch_size,
                               max_seq_length=args.max_seq_length, shard_rows=args.shard_rows,

@@ -66,12 +66,14 @@ def run_onnx(args) -> int:
                          max_eval_examples=args.max_eval_examples, tolerance_points=args.int8_tolerance,
                          int8_mode=args.int8_mode, calibration=args.calibration, fallback_steps=args.int8_fallback_steps,
                          skip_metric_check=args.skip_metric_check, threads=args.threads, overwrite=args.overwrite)
+    from bertdist.export.safe_load import trust_checkpoints
+
     try:
         if is_hf_dir(args.source):
-            export_onnx(args.source, args.out, opts)
+            with trust_checkpoints(args.trust_checkpoint):
+                export_onnx(args.source, args.out, opts)
             return 0
         from bertdist.export import write_hf_dir
-        from bertdist.export.safe_load import trust_checkpoints
         from bertdist.export.sources import load_pretrained
 
         lower = {"cased": False, "uncased": True, None: None}[args.casing]
@@ -86,7 +88,10 @@ def run_onnx(args) -> int:
         return 0
     except (ExportError, HFExportError, FileNotFoundError) as e:
         print(f"bertdist export: {e}")
-        return 1 if "refused" in str(e) else 2
+        from bertdist.export.safe_load import UnsafeCheckpointError
+        from bertdist.serve.parity import ParityError
+
+        return 1 if isinstance(e, (ParityError, UnsafeCheckpointError)) else 2  # a check refused it
 
 
 def register(sub) -> None:

@@ -60,7 +60,10 @@ def run(args) -> int:
                   f"`bertdist export MODEL --format onnx --out DIR`", file=sys.stderr)
             return 2
     for flag, value, low in (("--max-batch-size", args.max_batch_size, 1), ("--max-queue", args.max_queue, 1),
-                             ("--max-wait-ms", args.max_wait_ms, 0), ("--port", args.port, 0)):
+                             ("--max-wait-ms", args.max_wait_ms, 0), ("--port", args.port, 0),
+                             ("--max-batch-tokens", args.max_batch_tokens, 0),
+                             ("--grace", args.grace, 1), ("--head-timeout", args.head_timeout, 0.1),
+                             ("--body-timeout", args.body_timeout, 0.1)):
         if value < low:
             print(f"bertdist serve: {flag} {value}: must be at least {low}", file=sys.stderr)
             return 2
@@ -91,7 +94,9 @@ def run(args) -> int:
     from bertdist.serve.app import ServeSettings, make_app
 
     settings = ServeSettings(max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms,
-                             max_queue=args.max_queue, batching=not args.no_batching)
+                             max_queue=args.max_queue, batching=not args.no_batching,
+                             body_timeout=args.body_timeout, grace_seconds=args.grace,
+                             max_batch_tokens=args.max_batch_tokens or None)
     app = make_app(models, settings)
     try:
         sock = _bind(args.host, args.port)
@@ -99,7 +104,9 @@ def run(args) -> int:
         print(f"bertdist serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
     _announce(args, _url(args.host, sock.getsockname()[1]), models, settings)
-    return _serve(app, sock)
+    from bertdist.serve.connections import ConnectionLimits
+
+    return _serve(app, sock, ConnectionLimits(head_timeout=args.head_timeout, max_connections=args.max_connections))
 
 
 def _announce(args, url: str, models, settings) -> None:
@@ -116,24 +123,31 @@ def _announce(args, url: str, models, settings) -> None:
     sys.stdout.flush()
 
 
-def _serve(app, sock) -> int:
-    """Runs uvicorn on the listening socket until SIGINT/SIGTERM, then stops gracefully."""
+def _serve(app, sock, limits) -> int:
+    """Runs uvicorn on the listening socket until SIGINT/SIGTERM, then stops gracefully within the
+    grace period, and says what became of the requests."""
     import signal
+    import time
 
     import uvicorn
+
+    from bertdist.serve.connections import guarded_protocol
 
     state = app.state.serve
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None):
             # uvicorn waits for the accepted requests before the app's own shutdown: their
-            # queued items must not wait for batches to fill meanwhile.
+            # queued items must not wait for batches to fill meanwhile, and bodies still arriving
+            # are cut off at once.
             state.begin_stop()
             await super().shutdown(sockets)
 
-    # http and loop "auto": httptools and uvloop (C parsers and event loop) when installed, else h11 and asyncio
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", http="auto", loop="auto",
-                            timeout_graceful_shutdown=60, timeout_keep_alive=5)
+    # httptools (C parser) with the head deadline, head size bound and connection cap uvicorn lacks;
+    # uvicorn's own keep-alive timeout closes idle connections between requests.
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                            http=guarded_protocol(limits), loop="auto",
+                            timeout_graceful_shutdown=state.settings.grace_seconds, timeout_keep_alive=5)
     server = Server(config)
     stopped_by = []
 
@@ -152,10 +166,15 @@ def _serve(app, sock) -> int:
     if not server.started:
         print("bertdist serve: the server did not start", file=sys.stderr)
         return 1
+    took = f" in {time.monotonic() - state.stop_began:.1f} s" if state.stop_began is not None else ""
+    counts = f"{state.answered} request{'' if state.answered == 1 else 's'} answered, {state.cut_off} cut off"
     if server.force_exit:  # a second Ctrl-C: uvicorn dropped what was in flight
-        print("bertdist serve: stopped at once by a second signal; requests in flight were not answered")
+        print(f"bertdist serve: stopped at once by a second signal{took}; {counts}, and the requests in flight "
+              f"were not answered")
         return 1
-    print(f"bertdist serve: stopped{' by ' + stopped_by[0] if stopped_by else ''}; every accepted request was answered")
+    why = (" (their bodies were still arriving, or the grace period ended before their answers)"
+           if state.cut_off else "")
+    print(f"bertdist serve: stopped{' by ' + stopped_by[0] if stopped_by else ''}{took}; {counts}{why}")
     return 0
 
 
@@ -165,6 +184,9 @@ def register(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (0: any free one; the URL is printed)")
     p.add_argument("--max-batch-size", type=int, default=32, help="items per model run")
+    p.add_argument("--max-batch-tokens", type=int, default=2048,
+                   help="tokens per model run at most (at least one text; 0: no bound), so a batch of long texts "
+                        "takes no longer than one of short texts")
     p.add_argument("--max-wait-ms", type=float, default=0.0,
                    help="how long the first queued item waits for more to batch with (0: none; a batch is "
                         "what queued while the previous one ran)")
@@ -176,6 +198,16 @@ def register(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads per model")
     p.add_argument("--refuse-long", action="store_true",
                    help="answer 413 to texts over the model's max length (default: truncate them)")
+    p.add_argument("--grace", type=float, default=25.0,
+                   help="seconds from SIGTERM to exit: in-flight requests are answered within it, bodies still "
+                        "arriving are cut off at once (default 25; Kubernetes waits 30)")
+    p.add_argument("--head-timeout", type=float, default=10.0,
+                   help="seconds a connection has to send a request's head; silent ones are closed, partial "
+                        "ones get 408")
+    p.add_argument("--body-timeout", type=float, default=30.0, help="seconds for a request's body to arrive (408)")
+    p.add_argument("--max-connections", type=int, default=None,
+                   help="open connections at most (default: the file-descriptor limit less 64); past it the "
+                        "oldest idle one is closed")
     p.add_argument("--name", action="append", default=None,
                    help="the model's name in /models/NAME/... (repeat, one per DIR; default: the directory name)")
     p.set_defaults(func=run)

@@ -1,24 +1,24 @@
 """The teacher: a fine-tuned task model directory (ours from `finetune` with ``save_model``, or any
 Hugging Face ``BertFor<Task>`` or ``ElectraFor<Task>`` directory), loaded once, in eval mode; bf16 on a GPU.
 
-Its identity (weights sha256, vocab sha256, casing) is what a pseudo-label set records and what a
+Its identity (``bertdist.stored_set.model_sha256``, vocab sha256, casing) is what a pseudo-label set records and what a
 student run checks before it reuses one.
 """
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from pathlib import Path
 
 import torch
 
-from bertdist.export.hf import HF_INDEX_FILES, HF_WEIGHT_FILES, ExportError, is_hf_dir, read_hf_dir
+from bertdist.export.hf import ExportError, is_hf_dir, read_hf_dir
 from bertdist.export.safe_load import UnsafeCheckpointError
 from bertdist.export.tokenizer import vocab_sha256
 from bertdist.finetune.errors import DataError
 from bertdist.finetune.heads import HF_ARCHITECTURE, HF_ELECTRA_ARCHITECTURE, BertForTask, head_keys, task_model
 from bertdist.model import BertConfig
+from bertdist.stored_set import model_sha256
 
 
 class TeacherError(DataError):
@@ -34,31 +34,14 @@ class Teacher:
     backbone_state: dict[str, torch.Tensor]  # BertForPreTraining layout (bert.*, cls.*); ELECTRA: discriminator.*
     vocab_file: Path
     do_lower_case: bool
-    weights_sha256: str
+    sha256: str  # model_sha256 of the directory
     device: torch.device
     dtype: torch.dtype
 
     def identity(self) -> dict:
         """What a pseudo-label set made by this teacher records about it."""
-        return {"path": str(self.path), "weights_sha256": self.weights_sha256,
+        return {"path": str(self.path), "sha256": self.sha256,
                 "vocab_sha256": vocab_sha256(self.vocab_file), "do_lower_case": self.do_lower_case}
-
-
-def weights_sha256(model_dir: Path) -> str:
-    """sha256 over the directory's weight file(s), in name order."""
-    files = [model_dir / n for n in HF_WEIGHT_FILES if (model_dir / n).is_file()]
-    if not files:
-        for n in HF_INDEX_FILES:
-            if (model_dir / n).is_file():
-                shards = sorted(set(json.loads((model_dir / n).read_text())["weight_map"].values()))
-                files = [model_dir / s for s in shards]
-                break
-    h = hashlib.sha256()
-    for f in files:
-        with f.open("rb") as fh:
-            for block in iter(lambda: fh.read(1 << 22), b""):
-                h.update(block)
-    return h.hexdigest()
 
 
 def _line_of(path: Path, key: str) -> int:
@@ -108,4 +91,4 @@ def load_teacher(path: str | Path, task: str, kind: str, num_labels: int, *, dev
     for prm in model.parameters():
         prm.requires_grad_(False)
     return Teacher(p, model, ck.config, head, ck.state_dict, Path(ck.vocab_file), bool(ck.do_lower_case),
-                   weights_sha256(p), device, dtype)
+                   model_sha256(p), device, dtype)

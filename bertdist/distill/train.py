@@ -28,16 +28,17 @@ import torch
 from bertdist.config import save_config
 from bertdist.distill import losses
 from bertdist.distill.config import DistillConfig
-from bertdist.distill.pseudolabel import (check_label_set, check_top_k, effective_top_k, load_label_rows, num_outputs,
-                                         read_manifest, run_labelling, top_k_of)
+from bertdist.distill.pseudolabel import (check_label_set, check_sources, check_top_k, effective_top_k, load_label_rows,
+                                         num_outputs, read_manifest, run_labelling, top_k_of)
 from bertdist.distill.student import StudentPlan, plan_student
 from bertdist.distill.teacher import Teacher, load_teacher
 from bertdist.export.tokenizer import bert_tokenizer
 from bertdist.finetune.errors import DataError
 from bertdist.finetune.tasks import canonical_task, dump_json, make_runner
-from bertdist.finetune.train import (_device, _dist, apply_update, build_optimization, collate, evaluate,
-                                     param_groups, predict, seed_everything, total_steps)
+from bertdist.finetune.train import (apply_update, build_optimization, collate, evaluate, param_groups, predict,
+                                     seed_everything, total_steps)
 from bertdist.model import IGNORE_INDEX
+from bertdist.train.distributed import local_device, rank_and_world, start_process_group
 
 INPUT_KEYS = ("input_ids", "token_type_ids", "attention_mask")
 
@@ -141,7 +142,7 @@ def train_student(cfg: DistillConfig, runner, plan: StudentPlan, rows: list[dict
     if mode == "direct" and cfg.direct_epochs is not None:
         fcfg = dataclasses.replace(fcfg, epochs=cfg.direct_epochs)
     seed_everything(seed)
-    device = _device(fcfg)
+    device = local_device(fcfg.device)
     model = plan.build(runner.kind, runner.num_labels, device.type, kernels=fcfg.kernels,
                        hidden_dropout_prob=fcfg.hidden_dropout_prob).to(device)
     intermediate = mode == "distill" and (cfg.hidden_weight > 0 or cfg.attention_weight > 0)
@@ -158,7 +159,7 @@ def train_student(cfg: DistillConfig, runner, plan: StudentPlan, rows: list[dict
         extra = list(projection.parameters())
         s_cap = LayerCapture(model.backbone, cfg.attention_weight > 0)
         t_cap = LayerCapture(teacher.model.backbone, cfg.attention_weight > 0)
-    rank, world = _dist()
+    rank, world = rank_and_world()
     if fcfg.batch_size % world:
         raise DataError(f"batch_size {fcfg.batch_size} is not divisible by the {world} processes")
     micro = fcfg.batch_size // world
@@ -232,7 +233,7 @@ def prepare(cfg: DistillConfig):
     """Teacher, runner and dev sets for ``cfg`` (the teacher's tokenizer is the data tokenizer)."""
     task = canonical_task(cfg.task)
     fcfg = cfg.finetune_config()
-    device = _device(fcfg)
+    device = local_device(fcfg.device)
     # The runner needs a tokenizer before the head kind is known; read the teacher's vocab first.
     from bertdist.export.hf import ExportError
     from bertdist.export.tokenizer import infer_do_lower_case, read_tokenizer_casing
@@ -264,9 +265,7 @@ def pseudo_labels(cfg: DistillConfig, task: str, fcfg, runner, teacher: Teacher)
         manifest = read_manifest(labels_dir)
         check_label_set(manifest, labels_dir, task, teacher, fcfg)
         check_top_k(manifest, labels_dir, top_k)
-        if cfg.unlabeled and [Path(s["path"]).resolve() for s in manifest["sources"]] != [Path(p).resolve() for p in cfg.unlabeled]:
-            raise DataError(f"{labels_dir}/manifest.json: labels the sources {[s['path'] for s in manifest['sources']]}, "
-                            f"but --unlabeled names {list(cfg.unlabeled)}; give another labels_dir")
+        check_sources(manifest, labels_dir, cfg.unlabeled)
         manifest["reused"] = True
     else:
         manifest = run_labelling(task, runner, teacher, fcfg, list(cfg.unlabeled), labels_dir, shard_rows=cfg.shard_rows,
@@ -286,15 +285,9 @@ def run_distill(cfg: DistillConfig) -> dict:
     """Distil, write the student, the report and metrics; return the report dict."""
     fcfg0 = cfg.finetune_config()
     if fcfg0.deepspeed:
-        import deepspeed
-
-        from bertdist.train.distributed import prepare_environment
-
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            prepare_environment()
-            deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+        start_process_group(deepspeed=True)
     task, fcfg, device, runner, teacher = prepare(cfg)
-    rank, _ = _dist()
+    rank, _ = rank_and_world()
     out = Path(cfg.output_dir)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -359,11 +352,7 @@ def _export(out_dir: Path, plan: StudentPlan, state: dict, runner, teacher: Teac
 def run_pseudo_label(cfg: DistillConfig) -> dict:
     """The labelling job alone (``bertdist pseudo-label``): teacher outputs over ``cfg.unlabeled``."""
     if cfg.train.deepspeed or int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        from bertdist.train.distributed import prepare_environment
-
-        if not torch.distributed.is_initialized():
-            prepare_environment()
-            torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        start_process_group()
     task, fcfg, _, runner, teacher = prepare(cfg)
     labels_dir = Path(cfg.labels_dir or Path(cfg.output_dir) / "pseudo_labels")
     return run_labelling(task, runner, teacher, fcfg, list(cfg.unlabeled), labels_dir, shard_rows=cfg.shard_rows,

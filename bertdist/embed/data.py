@@ -8,6 +8,8 @@
   with a JSON number; TSV: exactly three columns, an optional header ``text_a<TAB>text_b<TAB>score``.
 * ``read_stsb``: GLUE STS-B's train.tsv/dev.tsv (a header naming ``sentence1``, ``sentence2``,
   ``score`` among its columns; every row as wide as the header).
+* ``load_data``: a run's train and dev rows, from ``data`` (``train.jsonl``/``train.tsv``,
+  ``dev.jsonl``/``dev.tsv``; sts: STS-B's) or the files ``train_file`` / ``dev_file`` name.
 
 The format comes from the extension (``.jsonl``, ``.tsv``) unless ``fmt`` names it. Blank lines
 are skipped. Anything else that does not fit (an empty file, invalid JSON, a missing key or
@@ -21,6 +23,7 @@ import math
 from pathlib import Path
 from typing import Iterator
 
+from bertdist.embed.config import EmbedConfig
 from bertdist.finetune.errors import DataError, not_utf8
 from bertdist.finetune.glue import read_tsv
 
@@ -208,3 +211,50 @@ def read_stsb(path: str | Path) -> list[ScoredPair]:
         out.append(ScoredPair(_text(r[ia], "sentence1", where), _text(r[ib], "sentence2", where),
                               _score(r[isc].strip(), where)))
     return out
+
+
+# ---------------------------------------------------------------- a run's files
+@dataclasses.dataclass
+class TrainData:
+    rows: list  # PairExample (embed, rerank) or ScoredPair (sts), sliced to max_train_examples
+    all_rows: list  # every row of the train file (the mined corpus is built from all of them)
+    train_path: Path
+    dev: list | None
+    dev_path: Path | None
+
+
+def _find(data_dir: str, override: str | None, names: tuple[str, ...], what: str, required: bool) -> Path | None:
+    if override:
+        p = Path(override)
+        if not p.is_file():
+            raise DataError(f"{p}: {what} file not found")
+        return p
+    d = Path(data_dir)
+    if not d.is_dir():
+        raise DataError(f"data directory not found: {d}")
+    for n in names:
+        if (d / n).is_file():
+            return d / n
+    if required:
+        raise DataError(f"{d}: no {what} file (looked for {list(names)})")
+    return None
+
+
+def _read(task: str, path: Path) -> list:
+    if task != "sts":
+        return read_pairs(path)
+    return read_scored_pairs(path) if path.suffix.lower() == ".jsonl" else read_stsb(path)
+
+
+def load_data(cfg: EmbedConfig) -> TrainData:
+    names = {"sts": (("train.tsv",), ("dev.tsv",))}.get(cfg.task, (("train.jsonl", "train.tsv"),
+                                                                   ("dev.jsonl", "dev.tsv")))
+    train_path = _find(cfg.data, cfg.train_file, names[0], "train", True)
+    dev_path = _find(cfg.data, cfg.dev_file, names[1], "dev", False)
+    all_rows = _read(cfg.task, train_path)
+    rows = all_rows[:cfg.max_train_examples] if cfg.max_train_examples else all_rows
+    dev = None
+    if dev_path is not None:
+        dev = _read(cfg.task, dev_path)
+        dev = dev[:cfg.max_eval_examples] if cfg.max_eval_examples else dev
+    return TrainData(rows, all_rows, train_path, dev, dev_path)

@@ -15,19 +15,17 @@ Two teachers, chosen by what ``distill_from`` is:
   model and exported as a sentence-transformers Dense module, so the served student embeds into
   the teacher's space); the student's output is normalised when the teacher's is.
 
-The teacher runs once. Its outputs are stored as one Parquet file with a manifest, by the
-pseudo-label sets' conventions (``bertdist.distill.pseudolabel``): ``plan.json`` written first
-pins what the directory holds (the teacher's weights sha256, its tokenizer, the train file's
-sha256 and a sha256 over the exact texts scored); ``manifest.json`` written last marks it
-complete. A later run reuses a complete set with the same identity, recomputes an unfinished one
-with the same plan, and refuses a set of another teacher or other data, naming every difference.
+The teacher runs once. Its outputs are a one-file stored set (``bertdist.stored_set``):
+``plan.json`` written first pins what the directory holds (the teacher's ``model_sha256``, its
+tokenizer, the train file's sha256 and a sha256 over the exact texts scored); ``manifest.json``
+written last marks it complete. A later run reuses a complete set with the same identity (a copy
+of the teacher or train file elsewhere is the same), recomputes an unfinished one with the same
+plan, and refuses a set of another teacher or other data, naming every difference.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import time
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -35,17 +33,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from bertdist.data.manifest import file_sha256, path_inside
+from bertdist.embed.config import EmbedConfig, resolved_negatives
+from bertdist.embed.data import TrainData
+from bertdist.embed.model import BiEncoder, load_bi_encoder, load_cross_encoder
 from bertdist.finetune.errors import DataError
+from bertdist.stored_set import SetMismatch, model_sha256, open_or_make as open_or_make_set, source_entry
 
 FORMAT = "bertdist-teacher-scores/1"
-PLAN = "plan.json"
-MANIFEST = "manifest.json"
 ROWS_FILE = "teacher.parquet"
 KINDS = {"margin_mse": "cross-encoder", "embedding_mse": "bi-encoder"}
 
 
-class TeacherSetMismatch(DataError):
+class TeacherSetMismatch(SetMismatch):
     """A stored teacher set made by another teacher or from other data than the run's."""
 
 
@@ -69,21 +68,10 @@ def resolve_distill_loss(requested: str, path: str | Path) -> str:
     return loss
 
 
-def dir_weights_sha256(path: str | Path) -> str:
-    """sha256 over every weight file and module config under ``path`` (relative names included)."""
-    p = Path(path)
-    names = ("model.safetensors", "pytorch_model.bin", "config.json", "modules.json", "bertdist_model.pt")
-    files = sorted(f for f in p.rglob("*") if f.is_file() and (f.name in names or f.name.endswith(".safetensors")))
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f.relative_to(p).as_posix().encode() + b"\0" + file_sha256(f).encode() + b"\0")
-    return h.hexdigest()
-
-
 def teacher_identity(model, path: str | Path) -> dict:
     from bertdist.export.tokenizer import vocab_sha256
 
-    ident = {"path": str(path), "weights_sha256": dir_weights_sha256(path),
+    ident = {"path": str(path), "sha256": model_sha256(path),
              "vocab_sha256": vocab_sha256(model.vocab_file), "do_lower_case": model.do_lower_case,
              "max_seq_length": model.max_seq_length}
     if hasattr(model, "pooling"):
@@ -100,86 +88,20 @@ def texts_sha256(items: Sequence[Sequence[str]]) -> str:
 
 
 # ---------------------------------------------------------------- the stored set
-def _diff(have: dict, want: dict) -> list[str]:
-    out = []
-    for k in ("format", "kind", "teacher", "sources", "content_sha256", "rows"):
-        a, b = have.get(k), want.get(k)
-        if k == "teacher" and isinstance(a, dict) and isinstance(b, dict):
-            for kk in sorted((set(a) | set(b)) - {"path"}):  # a copy of the same weights is the same teacher
-                if a.get(kk) != b.get(kk):
-                    out.append(f"teacher.{kk}: set has {a.get(kk)!r}, this run has {b.get(kk)!r}")
-        elif k == "sources":
-            sa = {s.get("role"): s.get("sha256") for s in a or []}
-            sb = {s.get("role"): s.get("sha256") for s in b or []}
-            for role in sorted(set(sa) | set(sb)):
-                if sa.get(role) != sb.get(role):
-                    out.append(f"the {role} file: set has sha256 {sa.get(role)}, this run's has {sb.get(role)}")
-        elif a != b:
-            out.append(f"{k}: set has {a!r}, this run has {b!r}")
-    return out
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise DataError(f"{path}: not valid JSON ({e})") from None
-
-
 def make_plan(kind: str, teacher: dict, sources: dict[str, str | Path], content: Sequence[Sequence[str]],
               extra: dict | None = None) -> dict:
-    recorded = [{"role": role, "path": str(p), "sha256": file_sha256(p)} for role, p in sources.items()]
+    recorded = [source_entry(p, role=role) for role, p in sources.items()]
     return {"format": FORMAT, "kind": kind, "teacher": teacher, "sources": recorded,
             "content_sha256": texts_sha256(content), "rows": len(content), **(extra or {})}
 
 
 def open_or_make(set_dir: str | Path, plan: dict, compute: Callable[[], dict], rank: int = 0,
                  barrier: Callable[[], None] | None = None) -> tuple[dict, dict]:
-    """The set's columns and manifest: reused when ``set_dir`` holds a complete set of this plan,
-    else computed by ``compute()`` (rank 0; the others wait at ``barrier``) and written. A set or
-    an unfinished plan of another identity is refused."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    d = Path(set_dir)
-    mpath, ppath = d / MANIFEST, d / PLAN
-    for path, what in ((mpath, "a teacher set"), (ppath, "an unfinished teacher set")):
-        if path.is_file():
-            diff = _diff(_read_json(path), plan)
-            if diff:
-                raise TeacherSetMismatch(f"{path}: {what} of another teacher or other data than this run's: "
-                                         + "; ".join(diff) + f". Use another distill_set directory or remove {d}.")
-            break
-    reused = mpath.is_file()
-    if not reused and rank == 0:
-        d.mkdir(parents=True, exist_ok=True)
-        _write_json(ppath, plan)
-        t0 = time.time()
-        columns = compute()
-        tmp = d / f".{ROWS_FILE}.tmp-{os.getpid()}"
-        pq.write_table(pa.table(columns), tmp)
-        os.replace(tmp, d / ROWS_FILE)
-        _write_json(mpath, {**plan, "file": ROWS_FILE, "seconds": round(time.time() - t0, 3),
-                            "created": time.strftime("%Y-%m-%dT%H:%M:%S")})
-    if barrier is not None:
-        barrier()
-    manifest = _read_json(mpath)
-    path = path_inside(d, manifest.get("file", ROWS_FILE), mpath, DataError)
-    try:
-        table = pq.read_table(path).to_pydict()
-    except (OSError, ValueError) as e:
-        raise DataError(f"{path}: not a readable teacher set ({type(e).__name__}: {e}); remove {d} to recompute it") \
-            from None
-    n = len(next(iter(table.values()))) if table else 0
-    if n != plan["rows"]:
-        raise DataError(f"{path}: {n} rows, its manifest {mpath} says {plan['rows']}")
-    return table, {**manifest, "reused": reused}
+    """The teacher set's columns and manifest (``bertdist.stored_set.open_or_make``): reused when
+    ``set_dir`` holds a complete set of this plan, else computed by ``compute()`` on rank 0."""
+    return open_or_make_set(set_dir, plan, ROWS_FILE, compute, mismatch=TeacherSetMismatch, what="teacher set",
+                            advice=f"Use another distill_set directory or remove {set_dir}.", rank=rank,
+                            barrier=barrier)
 
 
 # ---------------------------------------------------------------- teacher outputs
@@ -216,3 +138,77 @@ def embedding_mse(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"student embeddings {tuple(student.shape)} and teacher embeddings {tuple(teacher.shape)} "
                          "differ in shape; the projection must map the student to the teacher's width")
     return F.mse_loss(student.float(), teacher.to(student.device, torch.float32))
+
+
+# ---------------------------------------------------------------- a run's set-up
+def prepare_distillation(cfg: EmbedConfig, model: BiEncoder, units: list[dict], data: TrainData, out: Path,
+                         rank: int, barrier, device) -> tuple[list[dict], dict, dict]:
+    """The teacher's stored outputs for this run's units (computed once), and the units to train
+    on: triples for margin-MSE, rows for embedding MSE. Returns (units, what the step loss needs,
+    what the run's summary records)."""
+    loss = resolve_distill_loss(cfg.distill_loss, cfg.distill_from)
+    set_dir = Path(cfg.distill_set) if cfg.distill_set else out / "teacher_scores"
+    if loss == "margin_mse":
+        return _margin_units(cfg, units, data, set_dir, rank, barrier, device)
+    return _embedding_units(cfg, model, units, data, set_dir, rank, barrier, device)
+
+
+def _margin_units(cfg: EmbedConfig, units: list[dict], data: TrainData, set_dir: Path, rank: int, barrier,
+                  device) -> tuple[list[dict], dict, dict]:
+    """One unit per (query, positive, negative) triple, with the cross-encoder teacher's margin."""
+    loss = "margin_mse"
+    triples = [(u["q"], u["p"], n) for u in units for n in u["negs"][:resolved_negatives(cfg)]]
+    if not triples:
+        raise DataError(f"{data.train_path}: margin-MSE distillation needs (query, positive, negative) "
+                        f"triples, but none of the {len(units)} rows has a negative; list negatives in the rows, "
+                        "set mine=bm25 or hard_negatives=DIR")
+    teacher = load_cross_encoder(cfg.distill_from, kernels=cfg.kernels, device=device)
+    plan = make_plan(loss, teacher_identity(teacher, cfg.distill_from), {"train": data.train_path}, triples)
+    table, manifest = open_or_make(
+        set_dir, plan, lambda: margin_scores(teacher, triples, cfg.eval_batch_size), rank, barrier)
+    margins = np.asarray(table["teacher_positive"], np.float32) - np.asarray(table["teacher_negative"], np.float32)
+    new_units = [{"q": q, "p": p, "negs": [n], "margin": float(m), "texts": frozenset([q, p, n])}
+                 for (q, p, n), m in zip(triples, margins)]
+    info = {"loss": loss, "teacher": cfg.distill_from, "teacher_kind": "cross-encoder", "set": str(set_dir),
+            "reused": manifest["reused"], "triples": len(triples),
+            "rows_without_negatives": sum(not u["negs"] for u in units),
+            "teacher_margin_mean": float(margins.mean()), "teacher_margin_std": float(margins.std())}
+    del teacher
+    return new_units, {"loss": loss}, info
+
+
+def _embedding_units(cfg: EmbedConfig, model: BiEncoder, units: list[dict], data: TrainData, set_dir: Path, rank: int,
+                     barrier, device) -> tuple[list[dict], dict, dict]:
+    """The units as they are, each pointing at the bi-encoder teacher's embeddings of its query and
+    positive; the student gets a projection to the teacher's width when it has none and the widths differ."""
+    loss = "embedding_mse"
+    teacher = load_bi_encoder(cfg.distill_from, kernels=cfg.kernels, device=device)
+    texts = list(dict.fromkeys([u["q"] for u in units] + [u["p"] for u in units]))
+    plan = make_plan(loss, teacher_identity(teacher, cfg.distill_from), {"train": data.train_path},
+                     [(t,) for t in texts])
+    table, manifest = open_or_make(set_dir, plan, lambda: teacher_embeddings(teacher, texts, cfg.eval_batch_size),
+                                   rank, barrier)
+    vectors = np.asarray(table["embedding"], dtype=np.float32)
+    if vectors.ndim != 2 or vectors.shape[0] != len(texts):
+        raise DataError(f"{set_dir}: embeddings of shape {vectors.shape}, expected {len(texts)} rows of one width")
+    index = {t: i for i, t in enumerate(table["text"])}
+    teacher_dim, teacher_norm = vectors.shape[1], teacher.normalize
+    del teacher
+    projection = None
+    if model.projection is None and teacher_dim != model.full_dim:
+        from bertdist.model.bert import init_weights
+
+        model.projection = torch.nn.Linear(model.config.hidden_size, teacher_dim).to(device)
+        init_weights(model.projection, model.config.initializer_range)
+        projection = [model.config.hidden_size, teacher_dim]
+    elif model.full_dim != teacher_dim:
+        raise DataError(f"the student {cfg.checkpoint} embeds into {model.full_dim} dimensions (its Dense module), the "
+                        f"teacher {cfg.distill_from} into {teacher_dim}")
+    if cfg.truncate_dim and cfg.truncate_dim > model.full_dim:
+        raise DataError(f"truncate_dim {cfg.truncate_dim} is wider than the student's {model.full_dim} dimensions")
+    for u in units:
+        u["tq"], u["tp"] = index[u["q"]], index[u["p"]]
+    info = {"loss": loss, "teacher": cfg.distill_from, "teacher_kind": "bi-encoder", "set": str(set_dir),
+            "reused": manifest["reused"], "texts": len(texts), "teacher_dim": teacher_dim,
+            "teacher_normalize": teacher_norm, "projection": projection}
+    return units, {"loss": loss, "vectors": vectors, "teacher_normalize": teacher_norm}, info

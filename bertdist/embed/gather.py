@@ -3,7 +3,8 @@
 ``all_gather_with_grad(x)`` concatenates every rank's ``[b_r, H]`` rows, in rank order, into
 ``[sum b_r, H]`` and keeps the graph: the backward pass all-reduces (SUM) the gradient of the
 gathered tensor and hands each rank the rows of its own slice. ``mnrl_across_ranks`` ranks each
-rank's queries against the positives (and hard negatives) of all ranks.
+rank's queries against the positives (and hard negatives) of all ranks; ``global_batch_mnrl`` does
+the same over Matryoshka widths (the embedding trainer's loss).
 
 Why SUM, and why that is right under DDP. Rank r's loss L_r is the mean over its own b queries;
 with equal batch sizes the loss of the global batch is L = (1/W) sum_r L_r. Rank s's embeddings
@@ -25,8 +26,8 @@ shows the local-slice backward failing that check.
 
 Ranks may hold different numbers of rows (a short last batch): the sizes are gathered first and
 the rows padded for the collective. Every rank must call the gather and run the backward, as with
-any collective, and every rank must pass hard negatives or none. With unequal sizes the mean of
-the per-rank losses weighs each rank equally, as DDP does for any loss.
+any collective; a rank without hard negatives joins their gather with zero rows. With unequal
+sizes the mean of the per-rank losses weighs each rank equally, as DDP does for any loss.
 Without an initialised process group the gather returns ``x`` itself.
 """
 from __future__ import annotations
@@ -35,10 +36,7 @@ import torch
 import torch.distributed as dist
 
 from bertdist.embed.losses import MultipleNegativesRankingLoss, flat_negatives, mnrl
-
-
-def _initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
+from bertdist.train.distributed import process_group
 
 
 def gathered_sizes(n: int, device: torch.device, group=None) -> list[int]:
@@ -73,7 +71,7 @@ class _AllGatherWithGrad(torch.autograd.Function):
 def all_gather_with_grad(x: torch.Tensor, group=None) -> torch.Tensor:
     """``[b_r, ...]`` on each rank -> ``[sum_r b_r, ...]`` on every rank, rank order, with gradients
     flowing back to each rank's own rows (summed over the ranks' losses; see the module doc)."""
-    if not _initialized():
+    if not process_group():
         return x
     sizes = gathered_sizes(x.shape[0], x.device, group)
     return _AllGatherWithGrad.apply(x, sizes, dist.get_rank(group), group)
@@ -91,12 +89,36 @@ def mnrl_across_ranks(loss: MultipleNegativesRankingLoss, query: torch.Tensor, p
         raise ValueError(f"mnrl_across_ranks expects query and positive [B, H] of one shape; got "
                          f"{tuple(query.shape)} and {tuple(positive.shape)}")
     negs = flat_negatives(negatives, query.shape[0], query.shape[1])
-    if not _initialized():
-        return mnrl(query, positive, negs, 0, loss.scale, loss.symmetric, queries=query)
+    offset, all_pos, all_q, all_negs = gather_batch(query, positive, negs, loss.symmetric, group)
+    return mnrl(query, all_pos, all_negs, offset, loss.scale, loss.symmetric, queries=all_q)
+
+
+def global_batch_mnrl(query: torch.Tensor, positive: torch.Tensor, negatives: torch.Tensor | None, scale: float,
+                      symmetric: bool, dims: list[int] | None = None, weights: list[float] | None = None,
+                      group=None) -> torch.Tensor:
+    """``mnrl_across_ranks`` on the first d dimensions for each of ``dims`` (Matryoshka), summed
+    with ``weights``; one width, the full one, without ``dims``. ``negatives``: ``[N, H]`` rows."""
+    offset, all_p, all_q, all_n = gather_batch(query, positive, negatives, symmetric, group)
+    dims = dims or [query.shape[1]]
+    total = None
+    for d, w in zip(dims, weights or [1.0] * len(dims)):
+        term = w * mnrl(query[:, :d], all_p[:, :d], None if all_n is None else all_n[:, :d], offset, scale,
+                        symmetric, queries=all_q[:, :d] if symmetric else None)
+        total = term if total is None else total + term
+    return total
+
+
+def gather_batch(query: torch.Tensor, positive: torch.Tensor, negatives: torch.Tensor | None, symmetric: bool,
+                 group=None) -> tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The global batch as this rank's MNRL sees it: ``(offset, positives, queries, negatives)``,
+    every rank's rows in rank order with gradients; ``offset``: the rows on the ranks before this
+    one; queries only when ``symmetric``. Without a process group, this rank's own rows."""
+    if not process_group():
+        return 0, positive, query if symmetric else None, negatives
     sizes = gathered_sizes(query.shape[0], query.device, group)
     rank = dist.get_rank(group)
-    offset = sum(sizes[:rank])
-    all_pos = _AllGatherWithGrad.apply(positive, sizes, rank, group)
-    all_negs = all_gather_with_grad(negs, group) if negs is not None else None
-    all_q = _AllGatherWithGrad.apply(query, sizes, rank, group) if loss.symmetric else None
-    return mnrl(query, all_pos, all_negs, offset, loss.scale, loss.symmetric, queries=all_q)
+    all_p = _AllGatherWithGrad.apply(positive, sizes, rank, group)
+    all_q = _AllGatherWithGrad.apply(query, sizes, rank, group) if symmetric else None
+    # every rank joins the negatives' gather, with zero rows when it has none
+    all_n = all_gather_with_grad(negatives if negatives is not None else query[:0], group)
+    return sum(sizes[:rank]), all_p, all_q, all_n if all_n.shape[0] else None

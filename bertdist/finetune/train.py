@@ -11,9 +11,7 @@ data parallel when ``cfg.deepspeed`` (launched with torchrun/deepspeed).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 import random
 import time
 from pathlib import Path
@@ -29,6 +27,7 @@ from bertdist.finetune.errors import DataError
 from bertdist.finetune.heads import BertForTask, task_model
 from bertdist.finetune.tasks import EvalSet, Runner, dump_json, make_runner
 from bertdist.model import IGNORE_INDEX
+from bertdist.train.distributed import local_device, rank_and_world, start_process_group
 
 
 class VocabMismatch(DataError):
@@ -55,14 +54,6 @@ def resolve_tokenizer(cfg: FinetuneConfig, w: PretrainedWeights):
                             f"but do_lower_case={cfg.do_lower_case} was asked for")
     lower = cfg.do_lower_case if cfg.do_lower_case is not None else w.do_lower_case
     return bert_tokenizer(vocab, lower)
-
-
-def _device(cfg: FinetuneConfig) -> torch.device:
-    if cfg.device == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        return torch.device("cpu")
-    return torch.device(cfg.device)
 
 
 def seed_everything(seed: int) -> None:
@@ -143,12 +134,6 @@ def param_groups(model: BertForTask, cfg: FinetuneConfig, lr: float) -> list[dic
             for (is_head, decay), ps in groups.items()]
 
 
-def _dist():
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
 def total_steps(cfg: FinetuneConfig, n_rows: int) -> int:
     """``max_steps``, else ``epochs`` passes over ``n_rows`` at the global ``batch_size``."""
     if cfg.max_steps is not None:
@@ -205,14 +190,14 @@ def apply_update(engine, opt, sched, loss: torch.Tensor, params: list, max_grad_
 def train_once(cfg: FinetuneConfig, runner: Runner, w: PretrainedWeights, train_feats: list[dict],
                eval_sets: list[EvalSet], lr: float, seed: int, run_dir: Path) -> dict:
     seed_everything(seed)
-    device = _device(cfg)
+    device = local_device(cfg.device)
     mcfg = w.config if cfg.hidden_dropout_prob is None else dataclasses.replace(
         w.config, hidden_dropout_prob=cfg.hidden_dropout_prob)
     mcfg = dataclasses.replace(mcfg, kernels=cfg.kernels)
     model = task_model(mcfg, runner.kind, runner.num_labels, device_type=device.type)
     model.load_backbone(w.state_dict)
     model.to(device)
-    rank, world = _dist()
+    rank, world = rank_and_world()
     if cfg.batch_size % world:
         raise DataError(f"batch_size {cfg.batch_size} is not divisible by the {world} processes")
     micro = cfg.batch_size // world
@@ -291,14 +276,8 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
         raise DataError(f"zero_stage={cfg.zero_stage}: fine-tuning supports ZeRO stages 0-2 "
                         "(BERT-large fits on one device for fine-tuning; use stage 2 to shard optimizer state)")
     if cfg.deepspeed:
-        import deepspeed
-
-        from bertdist.train.distributed import prepare_environment
-
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            prepare_environment()  # a launcher's variables, or a world of one on a free port
-            deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    rank, _ = _dist()
+        start_process_group(deepspeed=True)
+    rank, _ = rank_and_world()
     out = Path(cfg.output_dir)
     w = load_pretrained(cfg.checkpoint)
     tok = resolve_tokenizer(cfg, w)
@@ -327,7 +306,7 @@ def run_finetune(cfg: FinetuneConfig) -> dict:
         "checkpoint_origin": w.origin, "main_metric": runner.main_metric,
         "train_examples": len(train_feats), "eval_examples": {es.name: len(es.context if not isinstance(es.context, tuple)
                                                                            else es.context[0]) for es in eval_sets},
-        "world_size": _dist()[1], "deepspeed": {"zero_stage": cfg.zero_stage} if cfg.deepspeed else None,
+        "world_size": rank_and_world()[1], "deepspeed": {"zero_stage": cfg.zero_stage} if cfg.deepspeed else None,
         "kernels": cfg.kernels, "kernel_sources": best["kernel_sources"],
         "best": {"lr": best["lr"], "seed": best["seed"], "epoch": best["epoch"], "metrics": best["metrics"],
                  "score": best["score"]},
@@ -348,7 +327,7 @@ def _write_outputs(cfg, runner, w, best, eval_sets, out: Path, summary: dict) ->
             dump_json(pred_dir / "predictions.json", runner.main_rows_to_official(rows))  # official format
     state = best.get("_state")
     if state is not None and (cfg.predict_test or cfg.save_model):
-        device = _device(cfg)
+        device = local_device(cfg.device)
         model = task_model(dataclasses.replace(w.config, kernels=cfg.kernels), runner.kind, runner.num_labels,
                            device_type=device.type)
         model.load_state_dict(state)

@@ -13,47 +13,39 @@ Blank lines are skipped and counted. A row without an id gets ``<file name>:<lin
 be unique across all inputs (they are what a search returns). An empty file, invalid JSON, a
 missing or empty text, or a repeated id is a ``DataError`` naming ``file:line``.
 
-The job follows the pseudo-label job (``bertdist.distill.pseudolabel``): rows (every source's, in
-order) are cut into shards of ``shard_rows``; rank r of a torchrun world embeds shards r, r +
-world, ...; each shard is written to a temporary name and renamed when complete, so a killed job
-leaves only whole shards and a rerun embeds only the missing ones. ``plan.json`` (written first)
-pins the model (its hash, pooling, normalisation, width, sequence length) and the sources (their
-sha256): a rerun with another model or input is refused instead of mixing embeddings.
+The set is a sharded stored set (``bertdist.stored_set``), as the pseudo-labels are: rows (every
+source's, in order) are cut into shards of ``shard_rows``; rank r of a torchrun world embeds
+shards r, r + world, ...; a killed job leaves only whole shards and a rerun embeds only the
+missing ones. ``plan.json`` (written first) pins the model (its hash, pooling, normalisation,
+width, sequence length) and the sources (their sha256): a rerun with another model or input is
+refused instead of mixing embeddings; a copy of the same model or input elsewhere is the same.
 ``manifest.json`` is written last, by rank 0, once every shard is there.
 
 A shard's columns: ``row`` (int64, the global row number), ``id`` and ``text`` (strings), and
 ``embedding`` (a fixed-size list of float32, the model's width).
 
-The model hash (``model_sha256``) is the sha256 over every weight, config and tokenizer file
-under the model directory (relative names included, optimizer states and hidden files left out),
-so a copy of the same model elsewhere has the same hash and any change to its weights, pooling
-config or vocabulary gives another.
+The model is identified by ``bertdist.stored_set.model_sha256``.
 """
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
-import os
-import time
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-from bertdist.data.manifest import file_sha256, path_inside
-# the pseudo-label job's shard layout and wait: the same resumable-set mechanism
-from bertdist.distill.pseudolabel import shard_name, wait_for_shards
+from bertdist.data.manifest import path_inside
 from bertdist.finetune.errors import DataError, not_utf8
+from bertdist.stored_set import (MANIFEST, SetMismatch, model_sha256, num_shards, read_manifest as read_set_manifest,
+                                 run_sharded, source_entry, write_parquet_atomic)
 
 FORMAT = "bertdist-embeddings/1"
-PLAN = "plan.json"
-MANIFEST = "manifest.json"
 JSONL_LAYOUT = '{"text": ..., "id": ... (optional)}'
 TSV_LAYOUT = "id<TAB>text (or a header line naming id and text columns)"
 
 
-class EmbeddingSetMismatch(DataError):
+class EmbeddingSetMismatch(SetMismatch):
     """An embedding directory made by another model, or from other inputs, than the run names."""
 
 
@@ -158,41 +150,6 @@ def read_inputs(paths: Sequence[str | Path]) -> list[TextSource]:
 
 
 # ---------------------------------------------------------------- the model's identity
-_MODEL_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".json", ".yaml", ".yml")
-_MODEL_NAMES = ("vocab.txt", "latest")  # the tokenizer's vocabulary; DeepSpeed's tag pointer
-
-
-def model_files(path: str | Path) -> list[Path]:
-    """The files ``model_sha256`` covers, sorted by relative name."""
-    p = Path(path)
-    if p.is_file():
-        return [p]
-    if not p.is_dir():
-        raise DataError(f"{p}: model directory not found")
-    out = []
-    for f in p.rglob("*"):
-        rel = f.relative_to(p)
-        if not f.is_file() or any(part.startswith(".") for part in rel.parts) or "optim_states" in f.name:
-            continue
-        if f.suffix.lower() in _MODEL_SUFFIXES or f.name in _MODEL_NAMES:
-            out.append(f)
-    return sorted(out, key=lambda f: f.relative_to(p).as_posix())
-
-
-def model_sha256(path: str | Path) -> str:
-    """sha256 over the model's weight, config and tokenizer files, relative names included."""
-    p = Path(path)
-    files = model_files(p)
-    if not files:
-        raise DataError(f"{p}: no weight or config files (.safetensors, .bin, .pt, .json, .yaml) to identify the "
-                        "model by")
-    h = hashlib.sha256()
-    for f in files:
-        rel = f.name if p.is_file() else f.relative_to(p).as_posix()
-        h.update(rel.encode() + b"\0" + file_sha256(f).encode() + b"\0")
-    return h.hexdigest()
-
-
 def model_identity(model, path: str | Path, max_seq_length: int | None = None) -> dict:
     """What an embedding set (and an index built from it) records about the model."""
     from bertdist.export.tokenizer import vocab_sha256
@@ -209,99 +166,22 @@ def model_identity(model, path: str | Path, max_seq_length: int | None = None) -
 def make_plan(model: dict, sources: list[TextSource], shard_rows: int) -> dict:
     rows = sum(len(s.texts) for s in sources)
     return {"format": FORMAT, "model": model,
-            "sources": [{"path": str(s.path), "sha256": file_sha256(s.path), "layout": s.layout, "rows": len(s.texts),
-                         "skipped_blank_lines": s.skipped_blank} for s in sources],
+            "sources": [source_entry(s.path, layout=s.layout, rows=len(s.texts), skipped_blank_lines=s.skipped_blank)
+                        for s in sources],
             "rows": rows, "dim": model["dim"], "normalized": model["normalize"], "dtype": "float32",
-            "shard_rows": shard_rows, "num_shards": max(1, -(-rows // shard_rows))}
-
-
-def plan_diff(have: dict, want: dict) -> list[str]:
-    """What differs between two plans, path names aside (a copy of the same model or input is the same)."""
-    out = []
-    for k in ("format", "model", "sources", "rows", "shard_rows"):
-        a, b = have.get(k), want.get(k)
-        if k == "model" and isinstance(a, dict) and isinstance(b, dict):
-            for kk in sorted((set(a) | set(b)) - {"path"}):
-                if a.get(kk) != b.get(kk):
-                    out.append(f"model.{kk}: directory has {a.get(kk)!r}, this run has {b.get(kk)!r}")
-        elif k == "sources" and isinstance(a, list) and isinstance(b, list):
-            if len(a) != len(b):
-                out.append(f"sources: directory has {len(a)} input files, this run has {len(b)}")
-            for i, (x, y) in enumerate(zip(a, b)):
-                if (x.get("sha256"), x.get("rows")) != (y.get("sha256"), y.get("rows")):
-                    out.append(f"input {i + 1}: directory has {x.get('path')} ({x.get('rows')} rows, sha256 "
-                               f"{x.get('sha256')}), this run has {y.get('path')} ({y.get('rows')} rows, sha256 "
-                               f"{y.get('sha256')})")
-        elif a != b:
-            out.append(f"{k}: directory has {a!r}, this run has {b!r}")
-    return out
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise DataError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise DataError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+            "shard_rows": shard_rows, "num_shards": num_shards(rows, shard_rows)}
 
 
 def _write_shard(path: Path, first_row: int, ids: list[str], texts: list[str], emb: np.ndarray) -> None:
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     flat = pa.array(np.ascontiguousarray(emb, dtype=np.float32).reshape(-1), type=pa.float32())
-    table = pa.table({
+    write_parquet_atomic({
         "row": pa.array(np.arange(first_row, first_row + len(ids), dtype=np.int64)),
         "id": pa.array(ids, type=pa.string()),
         "text": pa.array(texts, type=pa.string()),
         "embedding": pa.FixedSizeListArray.from_arrays(flat, emb.shape[1]),
-    })
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
-
-
-def _process_group():
-    import torch
-
-    up = torch.distributed.is_available() and torch.distributed.is_initialized()
-    return torch.distributed if up else None
-
-
-def _world() -> tuple[int, int]:
-    group = _process_group()
-    if group:
-        return group.get_rank(), group.get_world_size()
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-
-
-def init_distributed() -> bool:
-    """Start a process group under torchrun (gloo on CPU, nccl on GPUs); True when this call started it."""
-    import torch
-
-    if int(os.environ.get("WORLD_SIZE", 1)) <= 1 or _process_group():
-        return False
-    from bertdist.train.distributed import prepare_environment
-
-    prepare_environment()
-    torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return True
-
-
-def default_device() -> str:
-    import torch
-
-    if torch.cuda.is_available():
-        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-    return "cpu"
+    }, path)
 
 
 def run_embedding(model_path: str | Path, inputs: Sequence[str | Path], out_dir: str | Path, *,
@@ -309,7 +189,7 @@ def run_embedding(model_path: str | Path, inputs: Sequence[str | Path], out_dir:
                   progress: bool = True, model=None, device: str | None = None) -> dict:
     """Embed every row not yet embedded in ``out_dir``; return the manifest (rank 0) or the plan
     with this rank's ``last_run``. ``model``: the bi-encoder already loaded from ``model_path``."""
-    from tqdm.auto import tqdm
+    from bertdist.train.distributed import local_device
 
     for name, v in (("batch_size", batch_size), ("shard_rows", shard_rows)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -321,7 +201,7 @@ def run_embedding(model_path: str | Path, inputs: Sequence[str | Path], out_dir:
     if model is None:
         from bertdist.embed.model import load_bi_encoder
 
-        model = load_bi_encoder(model_path, device=device or default_device())
+        model = load_bi_encoder(model_path, device=device or local_device())
     limit = model.config.max_position_embeddings
     if max_seq_length is not None and max_seq_length > limit:
         raise DataError(f"max_seq_length {max_seq_length} is longer than the model's {limit} positions "
@@ -329,44 +209,14 @@ def run_embedding(model_path: str | Path, inputs: Sequence[str | Path], out_dir:
     plan = make_plan(model_identity(model, model_path, max_seq_length), sources, shard_rows)
     ids = [i for s in sources for i in s.ids]
     texts = [t for s in sources for t in s.texts]
-    rank, world = _world()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    plan_path = out / PLAN
-    if plan_path.is_file():
-        diff = plan_diff(_read_json(plan_path), plan)
-        if diff:
-            raise EmbeddingSetMismatch(f"{plan_path}: this directory holds embeddings of another model or input; "
-                                       + "; ".join(diff) + ". Use another output directory.")
-    elif rank == 0:
-        _write_json(plan_path, plan)
-    n = plan["num_shards"]
-    mine = [k for k in range(n) if k % world == rank]
-    todo = [k for k in mine if not (out / shard_name(k, n)).is_file()]
-    todo_rows = sum(len(texts[k * shard_rows:(k + 1) * shard_rows]) for k in todo)
-    t0 = time.time()
-    bar = tqdm(total=todo_rows, desc=f"embedding (rank {rank}/{world})", unit="text",
-               disable=not progress or rank != 0, dynamic_ncols=True)
-    for k in todo:
-        lo, hi = k * shard_rows, min((k + 1) * shard_rows, len(texts))
+
+    def write_shard(path: Path, lo: int, hi: int) -> None:
         emb = model.encode(texts[lo:hi], batch_size=batch_size, max_seq_length=plan["model"]["max_seq_length"])
-        _write_shard(out / shard_name(k, n), lo, ids[lo:hi], texts[lo:hi], emb)
-        bar.update(hi - lo)
-    bar.close()
-    stats = {"rank": rank, "world_size": world, "shards_embedded": len(todo), "shards_reused": len(mine) - len(todo),
-             "rows_embedded": todo_rows, "seconds": round(time.time() - t0, 3)}
-    group = _process_group()
-    if group:
-        group.barrier()  # every rank's shards are written
-    if rank == 0:
-        wait_for_shards(out, n)
-        shards = [{"file": shard_name(k, n), "rows": len(texts[k * shard_rows:(k + 1) * shard_rows])} for k in range(n)]
-        manifest = {**plan, "shards": shards, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "last_run": stats}
-        _write_json(out / MANIFEST, manifest)
-    if group:
-        group.barrier()  # the manifest is there for every rank
-        return {**read_manifest(out), "last_run": stats}
-    return manifest if rank == 0 else {**plan, "last_run": stats}
+        _write_shard(path, lo, ids[lo:hi], texts[lo:hi], emb)
+
+    return run_sharded(out_dir, plan, write_shard, mismatch=EmbeddingSetMismatch, what="embeddings",
+                       verb="embedded", desc="embedding", unit="text", progress=progress,
+                       shard_entry=lambda name, lo, hi: {"file": name, "rows": hi - lo})
 
 
 # ---------------------------------------------------------------- reading a set back
@@ -383,16 +233,9 @@ def _count(v) -> bool:
 
 
 def read_manifest(emb_dir: str | Path) -> dict:
-    d = Path(emb_dir)
-    path = d / MANIFEST
-    if not path.is_file():
-        state = ("an unfinished embedding job (rerun `bertdist embed` with the same arguments to finish it)"
-                 if (d / PLAN).is_file() else "not an embedding directory (`bertdist embed --out`)")
-        raise DataError(f"{d}: no {MANIFEST}: {state}")
-    m = _read_json(path)
-    if m.get("format") != FORMAT:
-        raise DataError(f"{path}: format {m.get('format')!r}, expected {FORMAT!r}")
-    return m
+    return read_set_manifest(
+        emb_dir, (FORMAT,), absent="not an embedding directory (`bertdist embed --out`)",
+        unfinished="an unfinished embedding job (rerun `bertdist embed` with the same arguments to finish it)")
 
 
 def read_embeddings(emb_dir: str | Path) -> EmbeddingSet:

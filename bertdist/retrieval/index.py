@@ -131,7 +131,8 @@ def build_index(embeddings_dir: str | Path, out_dir: str | Path, kind: str = "hn
                 ef_construction: int = 200, ef_search: int = 128, nlist: int | None = None,
                 nprobe: int | None = None) -> dict:
     """Build an index of ``kind`` over a finished embedding set into ``out_dir``; returns index.json."""
-    from bertdist.retrieval.embed_job import MANIFEST, read_embeddings
+    from bertdist.retrieval.embed_job import read_embeddings
+    from bertdist.stored_set import MANIFEST
 
     faiss = _faiss()
     emb = read_embeddings(embeddings_dir)

@@ -52,7 +52,7 @@ class QueryModel:
 
 def load_query_model(path: str | Path, device: str = "cpu") -> QueryModel:
     from bertdist.embed.model import load_bi_encoder
-    from bertdist.retrieval.embed_job import model_sha256
+    from bertdist.stored_set import model_sha256
 
     p = Path(path)
     return QueryModel(load_bi_encoder(p, device=device), p, model_sha256(p))

@@ -1,9 +1,14 @@
 """The HTTP server around served models: Starlette routes, one dynamic batcher per model, metrics.
 
 Routes (bodies as in Hugging Face text-embeddings-inference; see bertdist.serve.runtime):
-``POST /predict``, ``/embed``, ``/rerank`` go to the one loaded model that answers them;
-``POST /models/{name}/{route}`` names the model (needed once several models answer a route);
-``GET /health``, ``/info``, ``/metrics``. Errors are ``{"error": "...", "error_type": "..."}``.
+``POST /predict``, ``/embed``, ``/similarity``, ``/rerank`` go to the one loaded model that answers
+them; ``POST /models/{name}/{route}`` names the model (needed once several models answer a route);
+``POST /`` is the one loaded model's own task; ``POST /v1/embeddings`` and ``GET /v1/models`` are
+OpenAI's (bertdist.serve.openai_api); ``GET /health``, ``/info``, ``/metrics``. Errors are
+``{"error": "...", "error_type": "..."}`` (OpenAI's shape on its routes).
+
+Parsing and tokenizing run on one preparing thread, a request's texts in chunks so that requests
+take turns; the event loop only moves bytes.
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import dataclasses
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 from starlette.applications import Starlette
@@ -21,13 +27,16 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from bertdist.serve import openai_api
 from bertdist.serve.batcher import Batcher, BatchFailed, Refused, TooManyItems
 from bertdist.serve.metrics import ServeMetrics
 from bertdist.serve.runtime import RequestError
 
 log = logging.getLogger(__name__)
 
-ROUTES = ("predict", "embed", "rerank")
+ROUTES = ("predict", "embed", "rerank", "similarity")
+# Texts tokenized in one turn of the preparing thread; requests take turns between chunks.
+ENCODE_CHUNK = 32
 # TEI's error types, by the HTTP status of a bad request.
 ERROR_TYPES = {400: "Validation", 404: "NotFound", 405: "Validation", 413: "Validation", 422: "Validation",
                500: "Backend", 503: "Overloaded"}
@@ -40,8 +49,13 @@ class ServeSettings:
     # student at 32 clients: as fast as a 2 ms wait, and at 1 client 2.2x faster (no idle wait).
     max_wait_ms: float = 0.0
     max_queue: int = 256  # items waiting, per model
+    # Tokens per batch at most (with at least one item): a batch of long texts then takes no longer
+    # than a batch of short ones, so small requests never wait behind a long one for long.
+    max_batch_tokens: int | None = 2048
     batching: bool = True
     max_body_bytes: int = 1 << 20
+    body_timeout: float = 30.0  # seconds for a request's body to arrive once its head has
+    grace_seconds: float = 25.0  # from a stop signal to exit; Kubernetes' default grace period is 30 s
 
 
 class HTTPError(Exception):
@@ -74,8 +88,20 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
-async def read_json_object(request: Request, limit: int) -> dict:
-    """The body as a JSON object, read at most ``limit`` bytes far."""
+class CutOff(HTTPError):
+    """The server stopped before the request could be answered (its body was still arriving, or
+    the grace period ended first)."""
+
+    def __init__(self, message: str):
+        super().__init__(503, message, "Unhealthy", {"Connection": "close"})
+
+
+def _arrived(request: Request, chunks: list) -> str:
+    return f"{sum(map(len, chunks))} of {request.headers.get('content-length', 'an unknown number of')} bytes arrived"
+
+
+async def _read_body(request: Request, limit: int, chunks: list) -> bytes:
+    """The raw body, gathered in ``chunks`` as it arrives, at most ``limit`` bytes far."""
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -84,13 +110,17 @@ async def read_json_object(request: Request, limit: int) -> dict:
             raise HTTPError(400, f"bad Content-Length header {declared!r}") from None
         if size > limit:
             raise HTTPError(413, f"the body is {size} bytes, over this server's limit of {limit} bytes")
-    chunks, size = [], 0
+    size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:  # a chunked body or a lying Content-Length
             raise HTTPError(413, f"the body is over this server's limit of {limit} bytes")
         chunks.append(chunk)
-    raw = b"".join(chunks)
+    return b"".join(chunks)
+
+
+def parse_json_object(raw: bytes) -> dict:
+    """The body as a JSON object, or an HTTPError that says what is wrong with it."""
     if not raw.strip():
         raise HTTPError(400, "empty body: expected a JSON object")
     try:
@@ -107,6 +137,17 @@ async def read_json_object(request: Request, limit: int) -> dict:
         kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(body), "a number")
         raise HTTPError(400, f"the body must be a JSON object, got {kind}")
     return body
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its answer was ready."""
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns once the client has gone (the body is already read: the next ASGI message is the
+    disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 class ServeState:
@@ -127,16 +168,59 @@ class ServeState:
             self.metrics.add_model(m.name)
             self.batchers[m.name] = Batcher(m.run, name=m.name, max_batch_size=settings.max_batch_size,
                                             max_wait_ms=settings.max_wait_ms, max_queue=settings.max_queue,
-                                            batching=settings.batching, observer=self.metrics)
+                                            batching=settings.batching, max_batch_tokens=settings.max_batch_tokens,
+                                            observer=self.metrics)
+        self.prep_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="serve-prepare")
+        # Requests still receiving their bodies, and requests waiting for their answers: the stop
+        # cuts off the first at once and the second when the grace period ends.
+        self.receiving: set[asyncio.Task] = set()
+        self.answering: set[asyncio.Task] = set()
+        self.grace_over = False
+        self.answered = 0
+        self.cut_off = 0
+        self.stop_began: float | None = None
         self.serving = False  # after startup
         self.stopping = False  # once shutdown begins: /health answers 503; accepted requests are still answered
 
     def begin_stop(self) -> None:
         """Shutdown has begun: /health answers 503, and queued items stop waiting for batches to
         fill; accepted requests are still answered."""
+        if self.stopping:
+            return
         self.stopping = True
+        self.stop_began = time.monotonic()
+        for task in self.receiving:
+            task.cancel()
+        grace = self.settings.grace_seconds
+        # The answers still pending get a second less than the grace period, to be written.
+        asyncio.get_running_loop().call_later(max(grace - 1.0, grace / 2), self._end_grace)
         for b in self.batchers.values():
             b.stop_waiting()
+
+    def _end_grace(self) -> None:
+        self.grace_over = True
+        for task in self.answering:
+            task.cancel()
+
+    async def read_body(self, request: Request) -> bytes:
+        """The raw body, at most ``max_body_bytes``, within ``body_timeout`` seconds; cut off
+        (CutOff) once the server begins to stop."""
+        limit, timeout = self.settings.max_body_bytes, self.settings.body_timeout
+        task, got = asyncio.current_task(), []
+        self.receiving.add(task)
+        try:
+            async with asyncio.timeout(timeout):
+                return await _read_body(request, limit, got)
+        except TimeoutError:
+            raise HTTPError(408, f"the request's body did not arrive within {timeout:g} s ({_arrived(request, got)})",
+                            None, {"Connection": "close"}) from None
+        except asyncio.CancelledError:
+            if self.stopping and task.uncancel() == 0:  # cancelled by begin_stop, not by the server
+                raise CutOff(f"the server is stopping, and this request's body was still arriving "
+                             f"({_arrived(request, got)})") from None
+            raise
+        finally:
+            self.receiving.discard(task)
 
     def served(self) -> str:
         """Which model answers which route, for messages."""
@@ -160,40 +244,137 @@ class ServeState:
                                  f"name one: POST /models/NAME/{route}")
         return answering[0]
 
-    async def answer(self, request: Request, route: str, name: str | None) -> Response:
-        start = time.perf_counter()
-        label_model = ""  # only names of loaded models become label values
-        model = None
+    def only_model(self):
+        """The model ``POST /`` answers with: the one loaded."""
+        if len(self.models) > 1:
+            raise HTTPError(400, f"POST / answers with the one loaded model, and {len(self.models)} are loaded: "
+                                 f"{self.served()}; use their routes or POST /models/NAME/ROUTE")
+        return next(iter(self.models.values()))
+
+    async def offload(self, fn, *args):
+        """Runs ``fn`` on the request-preparing thread: parsing and tokenizing stay off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.prep_executor, fn, *args)
+
+    async def encode(self, model, job) -> None:
+        """Tokenizes the job's texts in chunks, so that a large request takes turns with small ones."""
+        for first in range(0, len(job.texts), ENCODE_CHUNK):
+            job.items += await self.offload(model.encode, job.texts[first:first + ENCODE_CHUNK], job.truncate,
+                                            job.direction, first)
+
+    async def run_job(self, request: Request, model, job):
+        """The job's answer; ClientGone (and the job taken off the queue) if the client leaves first."""
+        batcher = self.batchers[model.name]
+        if not job.encoded:
+            batcher.check_fits(len(job.texts))  # before any tokenizing
+            await self.encode(model, job)
+        ticket = batcher.enqueue(job)
+        gone = asyncio.ensure_future(wait_for_disconnect(request))
+        task = asyncio.current_task()
+        self.answering.add(task)
         try:
-            model = self.model_for(route, name)
-            label_model = model.name
-            self.metrics.in_flight.labels(model.name).inc()
-            body = await read_json_object(request, self.settings.max_body_bytes)
-            # Tokenizing runs here, on the event loop: the tokenizer is not shared across
-            # threads, and the loop is free while the model runs on its worker thread.
-            job = model.prepare(route, body)
-            response = Json(await self.batchers[model.name].submit(job))
-        except HTTPError as e:
-            response = error_response(e.status, str(e), e.error_type, e.headers)
-        except RequestError as e:
-            response = error_response(e.status, str(e), getattr(e, "error_type", None))
-        except Refused as e:
-            response = error_response(503, str(e), e.error_type, {"Retry-After": str(e.retry_after)})
-        except TooManyItems as e:
-            response = error_response(413, str(e))
-        except BatchFailed as e:
-            response = error_response(500, str(e), "Backend")
-        except ClientDisconnect:
-            response = Response(status_code=499)  # nobody reads it; counted as such
-        except Exception as e:  # noqa: BLE001 - any other failure is this request's 500, never the server's
-            log.exception("%s /%s failed", label_model or "?", route)
-            response = error_response(500, f"internal error: {type(e).__name__}: {e}", "Backend")
+            await asyncio.wait({ticket.future, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            batcher.abandon(ticket)
+            if self.grace_over and task.uncancel() == 0:  # cancelled by _end_grace
+                raise CutOff(f"the server stopped: its grace period of {self.settings.grace_seconds:g} s ended "
+                             f"before this answer was ready") from None
+            raise
         finally:
-            if model is not None:
+            gone.cancel()
+            self.answering.discard(task)
+        if ticket.future.done():
+            return ticket.future.result()
+        batcher.abandon(ticket)
+        raise ClientGone()
+
+    async def answer(self, request: Request, route: str | None, name: str | None, *, api: str = "tei") -> Response:
+        """One request to a model route: ``route`` None is ``POST /``, ``api`` "openai" is
+        ``/v1/embeddings`` (OpenAI's bodies and errors)."""
+        start = time.perf_counter()
+        label_model, label_route = "", route or "root"  # only names of loaded models become label values
+        model, cut = None, False
+        try:
+            model = (self.only_model() if route is None else
+                     None if api == "openai" else self.model_for(route, name))
+            label_model = model.name if model is not None else ""
+            raw = await self.read_body(request)
+            if api == "openai":
+                model, job = await self.offload(plan_openai, list(self.models.values()), raw, self.settings.max_queue)
+                label_model = model.name
+            else:
+                job = await self.offload(plan_request, model, route or "root", raw, self.settings.max_queue)
+            self.metrics.in_flight.labels(model.name).inc()
+            try:
+                response = Json(await self.run_job(request, model, job))
+            finally:
                 self.metrics.in_flight.labels(model.name).dec()
-        self.metrics.observe_request(label_model, route if route in ROUTES else "other", response.status_code,
-                                     time.perf_counter() - start)
+        except ClientGone:
+            response = Response(status_code=499)  # nobody reads it; counted as such
+        except ClientDisconnect:
+            response = Response(status_code=499)
+        except Exception as e:  # noqa: BLE001 - any failure is this request's 4xx/5xx, never the server's
+            response = self.error(e, api, label_model, label_route)
+            cut = isinstance(e, CutOff)
+        if cut:
+            self.cut_off += 1
+        elif response.status_code != 499:
+            self.answered += 1
+        self.metrics.observe_request(label_model, label_route if label_route in ROUTES + ("root", "v1_embeddings")
+                                     else "other", response.status_code, time.perf_counter() - start)
         return response
+
+    def error(self, e: Exception, api: str, model: str, route: str) -> Response:
+        """Our JSON error for a failed request (OpenAI's shape on its routes)."""
+        headers = {}
+        if isinstance(e, HTTPError):
+            status, error_type, headers = e.status, e.error_type, e.headers
+        elif isinstance(e, RequestError):
+            status, error_type = e.status, getattr(e, "error_type", None)
+        elif isinstance(e, Refused):
+            status, error_type, headers = 503, e.error_type, {"Retry-After": str(e.retry_after)}
+        elif isinstance(e, TooManyItems):
+            status, error_type = 413, None
+        elif isinstance(e, BatchFailed):
+            status, error_type = 500, "Backend"
+        else:
+            log.exception("%s /%s failed", model or "?", route)
+            status, error_type, e = 500, "Backend", f"internal error: {type(e).__name__}: {e}"
+        if api == "openai":
+            return Json(openai_api.error_body(status, str(e), getattr(e, "param", None)), status, headers=headers)
+        return error_response(status, str(e), error_type, headers)
+
+
+def plan_request(model, route: str, raw: bytes, max_queue: int):
+    """Parses a TEI-shaped body and validates it into the model's Job (a small one tokenized too)."""
+    body = parse_json_object(raw)
+    return encode_if_small(model, model.plan(root_route(model, body) if route == "root" else route, body), max_queue)
+
+
+def plan_openai(models: list, raw: bytes, max_queue: int):
+    """(the encoder it names, its Job) for an OpenAI embeddings body."""
+    body = parse_json_object(raw)
+    model = openai_api.pick_encoder(models, body.get("model"))
+    return model, encode_if_small(model, openai_api.plan_embeddings(model, body), max_queue)
+
+
+def encode_if_small(model, job, max_queue: int):
+    """A job of one chunk is tokenized on the turn that planned it: one hop to the preparing
+    thread per ordinary request."""
+    if len(job.texts) <= min(ENCODE_CHUNK, max_queue):
+        job.items = model.encode(job.texts, job.truncate, job.direction)
+    return job
+
+
+def root_route(model, body: dict | None) -> str:
+    """Which of the model's routes ``POST /`` means, by the body's shape (as TEI decides): a query
+    with texts is a re-ranking, inputs with a source sentence a similarity; else the model's task."""
+    if body is None:
+        return "root"
+    if "rerank" in model.routes and ("query" in body or "texts" in body):
+        return "rerank"
+    if "similarity" in model.routes and isinstance(body.get("inputs"), dict):
+        return "similarity"
+    return model.routes[0]
 
 
 def make_app(models: Sequence, settings: ServeSettings | None = None) -> Starlette:
@@ -211,6 +392,7 @@ def make_app(models: Sequence, settings: ServeSettings | None = None) -> Starlet
         finally:
             state.begin_stop()
             await asyncio.gather(*(b.drain() for b in state.batchers.values()))
+            state.prep_executor.shutdown(wait=False, cancel_futures=True)
             state.serving = False
 
     def unprefixed(route: str):
@@ -218,6 +400,15 @@ def make_app(models: Sequence, settings: ServeSettings | None = None) -> Starlet
             return await state.answer(request, route, None)
         endpoint.__name__ = route
         return endpoint
+
+    async def root(request: Request) -> Response:
+        return await state.answer(request, None, None)
+
+    async def openai_embeddings(request: Request) -> Response:
+        return await state.answer(request, "v1_embeddings", None, api="openai")
+
+    async def openai_models(request: Request) -> Response:
+        return Json(openai_api.models_list(list(state.models.values())))
 
     async def named(request: Request) -> Response:
         return await state.answer(request, request.path_params["route"], request.path_params["name"])
@@ -231,7 +422,8 @@ def make_app(models: Sequence, settings: ServeSettings | None = None) -> Starlet
         s = state.settings
         return Json({"models": [{"name": m.name, **m.info()} for m in state.models.values()],
                      "batching": {"enabled": s.batching, "max_batch_size": s.max_batch_size,
-                                  "max_wait_ms": s.max_wait_ms, "max_queue": s.max_queue},
+                                  "max_batch_tokens": s.max_batch_tokens, "max_wait_ms": s.max_wait_ms,
+                                  "max_queue": s.max_queue},
                      "max_body_bytes": s.max_body_bytes})
 
     async def metrics(request: Request) -> Response:
@@ -241,15 +433,19 @@ def make_app(models: Sequence, settings: ServeSettings | None = None) -> Starlet
     async def http_exception(request: Request, exc: HTTPException) -> Response:
         if exc.status_code == 404:
             return error_response(404, f"no route {request.method} {request.url.path}; this server answers POST "
-                                       f"/predict, /embed, /rerank, /models/NAME/ROUTE and GET /health, /info, "
-                                       f"/metrics; models: {state.served()}")
+                                       f"/, /predict, /embed, /similarity, /rerank, /models/NAME/ROUTE, "
+                                       f"/v1/embeddings and GET /health, /info, /metrics, /v1/models; models: "
+                                       f"{state.served()}")
         if exc.status_code == 405:
             return error_response(405, f"{request.method} is not allowed on {request.url.path}",
                                   headers=dict(exc.headers or {}))
         return error_response(exc.status_code, str(exc.detail), headers=dict(exc.headers or {}))
 
-    routes = [Route(f"/{r}", unprefixed(r), methods=["POST"]) for r in ROUTES]
-    routes += [Route("/models/{name}/{route}", named, methods=["POST"]),
+    routes = [Route("/", root, methods=["POST"])]
+    routes += [Route(f"/{r}", unprefixed(r), methods=["POST"]) for r in ROUTES]
+    routes += [Route("/v1/embeddings", openai_embeddings, methods=["POST"]),
+               Route("/v1/models", openai_models, methods=["GET"]),
+               Route("/models/{name}/{route}", named, methods=["POST"]),
                Route("/health", health, methods=["GET"]),
                Route("/info", info, methods=["GET"]),
                Route("/metrics", metrics, methods=["GET"])]

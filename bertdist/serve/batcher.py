@@ -7,7 +7,13 @@ grouped by length bucket so that a batch pads little; a batch is one ``run`` cal
 
 When a batch runs: a bucket is ready once it holds ``max_batch_size`` items, or its oldest item
 has waited ``max_wait_ms``, or the batcher is draining; among the ready buckets, the one whose
-oldest item is oldest goes first, so a rarely used length still gets its turn.
+first item has waited longest for a turn goes first, so a rarely used length still gets its turn.
+
+Requests take turns: a batch takes one item of each waiting request in turn (not the first
+request's items first), and the items left of the requests that rode in it go behind those of the
+requests that did not, as if newly queued. A request of hundreds of texts thus shares the model
+with small ones instead of holding it. A batch also holds at most ``max_batch_tokens`` tokens
+(at least one item), so one batch of long texts is no longer than a batch of short ones.
 """
 from __future__ import annotations
 
@@ -62,6 +68,8 @@ class Observer(Protocol):
 
     def set_queue_depth(self, model: str, items: int) -> None: ...
 
+    def observe_abandoned(self, model: str, items: int) -> None: ...
+
 
 def length_bucket(length: int, edges: Sequence[int] = DEFAULT_BUCKET_EDGES) -> int:
     """Index of the bucket for an item of ``length`` tokens: the first edge >= length."""
@@ -86,7 +94,7 @@ class _Pending:
 
 
 class _Item:
-    __slots__ = ("pending", "index", "encoded", "bucket", "queued_at")
+    __slots__ = ("pending", "index", "encoded", "bucket", "queued_at", "turn")
 
     def __init__(self, pending: _Pending, index: int, encoded, bucket: int, queued_at: float):
         self.pending = pending
@@ -94,6 +102,7 @@ class _Item:
         self.encoded = encoded
         self.bucket = bucket
         self.queued_at = queued_at
+        self.turn = queued_at  # when its request last rode in a batch, or was queued
 
 
 class Batcher:
@@ -106,6 +115,7 @@ class Batcher:
 
     def __init__(self, run: Callable[[list], list], *, name: str = "model", max_batch_size: int = 32,
                  max_wait_ms: float = 0.0, max_queue: int = 256, batching: bool = True,
+                 max_batch_tokens: int | None = None,
                  bucket_edges: Sequence[int] = DEFAULT_BUCKET_EDGES, observer: Observer | None = None):
         if max_batch_size < 1 or max_queue < 1 or max_wait_ms < 0:
             raise ValueError(f"need max_batch_size >= 1, max_queue >= 1, max_wait_ms >= 0; got "
@@ -115,6 +125,7 @@ class Batcher:
         self._run = run
         self.name = name
         self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
         self.max_wait = max_wait_ms / 1000.0
         self.max_queue = max_queue
         self.batching = batching
@@ -194,6 +205,17 @@ class Batcher:
 
     # -- submitting -----------------------------------------------------------------------------
 
+    def check_fits(self, n: int) -> None:
+        """Raises what ``submit`` would for a job of ``n`` items, before the job is built."""
+        if not self._accepting:
+            raise Draining(f"model {self.name!r} is shutting down (or not started)", self.retry_after())
+        if n > self.max_queue:
+            raise TooManyItems(f"the request holds {n} items; this server queues at most {self.max_queue} "
+                               f"per model (send fewer per request)")
+        if self._queued + n > self.max_queue:
+            raise Overloaded(f"model {self.name!r} is overloaded: {self._queued} items queued, {n} more do not fit "
+                             f"(queue limit {self.max_queue})", self.retry_after())
+
     async def submit(self, job) -> Any:
         """Queues the job's items and returns ``job.finish(outputs)`` once all are done.
 
@@ -201,18 +223,21 @@ class Batcher:
         queue has no room for all the job's items, ``TooManyItems`` when it never could.
         Raises ``BatchFailed`` when a batch holding one of its items failed.
         """
-        if not self._accepting:
-            raise Draining(f"model {self.name!r} is shutting down (or not started)", self.retry_after())
+        pending = self.enqueue(job)
+        try:
+            return await pending.future
+        except asyncio.CancelledError:
+            self.abandon(pending)
+            raise
+
+    def enqueue(self, job) -> _Pending:
+        """Queues the job's items (raising as ``submit`` does); its answer comes in ``.future``."""
         n = len(job.items)
-        if n > self.max_queue:
-            raise TooManyItems(f"the request holds {n} items; this server queues at most {self.max_queue} "
-                               f"per model (send fewer per request)")
-        if n == 0:
-            return job.finish([])
-        if self._queued + n > self.max_queue:
-            raise Overloaded(f"model {self.name!r} is overloaded: {self._queued} items queued, {n} more do not fit "
-                             f"(queue limit {self.max_queue})", self.retry_after())
+        self.check_fits(n)
         pending = _Pending(job, asyncio.get_running_loop().create_future())
+        if n == 0:
+            pending.future.set_result(job.finish([]))
+            return pending
         now = time.monotonic()
         for i, enc in enumerate(job.items):
             item = _Item(pending, i, enc, length_bucket(enc.length, self.bucket_edges), now)
@@ -224,18 +249,19 @@ class Batcher:
         self._queued += n
         self._report_depth()
         self._wakeup.set()
-        try:
-            return await pending.future
-        except asyncio.CancelledError:
-            # The caller went away (client disconnect, shutdown): its waiting items leave the
-            # queue; an item already running finishes and is dropped.
-            self._withdraw(pending)
-            if not pending.future.done():
-                pending.future.cancel()
-            raise
+        return pending
 
-    def _withdraw(self, pending: _Pending) -> None:
-        """Removes the job's still-queued items from the queue."""
+    def abandon(self, pending: _Pending) -> None:
+        """The caller went away (client disconnect, shutdown): its waiting items leave the queue
+        unrun, counted; an item already running finishes and is dropped."""
+        removed = self._withdraw(pending)
+        if removed and self._observer is not None:
+            self._observer.observe_abandoned(self.name, removed)
+        if not pending.future.done():
+            pending.future.cancel()
+
+    def _withdraw(self, pending: _Pending) -> int:
+        """Removes the job's still-queued items from the queue; returns how many."""
         if self.batching:
             removed = 0
             for bucket in {it.bucket for it in pending.items}:
@@ -250,6 +276,7 @@ class Batcher:
                 self._jobs.remove(pending)
         self._queued -= removed
         self._report_depth()
+        return removed
 
     def _fail_all(self, err: Exception) -> None:
         jobs = {id(it.pending): it.pending for q in self._buckets.values() for it in q}
@@ -293,15 +320,48 @@ class Batcher:
         for bucket, q in self._buckets.items():
             if not q:
                 continue
-            head = q[0].queued_at
-            ready = len(q) >= self.max_batch_size or now - head >= self.max_wait or self._closing or self._no_wait
-            if ready and (best is None or head < self._buckets[best][0].queued_at):
+            head = q[0].turn
+            ready = (len(q) >= self.max_batch_size or now - q[0].queued_at >= self.max_wait or self._closing
+                     or self._no_wait)
+            if ready and (best is None or head < self._buckets[best][0].turn):
                 best = bucket
         if best is None:
             return None
         q = self._buckets[best]
-        batch = [q.popleft() for _ in range(min(self.max_batch_size, len(q)))]
+        batch = self._take_turns(q)
         self._queued -= len(batch)
+        rode = {id(it.pending) for it in batch}
+        rest = list(q)
+        for it in rest:
+            if id(it.pending) in rode:
+                it.turn = now
+        rest.sort(key=lambda it: it.turn)  # stable: each request's items keep their order
+        self._buckets[best] = collections.deque(rest)
+        return batch
+
+    def _take_turns(self, q: collections.deque) -> list[_Item]:
+        """Up to ``max_batch_size`` items (and ``max_batch_tokens`` tokens) off ``q``, one of each
+        waiting request in turn, in the order the requests' turns came."""
+        jobs: dict[int, collections.deque] = {}
+        for it in q:
+            jobs.setdefault(id(it.pending), collections.deque()).append(it)
+        batch, tokens = [], 0
+        while jobs and len(batch) < self.max_batch_size:
+            for key in list(jobs):
+                it = jobs[key][0]
+                if batch and self.max_batch_tokens and tokens + it.encoded.length > self.max_batch_tokens:
+                    jobs.clear()
+                    break
+                batch.append(jobs[key].popleft())
+                tokens += it.encoded.length
+                if not jobs[key]:
+                    del jobs[key]
+                if len(batch) == self.max_batch_size:
+                    break
+        taken = {id(it) for it in batch}
+        q_rest = [it for it in q if id(it) not in taken]
+        q.clear()
+        q.extend(q_rest)
         return batch
 
     def _next_deadline(self) -> float | None:

@@ -33,12 +33,16 @@ class ServeMetrics:
         self.inference_seconds = Histogram(f"{PREFIX}_inference_duration_seconds", "Time of one model run (a batch)",
                                            ["model"], buckets=SECONDS, registry=r)
         self.queue_depth = Gauge(f"{PREFIX}_queue_depth", "Items waiting for a batch", ["model"], registry=r)
+        self.abandoned = Counter(f"{PREFIX}_abandoned_items",
+                                 "Queued items taken off the queue unrun because their client left", ["model"],
+                                 registry=r)
         self.in_flight = Gauge(f"{PREFIX}_requests_in_flight", "Requests being answered", ["model"], registry=r)
 
     def add_model(self, model: str) -> None:
         """Makes the per-model series exist (at 0) before the first request."""
         self.queue_depth.labels(model).set(0)
         self.in_flight.labels(model).set(0)
+        self.abandoned.labels(model)
 
     # bertdist.serve.batcher.Observer
     def observe_batch(self, model: str, size: int, queue_waits: Sequence[float], run_seconds: float) -> None:
@@ -47,6 +51,9 @@ class ServeMetrics:
         waits = self.queue_seconds.labels(model)
         for w in queue_waits:
             waits.observe(w)
+
+    def observe_abandoned(self, model: str, items: int) -> None:
+        self.abandoned.labels(model).inc(items)
 
     def set_queue_depth(self, model: str, items: int) -> None:
         self.queue_depth.labels(model).set(items)

@@ -53,6 +53,52 @@ def architecture(config: dict) -> str:
     return (config.get("architectures") or [f"{family(config)}Model"])[0]
 
 
+SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+               "max_position_embeddings")
+
+
+def check_sizes(conf: dict, where) -> None:
+    """The model's sizes are whole positive numbers and the heads split the hidden size."""
+    for key in SIZE_FIELDS + ("num_labels",):
+        v = conf.get(key, 1)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ExportError(f"{where}: {key} is {v!r}; it must be a whole number of at least 1")
+    arch, labels = conf.get("architectures"), conf.get("id2label")
+    if arch is not None and (not isinstance(arch, list) or not all(isinstance(a, str) for a in arch)):
+        raise ExportError(f"{where}: architectures is {arch!r}; it must be a list of class names")
+    if labels is not None and (not isinstance(labels, dict) or not all(isinstance(v, str) for v in labels.values())
+                               or sorted(labels) != sorted(str(i) for i in range(len(labels)))):
+        raise ExportError(f"{where}: id2label is {labels!r}; it must map 0, 1, ... to label names")
+    if not isinstance(conf.get("problem_type") or "", str):
+        raise ExportError(f"{where}: problem_type is {conf['problem_type']!r}; it must be a string")
+    hidden, heads = conf.get("hidden_size"), conf.get("num_attention_heads")
+    if isinstance(hidden, int) and isinstance(heads, int) and hidden % heads:
+        raise ExportError(f"{where}: hidden_size {hidden} does not split into {heads} attention heads")
+
+
+def read_weights(path: Path) -> dict | None:
+    """The directory's torch-format weights read without running code (``weights_only``, refused
+    unless ``--trust-checkpoint``); None when it has safetensors, which transformers reads safely."""
+    from bertdist.export.safe_load import load_file
+
+    if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
+        return None
+    index = path / "pytorch_model.bin.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "pytorch_model.bin").is_file():
+        files = ["pytorch_model.bin"]
+    else:
+        raise ExportError(f"{path}: no weights (model.safetensors or pytorch_model.bin)")
+    state: dict = {}
+    for f in files:
+        part = load_file(path / f)
+        if not isinstance(part, dict):
+            raise ExportError(f"{path / f}: holds a {type(part).__name__}, not a state dict")
+        state.update(part)
+    return state
+
+
 def read_source(hf_dir: str | os.PathLike) -> SourceModel:
     p = Path(hf_dir)
     from bertdist.embed.model import is_sentence_transformers_dir, read_st_layout
@@ -64,12 +110,18 @@ def read_source(hf_dir: str | os.PathLike) -> SourceModel:
     if not conf_path.is_file():
         raise ExportError(f"{p}: no config.json: not a Hugging Face model directory (export a run with "
                           f"`bertdist export RUN --out DIR` first, or pass the run itself)")
-    conf = json.loads(conf_path.read_text())
+    try:
+        conf = json.loads(conf_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ExportError(f"{conf_path}: not a JSON file ({e})") from None
+    if not isinstance(conf, dict):
+        raise ExportError(f"{conf_path}: not a JSON object")
     if conf.get("model_type") not in MODEL_TYPES:
         raise ExportError(f"{conf_path}: model_type {conf.get('model_type')!r}; the ONNX export handles "
                           f"{' and '.join(MODEL_TYPES)} models")
     if not (p / "tokenizer.json").is_file() and not (p / "vocab.txt").is_file():
         raise ExportError(f"{p}: no tokenizer.json or vocab.txt; the served model needs its tokenizer")
+    check_sizes(conf, conf_path)
     arch = architecture(conf)
     if arch not in TASK_ARCHITECTURES or not arch.startswith(family(conf)):
         raise ExportError(f"{conf_path}: architecture {arch!r} is not one the export knows "
@@ -152,7 +204,16 @@ def load_torch_model(src: SourceModel) -> nn.Module:
     cls = getattr(transformers, prefix + name)
     # An encoder's graph ends at the hidden states and the pooled sentence embedding: no pooler.
     kwargs = {"add_pooling_layer": False} if src.task == "encoder" and prefix == "Bert" else {}
-    model = cls.from_pretrained(str(src.path), attn_implementation="eager", **kwargs)
+    state = read_weights(src.path)
+    try:
+        if state is None:
+            model = cls.from_pretrained(str(src.path), attn_implementation="eager", **kwargs)
+        else:  # transformers builds from our safely read tensors
+            config = cls.config_class.from_pretrained(str(src.path))
+            model = cls.from_pretrained(None, config=config, state_dict=state, attn_implementation="eager", **kwargs)
+    except Exception as e:  # noqa: BLE001 - whatever the directory holds that transformers cannot use
+        raise ExportError(f"{src.path}: transformers cannot build {prefix}{name} from it: {type(e).__name__}: "
+                          f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
     return _ExportWrapper(model, src.task, src.st_layout).eval()  # eval on the wrapper: the exporter restores its mode after tracing
 
 

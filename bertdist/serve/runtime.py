@@ -9,17 +9,24 @@ clients work unchanged:
   As in TEI, a list of exactly two strings is one text pair; a batch is any other list.
 * ``embed`` (encoders, mean pooling in the graph): ``{"inputs": "text" | [...], "normalize": true}``
   -> ``[[float, ...], ...]``.
+* ``similarity`` (encoders): ``{"inputs": {"source_sentence": "...", "sentences": [...]}}`` ->
+  ``[cosine, ...]``.
 * ``rerank`` (single-score models, i.e. cross-encoders):
   ``{"query": "...", "texts": [...], "raw_scores": false, "return_text": false}``
   -> ``[{"index": i, "score": s}, ...]`` sorted by score.
 
-``prepare`` validates and tokenizes one request (a ``Job`` of ``Encoded`` items); ``run`` is one
-onnxruntime call over a batch of items from any requests; ``Job.finish`` turns the outputs back
-into the answer. The server in between does the batching.
+Options may also come in a ``parameters`` object (Hugging Face's Inference API shape, which
+``InferenceClient`` sends); a ``/predict`` body with one is answered in that API's shape.
+
+``plan`` validates one request into a ``Job``; ``encode`` tokenizes its texts, each cut first to a
+length bounded by the model's limit; ``run`` is one onnxruntime call over a batch of items from
+any requests; ``Job.finish`` turns the outputs back into the answer. The server in between does
+the batching.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -29,13 +36,31 @@ import numpy as np
 from bertdist.serve.card import ExportError, pick_variant, read_card
 
 ROUTES = {"classification": ("predict",), "regression": ("predict", "rerank"), "token": ("predict",),
-          "encoder": ("embed",), "span": (), "choice": ()}
+          "encoder": ("embed", "similarity"), "span": (), "choice": ()}
 FIELDS = {
-    "predict": {"inputs", "raw_scores", "truncate", "truncation_direction"},
-    "embed": {"inputs", "normalize", "truncate", "truncation_direction"},
+    "predict": {"inputs", "parameters", "raw_scores", "truncate", "truncation_direction"},
+    "embed": {"inputs", "parameters", "normalize", "truncate", "truncation_direction"},
+    "similarity": {"inputs", "parameters", "truncate", "truncation_direction"},
     "rerank": {"query", "texts", "raw_scores", "return_text", "truncate", "truncation_direction"},
 }
+# What Hugging Face's `InferenceClient` (and the Inference API) send in ``parameters``, per route;
+# other keys there are ignored with a warning, as that API does.
+PARAMETERS = {
+    "predict": {"top_k", "function_to_apply", "truncate", "truncation_direction"},
+    "embed": {"normalize", "truncate", "truncation_direction"},
+    "similarity": {"truncate", "truncation_direction"},
+}
+FUNCTIONS = ("softmax", "sigmoid", "none")
+DIRECTIONS = ("right", "left")
 MAX_ITEMS = 1024  # texts per request
+# A text is cut to this many characters per token of the model's limit before it is tokenized,
+# so a request's work is bounded by the limit, not by the body; a cut that gives fewer tokens than
+# the limit (long runs of whitespace or of characters the normalizer drops) is cut again, 4x longer.
+CHARS_PER_TOKEN = 8
+# How far back (or forward) from the cut a whitespace is looked for, so no word is split.
+WORD_CHARS = 128
+
+log = logging.getLogger(__name__)
 
 
 class RequestError(ValueError):
@@ -56,8 +81,18 @@ class Encoded:
 
 @dataclasses.dataclass
 class Job:
-    items: list[Encoded]
+    """One request, validated: ``texts`` (texts or text pairs) still to encode into ``items``,
+    and how its outputs become the answer."""
+
+    texts: list
     finisher: Callable[[list[np.ndarray]], Any]
+    truncate: bool = True
+    direction: str = "right"
+    items: list[Encoded] = dataclasses.field(default_factory=list)
+
+    @property
+    def encoded(self) -> bool:
+        return len(self.items) == len(self.texts)
 
     def finish(self, outputs: list[np.ndarray]) -> Any:
         return self.finisher(outputs)
@@ -74,7 +109,7 @@ def make_session(path: str | os.PathLike, threads: int | None = None):
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
-def _tokenizer(model_dir: Path, max_length: int | None):
+def _tokenizer(model_dir: Path, max_length: int | None, direction: str):
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
@@ -82,8 +117,28 @@ def _tokenizer(model_dir: Path, max_length: int | None):
     if max_length is None:
         tok.no_truncation()
     else:
-        tok.enable_truncation(max_length, strategy="longest_first")
+        tok.enable_truncation(max_length, strategy="longest_first", direction=direction)
     return tok
+
+
+def cut_text(text: str, limit: int, direction: str) -> tuple[str, int]:
+    """``text`` cut to at most ``limit`` characters, keeping its start (``right``) or its end
+    (``left``), at a whitespace when one is near the cut; and the offset of the kept part."""
+    if len(text) <= limit:
+        return text, 0
+    if direction == "right":
+        end = limit
+        for i in range(limit, max(limit - WORD_CHARS, 0), -1):
+            if text[i].isspace():
+                end = i
+                break
+        return text[:end], 0
+    start = len(text) - limit
+    for i in range(start, min(start + WORD_CHARS, len(text))):
+        if text[i - 1].isspace():
+            start = i
+            break
+    return text[start:], start
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:
@@ -97,6 +152,15 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
 
 def _is_text(x) -> bool:
     return isinstance(x, str)
+
+
+def _check_unicode(text: str, where: str) -> None:
+    """JSON can carry lone surrogates (``"\\ud800"``), which are not text: refused here, not by the tokenizer."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"{where} is not valid Unicode: a lone surrogate {text[e.start]!r} at character "
+                           f"{e.start}", 422) from None
 
 
 class ServedModel:
@@ -118,17 +182,36 @@ class ServedModel:
         self.activation = self.card.get("activation") or ("identity" if self.task == "regression" else "sigmoid")
         self.truncate_default = truncate
         self.session = make_session(self.dir / self.card["files"][self.variant], threads)
-        self._tok = _tokenizer(self.dir, None)
-        self._tok_trunc = _tokenizer(self.dir, self.max_length)
+        # One tokenizer per truncation side, never reconfigured: safe to share across threads.
+        self._tok = {d: _tokenizer(self.dir, self.max_length, d) for d in DIRECTIONS}
+        self._tok_plain = _tokenizer(self.dir, None, "right")  # counts a pair's tokens
         self._outputs = [o.name for o in self.session.get_outputs()]
+        self._warned: set = set()
 
     def info(self) -> dict:
         return {"model_id": self.name, "task": self.task, "routes": list(self.routes), "variant": self.variant,
                 "file": self.card["files"][self.variant], "max_input_length": self.max_length,
                 "labels": self.labels, "parity": self.card.get("parity", {}).get(self.variant)}
 
+    @property
+    def dimension(self) -> int | None:
+        """An encoder's embedding width (from the graph), else None."""
+        if self.task != "encoder":
+            return None
+        out = next(o for o in self.session.get_outputs() if o.name == "sentence_embedding")
+        return out.shape[-1] if isinstance(out.shape[-1], int) else None
+
     # ---------------------------------------------------------------- requests
     def prepare(self, route: str, body: object) -> Job:
+        """Validates and tokenizes one request (the server does the same in two steps, ``plan``
+        and ``encode``, off its event loop)."""
+        job = self.plan(route, body)
+        job.items = self.encode(job.texts, job.truncate, job.direction)
+        return job
+
+    def plan(self, route: str, body: object) -> Job:
+        """Validates one request into a Job whose texts are not yet tokenized. Its cost is the
+        size of the body, whatever the texts hold."""
         if route not in self.routes:
             raise RequestError(f"model {self.name!r} ({self.task}) does not answer /{route}; it answers "
                                f"{['/' + r for r in self.routes]}", 404)
@@ -137,14 +220,39 @@ class ServedModel:
         unknown = sorted(set(body) - FIELDS[route])
         if unknown:
             raise RequestError(f"unknown field {unknown[0]!r} (allowed: {', '.join(sorted(FIELDS[route]))})", 422)
-        truncate = self._flag(body, "truncate", self.truncate_default)
-        direction = body.get("truncation_direction", "right")
-        if not isinstance(direction, str) or direction.lower() != "right":
-            raise RequestError(f"truncation_direction {direction!r}: only 'right' is supported", 422)
-        return getattr(self, f"_prepare_{route}")(body, truncate)
+        opts = self._options(route, body)
+        truncate = self._flag(opts, "truncate", self.truncate_default)
+        direction = opts.get("truncation_direction", "right")
+        if not isinstance(direction, str) or direction.lower() not in DIRECTIONS:
+            raise RequestError(f"truncation_direction {direction!r}: must be 'right' or 'left'", 422)
+        job = getattr(self, f"_plan_{route}")(body, opts)
+        job.truncate, job.direction = truncate, direction.lower()
+        return job
 
-    def _flag(self, body: dict, key: str, default: bool) -> bool:
-        v = body.get(key, default)
+    def _options(self, route: str, body: dict) -> dict:
+        """The request's options: its top-level fields merged with its ``parameters`` object
+        (Hugging Face's Inference API shape); the same option given both ways must agree."""
+        params = body.get("parameters")
+        opts = {k: v for k, v in body.items() if k not in ("inputs", "parameters")}
+        if params is None:
+            return opts
+        if not isinstance(params, dict):
+            raise RequestError(f"'parameters' must be a JSON object, got {type(params).__name__}", 422)
+        ignored = sorted(set(params) - PARAMETERS[route])
+        if ignored and (route, tuple(ignored)) not in self._warned:
+            self._warned.add((route, tuple(ignored)))
+            log.warning("model %s: ignoring parameters %s of a /%s request (understood: %s)", self.name,
+                        ", ".join(ignored), route, ", ".join(sorted(PARAMETERS[route])))
+        for k in PARAMETERS[route] & set(params):
+            if params[k] is None:  # an unset option, as clients send it
+                continue
+            if k in opts and opts[k] != params[k]:
+                raise RequestError(f"{k!r} is {opts[k]!r} at the top level but {params[k]!r} in 'parameters'", 422)
+            opts[k] = params[k]
+        return opts
+
+    def _flag(self, opts: dict, key: str, default: bool) -> bool:
+        v = opts.get(key, default)
         if not isinstance(v, bool):
             raise RequestError(f"field {key!r} must be true or false, got {v!r}", 422)
         return v
@@ -158,6 +266,8 @@ class ServedModel:
             return [x], True
         if not isinstance(x, list) or not x:
             raise RequestError("'inputs' must be a text or a non-empty list of texts", 422)
+        if len(x) > MAX_ITEMS:
+            raise RequestError(f"{len(x)} inputs in one request; at most {MAX_ITEMS}", 413)
         if pairs and len(x) == 2 and all(_is_text(t) for t in x):
             return [tuple(x)], True
         items = []
@@ -168,52 +278,98 @@ class ServedModel:
                 items.append(tuple(t) if len(t) == 2 else t[0])
             else:
                 raise RequestError(f"inputs[{i}] must be a text{' or a pair of texts' if pairs else ''}", 422)
-        if len(items) > MAX_ITEMS:
-            raise RequestError(f"{len(items)} inputs in one request; at most {MAX_ITEMS}", 413)
         return items, False
 
-    def _encode(self, texts: list, truncate: bool) -> list[Encoded]:
-        for t in texts:
-            if (t if isinstance(t, str) else "".join(t)).strip() == "":
+    # ---------------------------------------------------------------- tokenizing
+    def encode(self, texts: list, truncate: bool, direction: str = "right", first: int = 0) -> list[Encoded]:
+        """Tokenizes texts (or pairs), each cut first to a length bounded by the model's limit;
+        the tokens equal those of the whole text truncated to the limit. ``first`` is the index
+        of ``texts[0]`` in its request, for messages."""
+        for i, t in enumerate(texts, first):
+            sides = (t,) if isinstance(t, str) else t
+            if "".join(sides).strip() == "":
                 raise RequestError("an input text is empty", 400)
-        encs = self._tok.encode_batch([t if isinstance(t, str) else tuple(t) for t in texts])
-        long = [i for i, e in enumerate(encs) if len(e.ids) > self.max_length]
-        if long:
-            if not truncate:
-                i = long[0]
-                raise RequestError(f"input {i} has {len(encs[i].ids)} tokens, over the model's limit of "
-                                   f"{self.max_length} (send \"truncate\": true to cut it)", 413)
-            for i in long:
-                t = texts[i]
-                encs[i] = self._tok_trunc.encode(t) if isinstance(t, str) else self._tok_trunc.encode(*t)
+            for s in sides:
+                _check_unicode(s, f"input {i}")
+        tok = self._tok[direction]
+        limit = (self.max_length + 1) * CHARS_PER_TOKEN
         out = []
-        for e in encs:
-            offsets = list(zip(e.offsets, e.word_ids)) if self.task == "token" else None
-            out.append(Encoded(np.asarray(e.ids, dtype=np.int64), np.asarray(e.type_ids, dtype=np.int64),
-                               len(e.ids), offsets))
+        for i, t in enumerate(texts, first):
+            enc, shift = self._encode_one(tok, t, limit, direction)
+            if enc.overflowing and not truncate:
+                raise RequestError(f"input {i} is over the model's limit of {self.max_length} tokens (send "
+                                   f"\"truncate\": true to cut it)", 413)
+            offsets = None
+            if self.task == "token":
+                offsets = [((a + shift, b + shift), w) for (a, b), w in zip(enc.offsets, enc.word_ids)]
+            out.append(Encoded(np.asarray(enc.ids, dtype=np.int64), np.asarray(enc.type_ids, dtype=np.int64),
+                               len(enc.ids), offsets))
         return out
 
-    def _prepare_predict(self, body: dict, truncate: bool) -> Job:
-        raw = self._flag(body, "raw_scores", False)
+    def _encode_one(self, tok, text, limit: int, direction: str):
+        """(encoding, character offset of the kept part of a single text)."""
+        sides = (text,) if isinstance(text, str) else tuple(text)
+        while True:
+            cuts = [cut_text(s, limit, direction) for s in sides]
+            enc = tok.encode(*(c for c, _ in cuts))
+            was_cut = [len(c) < len(s) for (c, _), s in zip(cuts, sides)]
+            # Settled once the cut cannot change the tokens: a single text the tokenizer still had
+            # to truncate; a pair whose cut side also outnumbers the whole other side, since
+            # longest-first truncation gives the odd token to the longer side.
+            if not any(was_cut) or (len(sides) == 1 and enc.overflowing) or (
+                    len(sides) == 2 and self._pair_settled([c for c, _ in cuts], was_cut)):
+                return enc, cuts[0][1]
+            limit *= 4
+
+    def _pair_settled(self, cuts: list[str], was_cut: list[bool]) -> bool:
+        if all(was_cut):
+            return False
+        counts = [len(self._tok_plain.encode(c, add_special_tokens=False).ids) for c in cuts]
+        j = was_cut.index(True)
+        return counts[j] >= self.max_length and counts[j] > counts[1 - j]
+
+    # ---------------------------------------------------------------- routes
+    def _scores(self, opts: dict) -> str:
+        """How logits become scores: ``raw_scores`` or ``function_to_apply`` (softmax, sigmoid,
+        none), else the model's own (softmax over labels; a one-score model's card activation)."""
+        raw = self._flag(opts, "raw_scores", False)
+        fn = opts.get("function_to_apply")
+        if fn is None:
+            return "none" if raw else "default"
+        if not isinstance(fn, str) or fn.lower() not in FUNCTIONS:
+            raise RequestError(f"function_to_apply {fn!r}: must be one of {', '.join(FUNCTIONS)}", 422)
+        if raw and fn.lower() != "none":
+            raise RequestError(f"raw_scores is true but function_to_apply is {fn!r}", 422)
+        return fn.lower()
+
+    def _plan_predict(self, body: dict, opts: dict) -> Job:
+        scores = self._scores(opts)
+        top_k = opts.get("top_k")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+            raise RequestError(f"top_k {top_k!r}: must be a whole number of at least 1", 422)
         texts, single = self._inputs(body, pairs=self.task != "token")
-        items = self._encode(texts, truncate)
+        # The Inference API's shape (what a body with ``parameters`` asks for): a list of labels
+        # per input, a single text included.
+        nested = "parameters" in body and self.task != "token"
+        job = Job(texts, None)
         if self.task == "token":
             def finish(outputs):
-                res = [self._token_labels(texts[i], items[i], o, raw) for i, o in enumerate(outputs)]
+                res = [self._token_labels(texts[i], job.items[i], o, scores == "none") for i, o in enumerate(outputs)]
                 return res[0] if single else res
         else:
             def finish(outputs):
-                res = [self._label_scores(o, raw) for o in outputs]
-                return res[0] if single else res
-        return Job(items, finish)
+                res = [self._label_scores(o, scores)[:top_k] for o in outputs]
+                return res[0] if single and not nested else res
+        job.finisher = finish
+        return job
 
-    def _label_scores(self, logits: np.ndarray, raw: bool) -> list[dict]:
+    def _label_scores(self, logits: np.ndarray, how: str) -> list[dict]:
         logits = np.asarray(logits, dtype=np.float64).reshape(-1)
-        if logits.size == 1:
-            score = float(logits[0]) if raw or self.activation == "identity" else float(_sigmoid(logits[0]))
-            return [{"label": (self.labels or ["score"])[0], "score": score}]
-        scores = logits if raw else _softmax(logits)
-        names = self.labels or [f"LABEL_{i}" for i in range(logits.size)]
+        if how == "default":
+            how = ("softmax" if logits.size > 1 else
+                   "none" if self.activation == "identity" else "sigmoid")
+        scores = {"softmax": _softmax, "sigmoid": _sigmoid, "none": lambda x: x}[how](logits)
+        names = self.labels or ([f"LABEL_{i}" for i in range(logits.size)] if logits.size > 1 else ["score"])
         order = np.argsort(-scores, kind="stable")
         return [{"label": names[i], "score": float(scores[i])} for i in order]
 
@@ -233,21 +389,41 @@ class ServedModel:
             w["word"] = text[w["start"]:w["end"]]
         return list(words.values())
 
-    def _prepare_embed(self, body: dict, truncate: bool) -> Job:
-        normalize = self._flag(body, "normalize", True)
+    def _plan_embed(self, body: dict, opts: dict) -> Job:
+        normalize = self._flag(opts, "normalize", True)
         texts, single = self._inputs(body, pairs=False)
-        items = self._encode(texts, truncate)
 
         def finish(outputs):
             vecs = [np.asarray(o, dtype=np.float32) for o in outputs]
             if normalize:
                 vecs = [v / max(float(np.linalg.norm(v)), 1e-12) for v in vecs]
             return [v.tolist() for v in vecs]
-        return Job(items, finish)
+        return Job(texts, finish)
 
-    def _prepare_rerank(self, body: dict, truncate: bool) -> Job:
-        raw = self._flag(body, "raw_scores", False)
-        ret_text = self._flag(body, "return_text", False)
+    def _plan_similarity(self, body: dict, opts: dict) -> Job:
+        """TEI's and the Inference API's sentence similarity: the cosine of each sentence's
+        embedding with the source sentence's."""
+        x = body.get("inputs")
+        if not isinstance(x, dict) or set(x) != {"source_sentence", "sentences"}:
+            raise RequestError("'inputs' must be an object with 'source_sentence' (a text) and 'sentences' "
+                               "(a list of texts)", 422)
+        source, others = x["source_sentence"], x["sentences"]
+        if not _is_text(source):
+            raise RequestError("'source_sentence' must be a text", 422)
+        if not isinstance(others, list) or not others or not all(_is_text(t) for t in others):
+            raise RequestError("'sentences' must be a non-empty list of texts", 422)
+        if len(others) + 1 > MAX_ITEMS:
+            raise RequestError(f"{len(others)} sentences in one request; at most {MAX_ITEMS - 1}", 413)
+
+        def finish(outputs):
+            vecs = np.stack([np.asarray(o, dtype=np.float64) for o in outputs])
+            vecs /= np.maximum(np.linalg.norm(vecs, axis=1, keepdims=True), 1e-12)
+            return [float(v) for v in vecs[1:] @ vecs[0]]
+        return Job([source, *others], finish)
+
+    def _plan_rerank(self, body: dict, opts: dict) -> Job:
+        raw = self._flag(opts, "raw_scores", False)
+        ret_text = self._flag(opts, "return_text", False)
         q, texts = body.get("query"), body.get("texts")
         if not _is_text(q):
             raise RequestError("'query' must be a text", 422)
@@ -255,14 +431,13 @@ class ServedModel:
             raise RequestError("'texts' must be a non-empty list of texts", 422)
         if len(texts) > MAX_ITEMS:
             raise RequestError(f"{len(texts)} texts in one request; at most {MAX_ITEMS}", 413)
-        items = self._encode([(q, t) for t in texts], truncate)
 
         def finish(outputs):
             logits = [float(np.asarray(o).reshape(-1)[0]) for o in outputs]
             scores = logits if raw or self.activation == "identity" else [float(_sigmoid(x)) for x in logits]
             order = sorted(range(len(texts)), key=lambda i: -scores[i])
             return [{"index": i, "score": scores[i], **({"text": texts[i]} if ret_text else {})} for i in order]
-        return Job(items, finish)
+        return Job([(q, t) for t in texts], finish)
 
     # ---------------------------------------------------------------- one batched run
     def run(self, items: list[Encoded]) -> list[np.ndarray]:

@@ -176,6 +176,14 @@ def latest_tag(ckpt_dir: Path) -> str | None:
     return tag
 
 
+def saved_tags(ckpt_dir: Path, complete_only: bool = True) -> list[str]:
+    """The checkpoint tags in ``ckpt_dir``, oldest first: complete ones, or any ``step_*`` directory."""
+    d = Path(ckpt_dir)
+    if not d.is_dir():
+        return []
+    return sorted(p.name for p in d.glob("step_*") if p.is_dir() and (not complete_only or (p / COMPLETE).is_file()))
+
+
 def read_checkpoint_state(ckpt_dir: Path, tag: str) -> dict[str, Any]:
     tdir = ckpt_dir / tag
     if not (tdir / COMPLETE).is_file():
@@ -235,7 +243,7 @@ class CheckpointManager:
     def _retain(self, current: str) -> None:
         if self.keep_last_n <= 0:
             return
-        tags = sorted(p.name for p in self.dir.glob("step_*") if (p / COMPLETE).is_file())
+        tags = saved_tags(self.dir)
         for old in tags[:-self.keep_last_n]:
             if old != current:
                 shutil.rmtree(self.dir / old, ignore_errors=True)

@@ -116,3 +116,49 @@ def single_process_group(backend: str = "gloo") -> Iterator[bool]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+# ---------------------------------------------------------------- rank and device outside pretraining
+def process_group():
+    """``torch.distributed`` when a process group is up (torchrun + DeepSpeed, or gloo), else None."""
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def rank_and_world(launcher_env: bool = False) -> tuple[int, int]:
+    """This process's rank and the world size: the process group's. Without a group, ``(0, 1)``,
+    or with ``launcher_env`` the launcher's RANK and WORLD_SIZE: ranks of a sharded job that work
+    on their own shards without talking to each other."""
+    group = process_group()
+    if group:
+        return group.get_rank(), group.get_world_size()
+    if launcher_env:
+        return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    return 0, 1
+
+
+def start_process_group(deepspeed: bool = False) -> bool:
+    """Start the process group of a launch (``prepare_environment``; NCCL on GPUs, gloo on CPU),
+    through DeepSpeed when the run makes DeepSpeed engines; nothing inside an existing group.
+    Returns whether this call started one."""
+    if process_group():
+        return False
+    prepare_environment()  # a launcher's variables, or a world of one on a free port
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if deepspeed:
+        import deepspeed as ds
+
+        ds.init_distributed(dist_backend=backend)
+    else:
+        torch.distributed.init_process_group(backend)
+    return True
+
+
+def local_device(setting: str = "auto") -> torch.device:
+    """``setting`` as a device; ``auto``: this rank's GPU (``cuda:LOCAL_RANK``) when there is one, else the CPU."""
+    if setting != "auto":
+        return torch.device(setting)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")

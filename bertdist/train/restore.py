@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 from bertdist.config import ConfigError, to_dict
-from bertdist.train.checkpoint import latest_tag, read_checkpoint_state, resolve_checkpoint
+from bertdist.train.checkpoint import LATEST, latest_tag, read_checkpoint_state, resolve_checkpoint, saved_tags
 from bertdist.train.config import TrainConfig
 from bertdist.train.precision import precision_policy
 from bertdist.train.state import TrainerState
@@ -86,9 +86,15 @@ def check_fresh_start(cfg: TrainConfig, resume: str | None, overwrite: bool) -> 
     delete the rest: refused unless ``--overwrite`` says so."""
     if resume or overwrite:
         return
-    tag = latest_tag(Path(cfg.checkpoint_dir))
-    if tag is not None:
-        raise ConfigError(f"{cfg.run_dir} holds checkpoints of an earlier run (latest: {tag} in {cfg.checkpoint_dir}); "
+    # Whatever the directory holds counts, not only what ``latest`` names: a deleted ``latest``
+    # must not let a fresh start write over complete checkpoints.
+    tags = saved_tags(Path(cfg.checkpoint_dir), complete_only=False)
+    if tags:
+        latest = latest_tag(Path(cfg.checkpoint_dir))
+        held = (f"latest: {latest}" if latest else
+                f"{len(tags)} checkpoint director{'y' if len(tags) == 1 else 'ies'}, newest {tags[-1]}, and no "
+                f"'{LATEST}' file")
+        raise ConfigError(f"{cfg.run_dir} holds checkpoints of an earlier run ({held} in {cfg.checkpoint_dir}); "
                           "continue it with --resume auto, start over in it with --overwrite (its checkpoints are "
                           "then replaced and deleted by retention), or choose another run_dir")
 
@@ -101,6 +107,8 @@ def plan_restore(cfg: TrainConfig, resume: str | None, world_size: int) -> Resto
         if resume == "auto":
             ckpt_dir = Path(cfg.checkpoint_dir)
             tag = latest_tag(ckpt_dir)
+            if tag is None and saved_tags(ckpt_dir):  # ``latest`` lost: the newest complete checkpoint
+                tag = saved_tags(ckpt_dir)[-1]
             load_dir = ckpt_dir if tag is not None else None
         else:
             load_dir, tag = resolve_checkpoint(resume)

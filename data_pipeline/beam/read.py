@@ -17,7 +17,7 @@ class _ReadWikiPages(beam.DoFn):
 
     def process(self, item):
         path, prefix = item
-        from data_pipeline.wikitext import iter_page_blobs
+        from data_pipeline.wikitext import SKIP_EVENTS, iter_page_blobs
 
         with sources.open_input(path) as stream:
             try:
@@ -25,7 +25,7 @@ class _ReadWikiPages(beam.DoFn):
                     if kind == "page":
                         yield blob
                     else:
-                        event(f"skipped_wiki_{kind}_page", path)
+                        event(SKIP_EVENTS[kind], path)
             except sources.STREAM_ERRORS as e:
                 event("truncated_input_file", f"{path}: {e}; pages before the damage are kept")
 

@@ -41,3 +41,28 @@ def test_the_model_alone_is_timed_on_the_served_file(serving, tmp_path, small_vo
     (onnx_dir / "model.onnx").unlink()
     with pytest.raises(Exception, match="model.onnx"):  # the served variant's own file, nothing else
         serving.model_alone(onnx_dir, texts, args)
+
+
+def test_the_served_share_and_the_hostile_ratio_are_judged(serving):
+    load = [_load(True, 980.0), _load(False, 500.0)]
+    alone = {"b1_seq_per_s": 1000.0, "b32_sorted_seq_per_s": 1400.0, "rounds": []}
+    hostile = {"with": {"p99_ms": 90.0}, "without": {"p99_ms": 40.0}, "ratio": 2.25}
+    lines = serving.verdicts({}, load, alone, hostile)
+    assert "the batching server answers 70% of the model's own batch-32 length-sorted rate (target >= 70%: met)" in \
+        lines[1]
+    assert lines[2] == ("16 clients' p99 beside a client sending maximum-size bodies: 90.0 ms, 2.25x their p99 "
+                        "without it (40.0 ms; target <= 2.0x: NOT met)")
+
+
+def test_the_hostile_bodies_are_as_large_as_the_server_takes():
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("serving_load", Path(__file__).resolve().parents[2] /
+                                                  "benchmarks" / "serving_load.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    bodies = mod.hostile_bodies(["a few words of text", "and some more here"])
+    assert all(0.95 * (1 << 20) < len(b) <= 1 << 20 for b in bodies), [len(b) for b in bodies]
+    assert [len(x["inputs"]) if isinstance(x["inputs"], list) else 1 for x in map(json.loads, bodies)] == [1, 256, 1000]

@@ -49,7 +49,7 @@ def test_decompression_bombs_are_read_in_bounded_memory_and_counted(bombs):
 
     def wiki():
         with open_input(str(bombs / "dump.xml.bz2")) as s:
-            assert list(iter_page_blobs(s, 64 * MiB)) == []
+            assert list(iter_page_blobs(s, 64 * MiB)) == [("junk", b"")]  # counted, once
 
     def text():
         with open_input(str(bombs / "text.txt.gz")) as s:
@@ -75,6 +75,13 @@ def test_an_overlong_line_in_a_page_makes_it_oversized_and_the_next_page_is_read
             b"<page>\n<title>B</title>\n</page>\n</mediawiki>\n")
     got = list(iter_page_blobs(io.BytesIO(dump), 10_000))
     assert [k for k, _ in got] == ["oversized", "page"] and b"<title>B</title>" in got[1][1]
+
+
+def test_junk_outside_pages_is_counted_once_per_run():
+    dump = (b"<mediawiki>\n  <siteinfo>\n    <sitename>W</sitename>\n  </siteinfo>\n\x00\x00\x00\n\x00\n\n"
+            b"<page>\n<title>A</title>\n</page>\nstray text\n<page>\n<title>B</title>\n</page>\n</mediawiki>\n")
+    got = [k for k, _ in iter_page_blobs(io.BytesIO(dump), 10_000)]
+    assert got == ["junk", "page", "junk", "page"]
 
 
 def test_byte_ranges_read_every_document_once_around_overlong_lines(monkeypatch):

@@ -1,11 +1,7 @@
-"""The pseudo-label set: made once, reused by students of any size, refused for another teacher,
-and resumed after a kill without relabelling the shards that were done."""
-import json
-import os
-import signal
+"""The pseudo-label set: made once, reused by students of any size and from a copy of its teacher
+and input, refused for another teacher, and split across two ranks (the resumable-set mechanism
+itself: tests/test_stored_set.py)."""
 import subprocess
-import sys
-import time
 
 import pyarrow.parquet as pq
 import pytest
@@ -32,7 +28,7 @@ def test_shards_hold_the_teachers_logits_for_every_row(tmp_path, task):
                             shard_rows=10)
     m = run_pseudo_label(cfg)
     assert m["rows"] == 37 and m["num_shards"] == 4 and m["logits"] == "full" and m["num_outputs"] == 2
-    assert m["teacher"]["weights_sha256"] and m["tokenizer"]["max_seq_length"] == 48
+    assert m["teacher"]["sha256"] and m["tokenizer"]["max_seq_length"] == 48
     assert m["sources"][0]["rows"] == 37 and len(m["sources"][0]["sha256"]) == 64
     rows = load_label_rows(tmp_path / "labels", read_manifest(tmp_path / "labels"))
     assert [pq.read_metadata(tmp_path / "labels" / s).num_rows for s in m["shards"]] == [10, 10, 10, 7]
@@ -45,71 +41,47 @@ def test_shards_hold_the_teachers_logits_for_every_row(tmp_path, task):
     with torch.no_grad():
         want = t.model(batch)[0][0]
     assert torch.allclose(torch.from_numpy(r["teacher"]), want, atol=1e-5)
+    # a copy of the teacher and of the input elsewhere: the same set, nothing relabelled
+    import shutil
+
+    shutil.copytree(teacher, tmp_path / "copy" / "teacher")
+    shutil.copy(unl, tmp_path / "copy" / "u.txt")
+    cfg = fx.distill_config("sst2", tmp_path / "copy" / "teacher", data, [tmp_path / "copy" / "u.txt"],
+                            tmp_path / "run", labels_dir=str(tmp_path / "labels"), shard_rows=10)
+    again = run_pseudo_label(cfg)
+    assert again["last_run"]["shards_labelled"] == 0 and again["last_run"]["shards_reused"] == 4
 
 
 def test_students_of_any_size_reuse_the_set_and_another_teacher_is_refused(tmp_path, task):
     tmp, vocab, data, teacher = task
     unl = fx.write_unlabeled_text(tmp_path / "u.txt", n=24)
     labels = tmp_path / "labels"
-    for i, student in enumerate(("layers:1", "preset:tiny")):
-        cfg = fx.distill_config("sst2", teacher, data, [unl], tmp_path / f"s{i}", labels_dir=str(labels), steps=2,
-                            student="layers:1")
+    copy = tmp_path / "copy" / "u.txt"  # the second student names a copy of the input: the same set
+    copy.parent.mkdir()
+    copy.write_bytes(unl.read_bytes())
+    for i, (student, source) in enumerate((("layers:1", unl), ("preset:tiny", copy))):
+        cfg = fx.distill_config("sst2", teacher, data, [source], tmp_path / f"s{i}", labels_dir=str(labels), steps=2,
+                                student="layers:1")
         r = run_distill(cfg)
         if i == 0:
             stamp = {p.name: p.stat().st_mtime_ns for p in labels.iterdir()}
         assert r["pseudo_labels"]["reused"] is (i == 1) and r["student"]["train_rows"] == 24 + 32
     assert {p.name: p.stat().st_mtime_ns for p in labels.iterdir()} == stamp  # nothing relabelled
+    copy.write_text(unl.read_text() + "one more line of text\n")
+    cfg = fx.distill_config("sst2", teacher, data, [copy], tmp_path / "s4", labels_dir=str(labels), steps=2,
+                            student="layers:1")
+    with pytest.raises(LabelSetMismatch, match=r"made from other files than --unlabeled names .*sources\[0\]\.sha256"):
+        run_distill(cfg)
     other = fx.teacher(tmp_path, "sst2", data, vocab, steps=4, seed=1)
     cfg = fx.distill_config("sst2", other, data, [unl], tmp_path / "s2", labels_dir=str(labels), steps=2,
                             student="layers:1")
-    with pytest.raises(LabelSetMismatch, match="another teacher or tokenizer.*teacher.weights_sha256"):
+    with pytest.raises(LabelSetMismatch, match="another teacher or tokenizer.*teacher.sha256"):
         run_distill(cfg)
     cfg = fx.distill_config("sst2", teacher, data, [unl], tmp_path / "s3", labels_dir=str(labels), steps=2,
                             student="layers:1")
     cfg.train.max_seq_length = 32
     with pytest.raises(LabelSetMismatch, match="tokenizer.max_seq_length: set has 48, this run has 32"):
         run_distill(cfg)
-
-
-LABEL_JOB = """
-import sys, time
-from bertdist.distill import pseudolabel
-write = pseudolabel._write_shard
-def slow(*a, **k):  # a slow teacher: the kill lands while shards are still being written
-    write(*a, **k)
-    time.sleep(0.4)
-pseudolabel._write_shard = slow
-from bertdist.cli.main import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
-@pytest.mark.slow
-def test_a_killed_job_resumes_without_relabelling_done_shards(tmp_path, task):
-    tmp, _, data, teacher = task
-    unl = fx.write_unlabeled_text(tmp_path / "u.txt", n=200)
-    labels = tmp_path / "labels"
-    argv = ["pseudo-label", "sst2", "--teacher", str(teacher), "--data", str(data), "--unlabeled", str(unl),
-            "--out", str(labels), "--set", "shard_rows=10", "--set", "train.max_seq_length=48",
-            "--set", "train.kernels=reference", "--set", "train.progress=false"]
-    proc = subprocess.Popen([sys.executable, "-c", LABEL_JOB, *argv], cwd=REPO, env=child_env())
-    deadline = time.time() + 300
-    while len(list(labels.glob("shard-*.parquet"))) < 3:
-        assert proc.poll() is None, "the labelling job ended before it could be killed"
-        assert time.time() < deadline
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    done = {p.name: p.stat().st_mtime_ns for p in labels.glob("shard-*.parquet")}
-    assert 3 <= len(done) < 20 and not (labels / "manifest.json").exists()
-    rc = subprocess.run([sys.executable, "-m", "bertdist.cli.main", *argv], cwd=REPO, env=child_env(),
-                        capture_output=True, text=True)
-    assert rc.returncode == 0, rc.stdout + rc.stderr
-    assert f"{20 - len(done)} labelled now, {len(done)} already there" in rc.stdout
-    for name, mtime in done.items():
-        assert (labels / name).stat().st_mtime_ns == mtime
-    m = json.loads((labels / "manifest.json").read_text())
-    assert len(load_label_rows(labels, m)) == 200 and not list(labels.glob(".*tmp*"))
 
 
 @pytest.mark.slow

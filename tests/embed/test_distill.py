@@ -100,7 +100,7 @@ def test_teacher_set_is_reused_and_refused_for_another_teacher(setup, tmp_path):
     sd = load_file(str(other / "model.safetensors"))
     sd["classifier.bias"] = sd["classifier.bias"] + torch.ones_like(sd["classifier.bias"])
     save_file(sd, str(other / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(TeacherSetMismatch, match=r"teacher\.weights_sha256: set has '[0-9a-f]{64}', this run has"):
+    with pytest.raises(TeacherSetMismatch, match=r"teacher\.sha256: set has '[0-9a-f]{64}', this run has"):
         run_embed(EmbedConfig(output_dir=str(tmp_path / "c"), distill_from=str(other), **base))
     # other triples (two negatives per row): refused, naming the content fingerprint and the row count
     with pytest.raises(TeacherSetMismatch, match=r"content_sha256: .*rows: set has 48, this run has 96"):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from bertdist.embed.config import EmbedConfig
-from bertdist.embed.train import epoch_batches, run_embed
+from bertdist.embed.train import run_embed
 from bertdist.finetune.errors import DataError
 from tests.conftest import child_env, torchrun
 from tests.embed import fixtures
@@ -72,17 +72,6 @@ def test_mined_negatives_are_saved_reused_and_pinned_to_their_file(ckpt, retriev
     with pytest.raises(NegativeSetMismatch, match="sha256"):
         run_embed(EmbedConfig(output_dir=str(tmp_path / "c"), hard_negatives=str(tmp_path / "a" / "negatives"),
                               **{**base, "data": str(other)}))
-
-
-def test_no_text_twice_in_a_batch():
-    import random
-
-    units = [{"texts": frozenset([f"q{i}", f"p{i % 5}"])} for i in range(20)]  # positives repeat every 5 rows
-    batches = epoch_batches(units, 4, random.Random(0), no_duplicates=True)
-    assert sorted(i for b in batches for i in b) == list(range(20))
-    for b in batches:
-        seen = [t for i in b for t in units[i]["texts"]]
-        assert len(seen) == len(set(seen)) and len(b) <= 4
 
 
 def test_dev_sets_corpus_relevance_and_candidates():
@@ -154,7 +143,7 @@ def test_rerank_listwise_fits_its_training_groups(ckpt, tmp_path):
 def _rates(model, cfg, steps: int = 1) -> dict[str, float]:
     """Each trainable parameter's learning rate after ``steps`` scheduler steps of a 10-step run
     (step 0 runs at rate 0, the warmup's start)."""
-    from bertdist.embed.train import param_groups
+    from bertdist.embed.optim import param_groups
     from bertdist.finetune.train import build_optimization
 
     _, opt, sched = build_optimization(model, cfg, param_groups(model, cfg), cfg.learning_rate, 8, 10)
@@ -172,7 +161,8 @@ def test_cross_encoder_head_has_its_own_rate(ckpt, tmp_path):
     import torch
 
     from bertdist.embed.export import write_cross_encoder
-    from bertdist.embed.train import build_model, param_groups
+    from bertdist.embed.optim import param_groups
+    from bertdist.embed.train import build_model
 
     cfg = EmbedConfig(task="rerank", checkpoint=str(ckpt), learning_rate=1e-4, warmup_ratio=0.2, **FAST)
     model = build_model(cfg, torch.device("cpu"), "listwise")
@@ -192,36 +182,6 @@ def test_cross_encoder_head_has_its_own_rate(ckpt, tmp_path):
                           torch.device("cpu"), "listwise")
     r = _rates(trained, cfg)
     assert r["classifier.weight"] == pytest.approx(r["bert.embeddings.word_embeddings.weight"])
-
-
-@pytest.mark.parametrize("loss", ["listwise", "bce"])
-def test_rerank_losses_on_groups_of_unequal_size(ckpt, loss):
-    """A query with 1 negative next to one with 3: the missing candidates take no part."""
-    import random
-
-    import torch
-
-    from bertdist.embed.train import Trainer, build_model
-
-    cfg = EmbedConfig(task="rerank", checkpoint=str(ckpt), num_negatives=3, loss=loss, **FAST)
-    torch.manual_seed(0)
-    model = build_model(cfg, torch.device("cpu"), loss).eval()  # no attention dropout: score() agrees
-    r = fixtures.book_pairs(n=5)
-    units = [{"q": r[0]["query"], "p": r[0]["positive"], "negs": [r[1]["positive"]]},
-             {"q": r[2]["query"], "p": r[2]["positive"], "negs": [r[3]["positive"], r[4]["positive"],
-                                                                  r[1]["positive"]]}]
-    got = Trainer(cfg, model, loss, None).step_loss(model, units, random.Random(0)).item()
-    terms = []
-    for u in units:
-        pairs = [(u["q"], c) for c in [u["p"], *u["negs"]]]
-        s = torch.tensor(model.score(pairs, max_seq_length=64), dtype=torch.float64)
-        if loss == "listwise":
-            terms.append(-torch.log_softmax(s, 0)[0])
-        else:
-            labels = torch.zeros_like(s)
-            labels[0] = 1.0
-            terms.extend(torch.nn.functional.binary_cross_entropy_with_logits(s, labels, reduction="none"))
-    assert got == pytest.approx(float(torch.stack(terms).mean()), abs=1e-5)
 
 
 def test_rerank_bce_runs_on_rows_and_labels(ckpt, tmp_path):

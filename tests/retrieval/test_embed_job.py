@@ -1,15 +1,11 @@
 """`bertdist embed`: shards that hold the model's own embeddings of every input row, the same rows
-from two ranks as from one, a killed job resumed without redoing its shards, and a rerun with
-another model or input refused."""
+from two ranks as from one, and a rerun with another model or input refused (a kill and a resume:
+tests/test_stored_set.py)."""
 import collections
 import json
-import os
 import re
 import shutil
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from bertdist.finetune.errors import DataError
-from bertdist.retrieval.embed_job import (EmbeddingSetMismatch, model_sha256, read_embeddings, read_inputs,
-                                          read_manifest, run_embedding)
+from bertdist.retrieval.embed_job import (EmbeddingSetMismatch, read_embeddings, read_inputs, read_manifest,
+                                          run_embedding)
+from bertdist.stored_set import model_sha256
 from tests.conftest import REPO, SAMPLES, child_env, torchrun
 
 BOOKS = SAMPLES / "books"
@@ -145,11 +142,11 @@ def test_a_rerun_with_another_model_or_input_is_refused_and_the_same_model_reuse
     assert m["last_run"]["shards_embedded"] == 0 and m["last_run"]["shards_reused"] == 3
     assert {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*")} == stamp
     other = tiny_model(tmp_path / "other" / "tiny", seed=1)
-    with pytest.raises(EmbeddingSetMismatch, match=r"another model or input; model\.sha256: directory has "
+    with pytest.raises(EmbeddingSetMismatch, match=r"embeddings of another run: model\.sha256: set has "
                                                    f"'{model_sha256(model)}', this run has '{model_sha256(other)}'"):
         run_embedding(other, inputs, out, shard_rows=16, progress=False)
     inputs[1].write_text(inputs[1].read_text() + json.dumps({"text": "A new row at the end."}) + "\n")
-    with pytest.raises(EmbeddingSetMismatch, match=re.escape(f"input 2: directory has {inputs[1]} (10 rows")):
+    with pytest.raises(EmbeddingSetMismatch, match=re.escape("sources[1].rows: set has 10, this run has 11")):
         run_embedding(model, inputs, out, shard_rows=16, progress=False)
     assert {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*")} == stamp
 
@@ -227,45 +224,3 @@ def test_two_ranks_give_the_same_rows_as_one(tmp_path, model):
     a, b = read_embeddings(tmp_path / "one"), read_embeddings(tmp_path / "two")
     assert a.ids == b.ids and a.texts == b.texts and one["sources"] == two["sources"]
     np.testing.assert_allclose(a.vectors, b.vectors, atol=1e-5, rtol=0)
-
-
-EMBED_JOB = """
-import sys, time
-from bertdist.retrieval import embed_job
-write = embed_job._write_shard
-def slow(*a, **k):  # a slow model: the kill lands while shards are still being written
-    write(*a, **k)
-    time.sleep(0.4)
-embed_job._write_shard = slow
-from bertdist.cli.main import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
-@pytest.mark.slow
-def test_a_killed_job_resumes_without_redoing_done_shards(tmp_path, model):
-    inputs = write_inputs(tmp_path / "in", book_sentences(200, start=400))
-    out = tmp_path / "emb"
-    argv = ["embed", "--model", str(model), "--input", *map(str, inputs), "--out", str(out), "--shard-rows", "10",
-            "--no-progress"]
-    proc = subprocess.Popen([sys.executable, "-c", EMBED_JOB, *argv], cwd=REPO, env=child_env())
-    deadline = time.time() + 300
-    while len(list(out.glob("shard-*.parquet"))) < 3:
-        assert proc.poll() is None, "the embedding job ended before it could be killed"
-        assert time.time() < deadline
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    done = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*.parquet")}
-    assert 3 <= len(done) < 20 and not (out / "manifest.json").exists()
-    rc = subprocess.run([sys.executable, "-m", "bertdist.cli.main", *argv], cwd=REPO, env=child_env(),
-                        capture_output=True, text=True, timeout=600)
-    assert rc.returncode == 0, rc.stdout + rc.stderr
-    assert f"({20 - len(done)} embedded now, {len(done)} already there)" in rc.stdout
-    for name, mtime in done.items():
-        assert (out / name).stat().st_mtime_ns == mtime
-    assert not list(out.glob(".*tmp*"))
-    run_embedding(model, inputs, tmp_path / "whole", shard_rows=10, progress=False)
-    a, b = read_embeddings(out), read_embeddings(tmp_path / "whole")
-    assert a.ids == b.ids and a.texts == b.texts and len(a.ids) == 200
-    np.testing.assert_allclose(a.vectors, b.vectors, atol=1e-6, rtol=0)

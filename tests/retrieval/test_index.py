@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from bertdist.finetune.errors import DataError
-from bertdist.retrieval.embed_job import FORMAT, MANIFEST, _write_json, _write_shard, run_embedding, shard_name
+from bertdist.retrieval.embed_job import FORMAT, _write_shard, run_embedding
+from bertdist.stored_set import MANIFEST, shard_name, write_json_atomic
 from bertdist.retrieval.index import approximate_recall, build_index, default_nlist, load_index
 from tests.retrieval.test_embed_job import book_sentences, tiny_model
 
@@ -27,7 +28,7 @@ def write_vector_set(d: Path, vectors: np.ndarray, shard_rows: int = 1000) -> Pa
         shards.append({"file": shard_name(i, k), "rows": hi - lo})
     model = {"path": "none", "sha256": "0" * 64, "pooling": "mean", "normalize": False, "truncate_dim": None,
              "dim": dim}
-    _write_json(d / MANIFEST, {"format": FORMAT, "model": model, "sources": [], "rows": n, "dim": dim,
+    write_json_atomic(d / MANIFEST, {"format": FORMAT, "model": model, "sources": [], "rows": n, "dim": dim,
                                "normalized": False, "shard_rows": shard_rows, "num_shards": k, "shards": shards})
     return d
 

@@ -10,7 +10,8 @@ import pytest
 
 from bertdist.finetune.errors import DataError
 from bertdist.retrieval.bm25 import BM25Index
-from bertdist.retrieval.embed_job import model_sha256, read_embeddings, run_embedding
+from bertdist.retrieval.embed_job import read_embeddings, run_embedding
+from bertdist.stored_set import model_sha256
 from bertdist.retrieval.index import IndexModelMismatch, build_index, load_index
 from bertdist.retrieval.metrics import reciprocal_rank_fusion
 from bertdist.retrieval.search import load_query_model, search

@@ -314,3 +314,31 @@ def test_bad_settings_are_refused():
     with pytest.raises(ValueError):
         Batcher(Recorder(), bucket_edges=(32, 16))
     assert [length_bucket(n) for n in (1, 16, 17, 512, 513)] == [0, 0, 1, 5, 6]
+
+
+def test_requests_take_turns_and_a_batch_is_bounded_in_tokens():
+    """A request of many texts does not hold the model: each batch takes one item of each waiting
+    request in turn, and its leftovers wait behind requests that have not ridden yet."""
+    gate = threading.Event()
+    model = Recorder(gate=gate)
+
+    async def main():
+        b = await started(Batcher(model, max_batch_size=4, max_wait_ms=0, max_queue=64, max_batch_tokens=40))
+        first = asyncio.ensure_future(b.submit(job("blocker")))
+        await wait_for_thread_event(model.started)
+        big = asyncio.ensure_future(b.submit(Job(*(Item(5, f"big{i}") for i in range(10)))))
+        await asyncio.sleep(0.01)
+        smalls = [asyncio.ensure_future(b.submit(job(f"s{i}"))) for i in range(3)]
+        await asyncio.sleep(0.01)
+        long = asyncio.ensure_future(b.submit(Job(*(Item(30, f"long{i}") for i in range(3)))))
+        await asyncio.sleep(0.01)
+        gate.set()
+        got = await asyncio.gather(first, big, *smalls, long)
+        await b.drain()
+        return got
+
+    got = run(main())
+    assert got[1] == [f"out:big{i}" for i in range(10)]  # its answer keeps its order
+    assert model.batches[:4] == [["blocker"], ["big0", "s0", "s1", "s2"], ["long0"], ["big1", "big2", "big3", "big4"]]
+    assert all(sum(30 if t.startswith("long") else 5 for t in b) <= 40 or len(b) == 1 for b in model.batches)
+    assert ["long1"] in model.batches and ["long2"] in model.batches

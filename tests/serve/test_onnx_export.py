@@ -259,3 +259,56 @@ def test_cross_encoder_exports_and_reranks_as_sentence_transformers_scores(embed
     assert [a["index"] for a in answer] == list(np.argsort(-np.asarray(want), kind="stable"))
     got = {a["index"]: a["score"] for a in answer}
     assert max(abs(got[i] - float(want[i])) for i in range(len(texts))) < 1e-5
+
+
+class _RunsCode:
+    """Unpickling this runs ``touch MARKER``: what a poisoned pytorch_model.bin can do."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_poisoned_pytorch_model_bin_is_refused(tmp_path, small_vocab, capsys):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    from bertdist.cli.main import main
+
+    src = make_hf_dir(tmp_path / "hf", "classification", small_vocab)
+    state = load_file(src / "model.safetensors")
+    (src / "model.safetensors").unlink()
+    marker = tmp_path / "code-ran"
+    torch.save({**state, "payload": _RunsCode(marker)}, src / "pytorch_model.bin")
+    assert main(["export", str(src), "--format", "onnx", "--out", str(tmp_path / "onnx")]) == 1
+    out = capsys.readouterr().out
+    assert "pytorch_model.bin: refused to load" in out and "--trust-checkpoint" in out, out
+    assert not marker.exists() and not (tmp_path / "onnx").exists()
+    # Plain tensors in the same format load without the flag, through the same safe reader.
+    torch.save(state, src / "pytorch_model.bin")
+    shutil.rmtree(tmp_path / "onnx", ignore_errors=True)
+    assert main(["export", str(src), "--format", "onnx", "--out", str(tmp_path / "onnx")]) == 0, capsys.readouterr()
+    assert read_card(tmp_path / "onnx")["task"] == "classification"
+
+
+@pytest.mark.parametrize("change,words", [({"num_attention_heads": 0}, "num_attention_heads is 0"),
+                                         ({"num_attention_heads": 3}, "hidden_size 32 does not split into 3"),
+                                         ({"hidden_size": "32"}, "hidden_size is '32'")])
+def test_a_bad_config_is_refused_with_a_message(tmp_path, hf_model, capsys, change, words):
+    import shutil
+
+    from bertdist.cli.main import main
+
+    src = tmp_path / "hf"
+    shutil.copytree(hf_model("classification"), src)
+    conf = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**conf, **change}))
+    assert main(["export", str(src), "--format", "onnx", "--out", str(tmp_path / "onnx")]) == 2
+    out = capsys.readouterr().out
+    assert words in out and "Traceback" not in out, out

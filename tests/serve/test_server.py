@@ -343,16 +343,17 @@ def test_wrong_methods_and_unknown_paths_answer_json(server):
     got, hdrs, body = call(server.port, "GET", "/embed")
     assert got == 405 and "GET is not allowed on /embed" in body["error"] and "POST" in hdrs.get("allow", "")
     got, _, body = call(server.port, "GET", "/nothing/here")
-    assert got == 404 and "models: cls (/predict); enc (/embed); reg (/predict, /rerank)" in body["error"], body
+    assert got == 404 and "models: cls (/predict); enc (/embed, /similarity); reg (/predict, /rerank)" in body["error"], body
 
 
 def test_health_info_and_metrics_count_the_requests_sent(server, offline):
     assert call(server.port, "GET", "/health")[:3:2] == (200, {"status": "ok"})
     status, _, info = call(server.port, "GET", "/info")
     assert status == 200 and [m["name"] for m in info["models"]] == ["cls", "enc", "reg"]
-    assert {m["name"]: m["routes"] for m in info["models"]} == {"cls": ["predict"], "enc": ["embed"],
+    assert {m["name"]: m["routes"] for m in info["models"]} == {"cls": ["predict"], "enc": ["embed", "similarity"],
                                                                "reg": ["predict", "rerank"]}
-    assert info["batching"] == {"enabled": True, "max_batch_size": 8, "max_wait_ms": 10, "max_queue": 512}
+    assert info["batching"] == {"enabled": True, "max_batch_size": 8, "max_batch_tokens": 2048, "max_wait_ms": 10,
+                                "max_queue": 512}
 
     before = metric_values(server.port)
     for i in range(5):
@@ -482,7 +483,7 @@ def test_sigterm_answers_the_requests_in_flight_and_exits_0(model_dirs, offline)
     out = "".join(srv.output)
     assert rc == 0, out
     assert stopped_in < 10, f"took {stopped_in:.1f} s to stop"
-    assert "stopped by SIGTERM" in out, out
+    assert "stopped by SIGTERM" in out and f"{n} requests answered, 0 cut off" in out, out
     assert sorted(results) == list(range(n))
     for i, (status, _, got) in results.items():
         assert status == 200, got
@@ -514,7 +515,7 @@ def test_a_public_address_is_warned_about(monkeypatch, capsys, model_dirs):
 
     hosts = []
     monkeypatch.setattr(serve, "_bind", lambda host, port: hosts.append(host) or _listening_socket())
-    monkeypatch.setattr(serve, "_serve", lambda app, sock: sock.close() or 0)
+    monkeypatch.setattr(serve, "_serve", lambda app, sock, limits: sock.close() or 0)
     for host, warned in (("127.0.0.1", False), ("localhost", False), ("0.0.0.0", True), ("::", True)):
         assert main(["serve", str(model_dirs["cls"]), "--host", host]) == 0
         out = capsys.readouterr().out

@@ -157,3 +157,12 @@ def test_a_fresh_start_over_an_earlier_run_is_refused_unless_asked(tmp_path):
         check_fresh_start(cfg, None, False)
     check_fresh_start(cfg, "auto", False)
     check_fresh_start(cfg, None, True)
+    # Protected by what it holds, not by one file: without ``latest`` the checkpoints still count.
+    (Path(cfg.checkpoint_dir) / LATEST).unlink()
+    _write_checkpoint(Path(cfg.checkpoint_dir), _saved(cfg, step=10), complete=False, latest=False)
+    with pytest.raises(ConfigError, match=r"holds checkpoints of an earlier run \(2 checkpoint directories, newest "
+                                          r"step_00000020, and no 'latest' file"):
+        check_fresh_start(cfg, None, False)
+    # --resume auto continues from the newest complete one.
+    plan = plan_restore(cfg, "auto", 2)
+    assert (plan.mode, plan.tag) == ("resume", checkpoint_tag(20))
