@@ -134,7 +134,7 @@ def check_task(task: str | None, src_task: str) -> None:
 
 
 def embed_rows(task: str, dev: str | Path) -> list:
-    from bertdist.embed.train import _read
+    from bertdist.embed.data import read_task_file
 
     d = Path(dev)
     if d.is_dir():
@@ -145,7 +145,7 @@ def embed_rows(task: str, dev: str | Path) -> list:
         d = found[0]
     if not d.is_file():
         raise ExportError(f"--dev {d}: no such file or directory")
-    return _read(task, d)
+    return read_task_file(task, d)
 
 
 def embed_inputs(task: str, dev: str | Path, tok, max_length: int, fp32_session,
