@@ -96,6 +96,7 @@ def run_onnx(args) -> int:
 
     opts = ExportOptions(optimize=args.optimize, quantize=args.quantize, task=args.task, dev=args.dev,
                          max_eval_examples=args.max_eval_examples, tolerance_points=args.int8_tolerance,
+                         int8_mode=args.int8_mode, calibration=args.calibration, fallback_steps=args.int8_fallback_steps,
                          skip_metric_check=args.skip_metric_check, threads=args.threads, overwrite=args.overwrite)
     from bertdist.export.safe_load import trust_checkpoints
 
@@ -126,6 +127,9 @@ def run_onnx(args) -> int:
 
 
 def register(sub) -> None:
+    from bertdist.serve.int8_fallback import DEFAULT_STEPS
+    from bertdist.serve.quantization import DEFAULT_CALIBRATION, DEFAULT_MODE, MODES
+
     p = sub.add_parser("export", help="export a run/checkpoint to a Hugging Face (or torch) model directory")
     p.add_argument("source", help="run dir, DeepSpeed save dir (with `latest`), one checkpoint dir, or an HF dir")
     p.add_argument("--out", required=True, help="output directory")
@@ -140,8 +144,19 @@ def register(sub) -> None:
     o.add_argument("--optimize", action="store_true",
                    help="also write model.optimized.onnx with onnxruntime's BERT fusions (attention, LayerNorm, GELU)")
     o.add_argument("--quantize", choices=["int8"], default=None,
-                   help="also write model.int8.onnx (dynamic int8), refused if the dev metric drops beyond --int8-tolerance")
-    o.add_argument("--task", default=None, help="the task of --dev for the int8 check (sst2, stsb, mrpc, ner, squad...)")
+                   help="also write model.int8.onnx, refused if the dev metric drops beyond --int8-tolerance "
+                        "once the fallback has kept up to --int8-fallback-steps nodes in fp32")
+    o.add_argument("--int8-mode", choices=list(MODES), default=DEFAULT_MODE,
+                   help="dynamic: per-tensor weights; per-channel (default): a weight scale per output channel; "
+                        "static: QDQ with activation scales calibrated on --calibration examples")
+    o.add_argument("--calibration", type=int, default=DEFAULT_CALIBRATION, metavar="N",
+                   help="examples (the task's train rows, else its dev rows) that calibrate static int8 and "
+                        "measure each node's sensitivity (default %(default)s)")
+    o.add_argument("--int8-fallback-steps", type=int, default=DEFAULT_STEPS, metavar="N",
+                   help="when int8 misses the tolerance, keep the most sensitive nodes in fp32, one per step, "
+                        "up to N (default %(default)s; 0: refuse at once)")
+    o.add_argument("--task", default=None, help="the task of --dev for the int8 check (sst2, stsb, mrpc, ner, squad...; "
+                                                "sts, embed, rerank for bi- and cross-encoders)")
     o.add_argument("--dev", default=None, help="the task's data directory or dev file, for the int8 metric check")
     o.add_argument("--max-eval-examples", type=int, default=None, help="check int8 on the first N dev examples")
     o.add_argument("--int8-tolerance", type=float, default=1.0,

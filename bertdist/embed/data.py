@@ -240,7 +240,9 @@ def _find(data_dir: str, override: str | None, names: tuple[str, ...], what: str
     return None
 
 
-def _read(task: str, path: Path) -> list:
+def read_task_file(task: str, path: Path) -> list:
+    """A train or dev file of an embedding task: scored pairs for ``sts`` (STS-B's TSV or JSONL),
+    else pairs (with their negatives)."""
     if task != "sts":
         return read_pairs(path)
     return read_scored_pairs(path) if path.suffix.lower() == ".jsonl" else read_stsb(path)
@@ -251,10 +253,10 @@ def load_data(cfg: EmbedConfig) -> TrainData:
                                                                    ("dev.jsonl", "dev.tsv")))
     train_path = _find(cfg.data, cfg.train_file, names[0], "train", True)
     dev_path = _find(cfg.data, cfg.dev_file, names[1], "dev", False)
-    all_rows = _read(cfg.task, train_path)
+    all_rows = read_task_file(cfg.task, train_path)
     rows = all_rows[:cfg.max_train_examples] if cfg.max_train_examples else all_rows
     dev = None
     if dev_path is not None:
-        dev = _read(cfg.task, dev_path)
+        dev = read_task_file(cfg.task, dev_path)
         dev = dev[:cfg.max_eval_examples] if cfg.max_eval_examples else dev
     return TrainData(rows, all_rows, train_path, dev, dev_path)

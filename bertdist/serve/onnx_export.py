@@ -1,10 +1,11 @@
-"""A Hugging Face BERT or ELECTRA directory -> ONNX models: fp32, ORT-optimised fp32, dynamic int8.
+"""A Hugging Face BERT or ELECTRA directory -> ONNX models: fp32, ORT-optimised fp32, int8.
 
 The graph comes from torch's ONNX exporter (the TorchScript-based one, ``dynamo=False``) over
 the transformers model loaded with eager attention: onnxruntime's BERT fusion recognises that
 attention pattern (6 of 6 MiniLM layers fused into ``Attention``), while the SDPA graph keeps
-attention unfused. Optimisation is onnxruntime's transformer optimizer, quantisation its
-``quantize_dynamic``: no graph is written by hand here.
+attention unfused. Optimisation is onnxruntime's transformer optimizer, quantisation its own
+quantisers (bertdist.serve.quantization, with the accuracy-aware fallback of
+bertdist.serve.int8_fallback): no graph is written by hand here.
 
 Every model has dynamic batch and sequence axes (and a choice axis for multiple choice).
 ELECTRA's layers are BERT's, and onnxruntime's BERT fusions find the same patterns in them.
@@ -22,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from bertdist.serve.card import FILES, MODEL_TYPES, OPSET, TASK_ARCHITECTURES, ExportError
+from bertdist.serve.quantization import MODES
 
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -245,25 +247,6 @@ def optimize(fp32_file: Path, out_file: Path, config: dict) -> dict[str, int]:
     return {k: int(v) for k, v in opt.get_fused_operator_statistics().items() if v}
 
 
-def quantize_int8(in_file: Path, out_file: Path) -> dict:
-    """Dynamic int8 (int8 weights, activations quantised at run time), onnxruntime's own tool.
-
-    It quantises the plain fp32 graph, per tensor: onnxruntime fuses that graph when it loads it,
-    and on the MiniLM SST-2 teacher at batch 32 on 2 cores this ran 2.36x ORT fp32, against 2.12x
-    per channel and 1.99x from the offline-optimised graph (interleaved in one run, beside another job).
-    """
-    import onnx
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
-    settings = {"weight_type": "QInt8", "per_channel": False, "reduce_range": False,
-                "op_types": ["MatMul", "Attention"], "source": in_file.name}
-    quantize_dynamic(str(in_file), str(out_file), weight_type=QuantType.QInt8, per_channel=False,
-                     reduce_range=False, op_types_to_quantize=settings["op_types"],
-                     # fused com.microsoft ops have no ONNX shape inference; their outputs are float
-                     extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
-    return settings
-
-
 def copy_tokenizer(src: Path, out: Path) -> list[str]:
     copied = []
     for name in TOKENIZER_FILES:
@@ -303,6 +286,9 @@ class ExportOptions:
     dev: str | None = None  # the task's data directory or dev file, for the int8 metric check
     max_eval_examples: int | None = None
     tolerance_points: float = 1.0
+    int8_mode: str = "per-channel"  # bertdist.serve.quantization.MODES
+    calibration: int = 256  # examples to calibrate static int8 and measure node sensitivity on
+    fallback_steps: int = 8  # nodes the accuracy-aware fallback may keep in fp32; 0: none
     skip_metric_check: bool = False  # int8 without a dev set: the card says the metric was not checked
     max_length: int | None = None  # default: the model's max_position_embeddings
     threads: int | None = None
@@ -324,10 +310,16 @@ def export_onnx(source: str | os.PathLike, out: str | os.PathLike, opts: ExportO
     _check_out(out, opts.overwrite)
     if opts.quantize not in (None, "int8"):
         raise ExportError(f"--quantize {opts.quantize!r}: only int8 is supported")
+    if opts.quantize and opts.int8_mode not in MODES:
+        raise ExportError(f"--int8-mode {opts.int8_mode!r}: one of {list(MODES)}")
     src = read_source(source)
     if opts.quantize and src.task != "encoder" and not (opts.dev and opts.task) and not opts.skip_metric_check:
         raise ExportError("int8 export of a task model checks the task metric before and after: pass --task NAME "
                           "and --dev DIR_OR_FILE (the dev set), or --skip-metric-check to export it unchecked")
+    if opts.quantize:
+        from bertdist.serve.int8_gates import check_task
+
+        check_task(opts.task, src.task)
     max_length = opts.max_length or default_max_length(src)
     stage = staging_dir(out)
     try:
@@ -358,9 +350,7 @@ def export_onnx(source: str | os.PathLike, out: str | os.PathLike, opts: ExportO
             log(f"parity {name}: max |ONNX - PyTorch| {d.max_abs_diff:.2e} over {d.texts} texts "
                 f"({d.tokens_min}-{d.tokens_max} tokens)")
         if opts.quantize:
-            card["quantization"] = quantize_int8(stage / files["fp32"], stage / files["int8"])
-            sessions["int8"] = make_session(stage / files["int8"], opts.threads)
-            card["parity"]["int8"] = _judge_int8(src, stage, sessions, sample, max_length, opts, log)
+            _write_int8(src, stage, files, sessions, sample, max_length, model, opts, card, log)
         write_card(stage, card)
         if out.exists():
             shutil.rmtree(out)  # an earlier ONNX export, replaced as asked (checked by _check_out)
@@ -372,34 +362,27 @@ def export_onnx(source: str | os.PathLike, out: str | os.PathLike, opts: ExportO
             shutil.rmtree(stage, ignore_errors=True)
 
 
-def _judge_int8(src: SourceModel, stage: Path, sessions: dict, sample, max_length: int, opts: ExportOptions,
-                log) -> dict:
-    from bertdist.serve import parity
+def _write_int8(src: SourceModel, stage: Path, files: dict, sessions: dict, sample, max_length: int, model,
+                opts: ExportOptions, card: dict, log) -> None:
+    """The int8 file in ``opts.int8_mode``, through the fallback; its settings, verdict and report
+    go into ``card``; refused (ParityError) when its gate does not hold within the step budget."""
+    from bertdist.serve import int8_fallback, int8_gates, int8_report, parity
 
-    if src.task == "encoder":
-        res = parity.embedding_cosines(sessions["fp32"], sessions["int8"], sample)
-        log(f"parity int8: sentence-embedding cosine to fp32 min {res['min_cosine']:.4f}, mean "
-            f"{res['mean_cosine']:.4f} over {res['texts']} texts")
-        if res["min_cosine"] < parity.MIN_EMBEDDING_COSINE and not opts.skip_metric_check:
-            raise parity.ParityError(f"int8 refused: its sentence embeddings' lowest cosine to fp32's is "
-                                     f"{res['min_cosine']:.4f} (< {parity.MIN_EMBEDDING_COSINE}) over {res['texts']} texts")
-        return res
-    if opts.skip_metric_check:
-        log("parity int8: task metric NOT checked (--skip-metric-check)")
-        return {"metric": None, "checked": False}
-    runner = parity.dev_runner(opts.task, opts.dev, stage, max_length, opts.max_eval_examples)
-    metric, before = parity.task_metric(runner, sessions["fp32"])
-    _, after = parity.task_metric(runner, sessions["int8"])
-    n = len(runner.eval_sets()[0].features)
-    res = parity.judge_int8(metric, before, after, opts.tolerance_points, n)
-    log(f"parity int8: {opts.task} dev {metric} fp32 {before:.4f} -> int8 {after:.4f} "
-        f"(drop {res['drop_points']:+.2f} points; tolerance {opts.tolerance_points} points; {n} examples)")
-    if not res["within_tolerance"]:
-        raise parity.ParityError(
-            f"int8 refused: {opts.task} dev {metric} drops from {before:.4f} to {after:.4f}, "
-            f"{res['drop_points']:.2f} points, above the tolerance of {opts.tolerance_points} points "
-            f"({n} examples); raise it with --int8-tolerance POINTS to accept the loss, or export without --quantize")
-    return res
+    inputs = int8_gates.int8_inputs(src.task, opts, stage, sessions["fp32"], sample, max_length)
+    if inputs.gate is None:
+        log("parity int8: task metric NOT checked (--skip-metric-check)" if opts.skip_metric_check else
+            "parity int8: no dev set; nothing to check")
+    res = int8_fallback.search(stage / files["fp32"], stage / files["int8"], opts.int8_mode, inputs.gate,
+                               inputs.calibration, opts.fallback_steps, opts.threads, log, inputs.timed)
+    if inputs.gate is not None and not res["verdict"]["within_tolerance"] and not opts.skip_metric_check:
+        raise parity.ParityError(int8_fallback.refusal(inputs.gate, res["fallback"]["steps"], opts.fallback_steps))
+    sessions["int8"] = res["session"]
+    timing = int8_report.speed(model, sessions["fp32"], res["session"], inputs.timed, opts.threads)
+    card["quantization"] = {**res["settings"], "fallback": res["fallback"]}
+    card["parity"]["int8"] = res["verdict"]
+    card["int8_report"] = int8_report.summary(res["verdict"], res["settings"], timing)
+    for line in int8_report.log_lines(card["int8_report"]):
+        log(line)
 
 
 def _check_out(out: Path, overwrite: bool) -> None:

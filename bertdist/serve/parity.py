@@ -122,8 +122,10 @@ def points(metric: str, value: float) -> float:
     return float(value) if metric in PERCENT_METRICS else 100.0 * float(value)
 
 
-def dev_runner(task_name: str, dev: str | Path, model_dir: Path, max_length: int, max_examples: int | None):
-    """The fine-tuning runner for ``task_name`` over ``dev`` (the task's data directory or its dev file)."""
+def dev_runner(task_name: str, dev: str | Path, model_dir: Path, max_length: int, max_examples: int | None,
+               max_train_examples: int | None = None):
+    """The fine-tuning runner for ``task_name`` over ``dev`` (the task's data directory or its dev file);
+    its train features, when the directory has them, are the first ``max_train_examples``."""
     from bertdist.finetune.config import FinetuneConfig
     from bertdist.finetune.tasks import make_runner
     from transformers import AutoTokenizer
@@ -133,7 +135,7 @@ def dev_runner(task_name: str, dev: str | Path, model_dir: Path, max_length: int
         raise ExportError(f"--dev {d}: no such file or directory")
     data_dir, dev_file = (d, None) if d.is_dir() else (d.parent, str(d))
     cfg = FinetuneConfig(task=task_name, data=str(data_dir), dev_file=dev_file, max_seq_length=max_length,
-                         max_eval_examples=max_examples)
+                         max_eval_examples=max_examples, max_train_examples=max_train_examples)
     if task_name in ("ner",):  # the NER runner reads the train file for its label set and scheme
         cfg.train_file = dev_file
     tok = AutoTokenizer.from_pretrained(str(model_dir))

@@ -378,11 +378,12 @@ def check_export(cmd, ws):
     args = parse_bertdist(bertdist_argv(cmd))
     if args.format == "onnx":
         from bertdist.finetune.tasks import TASKS
+        from bertdist.serve.int8_gates import EMBED_TASKS
 
         models = _run_dirs() | _finetune_model_dirs() | _distill_model_dirs()
         assert args.source in models, f"{cmd}: exports {args.source}, which no pretrain, finetune or distill line writes"
-        assert not args.quantize or args.task in TASKS or args.source in _run_dirs(), \
-            f"{cmd}: int8 of a task model needs --task (one of {TASKS}) and --dev"
+        assert not args.quantize or args.task in TASKS + EMBED_TASKS or args.source in _run_dirs(), \
+            f"{cmd}: int8 of a task model needs --task (one of {TASKS + EMBED_TASKS}) and --dev"
         return
     assert args.source in _run_dirs(), f"{cmd}: exports {args.source}, not a run the pages' pretrain lines write"
 

@@ -44,6 +44,31 @@ def make_hf_dir(out: Path, kind: str, vocab: Path, seed: int = 0, family: str = 
     return out
 
 
+def self_labelled_sst2(tmp_path, onnx_dir, n=64, keep=None):
+    """An SST-2-layout dev set labelled by the fp32 model itself: fp32 accuracy is 1.0 by construction.
+    ``keep``: only the ``keep`` texts of the ``n`` that the model labels with the widest logit margin."""
+    import csv
+
+    from bertdist.serve.parity import sample_texts
+    from bertdist.serve.runtime import load_served_model
+
+    texts = [t[:300].replace("\t", " ") for t in sample_texts(n)]
+    m = load_served_model(onnx_dir, variant="fp32")
+    job = m.prepare("predict", {"inputs": [[t] for t in texts], "raw_scores": True})
+    answers = job.finish(m.run(job.items))
+    rows = [(t, 1 if a[0]["label"] == "positive" else 0, a[0]["score"] - a[1]["score"]) for t, a in zip(texts, answers)]
+    if keep is not None:
+        rows = sorted(rows, key=lambda r: -r[2])[:keep]
+    d = tmp_path / "SST-2"
+    d.mkdir()
+    with (d / "dev.tsv").open("w", newline="") as f:
+        w = csv.writer(f, delimiter="\t", quoting=csv.QUOTE_NONE, escapechar="\\")
+        w.writerow(["sentence", "label"])
+        for t, label, _ in rows:
+            w.writerow([t, label])
+    return d
+
+
 @pytest.fixture(scope="session")
 def hf_model(tmp_path_factory, small_vocab):
     """``hf_model(kind)`` -> a tiny HF directory of that kind (made once per session)."""

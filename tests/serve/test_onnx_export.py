@@ -1,7 +1,6 @@
 """`bertdist export --format onnx`: parity for every task type, the int8 gate, and the output directory rules."""
 from __future__ import annotations
 
-import csv
 import json
 
 import numpy as np
@@ -10,7 +9,7 @@ import pytest
 from bertdist.serve.card import CARD, FILES, read_card
 from bertdist.serve.onnx_export import ExportOptions, export_onnx
 from bertdist.serve.runtime import make_session
-from tests.serve.conftest import make_hf_dir
+from tests.serve.conftest import make_hf_dir, self_labelled_sst2
 
 KINDS = ["classification", "regression", "token", "span", "choice", "encoder"]
 SENTENCES = ["A short one.", "The captain walked slowly along the deck, thinking of the letter he had not sent.",
@@ -126,26 +125,6 @@ def test_pretraining_directory_exports_as_an_encoder(tmp_path, small_vocab):
     assert card["parity"]["int8"]["min_cosine"] >= 0.98
 
 
-def _self_labelled_sst2(tmp_path, onnx_dir, n=64):
-    """An SST-2-layout dev set labelled by the fp32 model itself: fp32 accuracy is 1.0 by construction."""
-    from bertdist.serve.runtime import load_served_model
-
-    from bertdist.serve.parity import sample_texts
-
-    texts = [t[:300].replace("\t", " ") for t in sample_texts(n)]
-    m = load_served_model(onnx_dir, variant="fp32")
-    job = m.prepare("predict", {"inputs": [[t] for t in texts], "raw_scores": True})
-    answers = job.finish(m.run(job.items))
-    d = tmp_path / "SST-2"
-    d.mkdir()
-    with (d / "dev.tsv").open("w", newline="") as f:
-        w = csv.writer(f, delimiter="\t", quoting=csv.QUOTE_NONE, escapechar="\\")
-        w.writerow(["sentence", "label"])
-        for t, a in zip(texts, answers):
-            w.writerow([t, 1 if a[0]["label"] == "positive" else 0])
-    return d
-
-
 def _negate_logits(path):
     """Turn an ONNX classifier into its opposite: every argmax flips (for two labels)."""
     import onnx
@@ -159,9 +138,9 @@ def _negate_logits(path):
 
 
 def test_int8_is_refused_when_the_dev_metric_drops(tmp_path, hf_model, onnx_model, monkeypatch):
-    from bertdist.serve import onnx_export
+    from bertdist.serve import int8_fallback, onnx_export
 
-    dev = _self_labelled_sst2(tmp_path, onnx_model("classification"))
+    dev = self_labelled_sst2(tmp_path, onnx_model("classification"))
     ok = export_onnx(hf_model("classification"), tmp_path / "ok", ExportOptions(
         quantize="int8", task="sst2", dev=str(dev), tolerance_points=10.0), log=lambda *_: None)
     p = ok["parity"]["int8"]
@@ -169,18 +148,20 @@ def test_int8_is_refused_when_the_dev_metric_drops(tmp_path, hf_model, onnx_mode
     assert p["int8"] >= 0.9 and p["within_tolerance"]
     assert ok["files"]["int8"] == "model.int8.onnx"
 
-    real = onnx_export.quantize_int8
+    real = int8_fallback.quantize
 
-    def broken_int8(src, dst):  # a real int8 model, made wrong on purpose
-        settings = real(src, dst)
+    def broken_int8(src, dst, *args, **kwargs):  # a real int8 model, made wrong on purpose
+        settings = real(src, dst, *args, **kwargs)
         _negate_logits(dst)
         return settings
 
-    monkeypatch.setattr(onnx_export, "quantize_int8", broken_int8)
+    monkeypatch.setattr(int8_fallback, "quantize", broken_int8)
     with pytest.raises(onnx_export.ExportError, match=r"int8 refused: sst2 dev accuracy drops from 1.0000 to 0.0000, "
-                                                      r"100.00 points, above the tolerance of 1.0 points \(64 examples\)"):
-        export_onnx(hf_model("classification"), tmp_path / "bad", ExportOptions(quantize="int8", task="sst2", dev=str(dev)),
-                    log=lambda *_: None)
+                                                      r"100.00 points, above the tolerance of 1.0 points \(64 examples\); "
+                                                      r"keeping up to 1 of the most sensitive nodes in fp32 "
+                                                      r"\(--int8-fallback-steps 1\) reached at best 0.0000"):
+        export_onnx(hf_model("classification"), tmp_path / "bad", ExportOptions(quantize="int8", task="sst2", dev=str(dev),
+                                                                                fallback_steps=1), log=lambda *_: None)
     assert not (tmp_path / "bad").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".bad.")]  # no staging left behind
 
