@@ -10,9 +10,10 @@ has waited ``max_wait_ms``, or the batcher is draining; among the ready buckets,
 first item has waited longest for a turn goes first, so a rarely used length still gets its turn.
 
 Requests take turns: a batch takes one item of each waiting request in turn (not the first
-request's items first), and the items left of the requests that rode in it go behind those of the
-requests that did not, as if newly queued. A request of hundreds of texts thus shares the model
-with small ones instead of holding it. A batch also holds at most ``max_batch_tokens`` tokens
+request's items first), and the items left of the requests that rode in it wait for their next
+turn as long as their share of the batch takes to run (from the measured time per token) times
+the number of requests waiting, so that each request gets about an equal share of the model. A
+request of hundreds of long texts thus shares the model with small ones instead of holding it. A batch also holds at most ``max_batch_tokens`` tokens
 (at least one item), so one batch of long texts is no longer than a batch of short ones.
 """
 from __future__ import annotations
@@ -136,6 +137,7 @@ class Batcher:
         self._queued = 0  # items waiting (not in flight)
         self._in_flight = 0  # items in the batch now running
         self._batch_seconds = 0.05  # moving average of a batch's run, for Retry-After
+        self._token_seconds = 1e-4  # moving average of a batch's run per token, for turns
         self._accepting = False
         self._closing = False
         self._no_wait = False  # stopping: run partial batches at once
@@ -330,11 +332,17 @@ class Batcher:
         q = self._buckets[best]
         batch = self._take_turns(q)
         self._queued -= len(batch)
-        rode = {id(it.pending) for it in batch}
+        # Weighted fair turns: a request's next turn comes as much later as its share of this batch
+        # takes to run, times the requests waiting, so each gets about an equal share of the model:
+        # one that just took thousands of tokens waits behind requests of a few.
+        used: dict[int, int] = {}
+        for it in batch:
+            used[id(it.pending)] = used.get(id(it.pending), 0) + it.encoded.length
+        waiting = {id(it.pending) for b in self._buckets.values() for it in b} | set(used)
         rest = list(q)
         for it in rest:
-            if id(it.pending) in rode:
-                it.turn = now
+            if id(it.pending) in used:
+                it.turn = now + used[id(it.pending)] * self._token_seconds * len(waiting)
         rest.sort(key=lambda it: it.turn)  # stable: each request's items keep their order
         self._buckets[best] = collections.deque(rest)
         return batch
@@ -387,6 +395,9 @@ class Batcher:
             seconds = time.monotonic() - start
             self._in_flight = 0
             self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * seconds
+            tokens = sum(it.encoded.length for it in batch)
+            if tokens:
+                self._token_seconds = 0.8 * self._token_seconds + 0.2 * seconds / tokens
             if self._observer is not None:
                 self._observer.observe_batch(self.name, len(batch), [start - it.queued_at for it in batch], seconds)
             self._report_depth()
