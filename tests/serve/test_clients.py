@@ -192,3 +192,22 @@ def test_every_documented_client_example_runs(servers, offline, capsys):
         exec(compile(code.replace("127.0.0.1:8080", f"127.0.0.1:{port}"), "docs/serving.md", "exec"), {})
     printed = capsys.readouterr().out
     assert printed.strip(), "the examples print their answers"
+
+
+def test_both_clients_against_the_bertdist_serve_command(dirs, offline):
+    """The same clients against a `bertdist serve` process (its connection limits and all)."""
+    from openai import OpenAI
+
+    from tests.serve.test_server import CliServer
+
+    srv = CliServer(str(dirs["enc"]), "--name", "enc")
+    try:
+        sentence = text("cli", 6)
+        np.testing.assert_allclose(hf(srv.port).feature_extraction(sentence), embeddings(offline, [sentence]),
+                                   atol=2e-6)
+        client = OpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key="unused", max_retries=0)
+        res = client.embeddings.create(input=[sentence], model="any-name")
+        np.testing.assert_allclose([res.data[0].embedding], embeddings(offline, [sentence]), atol=2e-6)
+    finally:
+        rc = srv.stop()
+    assert rc == 0 and "2 requests answered, 0 cut off" in srv.output[-1], "".join(srv.output)
