@@ -60,15 +60,11 @@ def test_a_cross_encoder_is_judged_by_its_reranking_ndcg(embed_ckpt, tmp_path):
     from bertdist.embed.evaluate import build_rerank_dev, rerank_eval
     from bertdist.embed.export import write_cross_encoder
     from bertdist.embed.model import load_cross_encoder
-    from tests.embed import fixtures
 
     torch.manual_seed(0)
     ce = load_cross_encoder(embed_ckpt, max_seq_length=96, activation="sigmoid", kernels="reference")
     src = write_cross_encoder(tmp_path / "ce", ce)
-    data = fixtures.retrieval_dir(tmp_path / "pairs", n_train=8, n_dev=12, negatives=3)
-    card = export_onnx(src, tmp_path / "onnx", ExportOptions(quantize="int8", task="rerank", dev=str(data),
-                                                             tolerance_points=100.0, calibration=16), log=lambda *_: None)
-    p = card["parity"]["int8"]
+    data, p = _judged_on_pairs(src, tmp_path, "rerank")
     want = rerank_eval(ce, build_rerank_dev(read_pairs(data / "dev.jsonl")))["ndcg@10"]
     assert p["metric"] == "ndcg@10" and p["examples"] == 12
     assert abs(p["fp32"] - want) < 1e-6
@@ -99,19 +95,25 @@ def test_static_int8_from_the_cli(tmp_path, hf_model, onnx_model, capsys):
               "--out", str(tmp_path / "x")])
 
 
+def _judged_on_pairs(src, tmp_path, task: str):
+    """(the pairs folder, the int8 verdict) of ``src`` exported with ``--task TASK`` on tiny pairs."""
+    from tests.embed import fixtures
+
+    data = fixtures.retrieval_dir(tmp_path / "pairs", n_train=8, n_dev=12, negatives=3)
+    card = export_onnx(src, tmp_path / "onnx", ExportOptions(quantize="int8", task=task, dev=str(data),
+                                                             tolerance_points=100.0, calibration=16), log=lambda *_: None)
+    return data, card["parity"]["int8"]
+
+
 def test_a_bi_encoder_is_judged_by_its_retrieval_ndcg(embed_ckpt, tmp_path):
     from bertdist.embed.data import read_pairs
     from bertdist.embed.evaluate import build_retrieval_dev, retrieval_eval
     from bertdist.embed.export import write_bi_encoder
     from bertdist.embed.model import load_bi_encoder
-    from tests.embed import fixtures
 
     model = load_bi_encoder(embed_ckpt, pooling="mean", normalize=True, max_seq_length=64, kernels="reference")
     src = write_bi_encoder(tmp_path / "st", model)
-    data = fixtures.retrieval_dir(tmp_path / "pairs", n_train=8, n_dev=12, negatives=3)
-    card = export_onnx(src, tmp_path / "onnx", ExportOptions(quantize="int8", task="embed", dev=str(data),
-                                                             tolerance_points=100.0, calibration=16), log=lambda *_: None)
-    p = card["parity"]["int8"]
+    data, p = _judged_on_pairs(src, tmp_path, "embed")
     want = retrieval_eval(model, build_retrieval_dev(read_pairs(data / "dev.jsonl")))["ndcg@10"]
     assert p["metric"] == "ndcg@10" and p["examples"] == 12 and p["within_tolerance"]
     assert abs(p["fp32"] - want) < 1e-3  # the ONNX fp32 model ranked as the PyTorch bi-encoder does
