@@ -293,9 +293,15 @@ class ServedModel:
                 _check_unicode(s, f"input {i}")
         tok = self._tok[direction]
         limit = (self.max_length + 1) * CHARS_PER_TOKEN
+        sides = [(t,) if isinstance(t, str) else tuple(t) for t in texts]
+        cuts = [[cut_text(x, limit, direction) for x in side] for side in sides]
+        # One batched call for the request; the rare text whose cut was too short is cut again alone.
+        encs = tok.encode_batch([c[0][0] if len(c) == 1 else (c[0][0], c[1][0]) for c in cuts])
         out = []
-        for i, t in enumerate(texts, first):
-            enc, shift = self._encode_one(tok, t, limit, direction)
+        for i, (side, cut, enc) in enumerate(zip(sides, cuts, encs), first):
+            shift = cut[0][1]
+            if not self._settled(side, cut, enc):
+                enc, shift = self._encode_one(tok, side, limit * 4, direction)
             if enc.overflowing and not truncate:
                 raise RequestError(f"input {i} is over the model's limit of {self.max_length} tokens (send "
                                    f"\"truncate\": true to cut it)", 413)
@@ -306,20 +312,25 @@ class ServedModel:
                                len(enc.ids), offsets))
         return out
 
-    def _encode_one(self, tok, text, limit: int, direction: str):
-        """(encoding, character offset of the kept part of a single text)."""
-        sides = (text,) if isinstance(text, str) else tuple(text)
+    def _encode_one(self, tok, sides: tuple, limit: int, direction: str):
+        """(encoding, character offset of the kept part) of one text or pair, cut ever longer until settled."""
         while True:
-            cuts = [cut_text(s, limit, direction) for s in sides]
+            cuts = [cut_text(x, limit, direction) for x in sides]
             enc = tok.encode(*(c for c, _ in cuts))
-            was_cut = [len(c) < len(s) for (c, _), s in zip(cuts, sides)]
-            # Settled once the cut cannot change the tokens: a single text the tokenizer still had
-            # to truncate; a pair whose cut side also outnumbers the whole other side, since
-            # longest-first truncation gives the odd token to the longer side.
-            if not any(was_cut) or (len(sides) == 1 and enc.overflowing) or (
-                    len(sides) == 2 and self._pair_settled([c for c, _ in cuts], was_cut)):
+            if self._settled(sides, cuts, enc):
                 return enc, cuts[0][1]
             limit *= 4
+
+    def _settled(self, sides: tuple, cuts: list, enc) -> bool:
+        """Whether the cut cannot change the tokens: nothing was cut; a single text the tokenizer
+        still had to truncate; a pair whose cut side also outnumbers the whole other side, since
+        longest-first truncation gives the odd token to the longer side."""
+        was_cut = [len(c) < len(x) for (c, _), x in zip(cuts, sides)]
+        if not any(was_cut):
+            return True
+        if len(sides) == 1:
+            return bool(enc.overflowing)
+        return self._pair_settled([c for c, _ in cuts], was_cut)
 
     def _pair_settled(self, cuts: list[str], was_cut: list[bool]) -> bool:
         if all(was_cut):

@@ -54,6 +54,10 @@ def test_work_per_text_is_bounded_by_the_limit_not_the_body(cls_model, monkeypat
             seen.append(sum(len(t) for t in texts))
             return tok.encode(*texts)
 
+        def encode_batch(self, inputs):
+            seen.extend(len(t) if isinstance(t, str) else sum(map(len, t)) for t in inputs)
+            return tok.encode_batch(inputs)
+
     monkeypatch.setitem(cls_model._tok, "right", Spy())
     item, = cls_model.encode(["word " * 200_000], truncate=True)
     assert item.length == cls_model.max_length
