@@ -7,6 +7,10 @@ bases under ``rope_parameters``, older releases and the published checkpoints as
 ``global_attn_every_n_layers``, ``global_rope_theta`` and ``local_rope_theta``. We write both and
 read either.
 
+Reading also takes a bare ``ModernBertModel`` (a bi-encoder's) or a ``ModernBertFor<Task>``
+directory (a fine-tuned model): the encoder is read, the MLM head freshly initialised and named
+in ``fresh_keys``, the task head kept in ``raw_state_dict``.
+
 The tokenizer is whatever the source directory had (ModernBERT's is a BPE ``tokenizer.json``):
 its files are carried along unchanged. Nothing already in the output directory is overwritten
 unless asked.
@@ -135,6 +139,25 @@ class ModernBertCheckpoint:
     state_dict: dict[str, torch.Tensor]  # loads strictly into our ModernBertForMaskedLM
     hf_config: dict
     tokenizer_files: list[Path]  # beside the weights, carried on export
+    raw_state_dict: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # as read (task heads)
+    fresh_keys: list[str] = dataclasses.field(default_factory=list)  # MLM head keys initialised here
+
+
+def encoder_only(raw: Mapping[str, torch.Tensor], cfg: ModernBertConfig, where: Path
+                 ) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """A bare ``ModernBertModel`` or a ``ModernBertFor<Task>`` state dict -> a ModernBertForMaskedLM
+    one: the encoder's tensors, the MLM head freshly initialised (its keys returned); a task head
+    (``head.*`` and ``classifier.*`` there are the task's) is left out."""
+    from bertdist.model.modernbert import ModernBertForMaskedLM
+
+    if not any(k.startswith("model.") for k in raw):  # a bare ModernBertModel: no prefix
+        raw = {f"model.{k}": v for k, v in raw.items()}
+    fresh = ModernBertForMaskedLM(cfg).state_dict()
+    encoder = {k: v for k, v in raw.items() if k.startswith("model.")}
+    fresh_keys = sorted(k for k in fresh if not k.startswith("model.") and k not in TIED)  # head.*, decoder.bias
+    sd = dict(encoder)
+    sd.update({k: fresh[k] for k in fresh_keys})
+    return from_hf_state_dict(sd, cfg, where), fresh_keys
 
 
 def is_modernbert_dir(path: str | Path) -> bool:
@@ -148,8 +171,12 @@ def read_modernbert_hf_dir(hf_dir: str | Path) -> ModernBertCheckpoint:
         raise ExportError(f"{p}: not a Hugging Face model directory (no {CONFIG_FILE})")
     hf = json.loads((p / CONFIG_FILE).read_text())
     cfg = config_from_hf(hf, p / CONFIG_FILE)
-    sd = from_hf_state_dict(read_hf_state_dict(p), cfg, p)
-    return ModernBertCheckpoint(cfg, sd, hf, [p / name for name in TOKENIZER_FILES if (p / name).is_file()])
+    raw = read_hf_state_dict(p)
+    tokenizer = [p / name for name in TOKENIZER_FILES if (p / name).is_file()]
+    if "decoder.bias" in raw:  # a ModernBertForMaskedLM
+        return ModernBertCheckpoint(cfg, from_hf_state_dict(raw, cfg, p), hf, tokenizer, raw)
+    sd, fresh = encoder_only(raw, cfg, p)
+    return ModernBertCheckpoint(cfg, sd, hf, tokenizer, raw, fresh)
 
 
 def write_modernbert_hf_dir(out_dir: str | Path, cfg: ModernBertConfig, state_dict: Mapping[str, torch.Tensor],

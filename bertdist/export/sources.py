@@ -40,6 +40,11 @@ class PretrainedWeights:
     origin: dict[str, Any]  # what was read: kind, path, tag, zero stage, ...
     tokenizer_files: list[Path] = dataclasses.field(default_factory=list)  # carried as they are (ModernBERT)
 
+    @property
+    def tokenizer_json(self) -> Path | None:
+        """The checkpoint's own fast tokenizer (ModernBERT's BPE), which replaces a WordPiece vocab."""
+        return next((f for f in self.tokenizer_files if f.name == "tokenizer.json"), None)
+
 
 def is_torch_dir(path: str | os.PathLike) -> bool:
     return (Path(path) / TORCH_WEIGHTS).is_file() and (Path(path) / TORCH_CONFIG).is_file()
@@ -61,8 +66,10 @@ def load_pretrained(
         w = _load_torch_dir(p)
     elif is_modernbert_dir(p):
         ck = read_modernbert_hf_dir(p)
-        w = PretrainedWeights(ck.config, ck.state_dict, None, None, {"kind": "hf", "path": str(p)},
-                              ck.tokenizer_files)
+        origin = {"kind": "hf", "path": str(p)}
+        if ck.fresh_keys:
+            origin["newly_initialised"] = ck.fresh_keys
+        w = PretrainedWeights(ck.config, ck.state_dict, None, None, origin, ck.tokenizer_files)
     elif is_hf_dir(p):
         ck = read_hf_dir(p)
         origin = {"kind": "hf", "path": str(p)}
@@ -72,7 +79,9 @@ def load_pretrained(
     else:
         w = _load_deepspeed(p, tag)
     if kernels is not None:
-        w.config = dataclasses.replace(w.config, kernels=kernels)
+        from bertdist.export.encoders import family_of
+
+        w.config = family_of(w.config).with_kernels(w.config, kernels)
     if vocab_file is not None:
         w.vocab_file = Path(vocab_file)
     if do_lower_case is not None:

@@ -79,3 +79,44 @@ def read_tokenizer_casing(hf_dir: str | Path) -> bool | None:
         return None
     value = json.loads(p.read_text()).get("do_lower_case")
     return bool(value) if value is not None else None
+
+
+def fast_tokenizer(tokenizer_json: str | Path):
+    """A checkpoint's own fast tokenizer from its ``tokenizer.json`` (ModernBERT's byte-level BPE),
+    with the ``tokenizer_config.json`` beside it when there is one; never downloaded.
+
+    It returns ``token_type_ids`` for every input (zeros for one text), as BERT's tokenizer does,
+    so the code that turns encodings into features is the same for both (ModernBERT ignores them)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    p = Path(tokenizer_json)
+    if not p.is_file():
+        raise FileNotFoundError(f"tokenizer file not found: {p}")
+    tok = None
+    if (p.parent / "tokenizer_config.json").is_file():
+        try:
+            tok = AutoTokenizer.from_pretrained(str(p.parent), local_files_only=True)
+        except (OSError, ValueError, KeyError):
+            tok = None  # a config AutoTokenizer cannot place (no tokenizer_class, no config.json)
+    if tok is None or not getattr(tok, "is_fast", False):
+        special = {}
+        if (p.parent / "tokenizer_config.json").is_file():
+            conf = json.loads((p.parent / "tokenizer_config.json").read_text())
+            special = {k: conf[k] for k in ("cls_token", "sep_token", "pad_token", "unk_token", "mask_token",
+                                            "model_max_length") if isinstance(conf.get(k), (str, int))}
+        tok = PreTrainedTokenizerFast(tokenizer_file=str(p), **special)
+    tok.model_input_names = ["input_ids", "token_type_ids", "attention_mask"]
+    return tok
+
+
+def write_checkpoint_tokenizer(out_dir: str | Path, w, vocab_file: str | Path | None, do_lower_case: bool | None,
+                               max_length: int) -> None:
+    """The tokenizer files of a model made from the checkpoint ``w`` (a ``PretrainedWeights``): its
+    own tokenizer files as they were (ModernBERT), else the WordPiece ``vocab_file`` with its casing."""
+    if w.tokenizer_files:
+        for f in w.tokenizer_files:
+            shutil.copyfile(f, Path(out_dir) / f.name)
+        return
+    if vocab_file is None:
+        raise ValueError("the checkpoint names neither tokenizer files nor a vocab file to write its tokenizer from")
+    write_tokenizer_files(out_dir, vocab_file, bool(do_lower_case), max_length)

@@ -32,7 +32,10 @@ class FinetuneConfig:
     weight_decay: float = 0.01
     adam_epsilon: float = 1e-6
     max_grad_norm: float = 1.0
-    hidden_dropout_prob: float | None = None  # None: keep the checkpoint's
+    hidden_dropout_prob: float | None = None  # None: keep the checkpoint's (ModernBERT: its mlp_dropout)
+    # ModernBERT's sequence-level heads pool the first token (cls) or the mean of the real tokens,
+    # as transformers' classifier_pooling; BERT and ELECTRA heads read [CLS] and ignore this.
+    classifier_pooling: Literal["cls", "mean"] = "cls"
     seed: int = 42
 
     # Small seeded sweep with best-on-dev selection; random restarts re-run each lr with new seeds.

@@ -1,13 +1,13 @@
-"""A fine-tuned task model as a Hugging Face directory (``BertFor<Task>``, or ``ElectraFor<Task>`` on
-an ELECTRA backbone, with its label names)."""
+"""A fine-tuned task model as a Hugging Face directory (``<Family>For<Task>`` of its backbone's
+family: ``BertFor<Task>``, ``ElectraFor<Task>`` or ``ModernBertFor<Task>``, with its label names)
+and the tokenizer it was fine-tuned with (the WordPiece vocab, or the checkpoint's tokenizer.json)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from bertdist.export.hf import hf_config_dict
-from bertdist.export.tokenizer import write_tokenizer_files
-from bertdist.finetune.heads import hf_architecture
+from bertdist.export.encoders import family_of
+from bertdist.export.tokenizer import write_checkpoint_tokenizer
 
 
 def write_task_model(out_dir: Path, model, runner, w, cfg) -> Path:
@@ -17,7 +17,9 @@ def write_task_model(out_dir: Path, model, runner, w, cfg) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()}
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    conf = hf_config_dict(w.config, [hf_architecture(runner.kind, w.config)])
+    family = family_of(w.config)
+    conf = family.hf_config(w.config, [family.hf_architecture(runner.kind)])
+    conf.update(family.task_config(model))
     if runner.kind == "regression":
         conf.update(num_labels=1, problem_type="regression")
     elif runner.label_names:
@@ -26,5 +28,5 @@ def write_task_model(out_dir: Path, model, runner, w, cfg) -> Path:
     (out / "config.json").write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
     vocab = cfg.vocab_file or w.vocab_file
     lower = cfg.do_lower_case if cfg.do_lower_case is not None else w.do_lower_case
-    write_tokenizer_files(out, vocab, bool(lower), w.config.max_position_embeddings)
+    write_checkpoint_tokenizer(out, w, vocab, lower, w.config.max_position_embeddings)
     return out

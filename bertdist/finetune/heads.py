@@ -8,7 +8,9 @@ discriminator's encoder (``electra``: embeddings, projection, encoder; no pooler
 of ``ElectraForSequenceClassification`` (``classifier.dense`` + gelu + ``classifier.out_proj`` on
 the first token), ``ElectraForTokenClassification``, ``ElectraForQuestionAnswering`` and
 ``ElectraForMultipleChoice`` (``sequence_summary.summary`` + gelu, then ``classifier``), so its
-task models load in transformers as those. ``task_model`` builds the one that fits the config.
+task models load in transformers as those. A ModernBERT backbone's heads are in
+modernbert_heads.py. ``task_model`` builds the one that fits the config's family
+(bertdist/export/encoders.py).
 """
 from __future__ import annotations
 
@@ -35,27 +37,26 @@ HF_ELECTRA_ARCHITECTURE = {kind: name.replace("Bert", "Electra", 1) for kind, na
 
 def hf_architecture(kind: str, cfg: BertConfig) -> str:
     """The transformers class of a task model of head ``kind`` on the backbone ``cfg``."""
-    return (HF_ELECTRA_ARCHITECTURE if isinstance(cfg, ElectraConfig) else HF_ARCHITECTURE)[kind]
+    from bertdist.export.encoders import family_of
+
+    return family_of(cfg).hf_architecture(kind)
 
 
 def head_keys(kind: str, cfg: BertConfig | None = None) -> tuple[str, ...]:
     """The task head's tensors in a task model's state dict on the backbone ``cfg``; first the
     output layer's weight ([outputs, hidden])."""
-    if kind == "span":
-        return ("qa_outputs.weight", "qa_outputs.bias")
-    if isinstance(cfg, ElectraConfig) and kind in ("classification", "regression"):
-        return ("classifier.out_proj.weight", "classifier.out_proj.bias", "classifier.dense.weight",
-                "classifier.dense.bias")
-    if isinstance(cfg, ElectraConfig) and kind == "choice":
-        return ("classifier.weight", "classifier.bias", "sequence_summary.summary.weight",
-                "sequence_summary.summary.bias")
-    return ("classifier.weight", "classifier.bias")
+    from bertdist.export.encoders import family_of
+
+    return (BertForTask if cfg is None else family_of(cfg).task_class()).head_keys(kind)
 
 
-def task_model(cfg: BertConfig, kind: HeadKind, num_labels: int = 2, device_type: str | None = None) -> nn.Module:
-    """``ElectraForTask`` for an ELECTRA backbone, else ``BertForTask``."""
-    cls = ElectraForTask if isinstance(cfg, ElectraConfig) else BertForTask
-    return cls(cfg, kind, num_labels, device_type=device_type)
+def task_model(cfg: BertConfig, kind: HeadKind, num_labels: int = 2, device_type: str | None = None,
+               **head) -> nn.Module:
+    """The task model of the backbone's family (``BertForTask``, ``ElectraForTask``,
+    ``ModernBertForTask``); ``head``: options of that family's heads (ModernBERT's ``pooling``)."""
+    from bertdist.export.encoders import family_of
+
+    return family_of(cfg).task_model(cfg, kind, num_labels, device_type=device_type, **head)
 
 
 class BertForTask(nn.Module):
@@ -75,6 +76,10 @@ class BertForTask(nn.Module):
             self.classifier = nn.Linear(cfg.hidden_size, out)
         for m in self.head_modules():
             init_weights(m, cfg.initializer_range)
+
+    @staticmethod
+    def head_keys(kind: str) -> tuple[str, ...]:
+        return ("qa_outputs.weight", "qa_outputs.bias") if kind == "span" else ("classifier.weight", "classifier.bias")
 
     def head_modules(self) -> list[nn.Module]:
         return [self.qa_outputs] if self.kind == "span" else [self.classifier]
@@ -179,6 +184,16 @@ class ElectraForTask(nn.Module):
             self.qa_outputs = nn.Linear(disc.hidden_size, 2)
         for m in self.head_modules():
             m.apply(lambda module: init_weights(module, cfg.initializer_range))
+
+    @staticmethod
+    def head_keys(kind: str) -> tuple[str, ...]:
+        if kind in ("classification", "regression"):
+            return ("classifier.out_proj.weight", "classifier.out_proj.bias", "classifier.dense.weight",
+                    "classifier.dense.bias")
+        if kind == "choice":
+            return ("classifier.weight", "classifier.bias", "sequence_summary.summary.weight",
+                    "sequence_summary.summary.bias")
+        return BertForTask.head_keys(kind)
 
     def head_modules(self) -> list[nn.Module]:
         if self.kind == "span":

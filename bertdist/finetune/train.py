@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from bertdist.config import save_config
+from bertdist.export.encoders import family_of
 from bertdist.export.sources import PretrainedWeights, load_pretrained
 from bertdist.export.tokenizer import bert_tokenizer, read_vocab, vocab_sha256
 from bertdist.finetune.config import FinetuneConfig
@@ -36,7 +37,10 @@ class VocabMismatch(DataError):
 
 # ---------------------------------------------------------------- setup
 def resolve_tokenizer(cfg: FinetuneConfig, w: PretrainedWeights):
-    """The data tokenizer, checked against the checkpoint's vocab (same tokens, same size, same casing)."""
+    """The data tokenizer, checked against the checkpoint's vocab (same tokens, same size, same casing);
+    a checkpoint that brings its own ``tokenizer.json`` (ModernBERT) is tokenized with that."""
+    if w.tokenizer_json is not None:
+        return checkpoint_tokenizer(cfg, w)
     vocab = cfg.vocab_file or w.vocab_file
     if vocab is None:
         raise VocabMismatch(f"the checkpoint {cfg.checkpoint} does not name its vocab; set vocab_file")
@@ -54,6 +58,20 @@ def resolve_tokenizer(cfg: FinetuneConfig, w: PretrainedWeights):
                             f"but do_lower_case={cfg.do_lower_case} was asked for")
     lower = cfg.do_lower_case if cfg.do_lower_case is not None else w.do_lower_case
     return bert_tokenizer(vocab, lower)
+
+
+def checkpoint_tokenizer(cfg: FinetuneConfig, w: PretrainedWeights):
+    """The fast tokenizer the checkpoint came with; a WordPiece ``vocab_file`` cannot replace it."""
+    from bertdist.export.tokenizer import fast_tokenizer
+
+    if cfg.vocab_file:
+        raise VocabMismatch(f"the checkpoint {cfg.checkpoint} brings its own tokenizer ({w.tokenizer_json}); "
+                            f"vocab_file={cfg.vocab_file} (a WordPiece vocab) cannot replace it: leave vocab_file unset")
+    tok = fast_tokenizer(w.tokenizer_json)
+    if len(tok) > w.config.vocab_size:
+        raise VocabMismatch(f"the checkpoint's tokenizer {w.tokenizer_json} has {len(tok)} tokens but its "
+                            f"embeddings have {w.config.vocab_size} rows")
+    return tok
 
 
 def seed_everything(seed: int) -> None:
@@ -191,10 +209,9 @@ def train_once(cfg: FinetuneConfig, runner: Runner, w: PretrainedWeights, train_
                eval_sets: list[EvalSet], lr: float, seed: int, run_dir: Path) -> dict:
     seed_everything(seed)
     device = local_device(cfg.device)
-    mcfg = w.config if cfg.hidden_dropout_prob is None else dataclasses.replace(
-        w.config, hidden_dropout_prob=cfg.hidden_dropout_prob)
-    mcfg = dataclasses.replace(mcfg, kernels=cfg.kernels)
-    model = task_model(mcfg, runner.kind, runner.num_labels, device_type=device.type)
+    family = family_of(w.config)
+    mcfg = family.with_kernels(family.with_dropout(w.config, cfg.hidden_dropout_prob), cfg.kernels)
+    model = task_model(mcfg, runner.kind, runner.num_labels, device_type=device.type, **head_options(cfg, w))
     model.load_backbone(w.state_dict)
     model.to(device)
     rank, world = rank_and_world()
@@ -255,8 +272,13 @@ def train_once(cfg: FinetuneConfig, runner: Runner, w: PretrainedWeights, train_
     best["train_seconds"] = time.time() - t0
     best["history"] = history
     best["lr"], best["seed"], best["steps"] = lr, seed, total
-    best["kernel_sources"] = dict(model.backbone.kernels.sources)  # what `kernels` resolved to, per op
+    best["kernel_sources"] = family.kernel_sources(model)  # what `kernels` resolved to, per op
     return best
+
+
+def head_options(cfg: FinetuneConfig, w: PretrainedWeights) -> dict:
+    """What the backbone family's task heads take from the fine-tuning config."""
+    return family_of(w.config).head_options(cfg)
 
 
 def evaluate(model, runner: Runner, eval_sets: list[EvalSet], cfg, device) -> dict:
@@ -328,8 +350,8 @@ def _write_outputs(cfg, runner, w, best, eval_sets, out: Path, summary: dict) ->
     state = best.get("_state")
     if state is not None and (cfg.predict_test or cfg.save_model):
         device = local_device(cfg.device)
-        model = task_model(dataclasses.replace(w.config, kernels=cfg.kernels), runner.kind, runner.num_labels,
-                           device_type=device.type)
+        model = task_model(family_of(w.config).with_kernels(w.config, cfg.kernels), runner.kind, runner.num_labels,
+                           device_type=device.type, **head_options(cfg, w))
         model.load_state_dict(state)
         model.to(device)
         if cfg.predict_test:

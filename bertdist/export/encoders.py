@@ -1,0 +1,172 @@
+"""Encoder families: what everything after pretraining needs to know about a backbone, in one place.
+
+Fine-tuning, bi- and cross-encoders, distillation and the ONNX export take a ``PretrainedWeights``
+(bertdist/export/sources.py) and ask its family, ``family_of(w.config)``, for:
+
+* the task model of a head kind (``task_model``), whose module names are transformers'
+  ``<Prefix>For<Task>``, and that class's name (``hf_architecture``);
+* the bare encoder with BERT's call shape for embeddings (``embedding_encoder``), its tensors out
+  of a pretraining state dict (``encoder_state``) and its transformers class (``<Prefix>Model``);
+* the ``config.json`` of an exported model (``hf_config``), and how the fine-tuning knobs that
+  exist in one family only (``kernels``, a hidden dropout) map onto its config.
+
+The tokenizer goes with the weights, not the family: a WordPiece ``vocab.txt`` or the
+``tokenizer.json`` a checkpoint came with (``data_tokenizer`` in bertdist/export/tokenizer.py).
+
+Families: BERT (``BertConfig``), ELECTRA (``ElectraConfig``: the discriminator), ModernBERT
+(``ModernBertConfig``). A new backbone is one more ``EncoderFamily`` in ``FAMILIES``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import torch
+import torch.nn as nn
+
+from bertdist.model import BertConfig, ElectraConfig
+from bertdist.model.modernbert_config import ModernBertConfig
+
+# Head kind -> the transformers class suffix of its task model.
+TASK_SUFFIX = {"classification": "ForSequenceClassification", "regression": "ForSequenceClassification",
+               "token": "ForTokenClassification", "span": "ForQuestionAnswering", "choice": "ForMultipleChoice",
+               "encoder": "Model"}
+
+
+class EncoderFamily:
+    name: str
+    hf_prefix: str  # transformers' class prefix: Bert, Electra, ModernBert
+    config_type: type
+    model_type: str  # config.json's model_type
+    layer_prefix: str  # the encoder layers' keys in a pretraining state dict ("<prefix><i>.")
+
+    def owns(self, cfg: Any) -> bool:
+        return type(cfg) is self.config_type
+
+    def hf_architecture(self, kind: str) -> str:
+        return self.hf_prefix + TASK_SUFFIX[kind]
+
+    def task_class(self) -> type:
+        raise NotImplementedError
+
+    def task_model(self, cfg, kind: str, num_labels: int = 2, device_type: str | None = None, **head) -> nn.Module:
+        return self.task_class()(cfg, kind, num_labels, device_type=device_type, **head)
+
+    def head_keys(self, kind: str) -> tuple[str, ...]:
+        return self.task_class().head_keys(kind)
+
+    def embedding_encoder(self, cfg, device_type: str | None = None) -> nn.Module:
+        raise ValueError(f"bi-encoders on {self.name} are not supported (BERT and ModernBERT are)")
+
+    def encoder_state(self, pretraining_state_dict: Mapping[str, torch.Tensor], encoder: nn.Module
+                      ) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def hf_config(self, cfg, architectures: list[str]) -> dict:
+        from bertdist.export.hf import hf_config_dict
+
+        return hf_config_dict(cfg, architectures)
+
+    def head_options(self, finetune_cfg) -> dict:
+        """The task heads' options from a ``FinetuneConfig`` (keyword arguments of ``task_model``)."""
+        return {}
+
+    def task_config(self, model: nn.Module) -> dict:
+        """What a task model adds to config.json beyond the backbone's (ModernBERT: its pooling)."""
+        return {}
+
+    def with_kernels(self, cfg, kernels: str | None):
+        return cfg if kernels is None else dataclasses.replace(cfg, kernels=kernels)
+
+    def with_dropout(self, cfg, p: float | None):
+        """``cfg`` with fine-tuning's hidden dropout ``p`` (None: the checkpoint's)."""
+        return cfg if p is None else dataclasses.replace(cfg, hidden_dropout_prob=p)
+
+    def kernel_sources(self, model: nn.Module) -> dict:
+        return dict(model.backbone.kernels.sources)
+
+
+class BertFamily(EncoderFamily):
+    name, hf_prefix, config_type, model_type = "bert", "Bert", BertConfig, "bert"
+    layer_prefix = "bert.encoder.layer."
+
+    def task_class(self) -> type:
+        from bertdist.finetune.heads import BertForTask
+
+        return BertForTask
+
+    def embedding_encoder(self, cfg, device_type=None) -> nn.Module:
+        from bertdist.model import BertModel
+
+        return BertModel(cfg, add_pooling_layer=True, device_type=device_type)
+
+    def encoder_state(self, pretraining_state_dict, encoder):
+        return {k[len("bert."):]: v for k, v in pretraining_state_dict.items() if k.startswith("bert.")}
+
+
+class ElectraFamily(EncoderFamily):
+    name, hf_prefix, config_type, model_type = "electra", "Electra", ElectraConfig, "electra"
+    layer_prefix = "discriminator.electra.encoder.layer."
+
+    def task_class(self) -> type:
+        from bertdist.finetune.heads import ElectraForTask
+
+        return ElectraForTask
+
+
+class ModernBertFamily(EncoderFamily):
+    name, hf_prefix, config_type, model_type = "modernbert", "ModernBert", ModernBertConfig, "modernbert"
+    layer_prefix = "model.layers."
+
+    def task_class(self) -> type:
+        from bertdist.finetune.modernbert_heads import ModernBertForTask
+
+        return ModernBertForTask
+
+    def embedding_encoder(self, cfg, device_type=None) -> nn.Module:
+        from bertdist.finetune.modernbert_heads import ModernBertBackbone
+
+        return ModernBertBackbone(cfg)
+
+    def encoder_state(self, pretraining_state_dict, encoder):
+        from bertdist.finetune.modernbert_heads import backbone_state
+
+        return backbone_state(pretraining_state_dict, encoder.state_dict())
+
+    def hf_config(self, cfg, architectures: list[str]) -> dict:
+        from bertdist.export.modernbert_hf import hf_config_dict
+
+        return {**hf_config_dict(cfg), "architectures": list(architectures)}
+
+    def head_options(self, finetune_cfg) -> dict:
+        return {"pooling": finetune_cfg.classifier_pooling}
+
+    def task_config(self, model: nn.Module) -> dict:
+        return {"classifier_pooling": model.pooling, "classifier_dropout": model.classifier_dropout}
+
+    def with_kernels(self, cfg, kernels):
+        return cfg  # one implementation; its attention backend is the config's attention_backend
+
+    def with_dropout(self, cfg, p):
+        # BERT's hidden dropout sits on each block's output; ModernBERT's nearest is its MLP dropout.
+        return cfg if p is None else dataclasses.replace(cfg, mlp_dropout=p)
+
+    def kernel_sources(self, model):
+        return {"attention": model.backbone.config.attention_backend}
+
+
+FAMILIES: tuple[EncoderFamily, ...] = (BertFamily(), ElectraFamily(), ModernBertFamily())
+
+
+def family_of(cfg: Any) -> EncoderFamily:
+    """The family of a model config (exact type: an ElectraConfig is not taken for a BertConfig)."""
+    for f in FAMILIES:
+        if f.owns(cfg):
+            return f
+    raise TypeError(f"no encoder family for a {type(cfg).__name__}; known: "
+                    f"{[f.config_type.__name__ for f in FAMILIES]}")
+
+
+def family_named(model_type: str | None) -> EncoderFamily | None:
+    """The family of a config.json's ``model_type``, or None."""
+    return next((f for f in FAMILIES if f.model_type == model_type), None)

@@ -1,0 +1,154 @@
+"""A ModernBERT backbone in fine-tuning (bertdist/finetune/modernbert_heads.py, chosen through
+bertdist/export/encoders.py), from a tiny transformers ``ModernBertForMaskedLM`` directory with a
+byte-level BPE tokenizer.json (tests/export/tiny_modernbert.py):
+
+- every head kind is transformers' ``ModernBertFor<Task>`` key for key, with its logits (fp32, 1e-5),
+  for both ``classifier_pooling`` modes;
+- `finetune` on SST-2-format rows trains (the loss falls), saves a ModernBertForSequenceClassification
+  that transformers loads with every key and whose dev logits equal ours; from the HF directory and
+  from the bertdist torch-format directory made of it.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from bertdist.export.encoders import family_of
+from bertdist.export.sources import load_pretrained, write_torch_dir
+from bertdist.finetune.heads import hf_architecture, task_model
+from bertdist.finetune.modernbert_heads import ModernBertForTask
+from tests.export.tiny_modernbert import CORPUS, write_hf_modernbert
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    return write_hf_modernbert(tmp_path_factory.mktemp("modernbert"))
+
+
+@pytest.fixture(scope="module")
+def sst2(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("SST-2")
+    rows = [(s, 1) for s in CORPUS[:8]] + [(s, 0) for s in CORPUS[8:16]]
+    (d / "train.tsv").write_text("sentence\tlabel\n" + "".join(f"{s}\t{y}\n" for s, y in rows))
+    (d / "dev.tsv").write_text("sentence\tlabel\n" + "".join(f"{s}\t{y}\n" for s, y in rows[::3]))
+    return d
+
+
+def _batch(tok, kind: str):
+    """A right-padded batch of texts of different lengths (choice: [2, 4, S])."""
+    texts = ["a great film", "The man is cooking dinner in the afternoon.", "truly awful", "Who wrote the letter?"]
+    if kind == "choice":
+        enc = tok([t for _ in range(2) for t in texts], padding=True, return_tensors="pt")
+        return {k: v.view(2, 4, -1) for k, v in enc.items()}
+    return dict(tok(texts, padding=True, return_tensors="pt"))
+
+
+HF_CLASS = {"classification": "ModernBertForSequenceClassification", "regression": "ModernBertForSequenceClassification",
+            "token": "ModernBertForTokenClassification", "span": "ModernBertForQuestionAnswering",
+            "choice": "ModernBertForMultipleChoice"}
+
+
+@pytest.mark.parametrize("kind,pooling", [("classification", "cls"), ("classification", "mean"), ("regression", "cls"),
+                                          ("token", "cls"), ("span", "cls"), ("choice", "cls"), ("choice", "mean")])
+def test_each_head_is_transformers_modernbert_for_task(hf_dir, tmp_path, kind, pooling):
+    from bertdist.export.tokenizer import fast_tokenizer
+
+    w = load_pretrained(hf_dir)
+    family = family_of(w.config)
+    torch.manual_seed(1)
+    ours = task_model(w.config, kind, 3, pooling=pooling)
+    assert isinstance(ours, ModernBertForTask) and hf_architecture(kind, w.config) == HF_CLASS[kind]
+    ours.load_backbone(w.state_dict)
+    with torch.no_grad():  # a head far from its init, so a misplaced tensor shows
+        for p in ours.head.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    conf = {**family.hf_config(w.config, [HF_CLASS[kind]]), **family.task_config(ours),
+            "num_labels": {"regression": 1, "span": 2}.get(kind, 3)}
+    (tmp_path / "config.json").write_text(json.dumps(conf))
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in ours.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    hf, info = getattr(transformers, HF_CLASS[kind]).from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    batch = _batch(fast_tokenizer(hf_dir / "tokenizer.json"), kind)
+    with torch.no_grad():
+        logits, _ = ours.eval()(batch)
+        out = hf.eval()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    if kind == "span":
+        theirs = torch.stack([out.start_logits, out.end_logits], -1)
+    else:
+        theirs = out.logits.squeeze(-1) if kind == "regression" else out.logits
+    if kind in ("token", "span"):  # padding positions carry no prediction (ours are zeros there)
+        real = batch["attention_mask"].bool()
+        logits, theirs = logits[real], theirs[real]
+    assert logits.shape == theirs.shape
+    assert (logits - theirs).abs().max().item() <= 1e-5
+
+
+def test_training_lowers_the_loss(hf_dir, sst2):
+    from bertdist.finetune import FinetuneConfig
+    from bertdist.finetune.tasks import make_runner
+    from bertdist.finetune.train import collate, resolve_tokenizer
+
+    cfg = FinetuneConfig(task="sst2", checkpoint=str(hf_dir), data=str(sst2), max_seq_length=32)
+    w = load_pretrained(hf_dir)
+    runner = make_runner("sst2", sst2, resolve_tokenizer(cfg, w), cfg)
+    batch = collate(runner.train_features())
+    torch.manual_seed(0)
+    model = task_model(w.config, runner.kind, runner.num_labels)
+    model.load_backbone(w.state_dict)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(30):
+        _, loss = model(batch)
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert max(losses[-3:]) < 0.25 * losses[0], losses
+
+
+@pytest.mark.parametrize("source", ["hf", "torch"])
+def test_finetune_saves_a_model_transformers_reproduces(hf_dir, sst2, tmp_path, source):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from bertdist.finetune import FinetuneConfig, run_finetune
+    from bertdist.finetune.glue import GLUE_TASKS, read_glue
+
+    ckpt = hf_dir if source == "hf" else write_torch_dir(tmp_path / "torch", load_pretrained(hf_dir))
+    out = tmp_path / "run"
+    cfg = FinetuneConfig(task="sst2", checkpoint=str(ckpt), data=str(sst2), output_dir=str(out), max_seq_length=32,
+                         batch_size=4, max_steps=6, learning_rate=1e-3, progress=False, save_model=True,
+                         predict_test=False, tensorboard=False, classifier_pooling="mean")
+    summary = run_finetune(cfg)
+    assert summary["kernel_sources"] == {"attention": "sdpa"}
+    hf, info = AutoModelForSequenceClassification.from_pretrained(out / "model", output_loading_info=True)
+    assert type(hf).__name__ == "ModernBertForSequenceClassification"
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert hf.config.classifier_pooling == "mean" and hf.config.id2label == {0: "0", 1: "1"}
+    tok = AutoTokenizer.from_pretrained(out / "model")
+    ex = read_glue(GLUE_TASKS["sst2"], sst2 / "dev.tsv")
+    enc = tok([e.text_a for e in ex], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        theirs = hf.eval()(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits
+    rows = json.loads((out / "predictions" / "dev.json").read_text())
+    ours = torch.tensor([r["logits"] for r in rows])
+    assert (theirs - ours).abs().max().item() <= 1e-5
+    base = transformers.ModernBertForMaskedLM.from_pretrained(hf_dir).model.embeddings.tok_embeddings.weight
+    assert not torch.equal(hf.model.embeddings.tok_embeddings.weight, base)  # the backbone was trained too
+
+
+def test_a_wordpiece_vocab_cannot_replace_the_checkpoints_tokenizer(hf_dir, sst2, tmp_path):
+    from bertdist.finetune import FinetuneConfig, VocabMismatch
+    from bertdist.finetune.train import resolve_tokenizer
+
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nfilm\n")
+    cfg = FinetuneConfig(task="sst2", checkpoint=str(hf_dir), data=str(sst2), vocab_file=str(vocab))
+    with pytest.raises(VocabMismatch, match="brings its own tokenizer"):
+        resolve_tokenizer(cfg, load_pretrained(hf_dir))
