@@ -105,17 +105,18 @@ def run_onnx(args) -> int:
             with trust_checkpoints(args.trust_checkpoint):
                 export_onnx(args.source, args.out, opts)
             return 0
-        from bertdist.export import write_hf_dir
         from bertdist.export.sources import load_pretrained
 
         lower = {"cased": False, "uncased": True, None: None}[args.casing]
         with trust_checkpoints(args.trust_checkpoint):
             w = load_pretrained(args.source, vocab_file=args.vocab, do_lower_case=lower, tag=args.tag)
-        if w.vocab_file is None:
+        if w.vocab_file is None and w.tokenizer_json is None:
             print("bertdist export: the checkpoint does not name its vocab file; pass --vocab FILE")
             return 2
+        from bertdist.export.encoders import family_of
+
         with tempfile.TemporaryDirectory(prefix="bertdist-onnx-") as tmp:
-            hf = write_hf_dir(f"{tmp}/hf", w.config, w.state_dict, w.vocab_file, w.do_lower_case)
+            hf = family_of(w.config).write_pretraining_dir(f"{tmp}/hf", w)
             export_onnx(hf, args.out, opts)
         return 0
     except (ExportError, HFExportError, FileNotFoundError) as e:

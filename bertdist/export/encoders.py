@@ -71,6 +71,16 @@ class EncoderFamily:
         """The task heads' options from a ``FinetuneConfig`` (keyword arguments of ``task_model``)."""
         return {}
 
+    def head_options_of(self, hf_config: Mapping) -> dict:
+        """The task heads' options a task model's config.json records."""
+        return {}
+
+    def write_pretraining_dir(self, out, w) -> Any:
+        """``w`` (a ``PretrainedWeights``) as the HF directory of its pretraining model."""
+        from bertdist.export.hf import write_hf_dir
+
+        return write_hf_dir(out, w.config, w.state_dict, w.vocab_file, w.do_lower_case)
+
     def task_config(self, model: nn.Module) -> dict:
         """What a task model adds to config.json beyond the backbone's (ModernBERT: its pooling)."""
         return {}
@@ -140,6 +150,15 @@ class ModernBertFamily(EncoderFamily):
 
     def head_options(self, finetune_cfg) -> dict:
         return {"pooling": finetune_cfg.classifier_pooling}
+
+    def head_options_of(self, hf_config):
+        return {"pooling": hf_config.get("classifier_pooling") or "cls",
+                "classifier_dropout": float(hf_config.get("classifier_dropout") or 0.0)}
+
+    def write_pretraining_dir(self, out, w):
+        from bertdist.export.modernbert_hf import write_modernbert_hf_dir
+
+        return write_modernbert_hf_dir(out, w.config, w.state_dict, w.tokenizer_files)
 
     def task_config(self, model: nn.Module) -> dict:
         return {"classifier_pooling": model.pooling, "classifier_dropout": model.classifier_dropout}

@@ -91,6 +91,21 @@ def load_pretrained(
     return w
 
 
+def read_task_dir(path: str | os.PathLike, kernels: str | None = None
+                  ) -> tuple[PretrainedWeights, dict[str, torch.Tensor], dict]:
+    """An HF task-model directory (a fine-tuned ``<Family>For<Task>``): its backbone as
+    ``PretrainedWeights``, the state dict as read (the task head is there) and its config.json."""
+    p = Path(path)
+    origin = {"kind": "hf", "path": str(p)}
+    if is_modernbert_dir(p):
+        ck = read_modernbert_hf_dir(p)
+        return PretrainedWeights(ck.config, ck.state_dict, None, None, origin, ck.tokenizer_files), \
+            ck.raw_state_dict, ck.hf_config
+    ck = read_hf_dir(p, kernels=kernels or "auto")
+    return PretrainedWeights(ck.config, ck.state_dict, ck.vocab_file, ck.do_lower_case, origin), \
+        ck.raw_state_dict, ck.hf_config
+
+
 def _load_torch_dir(p: Path) -> PretrainedWeights:
     import yaml
 

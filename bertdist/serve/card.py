@@ -14,24 +14,19 @@ OPSET = 17
 FILES = {"fp32": "model.onnx", "optimized": "model.optimized.onnx", "int8": "model.int8.onnx"}
 # The variant a server loads by default: the fastest one the export wrote and checked.
 PREFERENCE = ("int8", "optimized", "fp32")
+# transformers' class prefix of each model_type the export handles.
+PREFIXES = {"bert": "Bert", "electra": "Electra", "modernbert": "ModernBert"}
+# The task of each architecture. Pretraining models serve as encoders: BERT's, ELECTRA's
+# discriminator (ForPreTraining) and generator (ForMaskedLM), ModernBERT's masked LM.
 TASK_ARCHITECTURES = {
-    "BertModel": "encoder",
-    "BertForPreTraining": "encoder",
-    "BertForMaskedLM": "encoder",
-    "BertForSequenceClassification": "classification",
-    "BertForTokenClassification": "token",
-    "BertForQuestionAnswering": "span",
-    "BertForMultipleChoice": "choice",
-    # ELECTRA: the discriminator (what pretraining keeps) and the generator serve as encoders.
-    "ElectraModel": "encoder",
-    "ElectraForPreTraining": "encoder",
-    "ElectraForMaskedLM": "encoder",
-    "ElectraForSequenceClassification": "classification",
-    "ElectraForTokenClassification": "token",
-    "ElectraForQuestionAnswering": "span",
-    "ElectraForMultipleChoice": "choice",
+    f"{prefix}{suffix}": task
+    for prefix in PREFIXES.values()
+    for suffix, task in (("Model", "encoder"), ("ForPreTraining", "encoder"), ("ForMaskedLM", "encoder"),
+                         ("ForSequenceClassification", "classification"), ("ForTokenClassification", "token"),
+                         ("ForQuestionAnswering", "span"), ("ForMultipleChoice", "choice"))
+    if not (prefix == "ModernBert" and suffix == "ForPreTraining")  # transformers has no such class
 }
-MODEL_TYPES = ("bert", "electra")
+MODEL_TYPES = tuple(PREFIXES)
 
 
 class ExportError(Exception):

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from bertdist.serve.card import FILES, MODEL_TYPES, OPSET, TASK_ARCHITECTURES, ExportError
+from bertdist.serve.card import FILES, MODEL_TYPES, OPSET, PREFIXES, TASK_ARCHITECTURES, ExportError
 from bertdist.serve.quantization import MODES
 
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
@@ -45,8 +45,13 @@ class SourceModel:
 
 
 def family(config: dict) -> str:
-    """The transformers class prefix of a config's model type: Bert or Electra."""
-    return "Electra" if config.get("model_type") == "electra" else "Bert"
+    """The transformers class prefix of a config's model type: Bert, Electra or ModernBert."""
+    return PREFIXES.get(config.get("model_type"), "Bert")
+
+
+def takes_token_types(config: dict) -> bool:
+    """ModernBERT has no token types: its graph takes input_ids and attention_mask only."""
+    return config.get("model_type") != "modernbert"
 
 
 def architecture(config: dict) -> str:
@@ -157,9 +162,9 @@ class _ExportWrapper(nn.Module):
     """The transformers model with plain tensor outputs; for encoders the sentence embedding in the
     graph: mean pooling, or a sentence-transformers bi-encoder's pooling, Dense and Normalize."""
 
-    def __init__(self, model: nn.Module, task: str, layout=None):
+    def __init__(self, model: nn.Module, task: str, layout=None, token_types: bool = True):
         super().__init__()
-        self.model, self.task = model, task
+        self.model, self.task, self.token_types = model, task, token_types
         self.pooling = layout.pooling if layout is not None else "mean"
         self.normalize = bool(layout is not None and layout.normalize)
         self.dense, self.dense_act = None, None
@@ -173,7 +178,8 @@ class _ExportWrapper(nn.Module):
             self.dense_act = nn.Tanh() if layout.dense["activation"] == "tanh" else nn.Identity()
 
     def forward(self, input_ids, attention_mask, token_type_ids):
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+        types = {"token_type_ids": token_type_ids} if self.token_types else {}
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, **types)
         if self.task == "encoder":
             from bertdist.embed.pooling import pool
 
@@ -214,7 +220,7 @@ def load_torch_model(src: SourceModel) -> nn.Module:
     except Exception as e:  # noqa: BLE001 - whatever the directory holds that transformers cannot use
         raise ExportError(f"{src.path}: transformers cannot build {prefix}{name} from it: {type(e).__name__}: "
                           f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
-    return _ExportWrapper(model, src.task, src.st_layout).eval()  # eval on the wrapper: the exporter restores its mode after tracing
+    return _ExportWrapper(model, src.task, src.st_layout, takes_token_types(src.config)).eval()  # eval on the wrapper: the exporter restores its mode after tracing
 
 
 def example_inputs(task: str, batch: int = 2, seq: int = 8, choices: int = 4) -> tuple[torch.Tensor, ...]:
@@ -225,14 +231,20 @@ def example_inputs(task: str, batch: int = 2, seq: int = 8, choices: int = 4) ->
     return ids, mask, torch.zeros(shape, dtype=torch.long)
 
 
-def export_fp32(model: nn.Module, task: str, out_file: Path) -> None:
+def graph_inputs(config: dict) -> tuple[str, ...]:
+    return INPUTS if takes_token_types(config) else INPUTS[:2]
+
+
+def export_fp32(model: nn.Module, task: str, out_file: Path, inputs: tuple[str, ...] = INPUTS) -> None:
+    """The graph over ``inputs``; the model is always called with all three (an input the model does
+    not read, ModernBERT's token types, is left out of the graph and must not be named)."""
     axes = {0: "batch", 1: "choice", 2: "sequence"} if task == "choice" else {0: "batch", 1: "sequence"}
-    dyn = {name: axes for name in INPUTS}
+    dyn = {name: axes for name in inputs}
     for name in output_names(task):
         dyn[name] = {0: "batch", 1: "choice"} if task == "choice" else (
             {0: "batch"} if name in ("logits", "sentence_embedding") and task != "token" else {0: "batch", 1: "sequence"})
     with torch.no_grad():
-        torch.onnx.export(model, example_inputs(task), str(out_file), input_names=list(INPUTS),
+        torch.onnx.export(model, example_inputs(task), str(out_file), input_names=list(inputs),
                           output_names=list(output_names(task)), dynamic_axes=dyn, opset_version=OPSET,
                           dynamo=False)
 
@@ -325,11 +337,11 @@ def export_onnx(source: str | os.PathLike, out: str | os.PathLike, opts: ExportO
     try:
         model = load_torch_model(src)
         files = files_for(opts.optimize, opts.quantize)
-        export_fp32(model, src.task, stage / files["fp32"])
+        export_fp32(model, src.task, stage / files["fp32"], graph_inputs(src.config))
         card = {"task": src.task, "labels": src.labels, "opset": OPSET, "max_length": max_length,
                 "source": str(src.path), "model_type": src.config["model_type"],
                 "architecture": architecture(src.config),
-                "inputs": list(INPUTS), "outputs": list(output_names(src.task)), "files": files,
+                "inputs": list(graph_inputs(src.config)), "outputs": list(output_names(src.task)), "files": files,
                 "pooling": (src.st_layout.pooling if src.st_layout is not None else "mean") if src.task == "encoder" else None,
                 "normalized": bool(src.st_layout is not None and src.st_layout.normalize),
                 "activation": src.activation,
@@ -338,6 +350,7 @@ def export_onnx(source: str | os.PathLike, out: str | os.PathLike, opts: ExportO
         copy_tokenizer(src.path, stage)
         shutil.copyfile(src.path / "config.json", stage / "config.json")
         tok = AutoTokenizer.from_pretrained(str(stage))
+        tok.model_input_names = list(INPUTS)  # token types for every family (zeros where a model has none)
         sample = parity.encode_sample(tok, src.task, parity.sample_texts(), max_length)
         sessions = {"fp32": make_session(stage / files["fp32"], opts.threads)}
         if opts.optimize:

@@ -69,7 +69,8 @@ def run_torch(model, batch: dict[str, np.ndarray]) -> list[np.ndarray]:
 
 
 def run_onnx(session, batch: dict[str, np.ndarray]) -> list[np.ndarray]:
-    return session.run(None, batch)
+    names = {i.name for i in session.get_inputs()}  # a ModernBERT graph takes no token_type_ids
+    return session.run(None, {k: v for k, v in batch.items() if k in names})
 
 
 @dataclasses.dataclass

@@ -186,6 +186,7 @@ class ServedModel:
         self._tok = {d: _tokenizer(self.dir, self.max_length, d) for d in DIRECTIONS}
         self._tok_plain = _tokenizer(self.dir, None, "right")  # counts a pair's tokens
         self._outputs = [o.name for o in self.session.get_outputs()]
+        self._token_types = "token_type_ids" in {i.name for i in self.session.get_inputs()}  # not ModernBERT's
         self._warned: set = set()
 
     def info(self) -> dict:
@@ -458,8 +459,10 @@ class ServedModel:
         mask = np.zeros_like(ids)
         for i, it in enumerate(items):
             ids[i, :it.length], types[i, :it.length], mask[i, :it.length] = it.input_ids, it.token_type_ids, 1
-        res = dict(zip(self._outputs, self.session.run(None, {"input_ids": ids, "attention_mask": mask,
-                                                               "token_type_ids": types})))
+        feeds = {"input_ids": ids, "attention_mask": mask}
+        if self._token_types:
+            feeds["token_type_ids"] = types
+        res = dict(zip(self._outputs, self.session.run(None, feeds)))
         if self.task == "encoder":
             return list(res["sentence_embedding"])
         logits = res["logits"]

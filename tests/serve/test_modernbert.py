@@ -1,0 +1,106 @@
+"""ModernBERT through `bertdist export --format onnx` and a real `bertdist serve` process: a tiny
+ModernBERT (byte-level BPE tokenizer.json, tests/export/tiny_modernbert.py) fine-tuned on SST-2-format
+rows answers /predict as the fine-tuned model does offline, and the pretrained ModernBertForMaskedLM
+directory answers /embed as our encoder's mean-pooled states; texts past the model's limit are
+answered as the tokenizer's truncation of the whole text."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bertdist.cli.main import main
+from tests.export.tiny_modernbert import CORPUS, write_hf_modernbert
+from tests.serve.test_server import CliServer, call
+
+pytest.importorskip("onnxruntime")
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> Path:
+    return write_hf_modernbert(tmp_path_factory.mktemp("modernbert"))
+
+
+@pytest.fixture(scope="module")
+def finetuned(tmp_path_factory, pretrained) -> Path:
+    from bertdist.finetune import FinetuneConfig, run_finetune
+
+    d = tmp_path_factory.mktemp("SST-2")
+    rows = [(s, 1) for s in CORPUS[:8]] + [(s, 0) for s in CORPUS[8:16]]
+    (d / "train.tsv").write_text("sentence\tlabel\n" + "".join(f"{s}\t{y}\n" for s, y in rows))
+    (d / "dev.tsv").write_text("sentence\tlabel\n" + "".join(f"{s}\t{y}\n" for s, y in rows))
+    out = tmp_path_factory.mktemp("run")
+    run_finetune(FinetuneConfig(task="sst2", checkpoint=str(pretrained), data=str(d), output_dir=str(out),
+                                max_seq_length=64, batch_size=4, max_steps=8, learning_rate=1e-3, progress=False,
+                                save_model=True, predict_test=False, tensorboard=False))
+    return out
+
+
+@pytest.fixture(scope="module")
+def onnx_dirs(tmp_path_factory, pretrained, finetuned) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("onnx")
+    assert main(["export", str(finetuned / "model"), "--format", "onnx", "--out", str(root / "cls"), "--optimize"]) == 0
+    assert main(["export", str(pretrained), "--format", "onnx", "--out", str(root / "enc")]) == 0
+    return {"cls": root / "cls", "enc": root / "enc"}
+
+
+def test_the_card_names_the_graphs_inputs(onnx_dirs):
+    card = json.loads((onnx_dirs["cls"] / "onnx_card.json").read_text())
+    assert card["model_type"] == "modernbert" and card["architecture"] == "ModernBertForSequenceClassification"
+    assert card["task"] == "classification" and card["inputs"] == ["input_ids", "attention_mask"]
+    assert card["parity"]["fp32"]["max_abs_diff"] <= 1e-4 and card["parity"]["optimized"]["max_abs_diff"] <= 1e-4
+    assert json.loads((onnx_dirs["enc"] / "onnx_card.json").read_text())["task"] == "encoder"
+
+
+def _our_embeddings(pretrained: Path, texts: list[str], max_length: int) -> np.ndarray:
+    """Our ModernBERT (not transformers'), mean pooled over real tokens, unit length."""
+    from bertdist.embed.pooling import pool
+    from bertdist.export.encoders import family_of
+    from bertdist.export.sources import load_pretrained
+    from bertdist.export.tokenizer import fast_tokenizer
+
+    w = load_pretrained(pretrained)
+    family = family_of(w.config)
+    enc = family.embedding_encoder(w.config).eval()
+    enc.load_state_dict(family.encoder_state(w.state_dict, enc))
+    batch = fast_tokenizer(pretrained / "tokenizer.json")(texts, truncation=True, max_length=max_length,
+                                                          padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden, _ = enc(batch["input_ids"], batch["attention_mask"])
+        e = pool(hidden, batch["attention_mask"], "mean")
+    return torch.nn.functional.normalize(e, dim=-1).numpy()
+
+
+def test_a_served_modernbert_answers_as_the_offline_models(onnx_dirs, finetuned, pretrained):
+    dev = json.loads((finetuned / "predictions" / "dev.json").read_text())  # our fine-tuned model's logits
+    srv = CliServer(str(onnx_dirs["cls"]), str(onnx_dirs["enc"]), "--name", "cls", "--name", "enc")
+    try:
+        sentences = [s for s in CORPUS[:16]]
+        status, _, answers = call(srv.port, "POST", "/predict", {"inputs": [[s] for s in sentences],
+                                                                  "raw_scores": True})
+        assert status == 200, answers
+        for answer, row in zip(answers, dev):
+            got = {a["label"]: a["score"] for a in answer}
+            assert max(abs(got[str(i)] - x) for i, x in enumerate(row["logits"])) <= 1e-5, (answer, row)
+        long = " ".join(CORPUS * 6)  # several hundred tokens: cut to the card's 128
+        status, _, vecs = call(srv.port, "POST", "/embed", {"inputs": [CORPUS[16], long, CORPUS[20]]})
+        assert status == 200, vecs
+        want = _our_embeddings(pretrained, [CORPUS[16], long, CORPUS[20]], 128)
+        assert np.abs(np.asarray(vecs) - want).max() <= 1e-5
+    finally:
+        assert srv.stop() == 0
+
+
+def test_a_torch_format_modernbert_exports_as_the_hf_one(tmp_path, pretrained, onnx_dirs):
+    from bertdist.export.sources import load_pretrained, write_torch_dir
+    from bertdist.serve.runtime import load_served_model
+
+    torch_dir = write_torch_dir(tmp_path / "torch", load_pretrained(pretrained))
+    assert main(["export", str(torch_dir), "--format", "onnx", "--out", str(tmp_path / "onnx")]) == 0
+    body = {"inputs": CORPUS[16:20]}
+    a, b = (load_served_model(d) for d in (tmp_path / "onnx", onnx_dirs["enc"]))
+    ja, jb = a.prepare("embed", body), b.prepare("embed", body)
+    assert np.abs(np.asarray(ja.finish(a.run(ja.items))) - np.asarray(jb.finish(b.run(jb.items)))).max() <= 1e-6
