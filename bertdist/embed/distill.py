@@ -69,10 +69,10 @@ def resolve_distill_loss(requested: str, path: str | Path) -> str:
 
 
 def teacher_identity(model, path: str | Path) -> dict:
-    from bertdist.export.tokenizer import vocab_sha256
+    from bertdist.export.tokenizer import tokenizer_sha256
 
     ident = {"path": str(path), "sha256": model_sha256(path),
-             "vocab_sha256": vocab_sha256(model.vocab_file), "do_lower_case": model.do_lower_case,
+             "vocab_sha256": tokenizer_sha256(model.vocab_file, model.tokenizer_files), "do_lower_case": model.do_lower_case,
              "max_seq_length": model.max_seq_length}
     if hasattr(model, "pooling"):
         ident.update(pooling=model.pooling, normalize=model.normalize, dim=model.dim)

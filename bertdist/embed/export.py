@@ -18,6 +18,9 @@ whose weight is the first d rows of the identity (or of the projection): an exac
 before Normalize, as bertdist serves it; sentence-transformers' own ``truncate_dim`` cuts after
 Normalize and would return vectors that are not unit length.
 
+On a ModernBERT backbone the root is a ``ModernBertModel`` and the cross-encoder a
+``ModernBertForSequenceClassification``, each with the tokenizer files the checkpoint came with.
+
 A cross-encoder directory (``write_cross_encoder``) is ``BertForSequenceClassification`` with
 ``num_labels: 1``, the tokenizer files with ``model_max_length`` = the training length, and under
 ``config.json``'s ``sentence_transformers.activation_fn`` the function that sentence-transformers'
@@ -28,12 +31,13 @@ probability). Without that key, sentence-transformers would apply a sigmoid to a
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
 
 from bertdist.embed.model import ACTIVATIONS, DENSE_ACTIVATIONS, BiEncoder, CrossEncoder
-from bertdist.export.hf import hf_config_dict
+from bertdist.export.encoders import family_of
 from bertdist.export.tokenizer import write_tokenizer_files
 
 ST_TYPES = {  # the names sentence-transformers 2.x-6.x all resolve
@@ -74,11 +78,20 @@ def _dense_weights(model: BiEncoder) -> tuple[torch.Tensor, torch.Tensor] | None
     return None
 
 
+def _write_tokenizer(out: Path, model, length: int) -> None:
+    """The model's own tokenizer files as they came (ModernBERT's), else the WordPiece vocab's."""
+    if model.tokenizer_files:
+        for f in model.tokenizer_files:
+            shutil.copyfile(f, out / Path(f).name)
+        return
+    write_tokenizer_files(out, model.vocab_file, bool(model.do_lower_case), length)
+
+
 def write_bi_encoder(out_dir: str | Path, model: BiEncoder, max_seq_length: int | None = None) -> Path:
     """The sentence-transformers directory of ``model`` (see the module doc)."""
     from safetensors.torch import save_file
 
-    if model.vocab_file is None:
+    if model.vocab_file is None and not model.tokenizer_files:
         raise ValueError("the bi-encoder has no vocab file to export its tokenizer with")
     if model.projection is not None and model.projection_activation == "tanh" and model.truncate_dim is not None:
         raise ValueError("truncate_dim with a tanh Dense cannot be exported exactly (the cut must come after tanh)")
@@ -87,8 +100,9 @@ def write_bi_encoder(out_dir: str | Path, model: BiEncoder, max_seq_length: int 
     length = max_seq_length or model.max_seq_length
     sd = {k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in model.bert.state_dict().items()}
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    _json(out / "config.json", hf_config_dict(model.config, ["BertModel"]))
-    write_tokenizer_files(out, model.vocab_file, bool(model.do_lower_case), length)
+    family = family_of(model.config)
+    _json(out / "config.json", family.hf_config(model.config, [family.hf_architecture("encoder")]))
+    _write_tokenizer(out, model, length)
     modules = [{"idx": 0, "name": "0", "path": "", "type": ST_TYPES["Transformer"]},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": ST_TYPES["Pooling"]}]
     _json(out / "sentence_bert_config.json", {"max_seq_length": length, "do_lower_case": bool(model.lowercase_input)})
@@ -124,16 +138,17 @@ def write_cross_encoder(out_dir: str | Path, model: CrossEncoder, max_seq_length
     """The Hugging Face ``BertForSequenceClassification`` directory of ``model`` (one label)."""
     from safetensors.torch import save_file
 
-    if model.vocab_file is None:
+    if model.vocab_file is None and not model.tokenizer_files:
         raise ValueError("the cross-encoder has no vocab file to export its tokenizer with")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     length = max_seq_length or model.max_seq_length
     sd = {k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in model.state_dict().items()}
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    conf = hf_config_dict(model.config, ["BertForSequenceClassification"])
+    family = family_of(model.config)
+    conf = {**family.hf_config(model.config, [family.hf_architecture("regression")]), **family.task_config(model)}
     conf.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0},
                 sentence_transformers={"activation_fn": ACTIVATIONS[model.activation]})
     _json(out / "config.json", conf)
-    write_tokenizer_files(out, model.vocab_file, bool(model.do_lower_case), length)
+    _write_tokenizer(out, model, length)
     return out

@@ -17,6 +17,11 @@ otherwise). ``load_cross_encoder`` reads an HF ``BertForSequenceClassification``
 output, or a plain checkpoint (the head is then newly initialised: the start of training).
 
 Both sort texts by token count before batching (less padding) and return rows in input order.
+
+The backbone is the checkpoint's family's (bertdist/export/encoders.py): BERT, or ModernBERT, whose
+bi-encoder pools ``ModernBertModel``'s states and whose cross-encoder is transformers'
+``ModernBertForSequenceClassification`` with one label; a ModernBERT checkpoint's texts are
+tokenized with its own ``tokenizer.json``.
 """
 from __future__ import annotations
 
@@ -32,9 +37,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from bertdist.embed.pooling import POOLING_MODES, EmbeddingHead, pool
-from bertdist.export.hf import ExportError, is_hf_dir, read_hf_dir
-from bertdist.finetune.heads import BertForTask
-from bertdist.model import BertConfig, BertModel
+from bertdist.export.encoders import family_of
+from bertdist.export.hf import ExportError, is_hf_dir
+from bertdist.model import BertConfig
 
 ST_MODULES = "modules.json"
 ST_CONFIG = "sentence_bert_config.json"
@@ -108,10 +113,12 @@ class BiEncoder(nn.Module):
                  projection_activation: str = "identity", device_type: str | None = None):
         super().__init__()
         self.config = config
-        self.bert = BertModel(config, add_pooling_layer=True, device_type=device_type)
-        # The pooler is not used by a bi-encoder; it is kept (frozen) so the exported weights are a
+        # The backbone family's bare encoder (BertModel, ModernBERT's), called as BertModel is; the
+        # attribute keeps BERT's name.
+        self.bert = family_of(config).embedding_encoder(config, device_type=device_type)
+        # BERT's pooler is not used by a bi-encoder; it is kept (frozen) so the exported weights are a
         # complete BertModel that loads without newly initialised keys.
-        for p in self.bert.pooler.parameters():
+        for p in (self.bert.pooler.parameters() if getattr(self.bert, "pooler", None) is not None else ()):
             p.requires_grad_(False)
         self.head = EmbeddingHead(pooling, normalize, truncate_dim)
         self.projection = nn.Linear(config.hidden_size, projection_dim) if projection_dim else None
@@ -121,8 +128,9 @@ class BiEncoder(nn.Module):
         width = projection_dim or config.hidden_size
         if truncate_dim is not None and truncate_dim > width:
             raise ValueError(f"truncate_dim {truncate_dim} is wider than the embeddings ({width})")
-        self.tokenizer = None  # set by the loaders: a BertTokenizerFast over vocab_file
+        self.tokenizer = None  # set by the loaders: a BertTokenizerFast over vocab_file, or the checkpoint's own
         self.vocab_file: Path | None = None
+        self.tokenizer_files: list[Path] = []  # the checkpoint's own tokenizer (ModernBERT's), exported as is
         self.do_lower_case: bool | None = None
         self.lowercase_input = False  # a sentence-transformers Transformer module with do_lower_case
         self.max_seq_length = 128
@@ -193,18 +201,20 @@ class BiEncoder(nn.Module):
 
 
 # ---------------------------------------------------------------- cross-encoder
-class CrossEncoder(BertForTask):
-    """BERT + dropout + ``classifier`` (hidden -> 1) over the pooled [CLS] state; HF's
-    ``BertForSequenceClassification`` layout with one label. ``forward(batch)`` -> (logits [B], None)."""
+class CrossEncoder(nn.Module):
+    """A task model of the backbone's family with one output over the pooled sequence: HF's
+    ``<Family>ForSequenceClassification`` layout with one label (BERT: dropout + ``classifier``
+    over the pooled [CLS] state). ``forward(batch)`` -> (logits [B], None). Build one with
+    ``make_cross_encoder``; this class is what every such model is an instance of."""
 
-    def __init__(self, config: BertConfig, device_type: str | None = None, activation: str = "identity"):
-        super().__init__(config, "regression", 1, device_type=device_type)
+    def _setup(self, config: BertConfig, activation: str) -> None:
         self.config = config
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation {activation!r} is not one of {list(ACTIVATIONS)}")
         self.activation = activation
         self.tokenizer = None
         self.vocab_file: Path | None = None
+        self.tokenizer_files: list[Path] = []
         self.do_lower_case: bool | None = None
         self.max_seq_length = 512
 
@@ -237,6 +247,23 @@ class CrossEncoder(BertForTask):
         if apply_activation and self.activation == "sigmoid":
             out = (1.0 / (1.0 + np.exp(-out.astype(np.float64)))).astype(np.float32)
         return out
+
+
+_CROSS_ENCODER_CLASSES: dict[type, type] = {}
+
+
+def make_cross_encoder(config: BertConfig, device_type: str | None = None, activation: str = "identity",
+                       **head) -> CrossEncoder:
+    """The cross-encoder on ``config``'s family: its task model of one regression output, with
+    ``CrossEncoder``'s scoring; ``head``: that family's head options (ModernBERT's ``pooling``)."""
+    task_class = family_of(config).task_class()
+    cls = _CROSS_ENCODER_CLASSES.get(task_class)
+    if cls is None:
+        name = task_class.__name__.replace("ForTask", "") + "CrossEncoder"
+        cls = _CROSS_ENCODER_CLASSES[task_class] = type(name, (CrossEncoder, task_class), {"__module__": __name__})
+    model = cls(config, "regression", 1, device_type=device_type, **head)
+    model._setup(config, activation)
+    return model
 
 
 # ---------------------------------------------------------------- directories
@@ -382,11 +409,14 @@ def read_st_layout(path: str | Path) -> STLayout:
 
 
 def _tokenizer_for(w, vocab_file=None, do_lower_case=None, checkpoint: str = ""):
-    """The tokenizer over the checkpoint's vocab, checked as fine-tuning checks it."""
+    """The tokenizer over the checkpoint's vocab (or its own tokenizer.json), checked as fine-tuning
+    checks it: (tokenizer, vocab file or None, casing)."""
     from bertdist.finetune.train import resolve_tokenizer
 
     ns = types.SimpleNamespace(vocab_file=vocab_file, do_lower_case=do_lower_case, checkpoint=checkpoint)
     tok = resolve_tokenizer(ns, w)
+    if w.tokenizer_json is not None:
+        return tok, None, False
     vocab = Path(vocab_file or w.vocab_file)
     lower = do_lower_case if do_lower_case is not None else w.do_lower_case
     return tok, vocab, bool(lower)
@@ -396,8 +426,7 @@ def _weights(path: Path, kernels: str, hidden_dropout_prob: float | None = None)
     from bertdist.export.sources import load_pretrained
 
     w = load_pretrained(path, kernels=kernels)
-    if hidden_dropout_prob is not None:
-        w.config = dataclasses.replace(w.config, hidden_dropout_prob=hidden_dropout_prob)
+    w.config = family_of(w.config).with_dropout(w.config, hidden_dropout_prob)
     return w
 
 
@@ -438,8 +467,7 @@ def load_bi_encoder(path: str | Path, *, pooling: str | None = None, normalize: 
         projection_activation=dense["activation"] if dense else "identity",
         device_type=torch.device(device).type,
     )
-    sd = {k[len("bert."):]: v for k, v in w.state_dict.items() if k.startswith("bert.")}
-    model.bert.load_state_dict(sd, strict=True)
+    model.bert.load_state_dict(family_of(w.config).encoder_state(w.state_dict, model.bert), strict=True)
     if dense is not None:
         with torch.no_grad():
             model.projection.weight.copy_(dense["weight"])
@@ -448,6 +476,7 @@ def load_bi_encoder(path: str | Path, *, pooling: str | None = None, normalize: 
             else:
                 model.projection.bias.zero_()
     model.tokenizer, model.vocab_file, model.do_lower_case = tok, vocab, lower
+    model.tokenizer_files = list(w.tokenizer_files)
     model.lowercase_input = bool(layout and layout.lowercase_input)
     model.max_seq_length = max_seq_length or (layout.max_seq_length if layout and layout.max_seq_length else None) \
         or 128
@@ -461,24 +490,24 @@ def load_cross_encoder(path: str | Path, *, max_seq_length: int | None = None, k
                        device: str | torch.device = "cpu") -> CrossEncoder:
     """A cross-encoder directory (its head loaded), or any encoder checkpoint (a new head, seeded
     by the caller's torch seed)."""
-    from bertdist.export.sources import PretrainedWeights
+    from bertdist.export.sources import read_task_dir
 
     p = Path(path)
     if not p.exists():
         raise ExportError(f"checkpoint path does not exist: {p}")
-    head = None
+    head, head_opts = None, {}
     act = "identity"
     if is_cross_encoder_dir(p):
-        ck = read_hf_dir(p, kernels=kernels)
-        w = PretrainedWeights(ck.config, ck.state_dict, ck.vocab_file, ck.do_lower_case, {"kind": "hf", "path": str(p)})
-        if hidden_dropout_prob is not None:
-            w.config = dataclasses.replace(w.config, hidden_dropout_prob=hidden_dropout_prob)
-        missing = [k for k in ("classifier.weight", "classifier.bias") if k not in ck.raw_state_dict]
+        w, raw, hf_config = read_task_dir(p, kernels=kernels)
+        w.config = family_of(w.config).with_dropout(w.config, hidden_dropout_prob)
+        keys = family_of(w.config).head_keys("regression")
+        missing = [k for k in keys if k not in raw]
         if missing:
             raise ExportError(f"{p}: config.json names a sequence-classification model but the weights lack {missing}")
-        head = {k: ck.raw_state_dict[k].float() for k in ("classifier.weight", "classifier.bias")}
-        st = (ck.hf_config.get("sentence_transformers") or {}).get("activation_fn") \
-            or ck.hf_config.get("sbert_ce_default_activation_function")
+        head = {k: raw[k].float() for k in keys}
+        head_opts = family_of(w.config).head_options_of(hf_config)
+        st = (hf_config.get("sentence_transformers") or {}).get("activation_fn") \
+            or hf_config.get("sbert_ce_default_activation_function")
         if st and st not in ACTIVATIONS.values():
             raise ExportError(f"{p / 'config.json'}: activation {st!r} is not one of {sorted(ACTIVATIONS.values())}")
         # without one named, sentence-transformers applies a sigmoid to a one-output model
@@ -490,11 +519,13 @@ def load_cross_encoder(path: str | Path, *, max_seq_length: int | None = None, k
         else:
             w = _weights(p, kernels, hidden_dropout_prob)
     tok, vocab, lower = _tokenizer_for(w, vocab_file, do_lower_case, str(p))
-    model = CrossEncoder(w.config, device_type=torch.device(device).type, activation=activation or act)
+    model = make_cross_encoder(w.config, device_type=torch.device(device).type, activation=activation or act,
+                               **head_opts)
     model.load_backbone(w.state_dict)
     if head is not None:
         model.load_state_dict({**model.state_dict(), **head})
     model.tokenizer, model.vocab_file, model.do_lower_case = tok, vocab, lower
+    model.tokenizer_files = list(w.tokenizer_files)
     model.max_seq_length = max_seq_length or (_tokenizer_max_length(p, w.config) if head is not None else None) or 512
     model.origin = {**w.origin, "format": "cross-encoder" if head is not None else w.origin.get("kind")}
     return model.to(device)

@@ -1,5 +1,5 @@
 """The AdamW parameter groups of an embedding run: no weight decay on biases and LayerNorm, and
-a cross-encoder's head (pooler + classifier) at its own rate."""
+a cross-encoder's head (BERT's pooler + classifier; ModernBERT's head + classifier) at its own rate."""
 from __future__ import annotations
 
 import torch
@@ -21,15 +21,20 @@ def head_learning_rate(model: torch.nn.Module, cfg: EmbedConfig) -> float | None
     return cfg.learning_rate if trained else NEW_HEAD_RATE * cfg.learning_rate
 
 
+def no_weight_decay(name: str) -> bool:
+    """Biases and norms: BERT's ``LayerNorm``, ModernBERT's ``*norm`` modules."""
+    return name.endswith("bias") or "LayerNorm" in name or "norm." in name
+
+
 def grouped_parameters(named_parameters, weight_decay: float, head_lr: float | None = None,
-                       is_head=lambda name: name.startswith(("classifier.", "bert.pooler."))) -> list[dict]:
+                       is_head=lambda name: name.startswith(("classifier.", "bert.pooler.", "head."))) -> list[dict]:
     """AdamW groups over ``(name, parameter)`` pairs: no weight decay on biases and LayerNorm; with
     ``head_lr``, the parameters ``is_head`` names at that rate (the others at the optimizer's)."""
     groups: dict[tuple[bool, bool], list] = {}
     for name, p in named_parameters:
         if p.requires_grad:
             head = head_lr is not None and is_head(name)
-            groups.setdefault((head, name.endswith("bias") or "LayerNorm" in name), []).append(p)
+            groups.setdefault((head, no_weight_decay(name)), []).append(p)
     return [{"params": params, "weight_decay": 0.0 if no_decay else weight_decay,
              **({"lr": head_lr} if head else {})}
             for (head, no_decay), params in sorted(groups.items())]

@@ -120,3 +120,14 @@ def write_checkpoint_tokenizer(out_dir: str | Path, w, vocab_file: str | Path | 
     if vocab_file is None:
         raise ValueError("the checkpoint names neither tokenizer files nor a vocab file to write its tokenizer from")
     write_tokenizer_files(out_dir, vocab_file, bool(do_lower_case), max_length)
+
+
+def tokenizer_sha256(vocab_file: str | Path | None, tokenizer_files=()) -> str:
+    """Fingerprint of a model's tokenizer: its WordPiece vocab's (``vocab_sha256``), or for a model
+    with its own tokenizer files (ModernBERT's) the sha256 of its tokenizer.json."""
+    if vocab_file is not None:
+        return vocab_sha256(vocab_file)
+    own = next((Path(f) for f in tokenizer_files if Path(f).name == "tokenizer.json"), None)
+    if own is None:
+        raise ValueError("a model with neither a vocab file nor a tokenizer.json has no tokenizer to fingerprint")
+    return hashlib.sha256(own.read_bytes()).hexdigest()
