@@ -106,6 +106,7 @@ def fast_tokenizer(tokenizer_json: str | Path):
                                             "model_max_length") if isinstance(conf.get(k), (str, int))}
         tok = PreTrainedTokenizerFast(tokenizer_file=str(p), **special)
     tok.model_input_names = ["input_ids", "token_type_ids", "attention_mask"]
+    trim_byte_level_offsets(tok.backend_tokenizer)
     return tok
 
 
@@ -131,3 +132,15 @@ def tokenizer_sha256(vocab_file: str | Path | None, tokenizer_files=()) -> str:
     if own is None:
         raise ValueError("a model with neither a vocab file nor a tokenizer.json has no tokenizer to fingerprint")
     return hashlib.sha256(own.read_bytes()).hexdigest()
+
+
+def trim_byte_level_offsets(tok) -> None:
+    """A byte-level BPE (ModernBERT's) counts the space before a word into its first token's
+    character span; keep each span to the word's own characters (ids are unchanged), so answer
+    spans and served word spans do not start with a space. ``tok``: a ``tokenizers.Tokenizer``."""
+    from tokenizers import pre_tokenizers, processors
+
+    if not isinstance(tok.pre_tokenizer, pre_tokenizers.ByteLevel) or isinstance(tok.post_processor, processors.ByteLevel):
+        return
+    steps = [processors.ByteLevel(trim_offsets=True)] + ([tok.post_processor] if tok.post_processor else [])
+    tok.post_processor = processors.Sequence(steps)

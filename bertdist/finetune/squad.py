@@ -152,7 +152,7 @@ def decode_predictions(
         cands.sort(key=lambda c: -c[0])
         seen, nbest = set(), []
         for score, cs, ce in cands:
-            text = ex.context[cs:ce]
+            text = ex.context[cs:ce].strip()  # a byte-level BPE token's span starts at the space before it
             if text in seen:
                 continue
             seen.add(text)

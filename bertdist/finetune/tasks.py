@@ -131,7 +131,7 @@ class NerRunner(Runner):
         self.truncated_words = 0
 
     def _encode(self, sents: list[ner.Sentence], path: Path) -> list[dict]:
-        enc = self.tok([s.words for s in sents], is_split_into_words=True, truncation=True,
+        enc = self.tok([as_running_text(s.words) for s in sents], is_split_into_words=True, truncation=True,
                        max_length=self.cfg.max_seq_length)
         feats = []
         for i, s in enumerate(sents):
@@ -176,6 +176,13 @@ class NerRunner(Runner):
         scores["truncated_words"] = sum(f["_first_token"].count(None) for f in es.features)
         scores["scheme"] = self.scheme
         return scores, rows
+
+
+def as_running_text(words: list[str]) -> list[str]:
+    """Pre-split words as running text tokenizes them: each after the first behind a space. A
+    byte-level BPE (ModernBERT's) tokenizes a word that follows a space as its own token ("Ġword");
+    without the space every word would look like the start of a text. WordPiece drops the space."""
+    return [w if i == 0 else " " + w for i, w in enumerate(words)]
 
 
 def detect_scheme_or(scheme: str, sents: list[ner.Sentence]) -> str:

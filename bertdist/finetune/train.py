@@ -145,7 +145,7 @@ def param_groups(model: BertForTask, cfg: FinetuneConfig, lr: float) -> list[dic
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        decay = not (name.endswith("bias") or "LayerNorm" in name)
+        decay = not (name.endswith("bias") or "LayerNorm" in name or "norm." in name)  # ModernBERT's *norm
         key = (id(p) in head_ids, decay)
         groups.setdefault(key, []).append(p)
     return [{"params": ps, "lr": head_lr if is_head else lr, "weight_decay": cfg.weight_decay if decay else 0.0}

@@ -152,3 +152,71 @@ def test_a_wordpiece_vocab_cannot_replace_the_checkpoints_tokenizer(hf_dir, sst2
     cfg = FinetuneConfig(task="sst2", checkpoint=str(hf_dir), data=str(sst2), vocab_file=str(vocab))
     with pytest.raises(VocabMismatch, match="brings its own tokenizer"):
         resolve_tokenizer(cfg, load_pretrained(hf_dir))
+
+
+NER_SENTENCES = [
+    ("John Smith lives in Paris .", "B-PER I-PER O O B-LOC O"),
+    ("Mary visited Berlin with Peter .", "B-PER O B-LOC O B-PER O"),
+    ("Acme Corp works in London .", "B-ORG I-ORG O O B-LOC O"),
+    ("Peter and Mary love Paris .", "B-PER O B-PER O B-LOC O"),
+]
+
+
+def _conll(d: Path) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    body = "\n".join("\n".join(f"{w} {t}" for w, t in zip(s.split(), tags.split())) + "\n"
+                     for s, tags in NER_SENTENCES * 3)
+    (d / "train.txt").write_text(body)
+    (d / "valid.txt").write_text(body)
+    return d
+
+
+def test_ner_words_are_tokenized_as_running_text(hf_dir):
+    """A byte-level BPE marks a word after a space ("Ġword"): pre-split words get the same tokens
+    as the sentence they came from, and each token keeps its word."""
+    from bertdist.export.tokenizer import fast_tokenizer
+    from bertdist.finetune.tasks import as_running_text
+
+    tok = fast_tokenizer(hf_dir / "tokenizer.json")
+    words = "John Smith lives in Paris .".split()
+    split = tok(as_running_text(words), is_split_into_words=True)
+    assert split["input_ids"] == tok(" ".join(words))["input_ids"]
+    assert split["input_ids"] != tok(words, is_split_into_words=True)["input_ids"]  # what it would be without
+    assert sorted(set(w for w in split.word_ids() if w is not None)) == list(range(len(words)))
+
+
+def _finetune(tmp_path, ckpt, task, data, **kw):
+    from bertdist.finetune import FinetuneConfig, run_finetune
+
+    cfg = FinetuneConfig(task=task, checkpoint=str(ckpt), data=str(data), output_dir=str(tmp_path / task),
+                         max_seq_length=64, batch_size=4, max_steps=4, learning_rate=1e-3, progress=False,
+                         save_model=True, predict_test=False, tensorboard=False, **kw)
+    return run_finetune(cfg), tmp_path / task / "model"
+
+
+@pytest.mark.parametrize("task,hf_class", [("ner", "ModernBertForTokenClassification"),
+                                           ("squad2", "ModernBertForQuestionAnswering"),
+                                           ("swag", "ModernBertForMultipleChoice")])
+def test_token_span_and_choice_tasks_run_and_export(hf_dir, tmp_path, task, hf_class):
+    from tests.finetune import fixtures
+
+    if task == "ner":
+        data, kw = _conll(tmp_path / "conll"), {}
+    elif task == "swag":
+        data, kw = fixtures.write_swag(tmp_path / "swag", n_train=8, n_dev=4), {}
+    else:
+        f = fixtures.write_squad_v2(tmp_path / "squad" / "dev-v2.0.json", n_paragraphs=3)
+        data, kw = f.parent, dict(train_file=str(f), doc_stride=16, max_query_length=16)
+    summary, model_dir = _finetune(tmp_path, hf_dir, task, data, **kw)
+    metrics = summary["best"]["metrics"]["dev"]
+    assert {"ner": "f1", "squad2": "f1", "swag": "accuracy"}[task] in metrics
+    hf, info = getattr(transformers, hf_class).from_pretrained(model_dir, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    if task == "ner":
+        assert set(hf.config.id2label.values()) == {"O", "B-PER", "I-PER", "B-LOC", "I-LOC", "B-ORG", "I-ORG"}
+    if task == "squad2":
+        rows = json.loads((tmp_path / task / "predictions" / "dev.json").read_text())
+        squad = json.loads(f.read_text())
+        contexts = {q["id"]: p["context"] for a in squad["data"] for p in a["paragraphs"] for q in p["qas"]}
+        for r in rows:  # every answer is a span of its context, without the space a BPE token carries
+            assert r["prediction"] == r["prediction"].strip() and r["prediction"] in contexts[r["id"]]
