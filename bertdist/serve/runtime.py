@@ -112,8 +112,11 @@ def make_session(path: str | os.PathLike, threads: int | None = None):
 def _tokenizer(model_dir: Path, max_length: int | None, direction: str):
     from tokenizers import Tokenizer
 
+    from bertdist.export.tokenizer import trim_byte_level_offsets
+
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     tok.no_padding()  # tokenizer.json may carry a fixed padding (all-MiniLM-L6-v2 pads to 128)
+    trim_byte_level_offsets(tok)  # a word's span without the space before it (ModernBERT's byte-level BPE)
     if max_length is None:
         tok.no_truncation()
     else:
@@ -399,7 +402,8 @@ class ServedModel:
             words[w]["end"] = end
         for w in words.values():
             w["word"] = text[w["start"]:w["end"]]
-        return list(words.values())
+        # a byte-level BPE (ModernBERT's) makes a run of spaces a pre-token of its own: not a word
+        return [w for w in words.values() if w["word"].strip()]
 
     def _plan_embed(self, body: dict, opts: dict) -> Job:
         normalize = self._flag(opts, "normalize", True)

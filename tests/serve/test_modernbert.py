@@ -104,3 +104,35 @@ def test_a_torch_format_modernbert_exports_as_the_hf_one(tmp_path, pretrained, o
     a, b = (load_served_model(d) for d in (tmp_path / "onnx", onnx_dirs["enc"]))
     ja, jb = a.prepare("embed", body), b.prepare("embed", body)
     assert np.abs(np.asarray(ja.finish(a.run(ja.items))) - np.asarray(jb.finish(b.run(jb.items)))).max() <= 1e-6
+
+
+def test_int8_of_a_modernbert_is_refused_not_half_made(tmp_path, finetuned, capsys):
+    rc = main(["export", str(finetuned / "model"), "--format", "onnx", "--out", str(tmp_path / "q"), "--quantize", "int8",
+               "--skip-metric-check"])
+    assert rc == 2 and "--quantize int8 is not supported for modernbert models yet" in capsys.readouterr().out
+    assert not (tmp_path / "q").exists()
+
+
+def test_a_served_modernbert_ner_model_labels_whole_words(tmp_path, pretrained):
+    """Byte-level BPE counts the space before a word into its first token; the served words and
+    spans are the words' own."""
+    from bertdist.finetune import FinetuneConfig, run_finetune
+    from bertdist.serve.runtime import load_served_model
+
+    data = tmp_path / "conll"
+    data.mkdir()
+    sents = [("John Smith lives in Paris .", "B-PER I-PER O O B-LOC O"),
+             ("Mary visited Berlin with Peter .", "B-PER O B-LOC O B-PER O")]
+    body = "\n".join("\n".join(f"{w} {t}" for w, t in zip(s.split(), tags.split())) + "\n" for s, tags in sents * 4)
+    (data / "train.txt").write_text(body)
+    (data / "valid.txt").write_text(body)
+    run_finetune(FinetuneConfig(task="ner", checkpoint=str(pretrained), data=str(data), output_dir=str(tmp_path / "run"),
+                                max_seq_length=32, batch_size=4, max_steps=2, learning_rate=1e-3, progress=False,
+                                save_model=True, predict_test=False, tensorboard=False))
+    assert main(["export", str(tmp_path / "run" / "model"), "--format", "onnx", "--out", str(tmp_path / "onnx")]) == 0
+    m = load_served_model(tmp_path / "onnx")
+    text = "Mary  visited Berlin, with John Smith."
+    job = m.prepare("predict", {"inputs": text})
+    words = job.finish(m.run(job.items))
+    assert [w["word"] for w in words] == ["Mary", "visited", "Berlin", ",", "with", "John", "Smith", "."]
+    assert all(text[w["start"]:w["end"]] == w["word"] for w in words)
