@@ -63,9 +63,7 @@ def encode_unlabeled(runner, examples: list, path: Path) -> list[dict]:
 
 
 def tokenizer_identity(teacher, cfg) -> dict:
-    from bertdist.export.tokenizer import vocab_sha256
-
-    ident = {"vocab_sha256": vocab_sha256(teacher.vocab_file), "do_lower_case": teacher.do_lower_case,
+    ident = {"vocab_sha256": teacher.vocab_sha256, "do_lower_case": teacher.do_lower_case,
              "max_seq_length": cfg.max_seq_length}
     if getattr(cfg, "task", "").startswith("squad"):
         ident.update(doc_stride=cfg.doc_stride, max_query_length=cfg.max_query_length)

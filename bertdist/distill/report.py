@@ -79,8 +79,12 @@ def build_report(cfg, runner, teacher, plan, teacher_eval: dict, best: dict, dir
                 "epoch": result["epoch"], "steps": result["steps"], "train_rows": result["train_rows"],
                 "train_seconds": round(result["train_seconds"], 1), "history": result["history"]}
 
-    tcfg = dataclasses.replace(teacher.config, kernels="reference")
-    t_cpu = _cpu_copy(teacher.model, lambda: task_model(tcfg, runner.kind, runner.num_labels, device_type="cpu"))
+    from bertdist.export.encoders import family_of
+
+    family = family_of(teacher.config)
+    tcfg, head = family.with_kernels(teacher.config, "reference"), family.head_options_of(teacher.hf_config)
+    t_cpu = _cpu_copy(teacher.model, lambda: task_model(tcfg, runner.kind, runner.num_labels, device_type="cpu",
+                                                        **head))
     s_cpu = plan.build(runner.kind, runner.num_labels, "cpu", kernels="reference")
     s_cpu.load_state_dict(best["_state"])
     s_cpu.eval()

@@ -10,8 +10,11 @@
   must be the teacher's.
 
 The task head is copied from the teacher wherever the shapes match (always for ``layers:K``);
-otherwise it starts fresh. BERT's and ELECTRA's task heads differ in form, so a student of the
-other family than its teacher starts with a fresh head.
+otherwise it starts fresh. BERT's, ELECTRA's and ModernBERT's task heads differ in form, so a
+student of another family than its teacher starts with a fresh head. A ModernBERT ``layers:K``
+student keeps its own global/local layer pattern (every ``global_attn_every_n_layers``-th layer
+from 0), so a copied layer may attend globally where the teacher's attended locally: the copy is
+an initialisation, as DistilBERT's is. ``preset:NAME`` takes the teacher's family's presets.
 """
 from __future__ import annotations
 
@@ -21,10 +24,11 @@ import torch
 
 from bertdist.distill.losses import default_layer_map
 from bertdist.distill.teacher import Teacher
-from bertdist.export.tokenizer import read_vocab, vocab_sha256
+from bertdist.export.encoders import FAMILIES, family_of
+from bertdist.export.tokenizer import read_vocab, tokenizer_sha256, vocab_sha256
 from bertdist.finetune.errors import DataError
-from bertdist.finetune.heads import BertForTask, head_keys, task_model
-from bertdist.model import BertConfig, ElectraConfig
+from bertdist.finetune.heads import BertForTask, task_model
+from bertdist.model import BertConfig
 
 
 class StudentSpecError(DataError):
@@ -39,6 +43,7 @@ class StudentPlan:
     backbone_state: dict[str, torch.Tensor] | None  # BertForPreTraining layout; None: random
     head_state: dict[str, torch.Tensor]  # what is copied from the teacher ({} when shapes differ)
     teacher_layers: list[int] | None  # for layers:K, the teacher layer of each student layer
+    head_options: dict = dataclasses.field(default_factory=dict)  # the family's head options (ModernBERT's pooling)
 
     def describe(self) -> dict:
         c = self.config
@@ -48,12 +53,9 @@ class StudentPlan:
 
     def build(self, kind: str, num_labels: int, device_type: str, kernels: str | None = None,
               hidden_dropout_prob: float | None = None) -> BertForTask:
-        cfg = self.config
-        if kernels is not None:
-            cfg = dataclasses.replace(cfg, kernels=kernels)
-        if hidden_dropout_prob is not None:
-            cfg = dataclasses.replace(cfg, hidden_dropout_prob=hidden_dropout_prob)
-        model = task_model(cfg, kind, num_labels, device_type=device_type)
+        family = family_of(self.config)
+        cfg = family.with_dropout(family.with_kernels(self.config, kernels), hidden_dropout_prob)
+        model = task_model(cfg, kind, num_labels, device_type=device_type, **self.head_options)
         if self.backbone_state is not None:
             model.load_backbone(self.backbone_state)
         if self.head_state:
@@ -64,8 +66,7 @@ class StudentPlan:
 def _layer_state(sd: dict[str, torch.Tensor], teacher_layers: list[int]) -> dict[str, torch.Tensor]:
     """The teacher's state dict with encoder layer ``teacher_layers[i]`` renamed to layer ``i``."""
     out = {}
-    electra = any(k.startswith("discriminator.electra.") for k in sd)
-    prefix = "discriminator.electra.encoder.layer." if electra else "bert.encoder.layer."
+    prefix = next(f.layer_prefix for f in FAMILIES if any(k.startswith(f.layer_prefix) for k in sd))
     for k, v in sd.items():
         if not k.startswith(prefix):
             out[k] = v
@@ -76,15 +77,27 @@ def _layer_state(sd: dict[str, torch.Tensor], teacher_layers: list[int]) -> dict
     return out
 
 
+def _head_options(teacher: Teacher, cfg) -> dict:
+    """The student's head options: the teacher's (its pooling) when both are of one family."""
+    family = family_of(cfg)
+    return family.head_options_of(teacher.hf_config) if family is family_of(teacher.config) else {}
+
+
 def _head_if_shapes_match(teacher: Teacher, cfg: BertConfig, kind: str) -> dict[str, torch.Tensor]:
-    if isinstance(teacher.config, ElectraConfig) != isinstance(cfg, ElectraConfig):
+    if family_of(teacher.config) is not family_of(cfg):
         return {}
-    keys = head_keys(kind, cfg)
+    keys = family_of(cfg).head_keys(kind)
     head = {k: teacher.head_state[k].float() for k in keys}
     return head if head[keys[0]].shape[1] == cfg.hidden_size else {}
 
 
-def check_same_vocab(teacher: Teacher, vocab_file, what: str) -> None:
+def check_same_vocab(teacher: Teacher, vocab_file, what: str, tokenizer_files=()) -> None:
+    if teacher.vocab_file is None or vocab_file is None and tokenizer_files:  # own tokenizer files (ModernBERT)
+        theirs = tokenizer_sha256(vocab_file, tokenizer_files) if (vocab_file or tokenizer_files) else None
+        if theirs != teacher.vocab_sha256:
+            raise StudentSpecError(f"the student {what}'s tokenizer (sha256 {str(theirs)[:12]}) is not the teacher's "
+                                   f"(sha256 {teacher.vocab_sha256[:12]}, {teacher.path})")
+        return
     if vocab_file is None:
         raise StudentSpecError(f"the student {what} names no vocab file; the teacher's is {teacher.vocab_file}")
     if vocab_sha256(vocab_file) == vocab_sha256(teacher.vocab_file):
@@ -110,17 +123,16 @@ def plan_student(spec: str, teacher: Teacher, kind: str) -> StudentPlan:
         layers = default_layer_map(k, tcfg.num_hidden_layers)
         cfg = dataclasses.replace(tcfg, num_hidden_layers=k, preset="custom")
         sd = _layer_state({k_: v.float() for k_, v in teacher.backbone_state.items()}, layers)
-        return StudentPlan(spec, cfg, sd, _head_if_shapes_match(teacher, cfg, kind), layers)
+        return StudentPlan(spec, cfg, sd, _head_if_shapes_match(teacher, cfg, kind), layers, _head_options(teacher, cfg))
     if spec.startswith("preset:"):
         name = spec.split(":", 1)[1]
         from bertdist.config import ConfigError
 
         try:
-            cfg = BertConfig.from_preset(name, vocab_size=tcfg.vocab_size, max_position_embeddings=tcfg.max_position_embeddings,
-                                         type_vocab_size=tcfg.type_vocab_size, kernels=tcfg.kernels)
+            cfg = family_of(tcfg).student_preset(name, tcfg)
         except ConfigError as e:
             raise StudentSpecError(f"student {spec!r}: {e}") from None
-        return StudentPlan(spec, cfg, None, _head_if_shapes_match(teacher, cfg, kind), None)
+        return StudentPlan(spec, cfg, None, _head_if_shapes_match(teacher, cfg, kind), None, _head_options(teacher, cfg))
     from bertdist.export.hf import ExportError
     from bertdist.export.safe_load import UnsafeCheckpointError
     from bertdist.export.sources import load_pretrained
@@ -131,8 +143,9 @@ def plan_student(spec: str, teacher: Teacher, kind: str) -> StudentPlan:
         raise  # its message names the file and --trust-checkpoint; "not a loadable checkpoint" would mislead
     except ExportError as e:
         raise StudentSpecError(f"student {spec!r}: not layers:K, preset:NAME or a loadable checkpoint ({e})") from None
-    check_same_vocab(teacher, w.vocab_file, spec)
+    check_same_vocab(teacher, w.vocab_file, spec, w.tokenizer_files)
     if w.config.vocab_size != tcfg.vocab_size:
         raise StudentSpecError(f"student {spec}: {w.config.vocab_size} embedding rows, the teacher has {tcfg.vocab_size}")
-    cfg = dataclasses.replace(w.config, kernels=tcfg.kernels)
-    return StudentPlan(spec, cfg, w.state_dict, _head_if_shapes_match(teacher, cfg, kind), None)
+    cfg = family_of(w.config).with_kernels(w.config, getattr(tcfg, "kernels", None))
+    return StudentPlan(spec, cfg, w.state_dict, _head_if_shapes_match(teacher, cfg, kind), None,
+                       _head_options(teacher, cfg))

@@ -150,6 +150,14 @@ def train_student(cfg: DistillConfig, runner, plan: StudentPlan, rows: list[dict
     if intermediate:
         if teacher is None:
             raise DataError("the TinyBERT intermediate losses need the teacher at training time")
+        from bertdist.export.encoders import family_of
+
+        off = [f"{who} ({family_of(c).name})" for who, c in (("teacher", teacher.config), ("student", plan.config))
+               if not family_of(c).captures_layers]
+        if off:
+            raise DataError(f"hidden_weight={cfg.hidden_weight}, attention_weight={cfg.attention_weight}: TinyBERT's "
+                            f"intermediate losses read BERT-layout layers, and the {' and the '.join(off)} has none; "
+                            "set both to 0 (logit distillation)")
         layer_map = losses.check_layer_map(cfg.layer_map or plan.teacher_layers or losses.default_layer_map(
             plan.config.num_hidden_layers, teacher.config.num_hidden_layers), plan.config.num_hidden_layers,
             teacher.config.num_hidden_layers)
@@ -234,19 +242,23 @@ def prepare(cfg: DistillConfig):
     task = canonical_task(cfg.task)
     fcfg = cfg.finetune_config()
     device = local_device(fcfg.device)
-    # The runner needs a tokenizer before the head kind is known; read the teacher's vocab first.
+    # The runner needs a tokenizer before the head kind is known; read the teacher's vocab first
+    # (or, for a model with its own tokenizer, its tokenizer.json: ModernBERT's).
     from bertdist.export.hf import ExportError
-    from bertdist.export.tokenizer import infer_do_lower_case, read_tokenizer_casing
+    from bertdist.export.tokenizer import fast_tokenizer, infer_do_lower_case, read_tokenizer_casing
 
     tdir = Path(cfg.teacher)
     vocab = tdir / "vocab.txt"
-    if not vocab.is_file():
+    if vocab.is_file():
+        lower = read_tokenizer_casing(tdir)
+        tok = bert_tokenizer(vocab, infer_do_lower_case(vocab) if lower is None else lower)
+    elif (tdir / "tokenizer.json").is_file():
+        tok = fast_tokenizer(tdir / "tokenizer.json")
+    else:
         from bertdist.distill.teacher import TeacherError
 
-        raise TeacherError(f"{tdir}: no vocab.txt: not a task model directory (`bertdist finetune ... --set save_model=true` "
-                           "writes one)")
-    lower = read_tokenizer_casing(tdir)
-    tok = bert_tokenizer(vocab, infer_do_lower_case(vocab) if lower is None else lower)
+        raise TeacherError(f"{tdir}: no vocab.txt or tokenizer.json: not a task model directory (`bertdist finetune "
+                           "... --set save_model=true` writes one)")
     runner = make_runner(task, cfg.data, tok, fcfg)
     try:
         teacher = load_teacher(tdir, task, runner.kind, runner.num_labels, device=device, precision=fcfg.precision,
@@ -345,7 +357,8 @@ def _export(out_dir: Path, plan: StudentPlan, state: dict, runner, teacher: Teac
 
     model = plan.build(runner.kind, runner.num_labels, "cpu", kernels="reference")
     model.load_state_dict(state)
-    w = SimpleNamespace(config=plan.config, vocab_file=teacher.vocab_file, do_lower_case=teacher.do_lower_case)
+    w = SimpleNamespace(config=plan.config, vocab_file=teacher.vocab_file, do_lower_case=teacher.do_lower_case,
+                        tokenizer_files=teacher.tokenizer_files)
     return write_task_model(out_dir, model, runner, w, dataclasses.replace(fcfg, vocab_file=None, do_lower_case=None))
 
 

@@ -95,6 +95,15 @@ class EncoderFamily:
     def kernel_sources(self, model: nn.Module) -> dict:
         return dict(model.backbone.kernels.sources)
 
+    # TinyBERT's intermediate losses (bertdist/distill/capture.py) hook BERT-layout encoder layers.
+    captures_layers = True
+
+    def student_preset(self, name: str, teacher_cfg):
+        """A randomly initialised student of preset ``name`` that reads the teacher's token ids."""
+        return BertConfig.from_preset(name, vocab_size=teacher_cfg.vocab_size,
+                                      max_position_embeddings=teacher_cfg.max_position_embeddings,
+                                      type_vocab_size=teacher_cfg.type_vocab_size, kernels=teacher_cfg.kernels)
+
 
 class BertFamily(EncoderFamily):
     name, hf_prefix, config_type, model_type = "bert", "Bert", BertConfig, "bert"
@@ -172,6 +181,15 @@ class ModernBertFamily(EncoderFamily):
 
     def kernel_sources(self, model):
         return {"attention": model.backbone.config.attention_backend}
+
+    captures_layers = False  # its layers run unpadded: no [B, S, H] states to hook
+
+    def student_preset(self, name, teacher_cfg):
+        keep = ("vocab_size", "max_position_embeddings", "pad_token_id", "bos_token_id", "eos_token_id",
+                "cls_token_id", "sep_token_id", "attention_backend")
+        over = {k: getattr(teacher_cfg, k) for k in keep}
+        return ModernBertConfig.from_preset(name, local_attention=min(128, teacher_cfg.max_position_embeddings)
+                                            // 2 * 2, **over)
 
 
 FAMILIES: tuple[EncoderFamily, ...] = (BertFamily(), ElectraFamily(), ModernBertFamily())
