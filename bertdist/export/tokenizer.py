@@ -140,7 +140,10 @@ def trim_byte_level_offsets(tok) -> None:
     spans and served word spans do not start with a space. ``tok``: a ``tokenizers.Tokenizer``."""
     from tokenizers import pre_tokenizers, processors
 
-    if not isinstance(tok.pre_tokenizer, pre_tokenizers.ByteLevel) or isinstance(tok.post_processor, processors.ByteLevel):
+    if not isinstance(tok.pre_tokenizer, pre_tokenizers.ByteLevel):
         return
+    post = json.loads(tok.to_str()).get("post_processor") or {}
+    if "ByteLevel" in (post.get("type"), *(p.get("type") for p in post.get("processors", []))):
+        return  # spans already trimmed (or the tokenizer trims them itself)
     steps = [processors.ByteLevel(trim_offsets=True)] + ([tok.post_processor] if tok.post_processor else [])
     tok.post_processor = processors.Sequence(steps)
