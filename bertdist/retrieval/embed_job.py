@@ -152,10 +152,11 @@ def read_inputs(paths: Sequence[str | Path]) -> list[TextSource]:
 # ---------------------------------------------------------------- the model's identity
 def model_identity(model, path: str | Path, max_seq_length: int | None = None) -> dict:
     """What an embedding set (and an index built from it) records about the model."""
-    from bertdist.export.tokenizer import vocab_sha256
+    from bertdist.export.tokenizer import tokenizer_sha256
 
+    own = getattr(model, "tokenizer_files", [])  # a ModernBERT's tokenizer.json, fingerprinted in its place
     return {"path": str(path), "sha256": model_sha256(path),
-            "vocab_sha256": vocab_sha256(model.vocab_file) if model.vocab_file else None,
+            "vocab_sha256": tokenizer_sha256(model.vocab_file, own) if model.vocab_file or own else None,
             "do_lower_case": model.do_lower_case, "pooling": model.pooling, "normalize": model.normalize,
             "truncate_dim": model.truncate_dim, "dim": int(model.dim),
             "max_seq_length": int(max_seq_length or model.max_seq_length),

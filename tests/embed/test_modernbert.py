@@ -105,3 +105,19 @@ def test_rerank_trains_a_cross_encoder_transformers_reproduces(pretrained, tmp_p
     with torch.no_grad():
         theirs = hf.eval()(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits.reshape(-1)
     assert np.abs(ours - theirs.numpy()).max() <= 1e-5
+
+
+def test_an_embedding_set_of_a_modernbert_pins_its_tokenizer(pretrained, tmp_path):
+    """`bertdist embed` (bertdist/retrieval/embed_job.py) over a ModernBERT: the set's rows are the
+    bi-encoder's embeddings, and the set records the tokenizer.json's fingerprint."""
+    import hashlib
+
+    from bertdist.retrieval.embed_job import read_embeddings, run_embedding
+
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(CORPUS[:12]) + "\n")
+    manifest = run_embedding(pretrained, [texts], tmp_path / "emb", batch_size=4, progress=False, device="cpu")
+    assert manifest["model"]["vocab_sha256"] == hashlib.sha256((pretrained / "tokenizer.json").read_bytes()).hexdigest()
+    got = read_embeddings(tmp_path / "emb")
+    want = load_bi_encoder(pretrained).encode(CORPUS[:12])
+    assert np.abs(got.vectors - want).max() <= 1e-5
