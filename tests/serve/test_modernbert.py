@@ -136,3 +136,20 @@ def test_a_served_modernbert_ner_model_labels_whole_words(tmp_path, pretrained):
     words = job.finish(m.run(job.items))
     assert [w["word"] for w in words] == ["Mary", "visited", "Berlin", ",", "with", "John", "Smith", "."]
     assert all(text[w["start"]:w["end"]] == w["word"] for w in words)
+
+
+@pytest.mark.parametrize("direction", ["right", "left"])
+def test_a_cut_text_tokenizes_as_the_whole_text_truncated(onnx_dirs, direction):
+    """The server cuts a long text at a whitespace before tokenizing it; with ModernBERT's byte-level
+    BPE (a word behind a space is another token than the same word at the start) the ids must still
+    be those of the whole text, truncated on that side."""
+    from tokenizers import Tokenizer
+
+    from bertdist.serve.runtime import load_served_model
+
+    m = load_served_model(onnx_dirs["enc"])
+    whole = Tokenizer.from_file(str(onnx_dirs["enc"] / "tokenizer.json"))
+    whole.enable_truncation(m.max_length, direction=direction)
+    for text in (" ".join(CORPUS * 8), "  ".join(reversed(CORPUS * 8)) + " tail"):
+        (item,) = m.encode([text], truncate=True, direction=direction)
+        assert item.input_ids.tolist() == whole.encode(text).ids and item.length == m.max_length
