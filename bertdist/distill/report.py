@@ -5,7 +5,6 @@ that load on a shared machine hits both alike; CPU always, the GPU too where the
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import statistics
 import time

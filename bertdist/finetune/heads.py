@@ -24,17 +24,6 @@ from bertdist.model import IGNORE_INDEX, BertConfig, BertModel, ElectraConfig
 from bertdist.model.bert import init_weights
 
 HeadKind = Literal["classification", "regression", "token", "span", "choice"]
-HF_ARCHITECTURE = {
-    "classification": "BertForSequenceClassification",
-    "regression": "BertForSequenceClassification",
-    "token": "BertForTokenClassification",
-    "span": "BertForQuestionAnswering",
-    "choice": "BertForMultipleChoice",
-}
-# An ELECTRA backbone's: the same heads under ELECTRA's names.
-HF_ELECTRA_ARCHITECTURE = {kind: name.replace("Bert", "Electra", 1) for kind, name in HF_ARCHITECTURE.items()}
-
-
 def hf_architecture(kind: str, cfg: BertConfig) -> str:
     """The transformers class of a task model of head ``kind`` on the backbone ``cfg``."""
     from bertdist.export.encoders import family_of

@@ -10,7 +10,6 @@ data parallel when ``cfg.deepspeed`` (launched with torchrun/deepspeed).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 import time
