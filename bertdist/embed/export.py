@@ -80,7 +80,7 @@ def _dense_weights(model: BiEncoder) -> tuple[torch.Tensor, torch.Tensor] | None
 
 def _write_tokenizer(out: Path, model, length: int) -> None:
     """The model's own tokenizer files as they came (ModernBERT's), else the WordPiece vocab's."""
-    if model.tokenizer_files:
+    if any(Path(f).name == "tokenizer.json" for f in model.tokenizer_files):
         for f in model.tokenizer_files:
             shutil.copyfile(f, out / Path(f).name)
         return

@@ -39,6 +39,7 @@ class EncoderFamily:
     config_type: type
     model_type: str  # config.json's model_type
     layer_prefix: str  # the encoder layers' keys in a pretraining state dict ("<prefix><i>.")
+    padded_vocab = False  # whether the embeddings may have more rows than the tokenizer has tokens
 
     def owns(self, cfg: Any) -> bool:
         return type(cfg) is self.config_type
@@ -136,6 +137,7 @@ class ElectraFamily(EncoderFamily):
 class ModernBertFamily(EncoderFamily):
     name, hf_prefix, config_type, model_type = "modernbert", "ModernBert", ModernBertConfig, "modernbert"
     layer_prefix = "model.layers."
+    padded_vocab = True  # ModernBERT pads its embedding table to a multiple of 64 rows
 
     def task_class(self) -> type:
         from bertdist.finetune.modernbert_heads import ModernBertForTask

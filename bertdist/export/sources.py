@@ -70,6 +70,8 @@ def load_pretrained(
         if ck.fresh_keys:
             origin["newly_initialised"] = ck.fresh_keys
         w = PretrainedWeights(ck.config, ck.state_dict, None, None, origin, ck.tokenizer_files)
+        if w.tokenizer_json is None and (p / "vocab.txt").is_file():  # a ModernBERT on a WordPiece vocab
+            w.vocab_file, w.do_lower_case = p / "vocab.txt", read_tokenizer_casing(p)
     elif is_hf_dir(p):
         ck = read_hf_dir(p)
         origin = {"kind": "hf", "path": str(p)}
@@ -114,9 +116,10 @@ def _load_torch_dir(p: Path) -> PretrainedWeights:
 
     sd = load_file(p / TORCH_WEIGHTS)
     origin = {"kind": "torch", "path": str(p)}
-    if isinstance(cfg, ModernBertConfig):
-        return PretrainedWeights(cfg, sd, None, None, origin, [p / n for n in TOKENIZER_FILES if (p / n).is_file()])
-    vocab = p / "vocab.txt"
+    own = [p / n for n in TOKENIZER_FILES if (p / n).is_file()]
+    if isinstance(cfg, ModernBertConfig) and ((p / "tokenizer.json").is_file() or not (p / "vocab.txt").is_file()):
+        return PretrainedWeights(cfg, sd, None, None, origin, own)
+    vocab = p / "vocab.txt"  # a BERT, or a ModernBERT pretrained on a WordPiece vocab
     lower = read_tokenizer_casing(p)
     return PretrainedWeights(cfg, sd, vocab if vocab.is_file() else None, lower, origin)
 

@@ -114,9 +114,9 @@ def write_checkpoint_tokenizer(out_dir: str | Path, w, vocab_file: str | Path | 
                                max_length: int) -> None:
     """The tokenizer files of a model made from the checkpoint ``w`` (a ``PretrainedWeights``): its
     own tokenizer files as they were (ModernBERT), else the WordPiece ``vocab_file`` with its casing."""
-    if w.tokenizer_files:
+    if any(Path(f).name == "tokenizer.json" for f in w.tokenizer_files):
         for f in w.tokenizer_files:
-            shutil.copyfile(f, Path(out_dir) / f.name)
+            shutil.copyfile(f, Path(out_dir) / Path(f).name)
         return
     if vocab_file is None:
         raise ValueError("the checkpoint names neither tokenizer files nor a vocab file to write its tokenizer from")

@@ -49,7 +49,7 @@ def resolve_tokenizer(cfg: FinetuneConfig, w: PretrainedWeights):
             f"{vocab_sha256(w.vocab_file)[:12]}) does not match the data tokenizer's vocab {cfg.vocab_file} "
             f"({len(read_vocab(cfg.vocab_file))} tokens, sha256 {vocab_sha256(cfg.vocab_file)[:12]})")
     n = len(read_vocab(vocab))
-    if n != w.config.vocab_size:
+    if n > w.config.vocab_size or (n != w.config.vocab_size and not family_of(w.config).padded_vocab):
         raise VocabMismatch(f"the data tokenizer's vocab {vocab} has {n} tokens but the checkpoint's "
                             f"embeddings have {w.config.vocab_size} rows")
     if cfg.do_lower_case is not None and w.do_lower_case is not None and cfg.do_lower_case != w.do_lower_case:

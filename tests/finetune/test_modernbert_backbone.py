@@ -220,3 +220,46 @@ def test_token_span_and_choice_tasks_run_and_export(hf_dir, tmp_path, task, hf_c
         contexts = {q["id"]: p["context"] for a in squad["data"] for p in a["paragraphs"] for q in p["qas"]}
         for r in rows:  # every answer is a span of its context, without the space a BPE token carries
             assert r["prediction"] == r["prediction"].strip() and r["prediction"] in contexts[r["id"]]
+
+
+def test_a_modernbert_pretrained_on_a_wordpiece_vocab(sst2, tmp_path):
+    """A bertdist ModernBERT whose records were made with a WordPiece vocab (a torch-format directory
+    with vocab.txt, its embedding table padded past the vocab): fine-tuned with that vocab, saved
+    with BERT's tokenizer files, and reproduced by transformers."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from bertdist.export.sources import PretrainedWeights
+    from bertdist.finetune import FinetuneConfig, run_finetune
+    from bertdist.finetune.glue import GLUE_TASKS, read_glue
+    from bertdist.model.modernbert import ModernBertForMaskedLM
+    from bertdist.model.modernbert_config import ModernBertConfig
+
+    words = sorted({w for s in CORPUS for w in s.lower().replace(".", " .").replace("?", " ?").split()})
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words, ","]) + "\n")
+    n = len(vocab.read_text().splitlines())
+    cfg = ModernBertConfig.from_preset("tiny", vocab_size=n + (-n) % 64, max_position_embeddings=128,
+                                       local_attention=16, pad_token_id=0, cls_token_id=2, sep_token_id=3,
+                                       bos_token_id=2, eos_token_id=3)
+    torch.manual_seed(0)
+    ckpt = write_torch_dir(tmp_path / "torch", PretrainedWeights(cfg, ModernBertForMaskedLM(cfg).state_dict(), vocab,
+                                                                 True, {"kind": "test"}))
+    w = load_pretrained(ckpt)
+    assert w.vocab_file == ckpt / "vocab.txt" and w.tokenizer_json is None and cfg.vocab_size > n
+    out = tmp_path / "run"
+    run_finetune(FinetuneConfig(task="sst2", checkpoint=str(ckpt), data=str(sst2), output_dir=str(out),
+                                max_seq_length=32, batch_size=4, max_steps=4, learning_rate=1e-3, progress=False,
+                                save_model=True, predict_test=False, tensorboard=False))
+    hf, info = AutoModelForSequenceClassification.from_pretrained(out / "model", output_loading_info=True)
+    assert type(hf).__name__ == "ModernBertForSequenceClassification" and not info["missing_keys"]
+    tok = AutoTokenizer.from_pretrained(out / "model")
+    from bertdist.export.tokenizer import bert_tokenizer
+
+    assert (out / "model" / "vocab.txt").is_file()
+    assert tok("The man, truly fine.")["input_ids"] == bert_tokenizer(vocab, True)("The man, truly fine.")["input_ids"]
+    ex = read_glue(GLUE_TASKS["sst2"], sst2 / "dev.tsv")
+    enc = tok([e.text_a for e in ex], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        theirs = hf.eval()(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits
+    ours = torch.tensor([r["logits"] for r in json.loads((out / "predictions" / "dev.json").read_text())])
+    assert (theirs - ours).abs().max().item() <= 1e-5
