@@ -1,18 +1,21 @@
 """TrainConfig: the schema of `bertdist pretrain` recipes (configs/pretrain/*.yaml).
 
-Each component gets only its own section: the model its ``BertConfig``, the
-loader ``LoaderConfig``, the optimizer ``OptimizerConfig`` and so on. The model
-section is filled from its ``preset`` first, explicit keys win; its
-``vocab_size`` always comes from the vocab file (``data.vocab_file``).
+Each component gets only its own section: the model its ``BertConfig`` (or, with
+``model_type: modernbert``, its ``ModernBertConfig``), the loader ``LoaderConfig``, the optimizer
+``OptimizerConfig`` and so on. The model section is filled from its family's ``preset`` first
+(bertdist/model/families.py), explicit keys win; its ``vocab_size`` always comes from the vocab
+file (``data.vocab_file``).
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Literal, Optional, Sequence
+from typing import Literal, Optional, Sequence, Union
 
 from bertdist.config import ConfigError, apply_overrides, from_dict, load_yaml
-from bertdist.model.config import PRESETS, BertConfig, ElectraConfig, model_config_from_mapping
+from bertdist.model.config import BertConfig, ElectraConfig, model_config_from_mapping
+from bertdist.model.families import family_of, family_of_mapping, section_presets
+from bertdist.model.modernbert_config import ModernBertConfig
 
 
 @dataclasses.dataclass
@@ -95,9 +98,6 @@ class ScheduleConfig:
     def __post_init__(self) -> None:
         if self.total_steps <= 0:
             raise ConfigError(f"schedule.total_steps must be positive, got {self.total_steps}")
-        if self.warmup_steps is not None and self.warmup_fraction is not None:
-            raise ConfigError("schedule: set warmup_steps or warmup_fraction, not both "
-                              f"(got {self.warmup_steps} and {self.warmup_fraction}); set the other to null")
 
     @property
     def resolved_warmup_steps(self) -> int:
@@ -275,7 +275,9 @@ class TrainConfig:
     deterministic: bool = False  # torch deterministic algorithms; bitwise-exact resume on CPU
     max_steps: Optional[int] = None  # stop early (the schedule still spans schedule.total_steps)
     max_consecutive_nonfinite: int = 20
-    model: BertConfig = dataclasses.field(default_factory=BertConfig)
+    # BERT (the default), or ModernBERT with model_type: modernbert; ELECTRA: a BERT section
+    # (its discriminator) with an electra section
+    model: Union[BertConfig, ModernBertConfig] = dataclasses.field(default_factory=BertConfig)
     data: LoaderConfig = dataclasses.field(default_factory=LoaderConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
@@ -295,6 +297,12 @@ class TrainConfig:
         if self.distill is not None and self.electra is not None:
             raise ConfigError("distill and electra are both set: general distillation trains a BERT's MLM head "
                               "towards a teacher, ELECTRA trains a discriminator; set one of them to null")
+        family = family_of(self.model)
+        for section in OBJECTIVE_SECTIONS:
+            if getattr(self, section) is not None and section not in family.objectives:
+                raise ConfigError(f"{section}: a {family.name} model (model.model_type "
+                                  f"{getattr(self.model, 'model_type', 'bert')!r}) trains with "
+                                  f"{', '.join(family.objectives) or 'masked-LM only'}; set {section} to null")
         if self.electra is not None:
             self.electra.model_config(self.model)  # the generator's sizes resolve, or an error with the numbers
         if self.profiling.enabled and self.profiling.last_step > self.steps_to_run:
@@ -320,10 +328,15 @@ class TrainConfig:
             )
 
     @property
-    def model_config(self) -> BertConfig:
+    def model_config(self) -> "BertConfig | ModernBertConfig":
         """The model the run trains: ``model``, or with an ``electra`` section the ELECTRA model
         (``model`` is its discriminator)."""
         return self.electra.model_config(self.model) if self.electra is not None else self.model
+
+    @property
+    def objective_sections(self) -> dict[str, object]:
+        """The objective sections (``OBJECTIVE_SECTIONS``), set or None: what a resume must match."""
+        return {name: getattr(self, name) for name in OBJECTIVE_SECTIONS}
 
     @property
     def checkpoint_dir(self) -> str:
@@ -334,11 +347,19 @@ class TrainConfig:
         return min(self.schedule.total_steps, self.max_steps or self.schedule.total_steps)
 
 
+# The sections of TrainConfig that choose the objective (bertdist/train/objective.py); null: masked LM
+# (+ NSP where the model has the head and the records the label).
+OBJECTIVE_SECTIONS = ("distill", "electra")
+
+
 def _expand_model_preset(data: dict) -> dict:
-    model = dict(data.get("model") or {})
+    model = data.get("model") or {}
+    if not isinstance(model, dict):
+        return data
+    presets = section_presets(model)
     preset = model.get("preset", "base")
-    if preset in PRESETS:
-        model = {**PRESETS[preset], **model}
+    if preset in presets:
+        model = {**presets[preset], **model}
     return {**data, "model": model}
 
 
@@ -346,14 +367,14 @@ def train_config_from_dict(data: dict) -> TrainConfig:
     return from_dict(TrainConfig, _expand_model_preset(data))
 
 
-def model_config_of(run_cfg: dict) -> BertConfig:
+def model_config_of(run_cfg: dict) -> "BertConfig | ModernBertConfig":
     """The model a saved run config (``bertdist_config.yaml``, a run's ``config.yaml``) describes: its
     ``model`` section, made an ELECTRA model by an ``electra`` section or by ``model_type: electra``
     (the form ``bertdist import-hf`` writes)."""
     model = run_cfg.get("model")
     if not isinstance(model, dict):
         raise ConfigError("no `model:` section")
-    if run_cfg.get("electra") is not None:
+    if run_cfg.get("electra") is not None and family_of_mapping(model).name == "bert":
         bert = from_dict(BertConfig, _expand_model_preset({"model": model})["model"])
         return from_dict(PretrainElectraConfig, run_cfg["electra"], _where="electra").model_config(bert)
     return model_config_from_mapping(model)
@@ -366,7 +387,7 @@ def load_train_config(path: str | os.PathLike | None, overrides: Sequence[str] =
     # A preset override replaces the recipe's explicit sizes, not the other way round.
     if any(o.split("=", 1)[0].strip() == "model.preset" for o in overrides):
         preset = data["model"]["preset"]
-        for key in PRESETS.get(preset, {}):
+        for key in section_presets(data["model"]).get(preset, {}):
             if not any(o.split("=", 1)[0].strip() == f"model.{key}" for o in overrides):
                 data["model"].pop(key, None)
     return train_config_from_dict(data)

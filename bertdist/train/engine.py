@@ -24,7 +24,7 @@ def build_engine(cfg: TrainConfig, plan: RestorePlan, world_size: int, grad_accu
     resolves ``cfg.model.kernels`` here."""
     import deepspeed
 
-    from bertdist.model import BertForPreTraining
+    from bertdist.model.families import family_of
     from bertdist.train.activation_checkpointing import apply_activation_checkpointing
     from bertdist.train.checkpoint import seed_all
     from bertdist.train.ds_config import build_ds_config
@@ -32,12 +32,8 @@ def build_engine(cfg: TrainConfig, plan: RestorePlan, world_size: int, grad_accu
 
     use_tf32(device_type)
     seed_all(cfg.seed)
-    if cfg.electra is not None:  # generator + discriminator; the objective is applied from outside
-        from bertdist.model.electra import ElectraForPreTraining
-
-        model = ElectraForPreTraining(cfg.model_config, device_type=device_type, kernels=kernels)
-    else:
-        model = BertForPreTraining(cfg.model, device_type=device_type, kernels=kernels)
+    # the family's pretraining model (bertdist/model/families.py); the objective is applied from outside
+    model = family_of(cfg.model_config).build(cfg.model_config, device_type, kernels)
     clips = cfg.optimizer.clips_itself
     if clips:  # it keeps the parameters as views of its own buffer: they must be where they will stay
         model.to(_local_device(device_type))

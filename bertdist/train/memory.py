@@ -29,6 +29,18 @@ discriminator's, and the head term is the generator's MLM head over the predicte
 the embedding size) plus the discriminator's head over all s tokens; the per-layer figures
 reported are the discriminator's.
 
+ModernBERT (a ``ModernBertConfig``, ``estimate_modernbert_memory``): P from
+``modernbert_parameter_count``; its batches are packed (no padding), s being the longest sequence
+a micro-batch holds (8,192 after context extension). Per layer, e bytes per element: the two
+LayerNorm inputs and outputs (4 s*b*h), q, k and v before and after RoPE (6 s*b*h), the attention
+output (s*b*h), GeGLU's 2f-wide input projection, its GELU and gated product (4 s*b*f), and, where
+dropout is on, a byte per element of each dropout mask. Attention never keeps probabilities (every
+backend is flash-style or re-pads for SDPA's fused kernels) except ``attention_backend:
+reference``, which keeps a*s^2*b*e; the ``sdpa`` backend re-pads q, k, v and the output to the
+longest sequence (4 s*b*h*e more) and keeps one [b, s, s] bool mask per layer (b*s^2 bytes, 0.5 GiB
+per layer at b = 8, s = 8,192). The head: the predicted positions' logits and their gradient in fp32
+(m = ceil(mask_prob x s) with the sparse head).
+
 Not included: the CUDA context and libraries (about 0.5-1 GiB), allocator fragmentation,
 communication buffers and temporaries such as the largest matmul's workspace.
 """
@@ -100,8 +112,49 @@ class MemoryEstimate:
         return d
 
 
+def _states(p: int, precision: str, zero_stage: int, world_size: int) -> tuple[int, int, int, int, int]:
+    """(weights, fp32 masters, autocast copies, gradients, optimizer state) per GPU for P = ``p``."""
+    n = max(1, world_size)
+    weight_bytes = 2 if precision == "fp16" else 4
+    return (p * weight_bytes // (n if zero_stage == 3 else 1),
+            p * 4 // (n if zero_stage >= 1 else 1) if precision == "fp16" else 0,
+            p * 2 if precision == "bf16" else 0,
+            p * weight_bytes // (n if zero_stage >= 2 else 1),
+            p * 8 // (n if zero_stage >= 1 else 1))
+
+
+def estimate_modernbert_memory(model, *, micro_batch: int, seq: int, precision: str, zero_stage: int,
+                               world_size: int, max_predictions: int | None, sparse_mlm_head: bool = True,
+                               mask_prob: float = 0.3) -> MemoryEstimate:
+    """``model``: a ``ModernBertConfig`` (the module docstring)."""
+    from bertdist.model.flops import modernbert_parameter_count
+
+    p = modernbert_parameter_count(model)
+    weights, masters, copies, grads, opt = _states(p, precision, zero_stage, world_size)
+    e = 4 if precision == "fp32" else 2
+    b, s, h, f, a, L = (micro_batch, seq, model.hidden_size, model.intermediate_size, model.num_attention_heads,
+                        model.num_hidden_layers)
+    masks = (s * b * h if model.attention_dropout else 0) * 2 + (s * b * f if model.mlp_dropout else 0)
+    per_layer = s * b * h * 11 * e + 4 * s * b * f * e + masks
+    if model.attention_backend == "reference":
+        probs = a * s * s * b * e
+    elif model.attention_backend == "sdpa":
+        per_layer += 4 * s * b * h * e
+        probs = b * s * s
+    else:
+        probs = 0
+    m = (max_predictions or math.ceil(mask_prob * s)) if sparse_mlm_head else s
+    head = 2 * b * m * model.vocab_size * 4 + b * m * h * e * 2
+    activations = L * (per_layer + probs) + head
+    checkpointed = L * s * b * h * e + per_layer + probs + head
+    states = weights + masters + copies + grads + opt
+    return MemoryEstimate(p, weights, masters, copies, grads, opt, per_layer, probs, head, activations, checkpointed,
+                          states + activations, states + checkpointed)
+
+
 def estimate_memory(model, *, micro_batch: int, seq: int, precision: str, zero_stage: int, world_size: int,
-                    max_predictions: int | None, sparse_mlm_head: bool = True) -> MemoryEstimate:
+                    max_predictions: int | None, sparse_mlm_head: bool = True,
+                    mask_prob: float = 0.15) -> MemoryEstimate:
     """``model``: a ``BertConfig``. Bytes per GPU by the formulas in this module's docstring."""
     p = bert_parameter_count(model)
     n = max(1, world_size)
@@ -116,7 +169,7 @@ def estimate_memory(model, *, micro_batch: int, seq: int, precision: str, zero_s
     b, s, h, a, L = micro_batch, seq, model.hidden_size, model.num_attention_heads, model.num_hidden_layers
     per_layer = s * b * h * (16 * e + 2)
     probs = a * s * s * b * (2 * e + 1)
-    m = (max_predictions or math.ceil(0.15 * s)) if sparse_mlm_head else s
+    m = (max_predictions or math.ceil(mask_prob * s)) if sparse_mlm_head else s
     head = 2 * b * m * model.vocab_size * 4 + b * m * h * e * 2
     activations = L * (per_layer + probs) + head
     checkpointed = L * s * b * h * e + per_layer + probs + head

@@ -11,14 +11,12 @@ from pathlib import Path
 from typing import Literal
 
 from bertdist.config import ConfigError, to_dict
+from bertdist.model.families import arch_mismatches
 from bertdist.train.checkpoint import LATEST, latest_tag, read_checkpoint_state, resolve_checkpoint, saved_tags
 from bertdist.train.config import TrainConfig
 from bertdist.train.precision import precision_policy
 from bertdist.train.state import TrainerState
 
-# Model fields that change the weights' shapes; a resume with any of them changed is refused.
-ARCH_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-               "max_position_embeddings", "type_vocab_size")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,12 +31,10 @@ class RestorePlan:
 
 
 def check_compatible(saved: TrainerState, cfg: TrainConfig, what: str) -> None:
-    """Refuse a checkpoint whose shapes (and, for a resume, optimizer, precision, schedule) differ."""
-    problems = []
-    for k in ARCH_FIELDS:
-        a, b = saved.model.get(k), getattr(cfg.model, k)
-        if a != b:
-            problems.append(f"model.{k}: checkpoint {a}, config {b}")
+    """Refuse a checkpoint whose model (its family's architecture fields: bertdist/model/families.py;
+    a new phase may change the family's ``phase_fields``) and, for a resume, optimizer, precision,
+    schedule differ."""
+    problems = arch_mismatches(saved.model, cfg.model, new_phase=what != "resume")
     if what == "resume":
         for key, theirs, ours in (("optimizer", saved.optimizer, cfg.optimizer.name),
                                   ("zero_stage", saved.zero_stage, cfg.deepspeed.zero_stage),

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from bertdist.config import ConfigError, save_config
+from bertdist.model.families import family_of
 from bertdist.train.config import TrainConfig, check_batch_sizes
 from bertdist.train.profiling import StepProfiler, describe
 from bertdist.train.state import TrainerState, checkpoint_tag
@@ -141,7 +142,8 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool
     # plan, so every rank runs the same kernels; a copy goes to run_dir. Before seeding: it may use the RNG.
     kernels = kernels_for_run(cfg.model.kernels, cfg.model, device, micro_batch=cfg.data.micro_batch_size,
                               seq=cfg.data.max_seq_length, precision=cfg.deepspeed.precision,
-                              autocast=autocast_dtype(cfg.deepspeed.precision) is not None, run_dir=str(run_dir))
+                              autocast=autocast_dtype(cfg.deepspeed.precision) is not None, run_dir=str(run_dir)) \
+        if family_of(cfg.model_config).uses_kernels else None
     built = build_engine(cfg, plan, world, grad_accum, device.type, kernels)
     engine = built.engine
     compiled = decide_compile(cfg.model.compile, device.type)
