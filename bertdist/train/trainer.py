@@ -114,6 +114,7 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool
     from bertdist.train.metrics import RunLogger, device_peak_flops
     from bertdist.train.precision import autocast_dtype
     from bertdist.train.restore import check_fresh_start, new_state, plan_restore, restore
+    from bertdist.train.objective import build_objective
     from bertdist.train.step import StepRunner
 
     info = init_distributed(cfg.deepspeed.dist_backend)
@@ -127,12 +128,8 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
     plan = plan_restore(cfg, resume, world)  # before the engine: universal loading is an engine flag
-    if plan.mode == "resume":  # the checkpoint's objective: general distillation with the same section, or none
-        from bertdist.train.distill_objective import check_resume
-
-        check_resume(cfg, plan.load_dir, plan.tag)
-    if plan.mode in ("resume", "init"):  # ELECTRA with the same section (resume) or the same model (new phase)
-        from bertdist.train.electra_objective import check_checkpoint
+    if plan.mode in ("resume", "init"):  # the same objective sections (resume) or the same model (new phase)
+        from bertdist.train.objective import check_checkpoint
 
         check_checkpoint(cfg, plan.load_dir, plan.tag, plan.mode)
     ckpt = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep_last_n, rank, world)
@@ -151,17 +148,9 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool
     apply_compile(engine.module, compiled)  # in place: checkpoints and export see the same module
     if rank == 0:
         save_ds_config(built.ds_config, run_dir)
-    objective = teacher = None
-    if cfg.distill is not None:  # the teacher: frozen, outside the engine, loaded once per rank
-        from bertdist.train.distill_objective import build_objective
-
-        objective, teacher = build_objective(cfg, engine.module, device)
-    elif cfg.electra is not None:  # the loss weights and the sampler (with its checkpointed RNG)
-        from bertdist.train.electra_objective import ReplacedTokenDetection
-
-        objective = ReplacedTokenDetection(cfg, engine.module, device, rank)
-    generators = getattr(objective, "generators", None)
-    state = restore(engine, built.scheduler, plan, cfg, rank, new_state(cfg, world, grad_accum), generators)
+    # masked LM, general distillation (its frozen teacher outside the engine) or ELECTRA (its sampler)
+    objective = build_objective(cfg, engine.module, device, rank)
+    state = restore(engine, built.scheduler, plan, cfg, rank, new_state(cfg, world, grad_accum), objective.generators)
     engine.train()
 
     loader = PretrainingLoader(records, cfg.data, rank=rank, world_size=world, grad_accum=grad_accum,
@@ -181,12 +170,9 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool
                                    "dropped_per_epoch": loader.dropped_per_epoch, "loader": state.loader},
                tensorboard=False)
     runner = StepRunner.for_run(engine, cfg, device, grad_accum, objective)
-    if teacher is not None:
-        log.message(objective.describe(teacher.origin))
-    elif objective is not None:
-        log.message(objective.describe())
-    if cfg.electra is not None and loader.has_nsp:
-        log.message("the records carry NSP labels: ELECTRA has no NSP head, so they are not used")
+    log.message(objective.describe())
+    if objective.without_nsp and loader.has_nsp:
+        log.message(f"the records carry NSP labels: {objective.without_nsp}, so they are not used")
     session = _Session(cfg, engine, ckpt, log, eval_set, device, world, state, objective,
                        StepProfiler(cfg.profiling, run_dir, rank, device))
     if compiled.enabled:
@@ -224,7 +210,7 @@ class _Session:
     def save(self) -> None:
         t = time.time()
         self.state = dataclasses.replace(self.state, skipped_steps=int(self.engine.skipped_steps))
-        tag = self.ckpt.save(self.engine, self.state, self.cfg, getattr(self.objective, "generators", None))
+        tag = self.ckpt.save(self.engine, self.state, self.cfg, self.objective.generators)
         self.log.message(f"checkpoint {self.ckpt.dir / tag} saved in {time.time() - t:.1f}s")
         self.log.record("checkpoint", self.state.step, {"tag": tag, "seconds": time.time() - t}, tensorboard=False)
         self.last_checkpoint = tag
