@@ -334,11 +334,15 @@ def parity_seed(manifest: Path, vocab: Path, seed: int, args, log=print) -> dict
             if step == args.steps or (args.eval_every and step % args.eval_every == 0):
                 evaluate(step)
         final = curve[-1]
+        unigram = unigram_loss(batches, held, cfg.model.vocab_size)
         out = {
             "seed": seed, "steps": args.steps, "initial_max_abs_weight_diff": worst_weight,
             "initial_heldout": {"ours": curve[0]["ours"], "reference": curve[0]["reference"],
                                 "rel_diff": curve[0]["rel_diff"]},
             "final_heldout": {"ours": final["ours"], "reference": final["reference"], "rel_diff": final["rel_diff"]},
+            "unigram_heldout_loss": unigram,
+            "max_train_loss_rel_diff": max(rel(r["ours_loss"], r["reference_loss"]) for r in rows),
+            "max_heldout_rel_diff": max(c["rel_diff"] for c in curve),
             "heldout_curve": curve, "train_steps": rows,
             "real_tokens_per_step": sum(int(mb["attention_mask"].sum()) for mb in batches[0]),
             "heldout_sequences": sum(int(mb["input_ids"].shape[0]) for mb in held),
@@ -349,6 +353,19 @@ def parity_seed(manifest: Path, vocab: Path, seed: int, args, log=print) -> dict
         if args.timing_rounds and seed == args.seeds[0]:
             out["timing"] = time_steps(ours, ref, cfg, batches, args, log)
         return out
+
+
+def unigram_loss(batches: list[list[dict]], held: list[dict], vocab_size: int) -> float:
+    """The held-out loss of predicting every masked token by its frequency among the masked tokens
+    of the training batches (add-one smoothed): what a model learns before it uses the context."""
+    counts = torch.ones(vocab_size, dtype=torch.float64)
+    for mbs in batches:
+        for mb in mbs:
+            labels = mb["labels"][mb["labels"] != IGNORE]
+            counts += torch.bincount(labels, minlength=vocab_size).double()
+    logp = (counts / counts.sum()).log()
+    labels = torch.cat([mb["labels"][mb["labels"] != IGNORE] for mb in held])
+    return float(-logp[labels].mean())
 
 
 # ----- speed -------------------------------------------------------------------------------------
@@ -413,8 +430,8 @@ def verdict(seeds: list[dict], tolerance: float) -> tuple[bool, list[str]]:
         f = s["final_heldout"]
         good = math.isfinite(f["ours"]) and math.isfinite(f["reference"]) and f["rel_diff"] <= tolerance
         ok &= good
-        lines.append(f"seed {s['seed']}: final held-out MLM loss ours {f['ours']:.4f}, reference {f['reference']:.4f}, "
-                     f"relative difference {100 * f['rel_diff']:.3f}% ({'within' if good else 'NOT within'} "
+        lines.append(f"seed {s['seed']}: final held-out MLM loss ours {f['ours']:.5f}, reference {f['reference']:.5f}, "
+                     f"relative difference {f['rel_diff']:.1e} ({'within' if good else 'NOT within'} "
                      f"{100 * tolerance:g}%)")
     return ok, lines
 
@@ -508,7 +525,7 @@ def markdown(res: dict) -> str:
         cells = []
         for s in res["seeds"]:
             c = s["heldout_curve"][k]
-            cells.append(f"{c['ours']:.4f} | {c['reference']:.4f} | {100 * c['rel_diff']:.3f}%")
+            cells.append(f"{c['ours']:.5f} | {c['reference']:.5f} | {c['rel_diff']:.1e}")
         out.append(f"| {step} | " + " | ".join(cells) + " |")
     out += ["", "Training loss (mean of the step's micro-batches), every "
                 f"{a['eval_every']} steps:", "",
@@ -520,7 +537,18 @@ def markdown(res: dict) -> str:
             r = s["train_steps"][step - 1]
             cells.append(f"{r['ours_loss']:.4f} | {r['reference_loss']:.4f}")
         out.append(f"| {step} | " + " | ".join(cells) + " |")
-    out += ["", "## Verdict", ""] + [f"- {ln}" for ln in lines] + [
+    out += ["", "## Final held-out MLM loss", "",
+            "| seed | ours | reference | relative difference | largest relative difference, held-out (all evaluations) "
+            "| largest relative difference, training loss (all steps) | unigram baseline |",
+            "|---|---|---|---|---|---|---|"]
+    for s in res["seeds"]:
+        f = s["final_heldout"]
+        out.append(f"| {s['seed']} | {f['ours']:.5f} | {f['reference']:.5f} | {f['rel_diff']:.1e} | "
+                   f"{s['max_heldout_rel_diff']:.1e} | {s['max_train_loss_rel_diff']:.1e} | "
+                   f"{s['unigram_heldout_loss']:.4f} |")
+    out += ["", "Unigram baseline: the held-out loss of predicting each masked token by its frequency among the "
+                "masked tokens of the run's training batches (add-one smoothed), for scale.",
+            "", "## Verdict", ""] + [f"- {ln}" for ln in lines] + [
         "", f"**{'Met' if ok else 'NOT met'}**: the final held-out MLM loss of ours is "
             f"{'within' if ok else 'not within'} {100 * a['tolerance']:g}% of the reference's for every seed.", ""]
     t = res["seeds"][0].get("timing")
