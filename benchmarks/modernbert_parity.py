@@ -473,7 +473,9 @@ def markdown(res: dict) -> str:
            f"{res['parameters']:,} parameters; fp32, dropout 0 in both.",
            f"- Data: records at seq {a['seq']} built by the Beam pipeline from `data_pipeline/samples` (Gutenberg "
            f"books + a Wikipedia sample), {res['train_sequences']:,} training and {res['heldout_sequences_total']:,} "
-           f"held-out sequences; dynamic 30% masking (80/10/10) by `PretrainingLoader`, seeded.",
+           f"held-out sequences; dynamic 30% masking (80/10/10) by `PretrainingLoader`, seeded. The vocab is trained "
+           f"afresh when the work folder has none, and two builds on this machine gave different vocab files, so "
+           f"the exact losses differ from build to build; both sides of a run always take the same build.",
            f"- Steps: {a['steps']} optimizer steps of {a['global_batch']} sequences ({a['global_batch'] // a['micro']} "
            f"micro-batches of {a['micro']}), about {res['seeds'][0]['real_tokens_per_step']:,} real tokens a step.",
            f"- Optimizer and schedule (the recipe `configs/pretrain/modernbert-tiny.yaml`): AdamW lr "
@@ -546,17 +548,26 @@ def markdown(res: dict) -> str:
         out.append(f"| {s['seed']} | {f['ours']:.5f} | {f['reference']:.5f} | {f['rel_diff']:.1e} | "
                    f"{s['max_heldout_rel_diff']:.1e} | {s['max_train_loss_rel_diff']:.1e} | "
                    f"{s['unigram_heldout_loss']:.4f} |")
+    below = [s["unigram_heldout_loss"] - max(s["final_heldout"]["ours"], s["final_heldout"]["reference"])
+             for s in res["seeds"]]
     out += ["", "Unigram baseline: the held-out loss of predicting each masked token by its frequency among the "
-                "masked tokens of the run's training batches (add-one smoothed), for scale.",
+                "masked tokens of the run's training batches (add-one smoothed), for scale. "
+            + (f"Both sides end {min(below):.3f} to {max(below):.3f} below it, for every seed: they learned more "
+               "than the token frequencies (from the context, or from the 10% of masked positions that keep their "
+               "token)." if min(below) > 0 else
+               "Not every run ends below it: at this budget the model has not learned past the token frequencies."),
             "", "## Verdict", ""] + [f"- {ln}" for ln in lines] + [
         "", f"**{'Met' if ok else 'NOT met'}**: the final held-out MLM loss of ours is "
             f"{'within' if ok else 'not within'} {100 * a['tolerance']:g}% of the reference's for every seed.", ""]
     t = res["seeds"][0].get("timing")
     if t:
+        loads = [r["loadavg"] for r in t["raw_rounds"]]
         out += ["## Speed of the training step (CPU)", "",
-                f"**The machine is shared** (2 cores, other engineers' jobs running; load average "
-                f"{res['load_before'][0]:.2f} before, {res['load_after'][0]:.2f} after; per round in `results.json`): "
-                "single steps vary widely (min and max columns), so the medians carry a real error.", "",
+                f"**The machine is shared** (2 cores, other engineers' jobs running; 1-minute load average "
+                f"{res['load_before'][0]:.2f} before the run, {min(loads):.2f} to {max(loads):.2f} during the timing "
+                f"rounds, {res['load_after'][0]:.2f} after; each round's in `results.json`): the figures are medians "
+                "of steps taken in turns, and a busy spell can still move single steps (min and max columns) and "
+                "the ratios between runs.", "",
                 f"One step = the global batch of {a['global_batch']} sequences in {t['micro_batches_per_step']} "
                 f"micro-batches (about {t['real_tokens_per_step_mean']:.0f} real tokens), forward, backward, "
                 "clipping, optimizer and schedule step; the loader's batches, the same for every arm. "
@@ -580,6 +591,8 @@ def markdown(res: dict) -> str:
             "transformers has no variable-length attention on CPU, so this arm's SDPA runs over the whole "
             "[T, T] of a micro-batch's row (T = its real tokens) under the mask.",
             ""]
+        out += ["`benchmarks/modernbert_cpu.py` times the models' forward and backward alone on synthetic packed "
+                "batches; this is the whole training step, on the loader's batches of the recipe.", ""]
         slower = [arm for arm in ARMS[1:] if t["ratio_over_ours"][arm] < 1.0]
         out.append("Our step's median is at or below both transformers arms' in this run." if not slower else
                    f"Our step's median is above {', '.join(slower)}'s in this run.")
