@@ -397,10 +397,17 @@ def time_steps(ours: Ours, ref: Reference, cfg, batches: list[list[dict]], args,
         rounds.append(row)
         log(f"# timing round {rnd + 1}/{args.timing_rounds}{' (warm-up)' if row['warmup'] else ''}: " + ", ".join(
             f"{a} {statistics.median(row['ms'][a]):.0f} ms" for a in ARMS) + f"; load {row['loadavg']:.2f}")
+    # The first round's first step of every arm is on the same batch at the same weights (ours and the
+    # reference have ended their schedules at lr 0; the sparse model starts from ours): the losses agree.
+    first = {a: rounds[0]["loss"][a][0] for a in ARMS}
+    spread = (max(first.values()) - min(first.values())) / abs(first["ours"])
+    if spread > 1e-4:
+        raise SystemExit(f"the arms' losses on the first timed batch differ (relative spread {spread:.1e}): {first}")
     kept = [r for r in rounds if not r["warmup"]]
     med = {a: statistics.median(t for r in kept for t in r["ms"][a]) for a in ARMS}
     per_round = [{a: statistics.median(r["ms"][a]) / statistics.median(r["ms"]["ours"]) for a in ARMS} for r in kept]
     return {
+        "first_step_losses": first, "first_step_rel_spread": spread,
         "steps_per_arm_per_round": n, "rounds": len(rounds), "warmup_rounds": args.timing_warmup,
         "timed_steps_per_arm": len(kept) * n, "micro_batches_per_step": len(batches[0]),
         "real_tokens_per_step_mean": statistics.mean(sum(int(mb["attention_mask"].sum()) for mb in mbs)
@@ -581,6 +588,9 @@ def markdown(res: dict) -> str:
         pr = t["per_round_ratio_over_ours"]
         out += ["", "Per kept round, the ratio of the round's medians (arm / ours): " + "; ".join(
             f"{a2} " + ", ".join(f"{r[a2]:.2f}" for r in pr) for a2 in ARMS[1:]) + ".", "",
+            "The three arms' losses on the first timed batch, at the same weights: "
+            + ", ".join(f"{a2} {t['first_step_losses'][a2]:.6f}" for a2 in ARMS)
+            + f" (relative spread {t['first_step_rel_spread']:.1e}): they compute the same thing.", "",
             "- ours: the trainer's `train_step` through the DeepSpeed engine (packing built inside the step, "
             "sparse MLM head, SDPA).",
             "- hf-padded: the reference loop's step (padded micro-batches with `attention_mask`, dense MLM head, SDPA): "

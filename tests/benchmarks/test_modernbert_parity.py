@@ -56,6 +56,8 @@ def test_timing_and_report(tiny_run):
         assert t["median_ms"][arm] > 0 and all(len(r["ms"][arm]) == 1 for r in t["raw_rounds"])
     assert t["raw_rounds"][0]["order"] != t["raw_rounds"][1]["order"]  # the order rotates
     assert t["ratio_over_ours"]["ours"] == 1.0
+    # the packed, sparse transformers arm computes the loss the other two do on the same batch and weights
+    assert t["first_step_rel_spread"] < 1e-5 and len(set(t["first_step_losses"])) == 3
     report = (out / "report.md").read_text()
     assert "**Met**" in report and "| hf-packed-sparse |" in report and "--steps 4" in report
     env = (out / "env.txt").read_text()
