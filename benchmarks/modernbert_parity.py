@@ -505,6 +505,9 @@ def markdown(res: dict) -> str:
            f"loss = summed cross-entropy of the masked tokens / their count; every {a['eval_every']} steps.",
            f"- Seeds: {', '.join(str(s) for s in a['seeds'])}: seed s sets the initial weights and the data order "
            "and masks.",
+           f"- Wall time of the whole command: {res['wall_s']:.0f} s"
+           + ({True: " (the vocab and records built first).", False: " (the vocab and records found built in the work "
+               "folder).", None: "."}[res.get("records_built")]),
            "",
            "## Same start",
            "",
@@ -643,7 +646,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     if args.manifest:
         manifest, vocab = args.manifest, args.vocab
+        built = False
     else:
+        built = not (args.work / f"records_seq{args.seq}_v3000" / "manifest.json").is_file()
         manifest, vocab = build_data(args.work, args.seq)
     import transformers
 
@@ -670,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
         "train_sequences": open_training_records(str(manifest), str(vocab), args.seq).num_rows,
         "heldout_sequences_total": open_training_records(str(manifest), str(vocab), args.seq, split="heldout").num_rows,
         "seeds": seeds, "load_before": load_before, "load_after": os.getloadavg(),
-        "wall_s": time.perf_counter() - t0,
+        "wall_s": time.perf_counter() - t0, "records_built": built,
     }
     ok, lines = verdict(seeds, args.tolerance)
     res["met"] = ok
