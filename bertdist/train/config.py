@@ -91,13 +91,34 @@ class ScheduleConfig:
     total_steps: int = 7038  # length of the decay; the run stops here unless max_steps is smaller
     warmup_steps: Optional[int] = None  # either this ...
     warmup_fraction: Optional[float] = 0.2843  # ... or a fraction of total_steps (NVIDIA phase 1)
-    decay: Literal["linear", "poly", "constant"] = "poly"
+    # after warmup: linear or poly to min_lr_ratio at total_steps; constant; or wsd, warmup-stable-decay
+    # (trapezoidal): the peak lr until the last decay_fraction of total_steps, then down to min_lr_ratio
+    decay: Literal["linear", "poly", "constant", "wsd"] = "poly"
     poly_power: float = 0.5
     min_lr_ratio: float = 0.0  # floor of the decay, as a fraction of the peak lr
+    # wsd: the decay's length as a fraction of total_steps (0: none in this phase, a later phase decays),
+    # and its shape: linear, or 1-sqrt (lr = peak x (1 - sqrt(fraction of the decay done)), ModernBERT's)
+    decay_fraction: float = 0.1
+    decay_shape: Literal["linear", "1-sqrt"] = "1-sqrt"
 
     def __post_init__(self) -> None:
         if self.total_steps <= 0:
             raise ConfigError(f"schedule.total_steps must be positive, got {self.total_steps}")
+        if not 0.0 <= self.decay_fraction <= 1.0:
+            raise ConfigError(f"schedule.decay_fraction must be in [0, 1], got {self.decay_fraction}")
+        if self.decay == "wsd" and self.resolved_warmup_steps + self.decay_steps > self.total_steps:
+            raise ConfigError(
+                f"schedule: warmup {self.resolved_warmup_steps} steps + decay {self.decay_steps} steps "
+                f"(decay_fraction {self.decay_fraction} x total_steps {self.total_steps}) > total_steps "
+                f"{self.total_steps}; shorten the warmup or lower decay_fraction")
+        if self.warmup_steps is not None and self.warmup_fraction is not None:
+            raise ConfigError("schedule: set warmup_steps or warmup_fraction, not both "
+                              f"(got {self.warmup_steps} and {self.warmup_fraction}); set the other to null")
+
+    @property
+    def decay_steps(self) -> int:
+        """wsd: the steps of the final decay (at least one unless decay_fraction is 0)."""
+        return max(1, int(round(self.decay_fraction * self.total_steps))) if self.decay_fraction else 0
 
     @property
     def resolved_warmup_steps(self) -> int:

@@ -24,6 +24,8 @@ recipe: 6e-3 (phase 1) / 4e-3 (phase 2), poly decay with power 0.5.
 """
 from __future__ import annotations
 
+import math
+
 import os
 import warnings
 
@@ -205,10 +207,13 @@ class WarmupDecay:
     A class rather than a closure so that ``LambdaLR.state_dict`` saves it.
     """
 
-    def __init__(self, warmup: int, total: int, decay: str, power: float, min_ratio: float):
+    def __init__(self, warmup: int, total: int, decay: str, power: float, min_ratio: float,
+                 decay_steps: int = 0, shape: str = "1-sqrt"):
         if warmup >= total and decay != "constant":
             raise ConfigError(f"schedule: warmup ({warmup} steps) must be shorter than total_steps ({total})")
         self.warmup, self.total, self.decay, self.power, self.min_ratio = warmup, total, decay, power, min_ratio
+        # wsd (warmup-stable-decay): the peak until total - decay_steps, then ``shape`` down to min_ratio
+        self.decay_steps, self.shape = decay_steps, shape
 
     def __call__(self, step: int) -> float:
         s = step + 1  # the lr used by the (step+1)-th update: warmup never uses lr 0
@@ -216,6 +221,8 @@ class WarmupDecay:
             return s / self.warmup
         if self.decay == "constant":
             return 1.0
+        if self.decay == "wsd":
+            return self._wsd(s)
         frac = min(1.0, (s - self.warmup) / max(1, self.total - self.warmup))
         if self.decay == "linear":
             mult = 1.0 - frac
@@ -223,7 +230,17 @@ class WarmupDecay:
             mult = (1.0 - frac) ** self.power
         return self.min_ratio + (1.0 - self.min_ratio) * mult
 
+    def _wsd(self, s: int) -> float:
+        """The stable peak, then the decay over the last ``decay_steps`` updates: the update at
+        total - decay_steps is the last at the peak, the one at total reaches min_ratio."""
+        if not self.decay_steps:  # no decay in this phase: the trapezoid's plateau
+            return 1.0
+        frac = min(1.0, max(0.0, (s - (self.total - self.decay_steps)) / self.decay_steps))
+        mult = 1.0 - (math.sqrt(frac) if self.shape == "1-sqrt" else frac)
+        return self.min_ratio + (1.0 - self.min_ratio) * mult
+
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    fn = WarmupDecay(cfg.resolved_warmup_steps, cfg.total_steps, cfg.decay, cfg.poly_power, cfg.min_lr_ratio)
+    fn = WarmupDecay(cfg.resolved_warmup_steps, cfg.total_steps, cfg.decay, cfg.poly_power, cfg.min_lr_ratio,
+                     cfg.decay_steps, cfg.decay_shape)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)

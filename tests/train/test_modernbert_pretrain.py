@@ -198,3 +198,18 @@ def test_a_new_phase_may_change_only_the_context_and_the_global_rope_base(tmp_pa
         check_compatible(saved, bert, "start a new phase")
     with pytest.raises(ConfigError, match="it holds a ModernBERT.* this config trains a BERT"):
         check_checkpoint(bert, tmp_path, "step_00000010", "init")
+
+
+def test_the_tiny_recipe_takes_a_few_steps_on_its_schedule(tmp_path, group, train_records, small_vocab):
+    """modernbert-tiny.yaml as shipped (but the records' seq 64): four steps on CPU through the
+    trainer's runner, on its warmup-stable-decay schedule."""
+    import math
+
+    from tests.train.conftest import run_steps
+
+    cfg = _cfg(tmp_path, train_records, small_vocab, "data.global_batch_size=16")
+    assert cfg.schedule.decay == "wsd" and cfg.schedule.decay_steps == 10  # the last quarter of 40 steps
+    results, _ = run_steps(cfg, train_records, 4)
+    assert [r.lr for r in results] == pytest.approx([2e-3 * k / 4 for k in (1, 2, 3, 4)])  # the warmup
+    assert all(math.isfinite(r.sums["loss"]) and r.sums["mlm_count"] > 0 for r in results)
+    assert results[-1].sums["mlm_loss"] < results[0].sums["mlm_loss"]
