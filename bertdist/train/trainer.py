@@ -1,8 +1,9 @@
-"""`run_pretraining(cfg)`: BERT pretraining with DeepSpeed, from the pipeline's records.
+"""`run_pretraining(cfg)`: pretraining with DeepSpeed, from the pipeline's records, of any model
+family (bertdist/model/families.py) with any objective (bertdist/train/objective.py).
 
 One phase on every rank: set up the process group, open and verify the records, decide where to
 start (``restore.plan_restore``: fresh, ``--resume``, or a new phase from
-``checkpoint.init_from``), build the engine (``engine.build_engine``), load the plan
+``checkpoint.init_from``), build the engine (``engine.build_engine``) and the objective, load the plan
 (``restore.restore``), then run ``step.train_step`` until ``schedule.total_steps`` (or
 ``max_steps``), a SIGTERM, or a fault, evaluating, logging and checkpointing on the way.
 
@@ -137,10 +138,11 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool
         plan = dataclasses.replace(plan, load_dir=ensure_universal(plan.load_dir, plan.tag, rank))
     # kernels: auto on CUDA: rank 0 measures (or reads its cache) for this run's shapes and broadcasts the
     # plan, so every rank runs the same kernels; a copy goes to run_dir. Before seeding: it may use the RNG.
-    kernels = kernels_for_run(cfg.model.kernels, cfg.model, device, micro_batch=cfg.data.micro_batch_size,
-                              seq=cfg.data.max_seq_length, precision=cfg.deepspeed.precision,
-                              autocast=autocast_dtype(cfg.deepspeed.precision) is not None, run_dir=str(run_dir)) \
-        if family_of(cfg.model_config).uses_kernels else None
+    kernels = None  # a family without bertdist.ops kernels (ModernBERT) picks its attention in its config
+    if family_of(cfg.model_config).uses_kernels:
+        kernels = kernels_for_run(cfg.model.kernels, cfg.model, device, micro_batch=cfg.data.micro_batch_size,
+                                  seq=cfg.data.max_seq_length, precision=cfg.deepspeed.precision,
+                                  autocast=autocast_dtype(cfg.deepspeed.precision) is not None, run_dir=str(run_dir))
     built = build_engine(cfg, plan, world, grad_accum, device.type, kernels)
     engine = built.engine
     compiled = decide_compile(cfg.model.compile, device.type)
