@@ -78,6 +78,9 @@ class ModelFamily:
     # "module:function"(batch) -> the model's keyword arguments; None: the loader's batch as it is
     inputs: str | None = None
     layer_class: str = "bertdist.model.bert:BertLayer"  # "module:Class" of an encoder layer (activation checkpointing)
+    # "module:function"(config, cu_seqlens, predicted) -> the training FLOPs of a packed batch (device);
+    # None: its sequences at the batch's padded width (what the model computes)
+    batch_flops: str | None = None
     nsp_head: bool = False  # has an NSP (or SOP) head, trained where the records carry the label
     hf_architecture: str = ""  # what `bertdist export` writes
     describe: Callable[[Any], str] = repr
@@ -93,6 +96,19 @@ class ModelFamily:
 
     def encoder_layer(self) -> type:
         return _resolve(self.layer_class)
+
+    def train_flops_of_batch(self, config, batch: dict, predicted):
+        """The training FLOPs of a loader batch (a device tensor or a number): on its packed
+        segments where the family computes only those, else at the batch's padded width."""
+        if self.batch_flops is not None:
+            return _resolve(self.batch_flops)(config, batch["cu_seqlens"], predicted)
+        from bertdist.model.flops import train_flops_per_sequence
+
+        n_seq, width = batch["input_ids"].shape
+        if getattr(config, "sparse_mlm_head", False):  # linear in the predicted positions
+            head = train_flops_per_sequence(config, 1, 1) - train_flops_per_sequence(config, 1, 0)
+            return n_seq * train_flops_per_sequence(config, width, 0) + head * predicted.double()
+        return n_seq * train_flops_per_sequence(config, width)
 
     def count_parameters(self, config) -> int:
         return _resolve(self.parameter_count)(config)
@@ -131,7 +147,8 @@ FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (
         "bertdist.train.memory:estimate_modernbert_memory", "bertdist.cli.export:export_modernbert",
         "bertdist.cli.import_hf:import_modernbert", MODERNBERT_ARCH_FIELDS, MODERNBERT_PHASE_FIELDS,
         inputs="bertdist.model.modernbert:packed_inputs",
-        layer_class="bertdist.model.modernbert:ModernBertEncoderLayer", hf_architecture="ModernBertForMaskedLM",
+        layer_class="bertdist.model.modernbert:ModernBertEncoderLayer",
+        batch_flops="bertdist.model.flops:modernbert_batch_train_flops", hf_architecture="ModernBertForMaskedLM",
         describe=_describe_modernbert),
 )}
 

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import torch
 from torch.profiler import record_function
 
-from bertdist.model import BertConfig, train_flops_per_sequence
+from bertdist.model import BertConfig
 from bertdist.model.families import family_of
 from bertdist.train.loader import batch_to_device
 
@@ -137,8 +137,6 @@ class StepRunner:
     def __post_init__(self):
         self.params = list({id(p): p for p in self.engine.module.parameters()}.values())
         self.family = family_of(self.model)
-        # training FLOPs of the MLM head per predicted position (linear in them; ELECTRA: the generator's)
-        self.head_flops = train_flops_per_sequence(self.model, 1, 1) - train_flops_per_sequence(self.model, 1, 0)
         if self.objective is None:
             from bertdist.train.objective import MaskedLM
 
@@ -149,10 +147,8 @@ class StepRunner:
         return self.objective(self.engine(**self.family.model_inputs(mb)), mb)
 
     def flops(self, mb: dict[str, torch.Tensor], mlm_count) -> torch.Tensor | float:
-        n_seq, width = mb["input_ids"].shape
-        if self.model.sparse_mlm_head:  # FLOPs are linear in the number of predicted positions
-            return n_seq * train_flops_per_sequence(self.model, width, 0) + self.head_flops * mlm_count.double()
-        return n_seq * train_flops_per_sequence(self.model, width)
+        """The micro-batch's training FLOPs, the family's count (bertdist/model/families.py)."""
+        return self.family.train_flops_of_batch(self.model, mb, mlm_count)
 
 
 @dataclasses.dataclass
