@@ -81,6 +81,7 @@ class ModelFamily:
     # "module:function"(config, cu_seqlens, predicted) -> the training FLOPs of a packed batch (device);
     # None: its sequences at the batch's padded width (what the model computes)
     batch_flops: str | None = None
+    plan_fields: tuple[str, ...] = ()  # model fields `pretrain --plan` shows beside the sizes
     nsp_head: bool = False  # has an NSP (or SOP) head, trained where the records carry the label
     hf_architecture: str = ""  # what `bertdist export` writes
     describe: Callable[[Any], str] = repr
@@ -149,6 +150,8 @@ FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (
         inputs="bertdist.model.modernbert:packed_inputs",
         layer_class="bertdist.model.modernbert:ModernBertEncoderLayer",
         batch_flops="bertdist.model.flops:modernbert_batch_train_flops", hf_architecture="ModernBertForMaskedLM",
+        plan_fields=("max_position_embeddings", "local_attention", "global_attn_every_n_layers", "global_rope_theta",
+                     "local_rope_theta", "attention_backend"),
         describe=_describe_modernbert),
 )}
 

@@ -115,11 +115,7 @@ def launch_plan(cfg: TrainConfig, world_size: int, profile) -> dict[str, Any]:
              "note": "per sequence of max_seq_length tokens (a full one); training = 3 x forward; "
                      "bertdist/model/flops.py has the formulas"}
     model_row = {"type": family.name, "layers": model.num_hidden_layers, "hidden_size": model.hidden_size,
-                 "parameters": mem.parameters}
-    if family.name == "modernbert":
-        model_row.update(context=model.max_position_embeddings, local_attention=model.local_attention,
-                         global_every=model.global_attn_every_n_layers, global_rope_theta=model.global_rope_theta,
-                         local_rope_theta=model.local_rope_theta, attention_backend=model.attention_backend)
+                 "parameters": mem.parameters, **{k: getattr(model, k) for k in family.plan_fields}}
     if cfg.electra is not None:  # the resolved generator sizes, which the recipe may give as a ratio
         model_row.update(type="electra", embedding_size=model.embedding_width,
                          generator={"layers": model.generator_num_hidden_layers,
@@ -163,9 +159,9 @@ def format_launch_plan(plan: dict[str, Any]) -> str:
                   f"{g['hidden_size']} ({g['heads']} heads, FFN {g['intermediate_size']}), shared embeddings of width "
                   f"{mr['embedding_size']}", ""]
     elif mr["type"] == "modernbert":
-        lines += [f"model: ModernBERT {mr['layers']} x {mr['hidden_size']}, context {mr['context']}, local window "
-                  f"{mr['local_attention']} (global every {mr['global_every']} layers), RoPE θ global "
-                  f"{mr['global_rope_theta']:g} / local {mr['local_rope_theta']:g}, attention "
+        lines += [f"model: ModernBERT {mr['layers']} x {mr['hidden_size']}, context {mr['max_position_embeddings']}, "
+                  f"local window {mr['local_attention']} (global every {mr['global_attn_every_n_layers']} layers), "
+                  f"RoPE θ global {mr['global_rope_theta']:g} / local {mr['local_rope_theta']:g}, attention "
                   f"{mr['attention_backend']}", ""]
     f = plan["flops"]
     parts = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in f["forward"].items() if k != "total")

@@ -65,7 +65,7 @@ def test_modernbert_plan_at_8_and_64_ranks():
     plans = {n: launch_plan(load_train_config(MODERNBERT), n, by_name("h100")) for n in (8, 64)}
     for n, plan in plans.items():
         assert plan["batch"] == {"global": 4608, "micro": 24, "grad_accum": 4608 // (24 * n), "world_size": n}
-        assert plan["model"]["type"] == "modernbert" and plan["model"]["context"] == 1024
+        assert plan["model"]["type"] == "modernbert" and plan["model"]["max_position_embeddings"] == 1024
         assert plan["kernels"]["mode"] == "none" and "attention_backend" in plan["kernels"]["why"]
     p8, p64 = plans[8], plans[64]
     cfg = load_train_config(MODERNBERT).model  # the recipe's vocab file is absent: the config's 50,368
