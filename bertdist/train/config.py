@@ -110,6 +110,11 @@ class ScheduleConfig:
 class DeepSpeedConfig:
     zero_stage: int = 1
     precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    # bf16 only: the dtype of the model's weights (bertdist/train/precision.py). fp32: fp32 weights,
+    # bf16 matmuls under torch.autocast (a cast of every weight per forward). bf16: bf16 weights and
+    # activations; fp32 master weights, gradient sums and all-reduce in the flat optimizer (needs
+    # optimizer.implementation flat, zero_stage 0). auto: bf16 where it can run, else fp32
+    bf16_weights: Literal["auto", "fp32", "bf16"] = "auto"
     gradient_clipping: float = 1.0  # 0 disables
     # fp16 dynamic loss scaling (DeepSpeed's names)
     initial_scale_power: int = 16
@@ -310,6 +315,7 @@ class TrainConfig:
                 f"optimizer.implementation=flat needs deepspeed.zero_stage=0 and precision fp32 or bf16 (got "
                 f"zero_stage {self.deepspeed.zero_stage}, precision {self.deepspeed.precision}); use "
                 "implementation auto or torch there")
+        self.weights  # bf16_weights=bf16 where it cannot run: an error with the settings
         if self.optimizer.name == "lamb" and self.deepspeed.zero_stage > 0:
             # ZeRO flattens and partitions the parameters, so the optimizer would see slices of a flat
             # buffer instead of layers, and LAMB's per-layer trust ratio ||w|| / ||update|| would be wrong.
@@ -324,6 +330,19 @@ class TrainConfig:
         """The model the run trains: ``model``, or with an ``electra`` section the ELECTRA model
         (``model`` is its discriminator)."""
         return self.electra.model_config(self.model) if self.electra is not None else self.model
+
+    @property
+    def weights(self) -> str:
+        """The dtype of the model's weights: "fp32", "bf16" (``deepspeed.bf16_weights`` resolved) or "fp16"."""
+        from bertdist.train.precision import resolve_bf16_weights
+
+        d = self.deepspeed
+        objective = "electra" if self.electra is not None else ("distill" if self.distill is not None else None)
+        try:
+            return resolve_bf16_weights(d.precision, d.bf16_weights, self.optimizer.implementation, d.zero_stage,
+                                        objective)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     @property
     def checkpoint_dir(self) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 from bertdist.config import to_dict
 from bertdist.train.config import TrainConfig, check_batch_sizes
 from bertdist.train.memory import GIB, estimate_memory
-from bertdist.train.precision import precision_policy
+from bertdist.train.precision import autocast_dtype, precision_policy
 
 
 def _vocab_size(cfg: TrainConfig) -> tuple[int, str]:
@@ -52,7 +52,7 @@ def kernel_cases(cfg: TrainConfig, profile) -> dict[str, Any]:
 
     workload = Workload.for_model(cfg.model, batch=cfg.data.micro_batch_size, seq=cfg.data.max_seq_length,
                                   precision=cfg.deepspeed.precision,
-                                  autocast=precision_policy(cfg.deepspeed.precision).compute != "fp32")
+                                  autocast=autocast_dtype(cfg.deepspeed.precision, cfg.weights) is not None)
     cases = []
     for case in workload.cases("cuda"):
         cands = []
@@ -113,7 +113,7 @@ def launch_plan(cfg: TrainConfig, world_size: int, profile) -> dict[str, Any]:
                   "grad_accum": accum, "world_size": world_size},
         "ds_config": ds,
         "optimizer": {"name": cfg.optimizer.name, **optimizer_choice(cfg, profile)},
-        "precision": precision_policy(d.precision, profile.type).to_dict(),
+        "precision": precision_policy(d.precision, profile.type, cfg.weights).to_dict(),
         "kernels": kernel_cases(cfg, profile),
         "memory": memory,
     }

@@ -134,7 +134,7 @@ def new_state(cfg: TrainConfig, world_size: int, grad_accum: int) -> TrainerStat
         step=0, phase=cfg.phase, phases=[{"phase": cfg.phase, "init_from": None, "init_step": None}],
         loader={"epoch": 0, "position": 0}, world_size=world_size, model=to_dict(cfg.model),
         optimizer=cfg.optimizer.name, zero_stage=cfg.deepspeed.zero_stage, precision=cfg.deepspeed.precision,
-        weights=precision_policy(cfg.deepspeed.precision).weights,
+        weights=precision_policy(cfg.deepspeed.precision, weights=cfg.weights).weights,
         seed=cfg.seed, micro_batch_size=cfg.data.micro_batch_size, global_batch_size=cfg.data.global_batch_size,
         grad_accum=grad_accum, schedule={"lr": cfg.optimizer.lr, **to_dict(cfg.schedule)})
 

@@ -141,7 +141,7 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool
     # plan, so every rank runs the same kernels; a copy goes to run_dir. Before seeding: it may use the RNG.
     kernels = kernels_for_run(cfg.model.kernels, cfg.model, device, micro_batch=cfg.data.micro_batch_size,
                               seq=cfg.data.max_seq_length, precision=cfg.deepspeed.precision,
-                              autocast=autocast_dtype(cfg.deepspeed.precision) is not None, run_dir=str(run_dir))
+                              autocast=autocast_dtype(cfg.deepspeed.precision, cfg.weights) is not None, run_dir=str(run_dir))
     built = build_engine(cfg, plan, world, grad_accum, device.type, kernels)
     engine = built.engine
     compiled = decide_compile(cfg.model.compile, device.type)
