@@ -87,11 +87,12 @@ def launch_plan(cfg: TrainConfig, world_size: int, profile) -> dict[str, Any]:
     mem = estimate_memory(cfg.model_config, micro_batch=cfg.data.micro_batch_size, seq=cfg.data.max_seq_length,
                           precision=d.precision, zero_stage=d.zero_stage, world_size=world_size,
                           max_predictions=cfg.data.max_predictions_per_seq,
-                          sparse_mlm_head=cfg.model.sparse_mlm_head)
+                          sparse_mlm_head=cfg.model.sparse_mlm_head, weights_dtype=cfg.weights)
     memory = mem.to_dict()
     memory["device_memory_gib"] = profile.memory_gib or None
     memory["activation_checkpointing"] = d.activation_checkpointing
-    memory["formula"] = ("weights + fp32 masters (fp16) + bf16 autocast copies (bf16) + gradients + 2 fp32 "
+    memory["formula"] = ("weights + fp32 masters (fp16, bf16 weights) + bf16 autocast copies (bf16 under autocast) + "
+                         "gradients (bf16 weights: bf16 + the fp32 sum) + 2 fp32 "
                          "moments, partitioned by ZeRO; activations per layer s*b*h*(16e+2) + a*s^2*b*(2e+1) "
                          "(e = bytes per activation element), x layers, + MLM head logits; checkpointed: layer "
                          "inputs + one layer (bertdist/train/memory.py)")
