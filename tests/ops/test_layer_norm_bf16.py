@@ -66,8 +66,9 @@ def _within_twice_torch(got: torch.Tensor, torch_bf16: torch.Tensor, exact: torc
     assert e_got <= 2 * e_ref + floor, f"{what}: error {e_got:.3e} > 2 x torch's bf16 error {e_ref:.3e} + {floor:.1e}"
 
 
+# emulated: the vectorised kernels (768), the scalar path (770) and the streaming kernels (9001)
 @pytest.mark.parametrize("impl,rows,hidden", [("fused", 64, 1024), ("fused", 5, 1000), ("emulated", 4, 768),
-                                              ("emulated", 3, 770)])
+                                              ("emulated", 3, 770), ("emulated", 2, 9001)])
 def test_layer_norm_bf16_io_fp32_statistics(impl, rows, hidden):
     ln_fwd, _, layer_norm, _ = _ops(impl)
     x, _, _, w, b, dy = _inputs(rows, hidden, seed=hidden)
@@ -110,3 +111,37 @@ def test_bias_dropout_add_layer_norm_bf16_io_fp32_statistics(impl, rows, hidden)
     _, d64 = _grads(torch_bdaln, tuple(t.double() for t in (x, bias, residual, w, b)), dy.double())
     for name, got, ref, exact in zip(("dx", "dbias", "dresidual", "dweight", "dln_bias"), d_got, d_torch, d64):
         _within_twice_torch(got, ref, exact, f"{impl} {name}")
+
+
+@pytest.mark.parametrize("impl", ["fused", "emulated"])
+def test_bf16_parameters_reach_the_kernels_without_a_cast(impl):
+    """With bf16 weights the kernels read gamma, beta and the dense bias as bf16 and write their
+    gradients as bf16 (summed in fp32, rounded once): no cast or copy runs in this forward and
+    backward, where kernels that took fp32 parameters only cost 14 casts (each parameter cast in
+    per call, each gradient cast out)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _, _, layer_norm, bdaln = _ops(impl)
+    x, residual, bias, w, b, dy = _inputs(4, 256, seed=5)
+    for t in (x, bias, w, b):  # not the residual: autograd would copy the gradient it shares with x
+        t.requires_grad_(True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        y = bdaln(x, bias, residual, w, b, p=0.0, training=True, eps=EPS)
+        z = layer_norm(y, w, b, EPS)
+        z.backward(dy)
+    casts = {e.key: e.count for e in prof.key_averages() if e.key in ("aten::_to_copy", "aten::copy_")}
+    assert casts == {}, f"{impl}: casts or copies inside the bf16 layer norms: {casts}"
+    assert (w.grad.dtype, b.grad.dtype, bias.grad.dtype) == (BF16, BF16, BF16)
+
+
+def test_bf16_custom_ops_pass_opcheck():
+    """The fake (meta) kernels give the real ones' dtypes with bf16 parameters (the dense bias's
+    gradient in bf16), which torch.compile traces with."""
+    ext()
+    x, residual, bias, w, b, dy = _inputs(6, 128, seed=9)
+    torch.library.opcheck(torch.ops.bertdist.layer_norm_fwd, (x, w, b, EPS))
+    torch.library.opcheck(torch.ops.bertdist.bias_dropout_add_layer_norm_fwd, (x, bias, residual, w, b, 0.0, EPS, 0, 0))
+    _, h, mean, rstd, rng = torch.ops.bertdist.bias_dropout_add_layer_norm_fwd(x, bias, residual, w, b, 0.2, EPS, 3, 0)
+    torch.library.opcheck(torch.ops.bertdist.bias_dropout_add_layer_norm_bwd, (dy, h, mean, rstd, w, True, 0.2, rng))
+    torch.library.opcheck(torch.ops.bertdist.layer_norm_bwd, (dy, x, *torch.ops.bertdist.layer_norm_fwd(x, w, b, EPS)[1:],
+                                                              w))
