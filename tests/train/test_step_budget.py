@@ -22,6 +22,12 @@ CASES = {  # budget key -> overrides of the tiny recipe (fp32 on CPU; LAMB as in
                                 "deepspeed.bf16_weights=fp32"),
     "lamb_flat_bf16_weights": ("optimizer.implementation=flat", "deepspeed.precision=bf16",
                                "deepspeed.bf16_weights=bf16"),
+    # the same with the fused kernels (the C++ twins of the CUDA ones): no cast of the layer norms'
+    # parameters. Dropout off: on CPU a fused op draws its dropout seed on the host (a CUDA kernel
+    # draws it from the device generator), which the counter would count as a device read
+    "lamb_flat_bf16_weights_fused": ("optimizer.implementation=flat", "deepspeed.precision=bf16",
+                                     "deepspeed.bf16_weights=bf16", "model.kernels=fused",
+                                     "model.hidden_dropout_prob=0", "model.attention_probs_dropout_prob=0"),
 }
 COPIES = ("aten.copy_", "aten._to_copy")  # casts and copies: what bf16 weights save
 
