@@ -340,3 +340,25 @@ def test_bf16_gradients_are_averaged_over_ranks_in_fp32(tmp_path):
     fp32.step()
     for rank in range(2):
         assert torch.equal(torch.load(f"{out}.{rank}", weights_only=True), fp32.flat_params), f"rank {rank}"
+
+
+def test_state_dicts_load_across_fp32_and_bf16_parameters():
+    """A checkpoint of fp32 parameters (autocast's) resumes with bf16 parameters and the reverse:
+    both carry fp32 weights and fp32 moments, which load exactly."""
+    a = model()
+    fp32 = FlatLamb(groups(a), lr=0.01, kernels="fused")
+    train(a, fp32, 2)
+    b = model(seed=1)
+    bf16 = FlatLamb(groups(b), lr=0.01, kernels="fused", param_dtype=BF16)
+    bf16.bind_module(b)
+    b.load_state_dict(a.state_dict())
+    bf16.load_state_dict(fp32.state_dict())
+    assert torch.equal(bf16.flat_params, fp32.flat_params) and torch.equal(bf16._exp_avg_sq, fp32._exp_avg_sq)
+    _masters_are_rounded_into_params(bf16)
+    train(b, bf16, 2, first=2)
+    c = model(seed=2)
+    back = FlatLamb(groups(c), lr=0.01, kernels="fused")
+    c.load_state_dict(b.state_dict())
+    back.load_state_dict(bf16.state_dict())
+    assert torch.equal(back.flat_params, bf16.flat_params) and torch.equal(back._exp_avg, bf16._exp_avg)
+    assert back._steps == bf16._steps == [4, 4]
