@@ -55,8 +55,8 @@ def check_compatible(saved: TrainerState, cfg: TrainConfig, what: str) -> None:
                                 f"config {ours!r}")
     if _bf16_weights(saved) and (what == "resume" or cfg.checkpoint.init_load_optimizer):
         problems.append("precision: the checkpoint holds bf16 weights and DeepSpeed's bf16 optimizer wrapper state; "
-                        "bertdist's bf16 trains fp32 weights under autocast (bertdist/train/precision.py), which "
-                        "cannot load that optimizer state (checkpoint.init_from with init_load_optimizer=false "
+                        "bertdist's bf16 keeps fp32 weights, or fp32 masters in its own optimizer "
+                        "(bertdist/train/precision.py), which cannot load that optimizer state (checkpoint.init_from with init_load_optimizer=false "
                         "loads the weights)")
     if problems:
         raise ConfigError(

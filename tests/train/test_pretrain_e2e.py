@@ -205,4 +205,5 @@ def test_bf16_weights_kill_and_resume_is_bitwise_exact_and_exports_the_fp32_mast
     assert main(["export", str(run_dir), "--out", str(tmp_path / "hf")]) == 0
     exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
     hf_word = next(v for k, v in exported.items() if k.endswith("embeddings.word_embeddings.weight"))
-    assert hf_word.dtype == torch.float32 and torch.equal(hf_word, b.state_dict["bert.embeddings.word_embeddings.weight"])
+    assert hf_word.dtype == torch.float32
+    assert torch.equal(hf_word, b.state_dict["bert.embeddings.word_embeddings.weight"]), "the export is not the masters"
