@@ -6,14 +6,14 @@ layer and ``bertdist pretrain --plan`` use it).
   turns it on), exact fp32 on CPU.
 - ``bf16`` with ``deepspeed.bf16_weights`` bf16 (the default where it applies: bertdist's flat
   optimizer, ZeRO 0, plain MLM pretraining): bf16 weights and activations end to end, with no
-  cast per forward or backward; the optimizer (``flat_optim``, ``param_dtype=bfloat16``) keeps
+  cast of the weights per forward nor of their gradients per backward; the optimizer (``flat_optim``, ``param_dtype=bfloat16``) keeps
   the fp32 master weights, adds each micro-batch's bf16 gradient into an fp32 sum (one add over
   the flat buffer per micro-batch), all-reduces that sum in fp32 (DeepSpeed's all-reduce is off),
   takes the norm, clips and updates in fp32 and writes the bf16 weights in the update's own pass.
   Layer norms take and give bf16 with fp32 statistics. The module's state dict holds the fp32
   masters, so checkpoints and exports carry fp32 weights, as Megatron-LM's and torchtitan's do.
-- ``bf16`` with ``bf16_weights`` fp32: fp32 weights (they are the optimizer's master weights), bf16 compute through
-  ``torch.autocast`` (DeepSpeed's ``torch_autocast`` section; layer norms and softmax stay
+- ``bf16`` with ``bf16_weights`` fp32: fp32 weights (they are the optimizer's master weights),
+  bf16 compute through ``torch.autocast`` (DeepSpeed's ``torch_autocast`` section; layer norms and softmax stay
   fp32 under torch's autocast policy), gradients accumulated over the micro-batches in the
   fp32 ``.grad`` and all-reduced in fp32. DeepSpeed's own ``bf16`` section is not used: at
   ZeRO 0 it keeps bf16 parameters, sums every micro-batch's gradient into a bf16 ``.grad``
