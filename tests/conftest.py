@@ -154,6 +154,31 @@ def small_bpe_tokenizer(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def packed_records(tmp_path_factory, small_bpe_tokenizer) -> Path:
+    """ModernBERT-style records: the bundled wiki sample, Macbeth and Persuasion cut into short
+    documents (80-600 words: many share a row) through the BPE tokenizer.json, packed into
+    1,024-token rows, unmasked (30% dynamic masking)."""
+    import json
+    import random
+
+    from data_pipeline import build_records
+
+    folder = tmp_path_factory.mktemp("packed")
+    words = (SAMPLES / "books" / "austen-persuasion.txt").read_text(encoding="utf-8").split()
+    rng, docs, i = random.Random(0), [], 0
+    while i < len(words):
+        n = rng.randint(80, 600)
+        docs.append({"id": f"persuasion-{len(docs)}", "text": " ".join(words[i:i + n])})
+        i += n
+    (folder / "short.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    return build_records([f"wiki:{SAMPLES / 'wiki'}", f"books:{SAMPLES / 'books' / 'shakespeare-macbeth.txt'}",
+                          f"jsonl:{folder / 'short.jsonl'}"],
+                         folder / "records", small_bpe_tokenizer, max_seq_length=1024, objective="none", masking="dynamic",
+                         masked_lm_prob=0.3, dupe_factor=1, pack_documents=True, num_shards=2,
+                         pack_group_tokens=20_000, dedup={"enabled": False})
+
+
+@pytest.fixture(scope="session")
 def sample_records(tmp_path_factory, small_vocab) -> Path:
     """Records from the bundled wiki sample + books, built in-process (a few seconds)."""
     from data_pipeline import build_records
