@@ -64,6 +64,12 @@ def build_report(manifest: dict) -> list[str]:
                      f"{h['fraction']}, at least {h['min_documents']} documents)")
     else:
         lines.append("  held-out: none (heldout_fraction 0)")
+    for split, pk in (c.get("packing") or {}).items():
+        fill = "" if pk["fill"] is None else f", {pk['fill']:.1%} full"
+        lines.append(f"  packed {split:<8} {pk['documents']:,} documents ({pk['split_documents']:,} longer than a row, "
+                     f"cut) in {pk['pieces']:,} pieces -> {pk['rows']:,} rows of "
+                     f"{manifest['records']['max_seq_length']:,}{fill}; {pk['document_tokens']:,} document tokens + "
+                     f"2 a piece = {pk['row_tokens']:,}")
     neg = manifest.get("negatives")
     if neg:
         lines.append(f"  NSP negatives, (document, start sentence) windows ({neg['buckets']['train']} train + "
@@ -167,7 +173,7 @@ def register(sub) -> None:
     b.add_argument("--input", action="append", default=[], metavar="[KIND:]PATH",
                    help="repeatable; KIND in wiki|books|text|jsonl, guessed from the path when omitted")
     b.add_argument("--output", help="output directory (manifest.json + shards)")
-    b.add_argument("--vocab", help="vocab.txt (BERT WordPiece)")
+    b.add_argument("--vocab", help="vocab.txt (BERT WordPiece) or a Hugging Face tokenizer.json")
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a BuildConfig field, e.g. --set max_seq_length=512")
     b.set_defaults(func=None, _data_build=True, fast_exit=True)  # see cli.main: skips 0.3 s of teardown

@@ -32,6 +32,15 @@ def load_vocab(path: str | os.PathLike) -> list[str]:
     return tokens
 
 
+def vocab_file_size(path: str | os.PathLike) -> int:
+    """The number of ids of a vocab file: a vocab.txt's lines, a tokenizer.json's highest id + 1."""
+    if os.fspath(path).endswith(".json"):
+        from bertdist.data.tokenizer_file import load_tokenizer_file
+
+        return load_tokenizer_file(path).size
+    return len(load_vocab(path))
+
+
 def vocab_sha256(path: str | os.PathLike) -> str:
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
