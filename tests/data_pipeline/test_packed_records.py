@@ -101,3 +101,23 @@ def test_8192_token_rows(tmp_path, small_bpe_tokenizer):
     lens = t.column("document_lengths").to_pylist()
     assert max(max(x) for x in lens) == 8192 and all(sum(x) <= 8192 for x in lens)
     assert rec.manifest["counts"]["packing"]["train"]["fill"] > 0.95
+
+
+def test_bert_tokenizer_json_builds_the_same_shards_as_its_vocab_txt(tmp_path, small_vocab):
+    """BERT's tokenizer saved as a tokenizer.json gives the ordinary (NSP, static whole-word
+    masking) build the same ids, masks and shards as its vocab.txt: only the manifest says which
+    file it was (format 2, vocab.kind)."""
+    from data_pipeline import build_records
+    from data_pipeline.tokenization import load_tokenizer
+
+    tok, _ = load_tokenizer(small_vocab)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    inputs = [f"books:{SAMPLES / 'books' / 'shakespeare-macbeth.txt'}", f"wiki:{SAMPLES / 'wiki'}"]
+    common = dict(max_seq_length=96, dupe_factor=1, num_shards=2, masking_mode="whole_word")
+    shards = {}
+    for name, vocab in (("txt", small_vocab), ("json", tmp_path / "tokenizer.json")):
+        man = json.loads(build_records(inputs, tmp_path / name, vocab, **common).read_text())
+        shards[name] = [s["sha256"] for sp in man["splits"].values() for s in sp["shards"]]
+        assert man["format_version"] == (1 if name == "txt" else 2)
+        assert man["counts"]["instances"] > 100 and 0.13 < man["counts"]["masked_fraction"] < 0.17
+    assert shards["txt"] == shards["json"]
