@@ -121,3 +121,31 @@ def test_bert_tokenizer_json_builds_the_same_shards_as_its_vocab_txt(tmp_path, s
         assert man["format_version"] == (1 if name == "txt" else 2)
         assert man["counts"]["instances"] > 100 and 0.13 < man["counts"]["masked_fraction"] < 0.17
     assert shards["txt"] == shards["json"]
+
+
+@pytest.mark.slow  # Beam worker processes: about 10 s
+def test_packed_shards_are_byte_identical_across_worker_counts(tmp_path, small_bpe_tokenizer):
+    """1 in-process worker and 2 worker processes (the CLI) pack the same rows into the same bytes."""
+    import subprocess
+    import sys
+
+    from data_pipeline import build_records
+    from tests.conftest import child_env
+
+    sets = {"max_seq_length": 1024, "objective": "none", "masking": "dynamic", "masked_lm_prob": 0.3,
+            "dupe_factor": 1, "pack_documents": True, "pack_group_tokens": 30_000, "num_shards": 3}
+    inputs = [f"wiki:{SAMPLES / 'wiki'}", f"books:{SAMPLES / 'books'}"]
+    a = build_records(inputs, tmp_path / "a", small_bpe_tokenizer, **sets)
+    cmd = [sys.executable, "-m", "bertdist.cli.main", "data", "build", "--vocab", str(small_bpe_tokenizer),
+           "--output", str(tmp_path / "b"), *[x for i in inputs for x in ("--input", i)],
+           *[x for k, v in sets.items() for x in ("--set", f"{k}={str(v).lower() if isinstance(v, bool) else v}")],
+           "--runner=DirectRunner", "--direct_running_mode=multi_processing", "--direct_num_workers=2"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "packed train" in r.stdout and "rows of 1,024" in r.stdout
+    shards = {}
+    for name in ("a", "b"):
+        man = json.loads((tmp_path / name / "manifest.json").read_text())
+        shards[name] = {s["path"].rsplit("/", 1)[-1]: s["sha256"] for sp in man["splits"].values() for s in sp["shards"]}
+    assert shards["a"] == shards["b"] and len(shards["a"]) == 4
+    assert a == tmp_path / "a" / "manifest.json"
