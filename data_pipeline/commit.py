@@ -19,7 +19,6 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import logging
-import os
 from typing import Any
 
 from bertdist.config import to_dict
@@ -32,8 +31,8 @@ from data_pipeline.build_vocab import BuildVocab
 from data_pipeline.config import BuildConfig, source_label
 from data_pipeline.instance_batch import InstanceBatch
 from data_pipeline.negatives import BuildPlan
-from data_pipeline.packing import PackStats
 from data_pipeline.output_dir import OutputDir
+from data_pipeline.packing import PackStats
 from data_pipeline.sources import DIRECTORY_SUFFIX, match_file_sizes
 
 log = logging.getLogger("data_pipeline")

@@ -16,9 +16,9 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from bertdist.config import from_dict, to_dict
 from bertdist.data.manifest import MANIFEST_NAME
+from bertdist.data.masking import default_max_predictions
 from bertdist.redaction import redact_args
 from data_pipeline.build_vocab import BuildVocab
-from bertdist.data.masking import default_max_predictions
 from data_pipeline.config import BuildConfig, InputConfig, source_label
 from data_pipeline.instance_algorithm import InstanceParams, expected_instances
 from data_pipeline.instance_native import choose_builder
