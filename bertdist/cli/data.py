@@ -98,6 +98,8 @@ def run_vocab(args) -> int:
     from data_pipeline.vocab_corpus import iter_sentences
 
     _setup_logging()
+    if args.existing and args.existing.endswith(".json"):
+        return _existing_tokenizer(args.existing, args.output)
     if args.existing:
         from bertdist.data.vocab import load_vocab, special_token_ids, vocab_sha256
 
@@ -126,6 +128,32 @@ def run_vocab(args) -> int:
     if skipped:
         print(f"vocab: skipped {len(skipped):,} file(s) that could not be read or decoded: "
               + ", ".join(skipped[:10]) + (" ..." if len(skipped) > 10 else ""))
+    return 0
+
+
+def _existing_tokenizer(existing: str, output: str) -> int:
+    """``--existing tokenizer.json``: read it as a build would (special tokens, size, word marks),
+    then copy it, with the tokenizer_config.json beside it, to ``output``."""
+    import shutil
+
+    from bertdist.config import ConfigError
+    from bertdist.data.tokenizer_file import TOKENIZER_CONFIG_NAME, load_tokenizer_file
+    from bertdist.data.vocab import vocab_sha256
+
+    try:
+        tf = load_tokenizer_file(existing)
+    except ConfigError as e:
+        print(f"bertdist data vocab: {e}", file=sys.stderr)
+        return 2
+    if os.path.abspath(existing) != os.path.abspath(output):
+        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+        shutil.copyfile(existing, output)
+        config = os.path.join(os.path.dirname(os.path.abspath(existing)), TOKENIZER_CONFIG_NAME)
+        if os.path.isfile(config):
+            shutil.copyfile(config, os.path.join(os.path.dirname(os.path.abspath(output)), TOKENIZER_CONFIG_NAME))
+    words = "yes ('##'-style pieces)" if tf.continuation is not None else "no (token masking only)"
+    print(f"tokenizer: {tf.model_type}, {tf.size:,} ids from {existing} -> {output} (sha256 {vocab_sha256(output)}); "
+          f"special tokens {tf.special}; word boundaries for whole-word masking: {words}")
     return 0
 
 
@@ -185,7 +213,8 @@ def register(sub) -> None:
     v.add_argument("--size", type=int, default=30522)
     v.add_argument("--cased", action="store_true", help="keep case and accents (default: uncased)")
     v.add_argument("--min-frequency", type=int, default=2)
-    v.add_argument("--existing", help="use this vocab.txt instead of training (checked, then copied)")
+    v.add_argument("--existing", help="use this vocab.txt or Hugging Face tokenizer.json instead of training (checked, "
+                   "then copied)")
     v.set_defaults(func=run_vocab)
 
     r = dsub.add_parser("squad-retrieval", help="SQuAD v1.1 JSON -> retrieval train/dev JSONL, a corpus and queries, "
