@@ -319,11 +319,12 @@ class ServeState:
                 label_model = model.name
             else:
                 job = await self.offload(plan_request, model, route or "root", raw, self.settings.max_queue)
-            self.metrics.in_flight.labels(model.name).inc()
+            in_flight = self.metrics.child(self.metrics.in_flight, model.name)
+            in_flight.inc()
             try:
                 response = Json(await self.run_job(request, model, job))
             finally:
-                self.metrics.in_flight.labels(model.name).dec()
+                in_flight.dec()
         except ClientGone:
             response = Response(status_code=499)  # nobody reads it; counted as such
         except ClientDisconnect:
