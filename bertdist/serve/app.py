@@ -19,7 +19,6 @@ import gc
 import json
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 from starlette.applications import Starlette
@@ -32,6 +31,7 @@ from bertdist.serve import openai_api
 from bertdist.serve.batcher import Batcher, BatchFailed, Refused, TooManyItems
 from bertdist.serve.connections import ON_DISCONNECT
 from bertdist.serve.metrics import ServeMetrics
+from bertdist.serve.preparing import PreparingThread
 from bertdist.serve.runtime import RequestError
 
 log = logging.getLogger(__name__)
@@ -177,7 +177,7 @@ class ServeState:
                                             max_wait_ms=settings.max_wait_ms, max_queue=settings.max_queue,
                                             batching=settings.batching, max_batch_tokens=settings.max_batch_tokens,
                                             observer=self.metrics)
-        self.prep_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="serve-prepare")
+        self.preparing = PreparingThread()
         # Requests still receiving their bodies, and requests waiting for their answers: the stop
         # cuts off the first at once and the second when the grace period ends.
         self.receiving: set[asyncio.Task] = set()
@@ -260,7 +260,7 @@ class ServeState:
 
     async def offload(self, fn, *args):
         """Runs ``fn`` on the request-preparing thread: parsing and tokenizing stay off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self.prep_executor, fn, *args)
+        return await self.preparing.run(fn, *args)
 
     async def encode(self, model, job) -> None:
         """Tokenizes the job's texts in chunks, so that a large request takes turns with small ones."""
@@ -412,7 +412,7 @@ def make_app(models: Sequence, settings: ServeSettings | None = None) -> Starlet
         finally:
             state.begin_stop()
             await asyncio.gather(*(b.drain() for b in state.batchers.values()))
-            state.prep_executor.shutdown(wait=False, cancel_futures=True)
+            state.preparing.shutdown()
             state.serving = False
 
     def unprefixed(route: str):
