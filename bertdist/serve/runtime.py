@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -152,6 +153,21 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-x))
+
+
+# Up to this many labels, an answer's scores are computed in plain Python.
+FEW_LABELS = 32
+
+
+def _softmax_few(x: list[float]) -> list[float]:
+    top = max(x)
+    e = [math.exp(v - top) for v in x]
+    total = sum(e)
+    return [v / total for v in e]
+
+
+def _sigmoid_few(x: list[float]) -> list[float]:
+    return [1.0 / (1.0 + math.exp(-v)) if v >= 0 else math.exp(v) / (1.0 + math.exp(v)) for v in x]
 
 
 def _is_text(x) -> bool:
@@ -383,8 +399,12 @@ class ServedModel:
         if how == "default":
             how = ("softmax" if logits.size > 1 else
                    "none" if self.activation == "identity" else "sigmoid")
-        scores = {"softmax": _softmax, "sigmoid": _sigmoid, "none": lambda x: x}[how](logits)
         names = self.labels or ([f"LABEL_{i}" for i in range(logits.size)] if logits.size > 1 else ["score"])
+        if logits.size <= FEW_LABELS:  # per answer, on the event loop: numpy's per-call cost dominates
+            scores = {"softmax": _softmax_few, "sigmoid": _sigmoid_few, "none": list}[how](logits.tolist())
+            order = sorted(range(len(scores)), key=lambda i: -scores[i])
+            return [{"label": names[i], "score": scores[i]} for i in order]
+        scores = {"softmax": _softmax, "sigmoid": _sigmoid, "none": lambda x: x}[how](logits)
         order = np.argsort(-scores, kind="stable")
         return [{"label": names[i], "score": float(scores[i])} for i in order]
 
