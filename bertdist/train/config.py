@@ -19,13 +19,15 @@ from bertdist.model.config import PRESETS, BertConfig, ElectraConfig, model_conf
 class LoaderConfig:
     train_manifest: str = ""  # manifest.json of the pipeline's training shards
     eval_split: Optional[str] = "heldout"  # split of the same manifest used for evaluation; None: no eval
-    vocab_file: str = ""  # must be the vocab the shards were built with (sha256 checked)
+    # the vocab.txt or Hugging Face tokenizer.json the shards were built with (sha256 checked)
+    vocab_file: str = ""
     max_seq_length: int = 128  # must equal the manifest's
     micro_batch_size: int = 32  # per process, per forward
     global_batch_size: int = 256  # micro x accumulation x world size
     masking: Literal["auto", "static", "dynamic"] = "auto"  # auto: dynamic iff the records are unmasked
     mask_prob: Optional[float] = None  # None: the manifest's masked_lm_prob
-    max_predictions_per_seq: Optional[int] = None  # None: the manifest's
+    # None: the manifest's; with a mask_prob other than the records', ceil(mask_prob x max_seq_length)
+    max_predictions_per_seq: Optional[int] = None
     # dynamic masking: "token", "whole_word" or "span" (SpanBERT; bertdist/data/masking.py has the
     # rules). None: from whole_word_mask (the older setting: true is whole_word, false token), else
     # the manifest's; both set and meaning different modes is an error

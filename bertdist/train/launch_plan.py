@@ -22,9 +22,9 @@ def _vocab_size(cfg: TrainConfig) -> tuple[int, str]:
     """The vocab size the run would use (the vocab file's), or the config's when the file is absent."""
     path = Path(cfg.data.vocab_file) if cfg.data.vocab_file else None
     if path is not None and path.is_file():
-        from bertdist.data import load_vocab
+        from bertdist.data.vocab import vocab_file_size
 
-        return len(load_vocab(str(path))), f"from {path}"
+        return vocab_file_size(path), f"from {path}"
     where = f"{path} not found" if path is not None else "data.vocab_file not set"
     return cfg.model.vocab_size, f"model.vocab_size ({where}; the run takes the vocab file's size)"
 

@@ -55,19 +55,22 @@ class _Stop:
 
 
 def _open_data(cfg: TrainConfig):
-    """The verified training records; ``cfg`` with the vocab's size; the vocab's continuation mask."""
-    from bertdist.data import continuation_mask, load_vocab
+    """The verified training records; ``cfg`` with the vocab's size; the vocab's continuation mask
+    (None for a tokenizer.json without word marks). ``data.vocab_file``: a WordPiece vocab.txt or
+    a Hugging Face tokenizer.json, the file the records were built with (sha256 checked)."""
+    from bertdist.data import continuation_mask
+    from bertdist.data.vocab import vocab_file_size
     from bertdist.train.loader import open_training_records
 
     if not cfg.data.train_manifest or not cfg.data.vocab_file:
         raise ConfigError("data.train_manifest and data.vocab_file are required")
     records = open_training_records(cfg.data.train_manifest, cfg.data.vocab_file, cfg.data.max_seq_length)
-    vocab = load_vocab(cfg.data.vocab_file)
-    if len(vocab) != int(records.manifest["vocab"]["size"]):
-        raise ConfigError(f"{cfg.data.vocab_file} has {len(vocab)} tokens, the records' vocab "
-                          f"{records.manifest['vocab']['size']}")
-    cfg = dataclasses.replace(cfg, model=cfg.model.with_vocab(len(vocab)))
-    return records, cfg, continuation_mask(cfg.data.vocab_file)
+    vocab_file = cfg.data.vocab_file
+    size = vocab_file_size(vocab_file)
+    if size != int(records.manifest["vocab"]["size"]):
+        raise ConfigError(f"{vocab_file} has {size} tokens, the records' vocab {records.manifest['vocab']['size']}")
+    cfg = dataclasses.replace(cfg, model=cfg.model.with_vocab(size))
+    return records, cfg, continuation_mask(vocab_file)
 
 
 def _eval_set(cfg: TrainConfig, continuation, rank: int, world: int, device) -> list | None:
