@@ -78,6 +78,9 @@ class ModelFamily:
     # "module:function"(batch) -> the model's keyword arguments; None: the loader's batch as it is
     inputs: str | None = None
     layer_class: str = "bertdist.model.bert:BertLayer"  # "module:Class" of an encoder layer (activation checkpointing)
+    # Attends within each cu_seqlens segment with positions restarting there: it may train on packed
+    # records (several documents a row); BERT's learned positions would run across them.
+    attends_within_segments: bool = False
     # "module:function"(config, cu_seqlens, predicted) -> the training FLOPs of a packed batch (device);
     # None: its sequences at the batch's padded width (what the model computes)
     batch_flops: str | None = None
@@ -149,6 +152,7 @@ FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (
         "bertdist.cli.import_hf:import_modernbert", MODERNBERT_ARCH_FIELDS, MODERNBERT_PHASE_FIELDS,
         inputs="bertdist.model.modernbert:packed_inputs",
         layer_class="bertdist.model.modernbert:ModernBertEncoderLayer",
+        attends_within_segments=True,
         batch_flops="bertdist.model.flops:modernbert_batch_train_flops", hf_architecture="ModernBertForMaskedLM",
         plan_fields=("max_position_embeddings", "local_attention", "global_attn_every_n_layers", "global_rope_theta",
                      "local_rope_theta", "attention_backend"),

@@ -22,13 +22,15 @@ from bertdist.model.modernbert_config import ModernBertConfig
 class LoaderConfig:
     train_manifest: str = ""  # manifest.json of the pipeline's training shards
     eval_split: Optional[str] = "heldout"  # split of the same manifest used for evaluation; None: no eval
-    vocab_file: str = ""  # must be the vocab the shards were built with (sha256 checked)
+    # the vocab.txt or Hugging Face tokenizer.json the shards were built with (sha256 checked)
+    vocab_file: str = ""
     max_seq_length: int = 128  # must equal the manifest's
     micro_batch_size: int = 32  # per process, per forward
     global_batch_size: int = 256  # micro x accumulation x world size
     masking: Literal["auto", "static", "dynamic"] = "auto"  # auto: dynamic iff the records are unmasked
     mask_prob: Optional[float] = None  # None: the manifest's masked_lm_prob
-    max_predictions_per_seq: Optional[int] = None  # None: the manifest's
+    # None: the manifest's; with a mask_prob other than the records', ceil(mask_prob x max_seq_length)
+    max_predictions_per_seq: Optional[int] = None
     # dynamic masking: "token", "whole_word" or "span" (SpanBERT; bertdist/data/masking.py has the
     # rules). None: from whole_word_mask (the older setting: true is whole_word, false token), else
     # the manifest's; both set and meaning different modes is an error
@@ -131,6 +133,11 @@ class ScheduleConfig:
 class DeepSpeedConfig:
     zero_stage: int = 1
     precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    # bf16 only: the dtype of the model's weights (bertdist/train/precision.py). fp32: fp32 weights,
+    # bf16 matmuls under torch.autocast (a cast of every weight per forward). bf16: bf16 weights and
+    # activations; fp32 master weights, gradient sums and all-reduce in the flat optimizer (needs
+    # optimizer.implementation flat, zero_stage 0). auto: bf16 where it can run, else fp32
+    bf16_weights: Literal["auto", "fp32", "bf16"] = "auto"
     gradient_clipping: float = 1.0  # 0 disables
     # fp16 dynamic loss scaling (DeepSpeed's names)
     initial_scale_power: int = 16
@@ -339,6 +346,7 @@ class TrainConfig:
                 f"optimizer.implementation=flat needs deepspeed.zero_stage=0 and precision fp32 or bf16 (got "
                 f"zero_stage {self.deepspeed.zero_stage}, precision {self.deepspeed.precision}); use "
                 "implementation auto or torch there")
+        self.weights  # bf16_weights=bf16 where it cannot run: an error with the settings
         if self.optimizer.name == "lamb" and self.deepspeed.zero_stage > 0:
             # ZeRO flattens and partitions the parameters, so the optimizer would see slices of a flat
             # buffer instead of layers, and LAMB's per-layer trust ratio ||w|| / ||update|| would be wrong.
@@ -358,6 +366,19 @@ class TrainConfig:
     def objective_sections(self) -> dict[str, object]:
         """The objective sections (``OBJECTIVE_SECTIONS``), set or None: what a resume must match."""
         return {name: getattr(self, name) for name in OBJECTIVE_SECTIONS}
+
+    @property
+    def weights(self) -> str:
+        """The dtype of the model's weights: "fp32", "bf16" (``deepspeed.bf16_weights`` resolved) or "fp16"."""
+        from bertdist.train.precision import resolve_bf16_weights
+
+        d = self.deepspeed
+        objective = "electra" if self.electra is not None else ("distill" if self.distill is not None else None)
+        try:
+            return resolve_bf16_weights(d.precision, d.bf16_weights, self.optimizer.implementation, d.zero_stage,
+                                        objective)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     @property
     def checkpoint_dir(self) -> str:

@@ -163,11 +163,14 @@ def param_groups(model: torch.nn.Module, cfg: OptimizerConfig) -> list[dict]:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device_type: str,
-                    profile: DeviceProfile | None = None, max_grad_norm: float = 0.0) -> torch.optim.Optimizer:
+                    profile: DeviceProfile | None = None, max_grad_norm: float = 0.0,
+                    weights: str = "fp32") -> torch.optim.Optimizer:
     """The optimizer ``optimizer_choice`` picks on ``profile`` (default: this machine's
     ``device_type`` device), DeepSpeed's op built first; a fallback is warned about, naming why.
     ``max_grad_norm``: the clipping of an optimizer that clips by itself (``clips_itself``);
-    such an optimizer holds the parameters where they are now, so the model must be on its device."""
+    such an optimizer holds the parameters where they are now, so the model must be on its device.
+    ``weights`` "bf16" (``TrainConfig.weights``): the flat optimizer makes the parameters bf16 and
+    keeps fp32 masters (``flat_optim``); ``finish_bf16_weights`` completes it once the engine exists."""
     profile = profile or for_device_type(device_type)
     choice, why = optimizer_choice(cfg, profile, build=True)
     if cfg.implementation == "auto" and profile.is_cuda and choice == TORCH_LAMB:
@@ -177,11 +180,15 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device_type: s
     if choice in (FLAT_LAMB, FLAT_ADAMW):
         from bertdist.train.flat_optim import FlatAdamW, FlatLamb
 
+        dtype = torch.bfloat16 if weights == "bf16" else torch.float32
         if choice == FLAT_LAMB:
             return FlatLamb(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                            max_coeff=cfg.lamb_max_coeff, min_coeff=cfg.lamb_min_coeff, max_grad_norm=max_grad_norm)
+                            max_coeff=cfg.lamb_max_coeff, min_coeff=cfg.lamb_min_coeff, max_grad_norm=max_grad_norm,
+                            param_dtype=dtype)
         return FlatAdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                         max_grad_norm=max_grad_norm)
+                         max_grad_norm=max_grad_norm, param_dtype=dtype)
+    if weights != "fp32":
+        raise ValueError(f"weights {weights!r} needs the flat optimizer (got {choice})")
     if choice == FUSED_LAMB:
         from deepspeed.ops.lamb import FusedLamb
 
@@ -199,6 +206,17 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device_type: s
     # on the CPU here; DeepSpeed moves them, and the step dispatches on their device).
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
                              fused=choice == TORCH_FUSED_ADAMW)
+
+
+def finish_bf16_weights(optimizer, model: torch.nn.Module, world_size: int) -> bool:
+    """For bf16 weights, once DeepSpeed's engine is built: the module's state dict holds the fp32
+    masters, and the optimizer all-reduces the fp32 gradient sums itself. Returns whether it does
+    (then DeepSpeed's all-reduce, of the bf16 ``.grad`` of the last micro-batch only, must be off)."""
+    if not getattr(optimizer, "low_precision", False):
+        return False
+    optimizer.bind_module(model)
+    optimizer.reduce_gradients(world_size)
+    return True
 
 
 class WarmupDecay:

@@ -216,6 +216,8 @@ def launch_step(r: StepRunner, micro_batches: list[dict[str, torch.Tensor]], sto
             _accumulate(r, sums, res, mb)
         with record_function(REGIONS[2]):
             engine.backward(res.loss)
+            if r.optimizer_norm and not last:  # bf16 weights: this micro-batch's gradients into the fp32 sum
+                engine.optimizer.accumulate_grads()
         with record_function(REGIONS[3]):
             if last and r.own_grad_norm:  # gradients are reduced by now
                 sums.add("grad_norm", clip_gradients(r.params, r.clip).double())
