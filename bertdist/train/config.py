@@ -326,6 +326,10 @@ class TrainConfig:
             raise ConfigError("distill and electra are both set: general distillation trains a BERT's MLM head "
                               "towards a teacher, ELECTRA trains a discriminator; set one of them to null")
         family = family_of(self.model)
+        if self.data.max_seq_length > self.model.max_position_embeddings:
+            raise ConfigError(f"data.max_seq_length {self.data.max_seq_length} is longer than the model's context, "
+                              f"model.max_position_embeddings {self.model.max_position_embeddings}; raise "
+                              f"max_position_embeddings (a new phase may, for ModernBERT) or use shorter records")
         for section in OBJECTIVE_SECTIONS:
             if getattr(self, section) is not None and section not in family.objectives:
                 raise ConfigError(f"{section}: a {family.name} model (model.model_type "
