@@ -96,6 +96,26 @@ def no_process_left_behind():
         pytest.fail("the test left processes running (killed now):\n  " + "\n  ".join(names))
 
 
+@pytest.fixture(autouse=True)
+def torch_linear_restored():
+    """DeepSpeed's ZeRO-3 engine replaces ``torch.nn.functional.linear`` for the whole process (its
+    ``zero3_linear_wrap``) and never puts it back. A `bertdist pretrain` process builds one engine;
+    a test process builds many, so the original is restored after each test, or a ZeRO-3 test
+    would change what every later test's linear layers run."""
+    import sys
+
+    functional = sys.modules.get("torch.nn.functional")
+    original = functional.linear if functional is not None else None
+    yield
+    functional = sys.modules.get("torch.nn.functional")
+    if functional is None:
+        return
+    if original is None:  # torch came in during this test: its linear is the C++ one, if not wrapped
+        wrapped = getattr(functional.linear, "__module__", "").startswith("deepspeed")
+        original = getattr(sys.modules["torch"]._C._nn, "linear") if wrapped else functional.linear
+    functional.linear = original
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """Path to ../shared/data; tests using it must also carry @pytest.mark.shared."""
