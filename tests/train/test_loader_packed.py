@@ -86,7 +86,7 @@ def test_the_trainer_opens_records_of_a_tokenizer_json(packed_records, small_bpe
     def config(vocab):
         return load_config(TrainConfig, REPO / "configs" / "pretrain" / "tiny.yaml",
                            [f"data.train_manifest={packed_records}", f"data.vocab_file={vocab}",
-                            "data.max_seq_length=1024"])
+                            "data.max_seq_length=1024", "model.max_position_embeddings=1024"])
 
     records, cfg, continuation = _open_data(config(small_bpe_tokenizer))
     assert cfg.model.vocab_size == records.manifest["vocab"]["size"] == 2005 and continuation is None

@@ -39,6 +39,7 @@ def test_a_step_feeds_the_packed_layout_and_matches_the_padded_model(tmp_path, g
     reaches the encoder), and its loss is the padded model's on the same masked batch."""
     from bertdist.data import continuation_mask
     from bertdist.model import IGNORE_INDEX, train_flops_per_sequence
+    from bertdist.model.flops import modernbert_batch_train_flops
     from bertdist.model.modernbert import packed_inputs
     from bertdist.train.engine import build_engine
     from bertdist.train.loader import LoaderState, PretrainingLoader, open_training_records
@@ -80,7 +81,10 @@ def test_a_step_feeds_the_packed_layout_and_matches_the_padded_model(tmp_path, g
     assert 0.2 < s["mlm_count"] / real < 0.35
     width = mb["input_ids"].shape[1]
     head = 3 * 2 * (64 * 64 + 64 * cfg.model.vocab_size)
-    assert s["flops"] == pytest.approx(16 * train_flops_per_sequence(cfg.model, width, 0) + head * s["mlm_count"])
+    # counted on the real tokens of each segment, not at the padded width
+    segments = modernbert_batch_train_flops(cfg.model, mb["cu_seqlens"], torch.tensor(float(s["mlm_count"])))
+    assert s["flops"] == pytest.approx(float(segments), rel=1e-5)
+    assert s["flops"] < 16 * train_flops_per_sequence(cfg.model, width, 0) + head * s["mlm_count"]
     m = step_metrics(res, 1.0, 1, 0.0, 1.0, 0, 0)
     assert "nsp_acc" not in m and 0 <= m["mlm_acc"] <= 1
     ev = evaluate(built.engine, [mb], torch.device("cpu"))
