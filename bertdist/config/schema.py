@@ -60,8 +60,9 @@ def union_member(members: tuple[type, ...], value: Mapping[str, Any], where: str
         if default == tag:
             return cls
     known = [next((f.default for f in dataclasses.fields(c) if f.name == "model_type"), None) for c in members]
-    raise ConfigError(f"{where}.model_type: {tag!r} is not one of {known} (null: {members[known.index(None)].__name__})"
-                      if None in known else f"{where}.model_type: {tag!r} is not one of {known}")
+    tags = sorted(t for t in known if t is not None)
+    default = f", or leave it out for a {members[known.index(None)].__name__}" if None in known else ""
+    raise ConfigError(f"{where}.model_type: {tag!r} is not one of {tags}{default}")
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:

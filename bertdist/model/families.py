@@ -78,6 +78,13 @@ class ModelFamily:
     # "module:function"(batch) -> the model's keyword arguments; None: the loader's batch as it is
     inputs: str | None = None
     layer_class: str = "bertdist.model.bert:BertLayer"  # "module:Class" of an encoder layer (activation checkpointing)
+    # Attends within each cu_seqlens segment with positions restarting there: it may train on packed
+    # records (several documents a row); BERT's learned positions would run across them.
+    attends_within_segments: bool = False
+    # "module:function"(config, cu_seqlens, predicted) -> the training FLOPs of a packed batch (device);
+    # None: its sequences at the batch's padded width (what the model computes)
+    batch_flops: str | None = None
+    plan_fields: tuple[str, ...] = ()  # model fields `pretrain --plan` shows beside the sizes
     nsp_head: bool = False  # has an NSP (or SOP) head, trained where the records carry the label
     hf_architecture: str = ""  # what `bertdist export` writes
     describe: Callable[[Any], str] = repr
@@ -93,6 +100,19 @@ class ModelFamily:
 
     def encoder_layer(self) -> type:
         return _resolve(self.layer_class)
+
+    def train_flops_of_batch(self, config, batch: dict, predicted):
+        """The training FLOPs of a loader batch (a device tensor or a number): on its packed
+        segments where the family computes only those, else at the batch's padded width."""
+        if self.batch_flops is not None:
+            return _resolve(self.batch_flops)(config, batch["cu_seqlens"], predicted)
+        from bertdist.model.flops import train_flops_per_sequence
+
+        n_seq, width = batch["input_ids"].shape
+        if getattr(config, "sparse_mlm_head", False):  # linear in the predicted positions
+            head = train_flops_per_sequence(config, 1, 1) - train_flops_per_sequence(config, 1, 0)
+            return n_seq * train_flops_per_sequence(config, width, 0) + head * predicted.double()
+        return n_seq * train_flops_per_sequence(config, width)
 
     def count_parameters(self, config) -> int:
         return _resolve(self.parameter_count)(config)
@@ -131,7 +151,11 @@ FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (
         "bertdist.train.memory:estimate_modernbert_memory", "bertdist.cli.export:export_modernbert",
         "bertdist.cli.import_hf:import_modernbert", MODERNBERT_ARCH_FIELDS, MODERNBERT_PHASE_FIELDS,
         inputs="bertdist.model.modernbert:packed_inputs",
-        layer_class="bertdist.model.modernbert:ModernBertEncoderLayer", hf_architecture="ModernBertForMaskedLM",
+        layer_class="bertdist.model.modernbert:ModernBertEncoderLayer",
+        attends_within_segments=True,
+        batch_flops="bertdist.model.flops:modernbert_batch_train_flops", hf_architecture="ModernBertForMaskedLM",
+        plan_fields=("max_position_embeddings", "local_attention", "global_attn_every_n_layers", "global_rope_theta",
+                     "local_rope_theta", "attention_backend"),
         describe=_describe_modernbert),
 )}
 

@@ -103,6 +103,25 @@ def modernbert_forward_flops(cfg: ModernBertConfig, seq: int, predicted: int | N
     return parts
 
 
+def modernbert_batch_train_flops(cfg: ModernBertConfig, cu_seqlens, predicted):
+    """Training FLOPs of one packed batch, counted on its segments (``cu_seqlens``, a device tensor:
+    rows, or documents packed into rows) rather than at a padded width: the linear parts on the
+    real tokens, global attention on each segment's length squared, local attention on each
+    segment's window pairs, the head at ``predicted`` positions (a device count; all tokens with the
+    dense head). A float64 device tensor, computed without reading the device."""
+    d, f, v, L = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers
+    n_global = sum(cfg.is_global(i) for i in range(L))
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).double()
+    tokens = lens.sum()
+    hw = cfg.half_window
+    edge = (lens - 1).clamp(min=0, max=hw)  # window_pairs, for every segment at once
+    pairs = lens + 2 * (edge * (edge + 1) / 2 + (lens - 1 - edge).clamp(min=0) * hw)
+    forward = (tokens * L * (2 * (4 * d * d + 3 * d * f) + 2 * 3 * d + f)
+               + n_global * 2 * 2 * d * (lens * lens).sum() + (L - n_global) * 2 * 2 * d * pairs.sum())
+    head = (predicted if cfg.sparse_mlm_head else tokens) * (2 * (d * d + d * v))
+    return 3 * (forward + head)
+
+
 def modernbert_parameter_count(cfg: ModernBertConfig) -> int:
     """Parameters of ``ModernBertForMaskedLM`` (the decoder's weight tied to the embeddings; no biases
     but the decoder's; layer 0 has no attention norm)."""

@@ -19,16 +19,16 @@ from bertdist.config import to_dict
 from bertdist.model.families import family_of
 from bertdist.train.config import TrainConfig, check_batch_sizes
 from bertdist.train.memory import GIB
-from bertdist.train.precision import precision_policy
+from bertdist.train.precision import autocast_dtype, precision_policy
 
 
 def _vocab_size(cfg: TrainConfig) -> tuple[int, str]:
     """The vocab size the run would use (the vocab file's), or the config's when the file is absent."""
     path = Path(cfg.data.vocab_file) if cfg.data.vocab_file else None
     if path is not None and path.is_file():
-        from bertdist.data import load_vocab
+        from bertdist.data.vocab import vocab_file_size
 
-        return len(load_vocab(str(path))), f"from {path}"
+        return vocab_file_size(path), f"from {path}"
     where = f"{path} not found" if path is not None else "data.vocab_file not set"
     return cfg.model.vocab_size, f"model.vocab_size ({where}; the run takes the vocab file's size)"
 
@@ -61,7 +61,7 @@ def kernel_cases(cfg: TrainConfig, profile) -> dict[str, Any]:
 
     workload = Workload.for_model(cfg.model, batch=cfg.data.micro_batch_size, seq=cfg.data.max_seq_length,
                                   precision=cfg.deepspeed.precision,
-                                  autocast=precision_policy(cfg.deepspeed.precision).compute != "fp32")
+                                  autocast=autocast_dtype(cfg.deepspeed.precision, cfg.weights) is not None)
     cases = []
     for case in workload.cases("cuda"):
         cands = []
@@ -100,11 +100,13 @@ def launch_plan(cfg: TrainConfig, world_size: int, profile) -> dict[str, Any]:
     mem = family.estimate_memory(model, micro_batch=cfg.data.micro_batch_size, seq=seq, precision=d.precision,
                                  zero_stage=d.zero_stage, world_size=world_size,
                                  max_predictions=cfg.data.max_predictions_per_seq,
-                                 sparse_mlm_head=cfg.model.sparse_mlm_head, mask_prob=mask_prob)
+                                 sparse_mlm_head=cfg.model.sparse_mlm_head, mask_prob=mask_prob,
+                                 weights_dtype=cfg.weights)
     memory = mem.to_dict()
     memory["device_memory_gib"] = profile.memory_gib or None
     memory["activation_checkpointing"] = d.activation_checkpointing
-    memory["formula"] = ("weights + fp32 masters (fp16) + bf16 autocast copies (bf16) + gradients + 2 fp32 "
+    memory["formula"] = ("weights + fp32 masters (fp16, bf16 weights) + bf16 autocast copies (bf16 under autocast) + "
+                         "gradients (bf16 weights: bf16 + the fp32 sum) + 2 fp32 "
                          "moments, partitioned by ZeRO; activations per layer s*b*h*(16e+2) + a*s^2*b*(2e+1) "
                          "(e = bytes per activation element), x layers, + MLM head logits; checkpointed: layer "
                          "inputs + one layer (bertdist/train/memory.py)")
@@ -115,11 +117,7 @@ def launch_plan(cfg: TrainConfig, world_size: int, profile) -> dict[str, Any]:
              "note": "per sequence of max_seq_length tokens (a full one); training = 3 x forward; "
                      "bertdist/model/flops.py has the formulas"}
     model_row = {"type": family.name, "layers": model.num_hidden_layers, "hidden_size": model.hidden_size,
-                 "parameters": mem.parameters}
-    if family.name == "modernbert":
-        model_row.update(context=model.max_position_embeddings, local_attention=model.local_attention,
-                         global_every=model.global_attn_every_n_layers, global_rope_theta=model.global_rope_theta,
-                         local_rope_theta=model.local_rope_theta, attention_backend=model.attention_backend)
+                 "parameters": mem.parameters, **{k: getattr(model, k) for k in family.plan_fields}}
     if cfg.electra is not None:  # the resolved generator sizes, which the recipe may give as a ratio
         model_row.update(type="electra", embedding_size=model.embedding_width,
                          generator={"layers": model.generator_num_hidden_layers,
@@ -136,7 +134,7 @@ def launch_plan(cfg: TrainConfig, world_size: int, profile) -> dict[str, Any]:
                   "grad_accum": accum, "world_size": world_size},
         "ds_config": ds,
         "optimizer": {"name": cfg.optimizer.name, **optimizer_choice(cfg, profile)},
-        "precision": precision_policy(d.precision, profile.type).to_dict(),
+        "precision": precision_policy(d.precision, profile.type, cfg.weights).to_dict(),
         "kernels": kernel_cases(cfg, profile),
         "flops": flops,
         "memory": memory,
@@ -163,9 +161,9 @@ def format_launch_plan(plan: dict[str, Any]) -> str:
                   f"{g['hidden_size']} ({g['heads']} heads, FFN {g['intermediate_size']}), shared embeddings of width "
                   f"{mr['embedding_size']}", ""]
     elif mr["type"] == "modernbert":
-        lines += [f"model: ModernBERT {mr['layers']} x {mr['hidden_size']}, context {mr['context']}, local window "
-                  f"{mr['local_attention']} (global every {mr['global_every']} layers), RoPE θ global "
-                  f"{mr['global_rope_theta']:g} / local {mr['local_rope_theta']:g}, attention "
+        lines += [f"model: ModernBERT {mr['layers']} x {mr['hidden_size']}, context {mr['max_position_embeddings']}, "
+                  f"local window {mr['local_attention']} (global every {mr['global_attn_every_n_layers']} layers), "
+                  f"RoPE θ global {mr['global_rope_theta']:g} / local {mr['local_rope_theta']:g}, attention "
                   f"{mr['attention_backend']}", ""]
     f = plan["flops"]
     parts = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in f["forward"].items() if k != "total")

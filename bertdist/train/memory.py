@@ -5,10 +5,14 @@ No torch import: ``bertdist pretrain --plan`` prints it for a device the machine
 Per GPU, with P parameters, N data-parallel ranks and ZeRO stage z (a term divided by N where
 that stage partitions it):
 
-- weights: P x (4 for fp32 and bf16, whose weights are fp32; 2 for fp16), / N at z = 3;
-- fp32 master weights: P x 4 for fp16 only (bf16 and fp32 update the weights themselves), / N at z >= 1;
-- bf16 weight copies: P x 2 for bf16, which autocast makes once per forward and keeps until the backward;
-- gradients: P x (4, or 2 for fp16), / N at z >= 2;
+- weights: P x (4 for fp32 and bf16 under autocast, whose weights are fp32; 2 for fp16 and bf16
+  weights), / N at z = 3;
+- fp32 master weights: P x 4 for fp16 and bf16 weights (fp32, and bf16 under autocast, update the
+  weights themselves), / N at z >= 1;
+- bf16 weight copies: P x 2 for bf16 under autocast, which makes them once per forward and keeps
+  them until the backward;
+- gradients: P x (4, or 2 for fp16), / N at z >= 2; bf16 weights (ZeRO 0): P x (2 + 4), each
+  micro-batch's bf16 gradient and the fp32 sum;
 - optimizer state: LAMB and AdamW keep two fp32 moments, P x 8, / N at z >= 1;
 - activations kept for the backward of one micro-batch of b sequences of length s, hidden h,
   a heads, L layers, e bytes per activation element (2 under bf16/fp16, 4 in fp32), one byte
@@ -112,25 +116,29 @@ class MemoryEstimate:
         return d
 
 
-def _states(p: int, precision: str, zero_stage: int, world_size: int) -> tuple[int, int, int, int, int]:
-    """(weights, fp32 masters, autocast copies, gradients, optimizer state) per GPU for P = ``p``."""
+def _states(p: int, precision: str, zero_stage: int, world_size: int,
+            weights_dtype: str | None = None) -> tuple[int, int, int, int, int]:
+    """(weights, fp32 masters, autocast copies, gradients, optimizer state) per GPU for P = ``p``;
+    ``weights_dtype`` "bf16": bf16 weights with fp32 masters and an fp32 gradient sum beside the
+    bf16 gradients, and no autocast copies."""
     n = max(1, world_size)
-    weight_bytes = 2 if precision == "fp16" else 4
+    bf16_weights = precision == "bf16" and weights_dtype == "bf16"
+    weight_bytes = 2 if precision == "fp16" or bf16_weights else 4
     return (p * weight_bytes // (n if zero_stage == 3 else 1),
-            p * 4 // (n if zero_stage >= 1 else 1) if precision == "fp16" else 0,
-            p * 2 if precision == "bf16" else 0,
-            p * weight_bytes // (n if zero_stage >= 2 else 1),
+            p * 4 // (n if zero_stage >= 1 else 1) if precision == "fp16" or bf16_weights else 0,
+            p * 2 if precision == "bf16" and not bf16_weights else 0,
+            p * (weight_bytes + 4 if bf16_weights else weight_bytes) // (n if zero_stage >= 2 else 1),
             p * 8 // (n if zero_stage >= 1 else 1))
 
 
 def estimate_modernbert_memory(model, *, micro_batch: int, seq: int, precision: str, zero_stage: int,
                                world_size: int, max_predictions: int | None, sparse_mlm_head: bool = True,
-                               mask_prob: float = 0.3) -> MemoryEstimate:
+                               mask_prob: float = 0.3, weights_dtype: str | None = None) -> MemoryEstimate:
     """``model``: a ``ModernBertConfig`` (the module docstring)."""
     from bertdist.model.flops import modernbert_parameter_count
 
     p = modernbert_parameter_count(model)
-    weights, masters, copies, grads, opt = _states(p, precision, zero_stage, world_size)
+    weights, masters, copies, grads, opt = _states(p, precision, zero_stage, world_size, weights_dtype)
     e = 4 if precision == "fp32" else 2
     b, s, h, f, a, L = (micro_batch, seq, model.hidden_size, model.intermediate_size, model.num_attention_heads,
                         model.num_hidden_layers)
@@ -154,16 +162,11 @@ def estimate_modernbert_memory(model, *, micro_batch: int, seq: int, precision: 
 
 def estimate_memory(model, *, micro_batch: int, seq: int, precision: str, zero_stage: int, world_size: int,
                     max_predictions: int | None, sparse_mlm_head: bool = True,
-                    mask_prob: float = 0.15) -> MemoryEstimate:
-    """``model``: a ``BertConfig``. Bytes per GPU by the formulas in this module's docstring."""
+                    mask_prob: float = 0.15, weights_dtype: str | None = None) -> MemoryEstimate:
+    """``model``: a ``BertConfig``. Bytes per GPU by the formulas in this module's docstring.
+    ``weights_dtype``: the weights' dtype (``TrainConfig.weights``); None: fp16's or fp32."""
     p = bert_parameter_count(model)
-    n = max(1, world_size)
-    weight_bytes = 2 if precision == "fp16" else 4
-    weights = p * weight_bytes // (n if zero_stage == 3 else 1)
-    masters = p * 4 // (n if zero_stage >= 1 else 1) if precision == "fp16" else 0
-    copies = p * 2 if precision == "bf16" else 0
-    grads = p * weight_bytes // (n if zero_stage >= 2 else 1)
-    opt = p * 8 // (n if zero_stage >= 1 else 1)
+    weights, masters, copies, grads, opt = _states(p, precision, zero_stage, world_size, weights_dtype)
 
     e = 4 if precision == "fp32" else 2
     b, s, h, a, L = micro_batch, seq, model.hidden_size, model.num_attention_heads, model.num_hidden_layers

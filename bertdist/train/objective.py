@@ -91,9 +91,7 @@ def _parts(out, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
 
 class MaskedLM:
     """Masked-LM pretraining, plus NSP (or SOP) where the model has the head and the records the
-    label: the model's own loss, unweighted (BERT, ModernBERT)."""
-
-    generators: dict[str, torch.Generator] = {}
+    label: the model's own loss, unweighted (BERT, ModernBERT). It draws no random numbers."""
 
     def __init__(self, cfg: TrainConfig):
         m = cfg.model_config

@@ -51,8 +51,8 @@ def check_compatible(saved: TrainerState, cfg: TrainConfig, what: str) -> None:
                                 f"config {ours!r}")
     if _bf16_weights(saved) and (what == "resume" or cfg.checkpoint.init_load_optimizer):
         problems.append("precision: the checkpoint holds bf16 weights and DeepSpeed's bf16 optimizer wrapper state; "
-                        "bertdist's bf16 trains fp32 weights under autocast (bertdist/train/precision.py), which "
-                        "cannot load that optimizer state (checkpoint.init_from with init_load_optimizer=false "
+                        "bertdist's bf16 keeps fp32 weights, or fp32 masters in its own optimizer "
+                        "(bertdist/train/precision.py), which cannot load that optimizer state (checkpoint.init_from with init_load_optimizer=false "
                         "loads the weights)")
     if problems:
         raise ConfigError(
@@ -130,7 +130,7 @@ def new_state(cfg: TrainConfig, world_size: int, grad_accum: int) -> TrainerStat
         step=0, phase=cfg.phase, phases=[{"phase": cfg.phase, "init_from": None, "init_step": None}],
         loader={"epoch": 0, "position": 0}, world_size=world_size, model=to_dict(cfg.model),
         optimizer=cfg.optimizer.name, zero_stage=cfg.deepspeed.zero_stage, precision=cfg.deepspeed.precision,
-        weights=precision_policy(cfg.deepspeed.precision).weights,
+        weights=precision_policy(cfg.deepspeed.precision, weights=cfg.weights).weights,
         seed=cfg.seed, micro_batch_size=cfg.data.micro_batch_size, global_batch_size=cfg.data.global_batch_size,
         grad_accum=grad_accum, schedule={"lr": cfg.optimizer.lr, **to_dict(cfg.schedule)})
 

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import torch
 from torch.profiler import record_function
 
-from bertdist.model import BertConfig, train_flops_per_sequence
+from bertdist.model import BertConfig
 from bertdist.model.families import family_of
 from bertdist.train.loader import batch_to_device
 
@@ -137,8 +137,6 @@ class StepRunner:
     def __post_init__(self):
         self.params = list({id(p): p for p in self.engine.module.parameters()}.values())
         self.family = family_of(self.model)
-        # training FLOPs of the MLM head per predicted position (linear in them; ELECTRA: the generator's)
-        self.head_flops = train_flops_per_sequence(self.model, 1, 1) - train_flops_per_sequence(self.model, 1, 0)
         if self.objective is None:
             from bertdist.train.objective import MaskedLM
 
@@ -149,10 +147,8 @@ class StepRunner:
         return self.objective(self.engine(**self.family.model_inputs(mb)), mb)
 
     def flops(self, mb: dict[str, torch.Tensor], mlm_count) -> torch.Tensor | float:
-        n_seq, width = mb["input_ids"].shape
-        if self.model.sparse_mlm_head:  # FLOPs are linear in the number of predicted positions
-            return n_seq * train_flops_per_sequence(self.model, width, 0) + self.head_flops * mlm_count.double()
-        return n_seq * train_flops_per_sequence(self.model, width)
+        """The micro-batch's training FLOPs, the family's count (bertdist/model/families.py)."""
+        return self.family.train_flops_of_batch(self.model, mb, mlm_count)
 
 
 @dataclasses.dataclass
@@ -220,6 +216,8 @@ def launch_step(r: StepRunner, micro_batches: list[dict[str, torch.Tensor]], sto
             _accumulate(r, sums, res, mb)
         with record_function(REGIONS[2]):
             engine.backward(res.loss)
+            if r.optimizer_norm and not last:  # bf16 weights: this micro-batch's gradients into the fp32 sum
+                engine.optimizer.accumulate_grads()
         with record_function(REGIONS[3]):
             if last and r.own_grad_norm:  # gradients are reduced by now
                 sums.add("grad_norm", clip_gradients(r.params, r.clip).double())

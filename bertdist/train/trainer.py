@@ -1,8 +1,9 @@
-"""`run_pretraining(cfg)`: BERT pretraining with DeepSpeed, from the pipeline's records.
+"""`run_pretraining(cfg)`: pretraining with DeepSpeed, from the pipeline's records, of any model
+family (bertdist/model/families.py) with any objective (bertdist/train/objective.py).
 
 One phase on every rank: set up the process group, open and verify the records, decide where to
 start (``restore.plan_restore``: fresh, ``--resume``, or a new phase from
-``checkpoint.init_from``), build the engine (``engine.build_engine``), load the plan
+``checkpoint.init_from``), build the engine (``engine.build_engine``) and the objective, load the plan
 (``restore.restore``), then run ``step.train_step`` until ``schedule.total_steps`` (or
 ``max_steps``), a SIGTERM, or a fault, evaluating, logging and checkpointing on the way.
 
@@ -56,19 +57,22 @@ class _Stop:
 
 
 def _open_data(cfg: TrainConfig):
-    """The verified training records; ``cfg`` with the vocab's size; the vocab's continuation mask."""
-    from bertdist.data import continuation_mask, load_vocab
+    """The verified training records; ``cfg`` with the vocab's size; the vocab's continuation mask
+    (None for a tokenizer.json without word marks). ``data.vocab_file``: a WordPiece vocab.txt or
+    a Hugging Face tokenizer.json, the file the records were built with (sha256 checked)."""
+    from bertdist.data import continuation_mask
+    from bertdist.data.vocab import vocab_file_size
     from bertdist.train.loader import open_training_records
 
     if not cfg.data.train_manifest or not cfg.data.vocab_file:
         raise ConfigError("data.train_manifest and data.vocab_file are required")
     records = open_training_records(cfg.data.train_manifest, cfg.data.vocab_file, cfg.data.max_seq_length)
-    vocab = load_vocab(cfg.data.vocab_file)
-    if len(vocab) != int(records.manifest["vocab"]["size"]):
-        raise ConfigError(f"{cfg.data.vocab_file} has {len(vocab)} tokens, the records' vocab "
-                          f"{records.manifest['vocab']['size']}")
-    cfg = dataclasses.replace(cfg, model=cfg.model.with_vocab(len(vocab)))
-    return records, cfg, continuation_mask(cfg.data.vocab_file)
+    vocab_file = cfg.data.vocab_file
+    size = vocab_file_size(vocab_file)
+    if size != int(records.manifest["vocab"]["size"]):
+        raise ConfigError(f"{vocab_file} has {size} tokens, the records' vocab {records.manifest['vocab']['size']}")
+    cfg = dataclasses.replace(cfg, model=cfg.model.with_vocab(size))
+    return records, cfg, continuation_mask(vocab_file)
 
 
 def _eval_set(cfg: TrainConfig, continuation, rank: int, world: int, device) -> list | None:
@@ -84,7 +88,9 @@ def _eval_set(cfg: TrainConfig, continuation, rank: int, world: int, device) -> 
         return None
     batches = balanced_eval(eval_batches(held, cfg.data, continuation, rank=rank, world_size=world,
                                          micro_batch_size=cfg.eval.micro_batch_size,
-                                         max_sequences=cfg.eval.max_sequences, seed=cfg.eval.seed), device)
+                                         max_sequences=cfg.eval.max_sequences, seed=cfg.eval.seed,
+                                         document_attention=family_of(cfg.model_config).attends_within_segments),
+                            device)
     # held for the run: pinned once, so every evaluation copies them to the GPU asynchronously
     return pin_batches(batches) if device.type == "cuda" else batches
 
@@ -137,10 +143,12 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool
         plan = dataclasses.replace(plan, load_dir=ensure_universal(plan.load_dir, plan.tag, rank))
     # kernels: auto on CUDA: rank 0 measures (or reads its cache) for this run's shapes and broadcasts the
     # plan, so every rank runs the same kernels; a copy goes to run_dir. Before seeding: it may use the RNG.
-    kernels = kernels_for_run(cfg.model.kernels, cfg.model, device, micro_batch=cfg.data.micro_batch_size,
-                              seq=cfg.data.max_seq_length, precision=cfg.deepspeed.precision,
-                              autocast=autocast_dtype(cfg.deepspeed.precision) is not None, run_dir=str(run_dir)) \
-        if family_of(cfg.model_config).uses_kernels else None
+    kernels = None  # a family without bertdist.ops kernels (ModernBERT) picks its attention in its config
+    if family_of(cfg.model_config).uses_kernels:
+        kernels = kernels_for_run(cfg.model.kernels, cfg.model, device, micro_batch=cfg.data.micro_batch_size,
+                                  seq=cfg.data.max_seq_length, precision=cfg.deepspeed.precision,
+                                  autocast=autocast_dtype(cfg.deepspeed.precision, cfg.weights) is not None,
+                                  run_dir=str(run_dir))
     built = build_engine(cfg, plan, world, grad_accum, device.type, kernels)
     engine = built.engine
     compiled = decide_compile(cfg.model.compile, device.type)
@@ -154,7 +162,8 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool
     engine.train()
 
     loader = PretrainingLoader(records, cfg.data, rank=rank, world_size=world, grad_accum=grad_accum,
-                               continuation=continuation, pin_device=device)
+                               continuation=continuation, pin_device=device,
+                               document_attention=family_of(cfg.model_config).attends_within_segments)
     eval_set = _eval_set(cfg, continuation, rank, world, device)
     total = cfg.steps_to_run
     log = RunLogger(str(run_dir), rank == 0, cfg.logging.tensorboard, cfg.logging.progress, total, state.step)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import math
 import shutil
 
 import pytest
@@ -38,6 +39,7 @@ def test_a_step_feeds_the_packed_layout_and_matches_the_padded_model(tmp_path, g
     reaches the encoder), and its loss is the padded model's on the same masked batch."""
     from bertdist.data import continuation_mask
     from bertdist.model import IGNORE_INDEX, train_flops_per_sequence
+    from bertdist.model.flops import modernbert_batch_train_flops
     from bertdist.model.modernbert import packed_inputs
     from bertdist.train.engine import build_engine
     from bertdist.train.loader import LoaderState, PretrainingLoader, open_training_records
@@ -79,7 +81,10 @@ def test_a_step_feeds_the_packed_layout_and_matches_the_padded_model(tmp_path, g
     assert 0.2 < s["mlm_count"] / real < 0.35
     width = mb["input_ids"].shape[1]
     head = 3 * 2 * (64 * 64 + 64 * cfg.model.vocab_size)
-    assert s["flops"] == pytest.approx(16 * train_flops_per_sequence(cfg.model, width, 0) + head * s["mlm_count"])
+    # counted on the real tokens of each segment, not at the padded width
+    segments = modernbert_batch_train_flops(cfg.model, mb["cu_seqlens"], torch.tensor(float(s["mlm_count"])))
+    assert s["flops"] == pytest.approx(float(segments), rel=1e-5)
+    assert s["flops"] < 16 * train_flops_per_sequence(cfg.model, width, 0) + head * s["mlm_count"]
     m = step_metrics(res, 1.0, 1, 0.0, 1.0, 0, 0)
     assert "nsp_acc" not in m and 0 <= m["mlm_acc"] <= 1
     ev = evaluate(built.engine, [mb], torch.device("cpu"))
@@ -198,3 +203,43 @@ def test_a_new_phase_may_change_only_the_context_and_the_global_rope_base(tmp_pa
         check_compatible(saved, bert, "start a new phase")
     with pytest.raises(ConfigError, match="it holds a ModernBERT.* this config trains a BERT"):
         check_checkpoint(bert, tmp_path, "step_00000010", "init")
+
+
+def test_the_tiny_recipe_takes_a_few_steps_on_its_schedule(tmp_path, group, train_records, small_vocab):
+    """modernbert-tiny.yaml as shipped (but the records' seq 64): four steps on CPU through the
+    trainer's runner, on its warmup-stable-decay schedule."""
+    import math
+
+    from tests.train.conftest import run_steps
+
+    cfg = _cfg(tmp_path, train_records, small_vocab, "data.global_batch_size=16")
+    assert cfg.schedule.decay == "wsd" and cfg.schedule.decay_steps == 10  # the last quarter of 40 steps
+    results, _ = run_steps(cfg, train_records, 4)
+    assert [r.lr for r in results] == pytest.approx([2e-3 * k / 4 for k in (1, 2, 3, 4)])  # the warmup
+    assert all(math.isfinite(r.sums["loss"]) and r.sums["mlm_count"] > 0 for r in results)
+    assert results[-1].sums["mlm_loss"] < results[0].sums["mlm_loss"]
+
+
+def test_pretrain_on_packed_tokenizer_json_records(tmp_path, packed_records, small_bpe_tokenizer):
+    """The pipeline's packed MLM-only rows (1,024 tokens, several documents a row, a byte-level BPE
+    tokenizer.json, 30% masking) train ModernBERT end to end: one attention segment per document,
+    and the held-out loss is measured on the same layout. BERT is refused on them."""
+    from bertdist.data import load_manifest
+
+    manifest = load_manifest(packed_records)
+    args = [str(RECIPE), f"run_dir={tmp_path}", f"data.train_manifest={packed_records}",
+            f"data.vocab_file={small_bpe_tokenizer}", "data.max_seq_length=1024", "model.max_position_embeddings=1024",
+            "data.micro_batch_size=2",
+            "data.global_batch_size=4", "data.mask_prob=0.3", "schedule.total_steps=6", "logging.progress=none",
+            "eval.at_start=true", "eval.max_sequences=4", "eval.micro_batch_size=2", "checkpoint.every_steps=0"]
+    res = run_pretrain(1, args)
+    assert_ok(res)
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert all(math.isfinite(r["loss"]) for r in rows)
+    evals = metrics(tmp_path, "eval")
+    assert len(evals) == 2 and all(math.isfinite(e["mlm_loss"]) for e in evals), evals
+    assert manifest["records"]["packing"]["documents"]  # the rows hold several documents each
+    bert = [str(REPO / "configs" / "pretrain" / "tiny.yaml"), *args[1:], f"run_dir={tmp_path / 'bert'}"]
+    refused = run_pretrain(1, bert)
+    assert refused.returncode != 0 and "are packed" in refused.stderr + refused.stdout
