@@ -99,7 +99,9 @@ def build_data(work: Path, seq: int, vocab_size: int = 3000) -> tuple[Path, Path
 
 def train_config(manifest: Path, vocab: Path, run_dir: Path, *, seed: int, steps: int, seq: int,
                  micro: int, global_batch: int, eval_sequences: int, eval_micro: int, extra: tuple[str, ...] = ()):
-    """The tiny recipe for this benchmark: ``steps`` steps, a 10% warmup, the vocab's size."""
+    """The tiny recipe for this benchmark: ``steps`` steps, a 10% warmup and a linear decay to 0
+    (the recipe's warmup-stable-decay would spend a short run on its plateau), the vocab's size;
+    ``extra`` overrides win (``schedule.decay=wsd`` runs the recipe's shape on both sides)."""
     from bertdist.data import load_vocab
     from bertdist.train.config import load_train_config
 
@@ -107,7 +109,7 @@ def train_config(manifest: Path, vocab: Path, run_dir: Path, *, seed: int, steps
         f"run_dir={run_dir}", f"data.train_manifest={manifest}", f"data.vocab_file={vocab}",
         f"data.max_seq_length={seq}", f"model.max_position_embeddings={seq}", f"data.micro_batch_size={micro}",
         f"data.global_batch_size={global_batch}", "data.prefetch_steps=0", f"seed={seed}", f"data.seed={seed}",
-        f"schedule.total_steps={steps}", f"schedule.warmup_steps={max(1, steps // 10)}",
+        f"schedule.total_steps={steps}", f"schedule.warmup_steps={max(1, steps // 10)}", "schedule.decay=linear",
         f"eval.max_sequences={eval_sequences}", f"eval.micro_batch_size={eval_micro}", *extra])
     return dataclasses.replace(cfg, model=cfg.model.with_vocab(len(load_vocab(vocab))))
 
@@ -159,14 +161,24 @@ def hf_model(cfg_model, state_dict, *, sparse: bool = False):
     return model.train()
 
 
-def lr_multiplier(warmup: int, total: int):
-    """Linear warmup to the peak over ``warmup`` updates, then linear decay to 0 at ``total``; the
-    value for LambdaLR's count ``k`` of completed updates is the lr of update k + 1."""
+def lr_multiplier(warmup: int, total: int, decay_fraction: float | None = None, shape: str = "linear"):
+    """Linear warmup to the peak over ``warmup`` updates; then, with ``decay_fraction`` None, linear
+    decay to 0 at ``total``; else warmup-stable-decay: the peak until the last
+    ``max(1, round(decay_fraction x total))`` updates (none when the fraction is 0), which go down to
+    0 at ``total``, linearly or as 1 - sqrt. The value for LambdaLR's count ``k`` of completed
+    updates is the lr of update k + 1."""
+    decay = None if decay_fraction is None else (max(1, round(decay_fraction * total)) if decay_fraction else 0)
+
     def f(k: int) -> float:
         s = k + 1
         if s <= warmup:
             return s / warmup
-        return max(0.0, 1.0 - (s - warmup) / (total - warmup))
+        if decay is None:
+            return max(0.0, 1.0 - (s - warmup) / (total - warmup))
+        if decay == 0:
+            return 1.0
+        frac = min(1.0, max(0.0, (s - (total - decay)) / decay))
+        return 1.0 - (math.sqrt(frac) if shape == "1-sqrt" else frac)
     return f
 
 
@@ -177,7 +189,8 @@ class Reference:
         self.model, self.cfg = model, cfg
         o = cfg.optimizer
         assert o.name == "adamw", f"the reference loop reproduces AdamW; the recipe uses {o.name}"
-        assert cfg.schedule.decay == "linear" and cfg.schedule.min_lr_ratio == 0.0, cfg.schedule
+        sch = cfg.schedule
+        assert sch.decay in ("linear", "wsd") and sch.min_lr_ratio == 0.0, sch
         assert cfg.deepspeed.precision == "fp32"
         decay, no_decay = [], []
         for name, p in model.named_parameters():  # tied weights appear once
@@ -186,7 +199,8 @@ class Reference:
                                       {"params": no_decay, "weight_decay": 0.0}],
                                      lr=o.lr, betas=tuple(o.betas), eps=o.eps)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, lr_multiplier(cfg.schedule.resolved_warmup_steps, cfg.schedule.total_steps))
+            self.opt, lr_multiplier(sch.resolved_warmup_steps, sch.total_steps,
+                                    sch.decay_fraction if sch.decay == "wsd" else None, sch.decay_shape))
         self.clip = cfg.deepspeed.gradient_clipping
 
     def step(self, micro_batches: list[dict], packed: list[dict] | None = None) -> dict:

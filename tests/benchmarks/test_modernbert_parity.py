@@ -82,3 +82,17 @@ def test_verdict_fails_a_seed_over_the_tolerance(harness, tiny_run, tmp_path):
     (tmp_path / "results.json").write_text(json.dumps(far))
     assert harness.main(["--render", str(tmp_path)]) == 1
     assert "**NOT met**" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.parametrize("decay, fraction, shape", [("linear", None, "linear"), ("wsd", 0.25, "1-sqrt"),
+                                                     ("wsd", 0.3, "linear"), ("wsd", 0.0, "linear")])
+def test_the_reference_schedule_written_out_agrees_with_the_trainers(harness, decay, fraction, shape):
+    """The reference loop's multiplier is written independently of bertdist's; both give the same lr
+    for every update, for the linear decay the benchmark runs and the recipe's warmup-stable-decay."""
+    from bertdist.train.optim import WarmupDecay
+
+    total, warmup = 20, 3
+    ours = WarmupDecay(warmup, total, decay, 0.5, 0.0,
+                       (max(1, round(fraction * total)) if fraction else 0) if decay == "wsd" else 0, shape)
+    ref = harness.lr_multiplier(warmup, total, fraction, shape)
+    assert [ref(k) for k in range(total)] == pytest.approx([ours(k) for k in range(total)], abs=1e-12)
