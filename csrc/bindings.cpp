@@ -10,6 +10,7 @@
 #include <torch/extension.h>
 
 #include <cmath>
+#include <initializer_list>
 #include <mutex>
 #include <sstream>
 #include <string>
@@ -213,9 +214,20 @@ constexpr int64_t kMaxHidden = 16384;
 struct LnInputs {
   int64_t rows, hidden;
   at::Tensor gamma, beta;
+  bool params_lp;  // gamma, beta (and the dense bias) in x's bf16/fp16 dtype, passed as they are
 };
 
-LnInputs check_ln_inputs(const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& beta, const char* op) {
+// bf16/fp16 x whose per-feature parameters all have its dtype (a model with bf16 weights): the
+// kernels read them as they are. Otherwise they go to the kernels in the accumulation type.
+bool params_in_x_dtype(const at::Tensor& x, std::initializer_list<const at::Tensor*> params) {
+  if (x.scalar_type() != at::kBFloat16 && x.scalar_type() != at::kHalf) return false;
+  for (const auto* t : params)
+    if (t != nullptr && t->scalar_type() != x.scalar_type()) return false;
+  return true;
+}
+
+LnInputs check_ln_inputs(const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& beta, const char* op,
+                         const at::Tensor* dense_bias = nullptr) {
   TORCH_CHECK(x.dim() >= 1, op, ": x must have at least 1 dimension, got shape ", shape_str(x));
   dtype_of(x, op);
   check_contiguous(x, op, "x");
@@ -226,8 +238,10 @@ LnInputs check_ln_inputs(const at::Tensor& x, const at::Tensor& gamma, const at:
   check_same_device(x, beta, op, "x", "bias");
   check_vector(gamma, hidden, op, "weight");
   check_vector(beta, hidden, op, "bias");
+  if (params_in_x_dtype(x, {&gamma, &beta, dense_bias}))
+    return {x.numel() / hidden, hidden, gamma.contiguous(), beta.contiguous(), true};
   const auto acc = acc_type(x);
-  return {x.numel() / hidden, hidden, as_acc(gamma, acc), as_acc(beta, acc)};
+  return {x.numel() / hidden, hidden, as_acc(gamma, acc), as_acc(beta, acc), false};
 }
 
 // The forward both entry points share, once `p` holds the fused op's bias, residual, h and
@@ -246,6 +260,7 @@ std::vector<at::Tensor> run_ln_fwd(LnFwdParams& p, const at::Tensor& x, const Ln
   p.rows = in.rows;
   p.hidden = in.hidden;
   p.eps = static_cast<float>(eps);
+  p.params_lp = in.params_lp;
   const DType t = dtype_of(x, op);
   if (in.rows > 0)
     run_on_device(x, op, [&] { ln_fwd_cpu(p, t); }, [&](void* s) {
@@ -272,13 +287,14 @@ void check_ln_bwd_inputs(const at::Tensor& dy, const at::Tensor& h, const at::Te
 }
 
 // The backward both entry points share, once `p` holds the fused op's dx, dbias and dropout
-// fields: returns (dh, dgamma, dbeta), the column sums in gamma's dtype. On CUDA the column
+// fields: returns (dh, dgamma, dbeta), the column sums in gamma's dtype (written so by the kernels
+// when it is h's bf16/fp16, else summed in the accumulation type and cast). On CUDA the column
 // sums need a partial-sum workspace.
 std::vector<at::Tensor> run_ln_bwd(LnBwdParams& p, const at::Tensor& dy, const at::Tensor& h, const at::Tensor& mean,
                                    const at::Tensor& rstd, const at::Tensor& gamma, const LnInputs& in,
                                    const char* op) {
   auto dh = at::empty_like(h);
-  auto acc_opts = h.options().dtype(acc_type(h));
+  auto acc_opts = h.options().dtype(in.params_lp ? h.scalar_type() : acc_type(h));
   // Every kernel writes each column of its sums when there are rows; zeros only for none.
   auto column_sums = [&] { return in.rows > 0 ? at::empty({in.hidden}, acc_opts) : at::zeros({in.hidden}, acc_opts); };
   auto dgamma = column_sums(), dbeta = column_sums();
@@ -292,6 +308,7 @@ std::vector<at::Tensor> run_ln_bwd(LnBwdParams& p, const at::Tensor& dy, const a
   p.dbeta = dbeta.data_ptr();
   p.rows = in.rows;
   p.hidden = in.hidden;
+  p.params_lp = in.params_lp;
   const DType t = dtype_of(h, op);
   if (in.rows > 0)
     run_on_device(h, op, [&] { ln_bwd_cpu(p, t); }, [&](void* s) {
@@ -327,7 +344,7 @@ std::vector<at::Tensor> bdaln_fwd(const at::Tensor& x, const c10::optional<at::T
                                   const at::Tensor& residual, const at::Tensor& gamma, const at::Tensor& beta,
                                   double p_drop, double eps, const c10::optional<int64_t>& seed, int64_t offset) {
   const char* op = "bertdist.bias_dropout_add_layer_norm_fwd";
-  auto in = check_ln_inputs(x, gamma, beta, op);
+  auto in = check_ln_inputs(x, gamma, beta, op, bias.has_value() ? &*bias : nullptr);
   check_p(p_drop, op);
   check_same_device(x, residual, op, "x", "residual");
   check_dtype(residual, x.scalar_type(), op, "residual");
@@ -338,7 +355,7 @@ std::vector<at::Tensor> bdaln_fwd(const at::Tensor& x, const c10::optional<at::T
   if (bias.has_value()) {
     check_same_device(x, *bias, op, "x", "dense bias");
     check_vector(*bias, in.hidden, op, "dense bias");
-    bias_acc = as_acc(*bias, acc_type(x));
+    bias_acc = in.params_lp ? bias->contiguous() : as_acc(*bias, acc_type(x));
   }
   auto h = at::empty_like(x);
   LnFwdParams p;
@@ -353,8 +370,9 @@ std::vector<at::Tensor> bdaln_fwd(const at::Tensor& x, const c10::optional<at::T
 }
 
 // Returns (d_h, d_x, d_weight, d_bias_ln, d_dense_bias). d_h is the residual's gradient;
-// d_x (x's gradient) is an empty tensor when p == 0, since it then equals d_h; d_dense_bias
-// (in the accumulation type; the caller casts it to the bias's dtype) is empty unless has_bias.
+// d_x (x's gradient) is an empty tensor when p == 0, since it then equals d_h; d_dense_bias (in
+// gamma's dtype when that is h's bf16/fp16, else the accumulation type; the caller casts it to the
+// bias's dtype) is empty unless has_bias.
 std::vector<at::Tensor> bdaln_bwd(const at::Tensor& dy, const at::Tensor& h, const at::Tensor& mean,
                                   const at::Tensor& rstd, const at::Tensor& gamma, bool has_bias,
                                   double p_drop, const at::Tensor& rng_state) {
@@ -363,7 +381,7 @@ std::vector<at::Tensor> bdaln_bwd(const at::Tensor& dy, const at::Tensor& h, con
   check_ln_bwd_inputs(dy, h, mean, rstd, op, "h");
   check_p(p_drop, op);
   auto dx = p_drop > 0.0 ? at::empty_like(h) : at::empty({0}, h.options());
-  auto acc_opts = h.options().dtype(acc_type(h));
+  auto acc_opts = h.options().dtype(in.params_lp ? h.scalar_type() : acc_type(h));
   // Written in full by the backward's column sums when there are rows (run_ln_bwd).
   auto dbias = !has_bias ? at::empty({0}, acc_opts)
                          : (in.rows > 0 ? at::empty({in.hidden}, acc_opts) : at::zeros({in.hidden}, acc_opts));

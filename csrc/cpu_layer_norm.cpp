@@ -26,14 +26,15 @@ inline void hidden_keep_row(uint64_t seed, uint32_t offset, uint32_t threshold, 
   }
 }
 
-template <typename T, typename A>
+// W: the parameters' dtype (gamma, beta, dense bias): A, or T for low-precision parameters.
+template <typename T, typename A, typename W>
 void ln_fwd_impl(const LnFwdParams& p) {
   const int64_t H = p.hidden;
   const uint32_t threshold = keep_threshold(p.p);
   const A inv_keep = p.p < 1.f ? A(1) / (A(1) - A(p.p)) : A(0);
-  const A* bias = static_cast<const A*>(p.bias);
-  const A* gamma = static_cast<const A*>(p.gamma);
-  const A* beta = static_cast<const A*>(p.beta);
+  const W* bias = static_cast<const W*>(p.bias);
+  const W* gamma = static_cast<const W*>(p.gamma);
+  const W* beta = static_cast<const W*>(p.beta);
 #pragma omp parallel
   {
     std::vector<A> v(H);
@@ -43,7 +44,7 @@ void ln_fwd_impl(const LnFwdParams& p) {
       const T* x = static_cast<const T*>(p.x) + r * H;
       for (int64_t c = 0; c < H; ++c) v[c] = static_cast<A>(x[c]);
       if (bias)
-        for (int64_t c = 0; c < H; ++c) v[c] += bias[c];
+        for (int64_t c = 0; c < H; ++c) v[c] += static_cast<A>(bias[c]);
       if (p.dropout) {
         hidden_keep_row(p.rng.seed, p.rng.offset, threshold, r, H, keep.data());
         for (int64_t c = 0; c < H; ++c) v[c] = keep[c] ? v[c] * inv_keep : A(0);
@@ -67,19 +68,20 @@ void ln_fwd_impl(const LnFwdParams& p) {
       for (int64_t c = 0; c < H; ++c) sq += (v[c] - mean) * (v[c] - mean);
       const A rstd = A(1) / std::sqrt(sq / A(H) + A(p.eps));
       T* y = static_cast<T*>(p.y) + r * H;
-      for (int64_t c = 0; c < H; ++c) y[c] = static_cast<T>((v[c] - mean) * rstd * gamma[c] + beta[c]);
+      for (int64_t c = 0; c < H; ++c)
+        y[c] = static_cast<T>((v[c] - mean) * rstd * static_cast<A>(gamma[c]) + static_cast<A>(beta[c]));
       static_cast<A*>(p.mean)[r] = mean;
       static_cast<A*>(p.rstd)[r] = rstd;
     }
   }
 }
 
-template <typename T, typename A>
+template <typename T, typename A, typename W>
 void ln_bwd_impl(const LnBwdParams& p) {
   const int64_t H = p.hidden;
   const uint32_t threshold = keep_threshold(p.p);
   const A inv_keep = p.p < 1.f ? A(1) / (A(1) - A(p.p)) : A(0);
-  const A* gamma = static_cast<const A*>(p.gamma);
+  const W* gamma = static_cast<const W*>(p.gamma);
   const int nthreads = omp_get_max_threads();
   // Per-thread column partial sums, reduced at the end: [thread][3][H].
   std::vector<A> partial(static_cast<size_t>(nthreads) * 3 * H, A(0));
@@ -100,7 +102,7 @@ void ln_bwd_impl(const LnBwdParams& p) {
       for (int64_t c = 0; c < H; ++c) {
         const A d = static_cast<A>(dy[c]);
         xhat[c] = (static_cast<A>(h[c]) - mean) * rstd;
-        g[c] = d * gamma[c];
+        g[c] = d * static_cast<A>(gamma[c]);
         s1 += g[c];
         s2 += g[c] * xhat[c];
         dg[c] += d * xhat[c];
@@ -120,13 +122,13 @@ void ln_bwd_impl(const LnBwdParams& p) {
       for (int64_t c = 0; c < H; ++c) dbias[c] += g[c];
     }
   }
-  A* out[3] = {static_cast<A*>(p.dgamma), static_cast<A*>(p.dbeta), static_cast<A*>(p.dbias)};
+  W* out[3] = {static_cast<W*>(p.dgamma), static_cast<W*>(p.dbeta), static_cast<W*>(p.dbias)};
   for (int k = 0; k < 3; ++k) {
     if (!out[k]) continue;
     for (int64_t c = 0; c < H; ++c) {
       A s = 0;
       for (int t = 0; t < nthreads; ++t) s += partial[(static_cast<size_t>(t) * 3 + k) * H + c];
-      out[k][c] = s;
+      out[k][c] = static_cast<W>(s);  // summed in A, rounded once
     }
   }
 }
@@ -135,13 +137,23 @@ void ln_bwd_impl(const LnBwdParams& p) {
 
 void ln_fwd_cpu(const LnFwdParams& p, DType t) {
   dispatch_cpu_dtype(t, "ln_fwd_cpu", [&](auto tv, auto av) {
-    ln_fwd_impl<decltype(tv), decltype(av)>(p);
+    using T = decltype(tv);
+    using A = decltype(av);
+    if (p.params_lp)
+      ln_fwd_impl<T, A, T>(p);
+    else
+      ln_fwd_impl<T, A, A>(p);
   });
 }
 
 void ln_bwd_cpu(const LnBwdParams& p, DType t) {
   dispatch_cpu_dtype(t, "ln_bwd_cpu", [&](auto tv, auto av) {
-    ln_bwd_impl<decltype(tv), decltype(av)>(p);
+    using T = decltype(tv);
+    using A = decltype(av);
+    if (p.params_lp)
+      ln_bwd_impl<T, A, T>(p);
+    else
+      ln_bwd_impl<T, A, A>(p);
   });
 }
 

@@ -13,6 +13,10 @@
 // hidden size above 8192 needs, or a layout whose registers exceed what the GPU can give a
 // block of that many threads) go to the streaming kernels instead, which re-read the row from
 // global memory rather than keep it in registers.
+//
+// The parameters (gamma, beta, the dense bias) and their gradients are fp32 (W = float), or in
+// x's dtype (W = T) when the model's weights are bf16/fp16: read and written as they are, with no
+// cast kernel per call; every sum is still fp32.
 #include <algorithm>
 
 #include "cuda_common.cuh"
@@ -42,16 +46,16 @@ struct DropDraws {
   }
 };
 
-template <typename T, int VEC, int NV>
+template <typename T, typename W, int VEC, int NV>
 __global__ void ln_fwd_kernel(LnFwdParams p, uint32_t threshold, float inv_keep) {
   BD_SHARED(float, red, 66);
   const DropoutKey key = p.dropout ? forward_dropout_key(p.rng) : DropoutKey{0, 0};
   const int64_t row = blockIdx.x;
   const int nvec = static_cast<int>(p.hidden / VEC);
   const int64_t base = row * p.hidden;
-  const float* gamma = static_cast<const float*>(p.gamma);
-  const float* beta = static_cast<const float*>(p.beta);
-  const float* bias = static_cast<const float*>(p.bias);
+  const W* gamma = static_cast<const W*>(p.gamma);
+  const W* beta = static_cast<const W*>(p.beta);
+  const W* bias = static_cast<const W*>(p.bias);
   float v[NV][VEC];
   float sum = 0.f;
 #pragma unroll
@@ -61,7 +65,7 @@ __global__ void ln_fwd_kernel(LnFwdParams p, uint32_t threshold, float inv_keep)
     const int64_t off = base + static_cast<int64_t>(vi) * VEC;
     Vec<T, VEC> xv = *reinterpret_cast<const Vec<T, VEC>*>(static_cast<const T*>(p.x) + off);
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) v[n][k] = to_f(xv.v[k]) + (bias ? bias[vi * VEC + k] : 0.f);
+    for (int k = 0; k < VEC; ++k) v[n][k] = to_f(xv.v[k]) + (bias ? to_f(bias[vi * VEC + k]) : 0.f);
     if (p.dropout) {
       bool keep[VEC];
       DropDraws<VEC>::fill(key.seed, key.offset, threshold, static_cast<uint64_t>(off), keep);
@@ -108,7 +112,7 @@ __global__ void ln_fwd_kernel(LnFwdParams p, uint32_t threshold, float inv_keep)
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
       const int c = vi * VEC + k;
-      yv.v[k] = from_f<T>((v[n][k] - mean) * rstd * gamma[c] + beta[c]);
+      yv.v[k] = from_f<T>((v[n][k] - mean) * rstd * to_f(gamma[c]) + to_f(beta[c]));
     }
     *reinterpret_cast<Vec<T, VEC>*>(static_cast<T*>(p.y) + base + static_cast<int64_t>(vi) * VEC) = yv;
   }
@@ -119,12 +123,12 @@ __global__ void ln_fwd_kernel(LnFwdParams p, uint32_t threshold, float inv_keep)
 }
 
 // ws layout: [3][parts][hidden] partial column sums of (dgamma, dbeta, dbias).
-template <typename T, int VEC, int NV>
+template <typename T, typename W, int VEC, int NV>
 __global__ void ln_bwd_kernel(LnBwdParams p, float* ws, int parts, uint32_t threshold, float inv_keep) {
   BD_SHARED(float, red, 66);
   const DropoutKey key = p.dropout ? dropout_key(p.rng) : DropoutKey{0, 0};
   const int nvec = static_cast<int>(p.hidden / VEC);
-  const float* gamma = static_cast<const float*>(p.gamma);
+  const W* gamma = static_cast<const W*>(p.gamma);
   const float inv_h = 1.f / static_cast<float>(p.hidden);
   float dg[NV][VEC], db[NV][VEC], dbias[NV][VEC];
 #pragma unroll
@@ -149,7 +153,7 @@ __global__ void ln_bwd_kernel(LnBwdParams p, float* ws, int parts, uint32_t thre
       for (int k = 0; k < VEC; ++k) {
         const float dy = to_f(dyv.v[k]);
         xh[n][k] = (to_f(hv.v[k]) - mean) * rstd;
-        g[n][k] = dy * gamma[vi * VEC + k];
+        g[n][k] = dy * to_f(gamma[vi * VEC + k]);
         s1 += g[n][k];
         s2 += g[n][k] * xh[n][k];
         dg[n][k] += dy * xh[n][k];
@@ -200,11 +204,11 @@ __global__ void ln_bwd_kernel(LnBwdParams p, float* ws, int parts, uint32_t thre
 }
 
 // h = residual + dropout(x + bias) at flat element e = base + c, in fp32 (x itself for plain LN).
-template <typename T>
+template <typename T, typename W>
 __device__ __forceinline__ float pre_norm(const LnFwdParams& p, const DropoutKey& key, uint32_t threshold,
                                           float inv_keep, int64_t base, int64_t c) {
-  const float* bias = static_cast<const float*>(p.bias);
-  float v = to_f(static_cast<const T*>(p.x)[base + c]) + (bias ? bias[c] : 0.f);
+  const W* bias = static_cast<const W*>(p.bias);
+  float v = to_f(static_cast<const T*>(p.x)[base + c]) + (bias ? to_f(bias[c]) : 0.f);
   if (p.dropout) {
     const uint64_t e = static_cast<uint64_t>(base + c);
     v = hidden_draws(key.seed, key.offset, e >> 2).v[e & 3] < threshold ? v * inv_keep : 0.f;
@@ -216,7 +220,7 @@ __device__ __forceinline__ float pre_norm(const LnFwdParams& p, const DropoutKey
 // The forward for rows too wide for ln_fwd_kernel: one block per row, three passes over it (sum,
 // squared deviations, output). The first pass stores h; the later ones read it back (the rounded
 // values the statistics and the backward use) or, for plain LN, re-read x.
-template <typename T>
+template <typename T, typename W>
 __global__ void __launch_bounds__(kMaxThreads) ln_fwd_stream_kernel(LnFwdParams p, uint32_t threshold,
                                                                      float inv_keep) {
   BD_SHARED(float, red, 66);
@@ -225,14 +229,14 @@ __global__ void __launch_bounds__(kMaxThreads) ln_fwd_stream_kernel(LnFwdParams 
   T* h = p.h ? static_cast<T*>(p.h) + base : nullptr;
   float sum = 0.f;
   for (int64_t c = threadIdx.x; c < p.hidden; c += blockDim.x) {
-    float v = pre_norm<T>(p, key, threshold, inv_keep, base, c);
+    float v = pre_norm<T, W>(p, key, threshold, inv_keep, base, c);
     if (h) {
       h[c] = from_f<T>(v);
       v = to_f(h[c]);
     }
     sum += v;
   }
-  const auto value = [&](int64_t c) { return h ? to_f(h[c]) : pre_norm<T>(p, key, threshold, inv_keep, base, c); };
+  const auto value = [&](int64_t c) { return h ? to_f(h[c]) : pre_norm<T, W>(p, key, threshold, inv_keep, base, c); };
   const float mean = block_sum2(sum, 0.f, red).x / static_cast<float>(p.hidden);
   float sq = 0.f;
   for (int64_t c = threadIdx.x; c < p.hidden; c += blockDim.x) {
@@ -241,11 +245,11 @@ __global__ void __launch_bounds__(kMaxThreads) ln_fwd_stream_kernel(LnFwdParams 
   }
   const float var = block_sum2(sq, 0.f, red).x / static_cast<float>(p.hidden);
   const float rstd = 1.f / sqrtf(var + p.eps);
-  const float* gamma = static_cast<const float*>(p.gamma);
-  const float* beta = static_cast<const float*>(p.beta);
+  const W* gamma = static_cast<const W*>(p.gamma);
+  const W* beta = static_cast<const W*>(p.beta);
   T* y = static_cast<T*>(p.y) + base;
   for (int64_t c = threadIdx.x; c < p.hidden; c += blockDim.x)
-    y[c] = from_f<T>((value(c) - mean) * rstd * gamma[c] + beta[c]);
+    y[c] = from_f<T>((value(c) - mean) * rstd * to_f(gamma[c]) + to_f(beta[c]));
   if (threadIdx.x == 0) {
     static_cast<float*>(p.mean)[row] = mean;
     static_cast<float*>(p.rstd)[row] = rstd;
@@ -255,13 +259,13 @@ __global__ void __launch_bounds__(kMaxThreads) ln_fwd_stream_kernel(LnFwdParams 
 // The backward for rows too wide for ln_bwd_kernel: the same grid-stride rows, two passes over
 // each; the block's column partial sums accumulate in its slice of ws (each thread always owns
 // the same columns, so no two threads touch one word).
-template <typename T>
+template <typename T, typename W>
 __global__ void __launch_bounds__(kMaxThreads) ln_bwd_stream_kernel(LnBwdParams p, float* ws, int parts,
                                                                      uint32_t threshold, float inv_keep) {
   BD_SHARED(float, red, 66);
   const DropoutKey key = p.dropout ? dropout_key(p.rng) : DropoutKey{0, 0};
   const int64_t H = p.hidden;
-  const float* gamma = static_cast<const float*>(p.gamma);
+  const W* gamma = static_cast<const W*>(p.gamma);
   const float inv_h = 1.f / static_cast<float>(H);
   float* dg = ws + (0 * static_cast<int64_t>(parts) + blockIdx.x) * H;
   float* db = ws + (1 * static_cast<int64_t>(parts) + blockIdx.x) * H;
@@ -275,7 +279,7 @@ __global__ void __launch_bounds__(kMaxThreads) ln_bwd_stream_kernel(LnBwdParams 
     const float rstd = static_cast<const float*>(p.rstd)[row];
     float s1 = 0.f, s2 = 0.f;
     for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
-      const float d = to_f(dy[c]), xh = (to_f(h[c]) - mean) * rstd, g = d * gamma[c];
+      const float d = to_f(dy[c]), xh = (to_f(h[c]) - mean) * rstd, g = d * to_f(gamma[c]);
       s1 += g;
       s2 += g * xh;
       dg[c] += d * xh;
@@ -285,7 +289,7 @@ __global__ void __launch_bounds__(kMaxThreads) ln_bwd_stream_kernel(LnBwdParams 
     const float m1 = s.x * inv_h, m2 = s.y * inv_h;
     for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
       const float xh = (to_f(h[c]) - mean) * rstd;
-      float g = rstd * (to_f(dy[c]) * gamma[c] - m1 - xh * m2);
+      float g = rstd * (to_f(dy[c]) * to_f(gamma[c]) - m1 - xh * m2);
       static_cast<T*>(p.dh)[base + c] = from_f<T>(g);
       if (p.dropout) {
         const uint64_t e = static_cast<uint64_t>(base + c);
@@ -297,16 +301,17 @@ __global__ void __launch_bounds__(kMaxThreads) ln_bwd_stream_kernel(LnBwdParams 
   }
 }
 
-// out_k[c] = sum over parts of ws[k][part][c], for k = blockIdx.y (0: gamma, 1: beta, 2: bias).
-__global__ void column_sum_kernel(const float* ws, int parts, int64_t hidden, float* dgamma, float* dbeta,
-                                  float* dbias) {
+// out_k[c] = sum over parts of ws[k][part][c], for k = blockIdx.y (0: gamma, 1: beta, 2: bias),
+// summed in fp32 and rounded once to the parameters' dtype W.
+template <typename W>
+__global__ void column_sum_kernel(const float* ws, int parts, int64_t hidden, W* dgamma, W* dbeta, W* dbias) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  float* out = blockIdx.y == 0 ? dgamma : (blockIdx.y == 1 ? dbeta : dbias);
+  W* out = blockIdx.y == 0 ? dgamma : (blockIdx.y == 1 ? dbeta : dbias);
   if (c >= hidden || out == nullptr) return;
   const float* src = ws + static_cast<int64_t>(blockIdx.y) * parts * hidden + c;
   float s = 0.f;
   for (int i = 0; i < parts; ++i) s += src[static_cast<int64_t>(i) * hidden];
-  out[c] = s;
+  out[c] = from_f<W>(s);
 }
 
 bool aligned16(const void* ptr) { return ptr == nullptr || (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
@@ -354,6 +359,15 @@ bool dispatch_layout(int64_t hidden, bool can_vectorize, F&& f) {
 
 }  // namespace
 
+// Calls f(W{}) with W the parameters' dtype: T when they are in x's dtype, else float.
+template <typename T, typename F>
+void dispatch_params(bool params_lp, F&& f) {
+  if (params_lp)
+    f(T{});
+  else
+    f(float{});
+}
+
 void ln_fwd_cuda(const LnFwdParams& p, DType t, void* stream) {
   const uint32_t threshold = keep_threshold(p.p);
   const float inv_keep = p.p < 1.f ? 1.f / (1.f - p.p) : 0.f;
@@ -362,19 +376,22 @@ void ln_fwd_cuda(const LnFwdParams& p, DType t, void* stream) {
   check_before_launch("ln_fwd_cuda");
   dispatch_cuda_dtype(t, "ln_fwd_cuda", [&](auto tv) {
     using T = decltype(tv);
-    bool done = false;
-    dispatch_layout<T>(p.hidden, can_vec, [&](auto vec_c, auto nv_c, int threads) {
-      const auto kernel = ln_fwd_kernel<T, decltype(vec_c)::value, decltype(nv_c)::value>;
-      if (threads > max_threads(kernel)) return;
-      BD_LAUNCH(kernel, "ln_fwd_kernel", static_cast<unsigned>(p.rows), threads, 0, s)(p, threshold, inv_keep);
-      check_launch("ln_fwd_kernel");
-      done = true;
+    dispatch_params<T>(p.params_lp, [&](auto wv) {
+      using W = decltype(wv);
+      bool done = false;
+      dispatch_layout<T>(p.hidden, can_vec, [&](auto vec_c, auto nv_c, int threads) {
+        const auto kernel = ln_fwd_kernel<T, W, decltype(vec_c)::value, decltype(nv_c)::value>;
+        if (threads > max_threads(kernel)) return;
+        BD_LAUNCH(kernel, "ln_fwd_kernel", static_cast<unsigned>(p.rows), threads, 0, s)(p, threshold, inv_keep);
+        check_launch("ln_fwd_kernel");
+        done = true;
+      });
+      if (done) return;
+      const auto kernel = ln_fwd_stream_kernel<T, W>;
+      BD_LAUNCH(kernel, "ln_fwd_stream_kernel", static_cast<unsigned>(p.rows), max_threads(kernel), 0, s)(
+          p, threshold, inv_keep);
+      check_launch("ln_fwd_stream_kernel");
     });
-    if (done) return;
-    const auto kernel = ln_fwd_stream_kernel<T>;
-    BD_LAUNCH(kernel, "ln_fwd_stream_kernel", static_cast<unsigned>(p.rows), max_threads(kernel), 0, s)(
-        p, threshold, inv_keep);
-    check_launch("ln_fwd_stream_kernel");
   });
 }
 
@@ -392,25 +409,29 @@ void ln_bwd_cuda(const LnBwdParams& p, DType t, float* workspace, int parts, voi
   check_before_launch("ln_bwd_cuda");
   dispatch_cuda_dtype(t, "ln_bwd_cuda", [&](auto tv) {
     using T = decltype(tv);
-    bool done = false;
-    dispatch_layout<T>(p.hidden, can_vec, [&](auto vec_c, auto nv_c, int threads) {
-      const auto kernel = ln_bwd_kernel<T, decltype(vec_c)::value, decltype(nv_c)::value>;
-      if (threads > max_threads(kernel)) return;
-      BD_LAUNCH(kernel, "ln_bwd_kernel", parts, threads, 0, s)(p, workspace, parts, threshold, inv_keep);
-      check_launch("ln_bwd_kernel");
-      done = true;
+    dispatch_params<T>(p.params_lp, [&](auto wv) {
+      using W = decltype(wv);
+      bool done = false;
+      dispatch_layout<T>(p.hidden, can_vec, [&](auto vec_c, auto nv_c, int threads) {
+        const auto kernel = ln_bwd_kernel<T, W, decltype(vec_c)::value, decltype(nv_c)::value>;
+        if (threads > max_threads(kernel)) return;
+        BD_LAUNCH(kernel, "ln_bwd_kernel", parts, threads, 0, s)(p, workspace, parts, threshold, inv_keep);
+        check_launch("ln_bwd_kernel");
+        done = true;
+      });
+      if (!done) {
+        const auto kernel = ln_bwd_stream_kernel<T, W>;
+        BD_LAUNCH(kernel, "ln_bwd_stream_kernel", parts, max_threads(kernel), 0, s)(p, workspace, parts, threshold,
+                                                                                      inv_keep);
+        check_launch("ln_bwd_stream_kernel");
+      }
+      dim3 grid(static_cast<unsigned>((p.hidden + 255) / 256), 3);
+      const auto sums = column_sum_kernel<W>;
+      BD_LAUNCH(sums, "column_sum_kernel", grid, 256, 0, s)(
+          workspace, parts, p.hidden, static_cast<W*>(p.dgamma), static_cast<W*>(p.dbeta), static_cast<W*>(p.dbias));
+      check_launch("column_sum_kernel");
     });
-    if (done) return;
-    const auto kernel = ln_bwd_stream_kernel<T>;
-    BD_LAUNCH(kernel, "ln_bwd_stream_kernel", parts, max_threads(kernel), 0, s)(p, workspace, parts, threshold,
-                                                                                  inv_keep);
-    check_launch("ln_bwd_stream_kernel");
   });
-  dim3 grid(static_cast<unsigned>((p.hidden + 255) / 256), 3);
-  BD_LAUNCH(column_sum_kernel, "column_sum_kernel", grid, 256, 0, s)(
-      workspace, parts, p.hidden, static_cast<float*>(p.dgamma), static_cast<float*>(p.dbeta),
-      static_cast<float*>(p.dbias));
-  check_launch("column_sum_kernel");
 }
 
 }  // namespace bertdist

@@ -35,7 +35,8 @@ struct DropoutRng {
 };
 
 // LN(residual + dropout(x + bias)); bias, residual and h may be null (plain LayerNorm).
-// x, residual, y and h share x's dtype; bias, gamma, beta, mean, rstd are acc.
+// x, residual, y and h share x's dtype; mean and rstd are acc; bias, gamma and beta are acc, or
+// x's dtype when params_lp (bf16/fp16 x with parameters of the same dtype: no cast per call).
 struct LnFwdParams {
   const void* x = nullptr;
   const void* bias = nullptr;
@@ -52,6 +53,7 @@ struct LnFwdParams {
   bool dropout = false;    // false: p and rng are ignored
   float p = 0.f;
   DropoutRng rng;
+  bool params_lp = false;  // bias, gamma, beta in x's dtype (else acc)
 };
 
 // Backward of the above. h is the saved pre-norm input (x itself for plain LN).
@@ -73,6 +75,7 @@ struct LnBwdParams {
   bool dropout = false;
   float p = 0.f;
   DropoutRng rng;
+  bool params_lp = false;     // gamma read, and dgamma/dbeta/dbias written, in h's dtype (else acc)
 };
 
 // A [batch, heads, seq, head_dim] view with unit stride on head_dim. For the varlen layout

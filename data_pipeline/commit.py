@@ -19,20 +19,20 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import logging
-import os
 from typing import Any
 
 from bertdist.config import to_dict
 from bertdist.data.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME
-from bertdist.data.records import record_schema
-from bertdist.data.vocab import special_token_ids, vocab_sha256
+from bertdist.data.records import DOCUMENT_LENGTHS, record_schema
 from bertdist.redaction import redact_args
 from data_pipeline.beam.metrics import NS
 from data_pipeline.beam.shards import parquet_writer_options, shard_name
+from data_pipeline.build_vocab import BuildVocab
 from data_pipeline.config import BuildConfig, source_label
 from data_pipeline.instance_batch import InstanceBatch
 from data_pipeline.negatives import BuildPlan
 from data_pipeline.output_dir import OutputDir
+from data_pipeline.packing import PackStats
 from data_pipeline.sources import DIRECTORY_SUFFIX, match_file_sizes
 
 log = logging.getLogger("data_pipeline")
@@ -82,7 +82,7 @@ def _write_empty_shard(path: str, vocab_size: int, cfg: BuildConfig) -> dict[str
     import pyarrow.parquet as pq
 
     buf = io.BytesIO()
-    table = InstanceBatch.empty("uint16" if vocab_size < 65536 else "uint32").to_arrow(vocab_size)
+    table = InstanceBatch.empty("uint16" if vocab_size < 65536 else "uint32", cfg.pack_documents).to_arrow(vocab_size)
     pq.write_table(table, buf, row_group_size=cfg.row_group_size,
                    **parquet_writer_options(table.schema, cfg.compression, cfg.parquet_encoding))
     data = buf.getvalue()
@@ -117,6 +117,8 @@ def read_report(out: OutputDir, report: str) -> tuple[BuildPlan | None, dict[str
             acc[k] += u[k]
         acc["max_window_reuse"] = max(acc["max_window_reuse"], u["max_window_reuse"])
         acc["units"] += 1
+        if "packing" in u:  # packed rows: the packing's own counts, reconciled in verify_packing
+            acc.setdefault("packing", PackStats()).add(PackStats(**u["packing"]))
     return plan, units
 
 
@@ -147,6 +149,28 @@ def verify(cfg: BuildConfig, runner: str, plan: BuildPlan | None, units: dict, r
     if sum(rows.values()) == 0:
         raise EmptyBuildError(f"{sum(plan.documents.values()):,} documents gave no instance at all ({where}). "
                               "Nothing was committed.")
+
+
+def verify_packing(cfg: BuildConfig, plan: BuildPlan, units: dict, shard_tokens: dict[str, int]) -> dict[str, Any]:
+    """Packed rows: every document token of the plan is in the rows, once, with two framing tokens
+    per piece, and the shards hold exactly the rows' tokens. Returns the manifest's per-split
+    packing counts; EmptyBuildError (nothing committed) when anything does not add up."""
+    out = {}
+    for split in ("train", "heldout"):
+        st = units[split].get("packing") or PackStats()
+        try:
+            st.check(cfg.max_seq_length)
+        except ValueError as e:
+            raise EmptyBuildError(f"{split}: {e}. Nothing was committed.") from None
+        if st.document_tokens != plan.tokens[split] or st.row_tokens != shard_tokens[split] or \
+                st.documents != plan.documents[split]:
+            raise EmptyBuildError(
+                f"{split}: the plan counted {plan.documents[split]:,} documents of {plan.tokens[split]:,} tokens; the "
+                f"packing took {st.documents:,} documents of {st.document_tokens:,} tokens into {st.row_tokens:,} row "
+                f"tokens; the shards hold {shard_tokens[split]:,} tokens: tokens were lost. Nothing was committed.")
+        out[split] = {**st.to_json(), "fill": round(st.row_tokens / (st.rows * cfg.max_seq_length), 4) if st.rows
+                      else None}
+    return out
 
 
 REMOVED_PAIRS_NAME = "dedup_removed_pairs.jsonl"
@@ -223,8 +247,8 @@ def _negatives(units: dict, split: str) -> dict[str, Any]:
             "max_window_reuse": u["max_window_reuse"], "same_document_fallbacks": u["same_document_fallbacks"]}
 
 
-def commit(cfg, out: OutputDir, staging: str, final: str, run_id: str, tokens, lowercase, counters, args,
-            wall, runner: str = "DirectRunner") -> dict[str, Any]:
+def commit(cfg, out: OutputDir, staging: str, final: str, run_id: str, vocab: BuildVocab, counters, args,
+           wall, runner: str = "DirectRunner") -> dict[str, Any]:
     """Verify the staged shards against the build's own reports, move them to ``final`` and write
     the manifest (the commit, step 2 above); returns the manifest. Raises EmptyBuildError, and
     commits nothing, when the output is empty or does not add up."""
@@ -246,6 +270,8 @@ def commit(cfg, out: OutputDir, staging: str, final: str, run_id: str, tokens, l
     rows = {s: sum(st["rows"] for *_, st in v if st) for s, v in shard_stats.items()}
     plan, units = read_report(out, f"{staging}/report")
     verify(cfg, runner, plan, units, rows, counters)
+    packing = (verify_packing(cfg, plan, units, {s: sum(st["tokens"] for *_, st in v if st) for s, v in shard_stats.items()})
+               if cfg.pack_documents else None)
     cleaning = cleaning_sections(cfg, out, staging, final, counters)
     for w in plan.warnings:
         log.warning("%s", w)
@@ -253,7 +279,7 @@ def commit(cfg, out: OutputDir, staging: str, final: str, run_id: str, tokens, l
         entries = []
         for name, shard, side, st in shard_stats[split]:
             if st is None:  # a tiny corpus: an empty, valid shard keeps N fixed
-                st = _write_empty_shard(shard, len(tokens), cfg)
+                st = _write_empty_shard(shard, vocab.size, cfg)
             else:
                 out.delete([side])
             for k in totals:
@@ -268,9 +294,11 @@ def commit(cfg, out: OutputDir, staging: str, final: str, run_id: str, tokens, l
     out.finish(staging, final)
     nsp_total = totals["instances"] if cfg.objective != "none" else 0
     known = counters is not None
+    schema = record_schema(vocab.size, cfg.pack_documents)
     manifest = {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        # a reader of version 1 would misread packed rows or a tokenizer.json: it refuses them
+        "format_version": FORMAT_VERSION if cfg.pack_documents or vocab.tokenizer is not None else 1,
         "run_id": run_id,
         "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "records": {
@@ -279,13 +307,15 @@ def commit(cfg, out: OutputDir, staging: str, final: str, run_id: str, tokens, l
             # readers that know only it
             "masking_mode": cfg.resolved_masking_mode, "whole_word_mask": cfg.resolved_masking_mode == "whole_word",
             "mask_replace_prob": cfg.mask_replace_prob, "random_replace_prob": cfg.random_replace_prob,
-            "masked_lm_prob": cfg.masked_lm_prob, "max_predictions_per_seq": cfg.max_predictions_per_seq,
-            "id_dtype": str(record_schema(len(tokens)).field("input_ids").type.value_type),
-            "columns": [f.name for f in record_schema(len(tokens))],
+            "masked_lm_prob": cfg.masked_lm_prob, "max_predictions_per_seq": cfg.resolved_max_predictions,
+            "id_dtype": str(schema.field("input_ids").type.value_type),
+            "columns": [f.name for f in schema],
+            **({"packing": {"documents": True, "column": DOCUMENT_LENGTHS, "framing": "[CLS] document [SEP]",
+                            "algorithm": "best_fit_decreasing", "group_tokens": cfg.pack_group_tokens,
+                            "attention": "within each document"}} if cfg.pack_documents else {}),
         },
-        "vocab": {"path": os.path.abspath(cfg.vocab), "sha256": vocab_sha256(cfg.vocab), "size": len(tokens),
-                  "lowercase": lowercase},
-        "special_token_ids": special_token_ids(tokens),
+        "vocab": vocab.manifest_vocab(),
+        "special_token_ids": dict(vocab.special),
         "seed": cfg.seed,
         "config": to_dict(cfg),
         "splits": splits,
@@ -299,6 +329,9 @@ def commit(cfg, out: OutputDir, staging: str, final: str, run_id: str, tokens, l
             **totals,
             "random_next_fraction": (totals["random_next"] / nsp_total) if nsp_total else None,
             "masked_fraction": (totals["masked_tokens"] / totals["tokens"]) if totals["tokens"] else None,
+            # packed rows, per split: documents and their tokens in; pieces, rows, tokens out (the
+            # document tokens + 2 per piece, checked against the plan and the shards) and padding
+            **({"packing": packing} if packing is not None else {}),
         },
         # NSP negatives: (document, start sentence) windows of the random-next rows (see data_pipeline.negatives)
         "negatives": ({"train": _negatives(units, "train"), "heldout": _negatives(units, "heldout"),

@@ -86,8 +86,12 @@ def source_label(i: int, src: InputConfig) -> str:
 class BuildConfig:
     inputs: list[InputConfig] = field(default_factory=list)
     output: str = ""
+    # a WordPiece vocab.txt (BERT's tokenizer, id = line number), or a Hugging Face tokenizer.json
+    # (any model: ModernBERT's BPE, ...; its special tokens are read from it and from a
+    # tokenizer_config.json beside it, see bertdist/data/tokenizer_file.py)
     vocab: str = ""
-    # None = infer from the vocab (a vocab with upper-case word pieces is cased)
+    # None = infer from the vocab (a vocab with upper-case word pieces is cased); a tokenizer.json's
+    # own normalizer decides, so it must stay None there
     lowercase: Optional[bool] = None
     seed: int = 12345
     # --- instances (google-research/bert create_pretraining_data.py semantics) ---
@@ -98,7 +102,9 @@ class BuildConfig:
     nsp_random_prob: float = 0.5
     masking: Literal["static", "dynamic"] = "static"
     masked_lm_prob: float = 0.15
-    max_predictions_per_seq: int = 20
+    # the most masked positions a row may have. None: ceil(masked_lm_prob x max_seq_length), so the
+    # rate holds at every length (20 at 0.15 x 128, BERT's; 2,458 at 0.30 x 8,192)
+    max_predictions_per_seq: Optional[int] = None
     # which positions are masked: "token" (BERT), "whole_word" (all pieces of a word together) or
     # "span" (SpanBERT: spans of whole words; bertdist/data/masking.py has the rules). None: from
     # whole_word_mask, the older setting (true is whole_word, false or unset token); both set and
@@ -118,6 +124,16 @@ class BuildConfig:
     # output) or the Python "reference"; "auto" takes native when it is built, "native" is an
     # error when it is not
     instance_builder: InstanceBuilder = "auto"
+    # --- packed rows (MLM only, for encoders that attend within each document: ModernBERT) ---
+    # true: whole documents, each framed [CLS] ... [SEP], packed greedily (best fit, longest
+    # first) into rows of max_seq_length tokens; a document longer than a row is cut into
+    # row-sized pieces. The rows record their documents' lengths (column document_lengths), the
+    # manifest records.packing. Needs objective: none, masking: dynamic and dupe_factor: 1;
+    # short_seq_prob is not used
+    pack_documents: bool = False
+    # documents are packed within groups of about this many tokens (fixed hash ranges of the
+    # corpus, the same on any runner and worker count); a larger group packs a little tighter
+    pack_group_tokens: int = 1 << 20
     # --- documents ---
     # defaults for every source (an input's own section replaces them for that input)
     quality: QualityConfig = field(default_factory=QualityConfig)
@@ -168,6 +184,15 @@ class BuildConfig:
             if d.enabled:
                 groups.setdefault(dedup_group_key(d), []).append(i)
         return list(groups.values())
+
+    @property
+    def resolved_max_predictions(self) -> int:
+        """max_predictions_per_seq, or ceil(masked_lm_prob x max_seq_length) when unset."""
+        from bertdist.data.masking import default_max_predictions
+
+        if self.max_predictions_per_seq is not None:
+            return self.max_predictions_per_seq
+        return default_max_predictions(self.masked_lm_prob, self.max_seq_length)
 
     @property
     def resolved_masking_mode(self) -> str:

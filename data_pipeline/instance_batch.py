@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from bertdist.data.records import record_schema
+from bertdist.data.records import DOCUMENT_LENGTHS, record_schema
 
 KEY_COLUMN = "_key"
 
@@ -62,15 +62,23 @@ class InstanceBatch:
     mpos: np.ndarray  # uint16, concatenated masked_lm_positions
     mids: np.ndarray  # id dtype, concatenated masked_lm_ids
     m_offsets: np.ndarray  # int64 [n + 1]
+    # packed rows only (None otherwise): the lengths of each row's documents, concatenated
+    doc_lens: np.ndarray | None = None  # uint16
+    doc_offsets: np.ndarray | None = None  # int64 [n + 1]
+
+    @property
+    def packed(self) -> bool:
+        return self.doc_lens is not None
 
     def __len__(self) -> int:
         return int(self.keys.shape[0])
 
     @staticmethod
-    def empty(id_dtype) -> "InstanceBatch":
+    def empty(id_dtype, packed: bool = False) -> "InstanceBatch":
         z = np.zeros(1, np.int64)
         return InstanceBatch(np.empty(0, np.uint64), np.empty(0, id_dtype), z, np.empty(0, np.uint16),
-                             np.empty(0, np.int8), np.empty(0, np.uint16), np.empty(0, id_dtype), z.copy())
+                             np.empty(0, np.int8), np.empty(0, np.uint16), np.empty(0, id_dtype), z.copy(),
+                             *((np.empty(0, np.uint16), z.copy()) if packed else ()))
 
     @staticmethod
     def concat(batches: list["InstanceBatch"]) -> "InstanceBatch":
@@ -95,6 +103,8 @@ class InstanceBatch:
             mpos=np.concatenate([b.mpos for b in batches]),
             mids=np.concatenate([b.mids for b in batches]),
             m_offsets=offsets([b.m_offsets for b in batches]),
+            **({"doc_lens": np.concatenate([b.doc_lens for b in batches]),
+                "doc_offsets": offsets([b.doc_offsets for b in batches])} if batches[0].packed else {}),
         )
 
     def take(self, rows: np.ndarray) -> "InstanceBatch":
@@ -103,13 +113,18 @@ class InstanceBatch:
         ids, io = gather_ragged(self.ids, self.ids_offsets, rows)
         mp, mo = gather_ragged(self.mpos, self.m_offsets, rows)
         mi, _ = gather_ragged(self.mids, self.m_offsets, rows)
-        return InstanceBatch(self.keys[rows], ids, io, self.num_a[rows], self.nsp[rows], mp, mi, mo)
+        docs = gather_ragged(self.doc_lens, self.doc_offsets, rows) if self.packed else ()
+        return InstanceBatch(self.keys[rows], ids, io, self.num_a[rows], self.nsp[rows], mp, mi, mo, *docs)
 
     def slice(self, lo: int, hi: int) -> "InstanceBatch":
         """Rows ``lo:hi`` (views, offsets rebased): what ``take(arange(lo, hi))`` gives, no gather."""
         io, mo = self.ids_offsets[lo:hi + 1], self.m_offsets[lo:hi + 1]
+        docs = ()
+        if self.packed:
+            do = self.doc_offsets[lo:hi + 1]
+            docs = (self.doc_lens[do[0]:do[-1]], do - do[0])
         return InstanceBatch(self.keys[lo:hi], self.ids[io[0]:io[-1]], io - io[0], self.num_a[lo:hi], self.nsp[lo:hi],
-                             self.mpos[mo[0]:mo[-1]], self.mids[mo[0]:mo[-1]], mo - mo[0])
+                             self.mpos[mo[0]:mo[-1]], self.mids[mo[0]:mo[-1]], mo - mo[0], *docs)
 
     def sorted_by_key(self) -> "InstanceBatch":
         return self.take(np.argsort(self.keys, kind="stable"))
@@ -120,9 +135,13 @@ class InstanceBatch:
     def num_masked(self) -> int:
         return int(self.m_offsets[-1])
 
+    def num_documents(self) -> int:
+        """Document pieces in the rows (packed rows; else one per row)."""
+        return int(self.doc_offsets[-1]) if self.packed else len(self)
+
     def to_arrow(self, vocab_size: int, *, with_keys: bool = False) -> pa.Table:
         """The record columns; ``with_keys`` adds the row keys (for spill files, not for shards)."""
-        schema = record_schema(vocab_size)
+        schema = record_schema(vocab_size, self.packed)
         id_type = schema.field("input_ids").type.value_type
 
         def lst(values, offs, typ):
@@ -134,6 +153,7 @@ class InstanceBatch:
             pa.array(self.nsp, type=pa.int8()),
             lst(self.mpos, self.m_offsets, pa.uint16()),
             lst(self.mids, self.m_offsets, id_type),
+            *([lst(self.doc_lens, self.doc_offsets, pa.uint16())] if self.packed else []),
         ], schema=schema)
         return table.append_column(KEY_COLUMN, pa.array(self.keys, type=pa.uint64())) if with_keys else table
 
@@ -146,5 +166,6 @@ class InstanceBatch:
         ids, io = lst("input_ids")
         mp, mo = lst("masked_lm_positions")
         mi, _ = lst("masked_lm_ids")
+        docs = lst(DOCUMENT_LENGTHS) if DOCUMENT_LENGTHS in table.column_names else ()
         return InstanceBatch(table.column(KEY_COLUMN).to_numpy(), ids, io, table.column("num_a_tokens").to_numpy(),
-                             table.column("next_sentence_label").to_numpy(), mp, mi, mo)
+                             table.column("next_sentence_label").to_numpy(), mp, mi, mo, *docs)

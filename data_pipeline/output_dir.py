@@ -57,9 +57,17 @@ class OutputDir:
         if self.local:
             os.makedirs(folder)
         self.write_bytes(FileSystems.join(folder, MARKER), run_id.encode())
-        path = FileSystems.join(folder, "vocab.txt")
+        # a tokenizer.json keeps its name (the file's kind) and the tokenizer_config.json beside it,
+        # which may name its special tokens
+        from bertdist.data.tokenizer_file import TOKENIZER_CONFIG_NAME, is_tokenizer_json
+
+        path = FileSystems.join(folder, "tokenizer.json" if is_tokenizer_json(vocab) else "vocab.txt")
         with open(vocab, "rb") as f:
             self.write_bytes(path, f.read())
+        config = os.path.join(os.path.dirname(os.path.abspath(vocab)), TOKENIZER_CONFIG_NAME)
+        if is_tokenizer_json(vocab) and os.path.isfile(config):
+            with open(config, "rb") as f:
+                self.write_bytes(FileSystems.join(folder, TOKENIZER_CONFIG_NAME), f.read())
         return path
 
     # ---- files the driver reads and writes at commit time (small) ----

@@ -16,14 +16,14 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from bertdist.config import from_dict, to_dict
 from bertdist.data.manifest import MANIFEST_NAME
-from bertdist.data.vocab import load_vocab, special_token_ids
+from bertdist.data.masking import default_max_predictions
 from bertdist.redaction import redact_args
+from data_pipeline.build_vocab import BuildVocab
 from data_pipeline.config import BuildConfig, InputConfig, source_label
 from data_pipeline.instance_algorithm import InstanceParams, expected_instances
 from data_pipeline.instance_native import choose_builder
 from data_pipeline.negatives import slot_bits
 from data_pipeline.output_dir import OutputDir
-from data_pipeline.tokenization import vocab_is_cased
 from data_pipeline.beam.instance_transform import CreateInstances
 from data_pipeline.beam.dedup import Deduplicate
 from data_pipeline.beam.filters import FilterQuality
@@ -86,15 +86,18 @@ def with_build_defaults(args: Sequence[str]) -> list[str]:
     return args if NO_TYPE_CHECK in args else [*args, NO_TYPE_CHECK]
 
 
-def instance_params(cfg: BuildConfig, tokens: list[str]) -> InstanceParams:
-    sp = special_token_ids(tokens)
+def instance_params(cfg: BuildConfig, vocab: BuildVocab | list[str]) -> InstanceParams:
+    """``vocab``: the build's vocabulary (a vocab.txt's tokens will do)."""
+    if not isinstance(vocab, BuildVocab):
+        vocab = BuildVocab.from_tokens(vocab)
+    sp = vocab.special
     return InstanceParams(
         max_seq_length=cfg.max_seq_length, short_seq_prob=cfg.short_seq_prob, objective=cfg.objective,
         nsp_random_prob=cfg.nsp_random_prob, masking=cfg.masking, masked_lm_prob=cfg.masked_lm_prob,
-        max_predictions_per_seq=cfg.max_predictions_per_seq,
+        max_predictions_per_seq=cfg.resolved_max_predictions,
         whole_word_mask=cfg.resolved_masking_mode == "whole_word", masking_mode=cfg.resolved_masking_mode,
         mask_replace_prob=cfg.mask_replace_prob, random_replace_prob=cfg.random_replace_prob,
-        cls_id=sp["cls"], sep_id=sp["sep"], mask_id=sp["mask"], vocab_size=len(tokens),
+        cls_id=sp["cls"], sep_id=sp["sep"], mask_id=sp["mask"], vocab_size=vocab.size,
     )
 
 
@@ -115,10 +118,46 @@ def validate(cfg: BuildConfig) -> None:
         raise ConfigError("these must be >= 1: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
     if not 0.0 <= cfg.heldout_fraction < 1.0:
         raise ConfigError(f"heldout_fraction {cfg.heldout_fraction} must be in [0, 1)")
+    if cfg.max_predictions_per_seq is not None and cfg.max_predictions_per_seq < 0:
+        raise ConfigError(f"max_predictions_per_seq {cfg.max_predictions_per_seq} must be >= 0 (or unset: "
+                          f"ceil(masked_lm_prob x max_seq_length) = "
+                          f"{default_max_predictions(cfg.masked_lm_prob, cfg.max_seq_length)})")
+    if cfg.pack_documents:
+        validate_packing(cfg)
+    validate_vocab(cfg)
     if cfg.heldout_min_documents < 0:
         raise ConfigError(f"heldout_min_documents {cfg.heldout_min_documents} must be >= 0")
     if not 0.0 <= cfg.heldout_floor_max_fraction <= 1.0:
         raise ConfigError(f"heldout_floor_max_fraction {cfg.heldout_floor_max_fraction} must be in [0, 1]")
+
+
+def validate_packing(cfg: BuildConfig) -> None:
+    from bertdist.config import ConfigError
+
+    wrong = {k: v for k, v in (("objective", cfg.objective), ("masking", cfg.masking), ("dupe_factor", cfg.dupe_factor))
+             if v != {"objective": "none", "masking": "dynamic", "dupe_factor": 1}[k]}
+    if wrong:
+        raise ConfigError(f"pack_documents: true builds MLM-only rows masked by the trainer's loader, so it needs "
+                          f"objective: none, masking: dynamic and dupe_factor: 1 (train more epochs instead of dupes); "
+                          f"got {', '.join(f'{k}: {v}' for k, v in wrong.items())}")
+    if cfg.pack_group_tokens < cfg.max_seq_length:
+        raise ConfigError(f"pack_group_tokens {cfg.pack_group_tokens} must be at least max_seq_length "
+                          f"{cfg.max_seq_length} (a group packs many rows' worth of documents)")
+
+
+def validate_vocab(cfg: BuildConfig) -> None:
+    """A tokenizer.json must name its five special tokens, leave the case to its normalizer, and
+    mark word pieces for whole-word or span masking (``bertdist.data.tokenizer_file``)."""
+    from bertdist.config import ConfigError
+    from bertdist.data.tokenizer_file import is_tokenizer_json, load_tokenizer_file, require_continuation
+
+    if not is_tokenizer_json(cfg.vocab):
+        return
+    tf = load_tokenizer_file(cfg.vocab)
+    if cfg.lowercase is not None:
+        raise ConfigError(f"lowercase: {cfg.lowercase} with the tokenizer {cfg.vocab}: a tokenizer.json's own "
+                          "normalizer decides the case; leave lowercase unset")
+    require_continuation(tf, cfg.resolved_masking_mode)
 
 
 TOKENS_PER_TEXT_BYTE = 0.24  # WordPiece tokens per byte of English prose (about 1.3 per 5.5-byte word)
@@ -152,7 +191,7 @@ def work_units(options: PipelineOptions) -> int:
     return 32
 
 
-def build_pipeline(p: beam.Pipeline, cfg: BuildConfig, staging: str, tokens: list[str], lowercase: bool) -> None:
+def build_pipeline(p: beam.Pipeline, cfg: BuildConfig, staging: str, vocab: BuildVocab) -> None:
     docs = deduplicate([read_source(p, i, src, cfg, f"{staging}/report") for i, src in enumerate(cfg.inputs)],
                        cfg, f"{staging}/report")
     docs = [d | f"Lines{i}" >> SplitLines() if src.kind == "text" else d | f"Sentences{i}" >> SplitSentences()
@@ -160,22 +199,22 @@ def build_pipeline(p: beam.Pipeline, cfg: BuildConfig, staging: str, tokens: lis
     sentences = docs[0] if len(docs) == 1 else tuple(docs) | "AllSources" >> beam.Flatten()
     min_sents = cfg.min_sentences if cfg.objective != "none" else 1
     tokenized = sentences | "Tokenize" >> Tokenize(
-        cfg.vocab, lowercase, min_sentences=min_sents, max_document_sentences=cfg.max_document_sentences,
+        cfg.vocab, vocab.lowercase, min_sentences=min_sents, max_document_sentences=cfg.max_document_sentences,
         max_sentence_chars=cfg.max_sentence_chars)
     frac = cfg.heldout_fraction
     rows = expected_rows(cfg)
     # one branch for both splits, keyed by split: a document's split comes from a hash of its id
     built = tokenized | "Instances" >> CreateInstances(
-        instance_params(cfg, tokens), seed=cfg.seed, dupe_factor=cfg.dupe_factor, vocab_path=cfg.vocab,
+        instance_params(cfg, vocab), seed=cfg.seed, dupe_factor=cfg.dupe_factor, vocab_path=cfg.vocab,
         scratch_dir=f"{staging}/docs", report_dir=f"{staging}/report", heldout_fraction=frac,
         heldout_min_documents=cfg.heldout_min_documents, heldout_floor_max_fraction=cfg.heldout_floor_max_fraction,
         bucket_tokens=cfg.nsp_bucket_tokens,
         slot_bits=slot_bits(expected_tokens(cfg), cfg.nsp_bucket_tokens), target_units=work_units(p.options),
-        builder=cfg.instance_builder)
+        builder=cfg.instance_builder, pack_group_tokens=cfg.pack_group_tokens if cfg.pack_documents else None)
     built["instances"] | "Write" >> WriteShards(
         staging, {"train": SplitShards(cfg.num_shards, round(rows * (1 - frac))),
                   "heldout": SplitShards(cfg.heldout_num_shards, round(rows * frac))},
-        len(tokens), cfg.row_group_size, cfg.compression, rows_per_bucket=cfg.shuffle_bucket_rows,
+        vocab.size, cfg.row_group_size, cfg.compression, rows_per_bucket=cfg.shuffle_bucket_rows,
         spill_rows=cfg.shuffle_spill_rows, encoding=cfg.parquet_encoding, expected_rows=built["expected_rows"])
 
 
@@ -214,8 +253,7 @@ def run(cfg: BuildConfig, pipeline_args: Sequence[str] | None = None) -> dict[st
     """
     validate(cfg)
     t0 = time.time()
-    tokens = load_vocab(cfg.vocab)
-    lowercase = cfg.lowercase if cfg.lowercase is not None else not vocab_is_cased(tokens)
+    vocab = BuildVocab.load(cfg.vocab, cfg.lowercase)
     out = OutputDir(cfg.output)
     run_id = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
     # an impossible instance_builder=native fails here, before any work, not on every worker
@@ -230,11 +268,11 @@ def run(cfg: BuildConfig, pipeline_args: Sequence[str] | None = None) -> dict[st
         log.info("data build: %d input(s) -> %s (run %s), Beam args %s", len(cfg.inputs), out.url, run_id,
                  redact_args(args))
         p = beam.Pipeline(runner=local_runner(options), options=options)
-        build_pipeline(p, worker_cfg, staging, tokens, lowercase)
+        build_pipeline(p, worker_cfg, staging, vocab)
         result = p.run()
         result.wait_until_finish()
         counters = query_counters(result)
-        return commit(cfg, out, staging, final, run_id, tokens, lowercase, counters, args, time.time() - t0,
+        return commit(cfg, out, staging, final, run_id, vocab, counters, args, time.time() - t0,
                       runner=runner_name(options))
     except BaseException:
         # A failed build leaves nothing of its own behind (a killed process cannot clean up:

@@ -1,4 +1,5 @@
-"""WordPiece tokenization with HF ``tokenizers`` (Rust), id-exact with BERT's reference tokenizer.
+"""WordPiece tokenization with HF ``tokenizers`` (Rust), id-exact with BERT's reference tokenizer;
+any Hugging Face ``tokenizer.json`` through :class:`TokenizerJsonEncoder` (:func:`load_encoder` picks).
 
 :func:`load_tokenizer` builds the same pipeline as BERT's ``BasicTokenizer`` + ``WordpieceTokenizer``
 (clean text, CJK spacing, optional lower-casing + accent stripping, punctuation split, greedy
@@ -11,6 +12,7 @@ import os
 import re
 from typing import Iterable
 
+import numpy as np
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from bertdist.data.vocab import SPECIAL_TOKENS, load_vocab
@@ -85,3 +87,46 @@ def train_vocab(
         f.write("\n".join(tokens) + "\n")
     os.replace(tmp, out_path)
     return tokens
+
+
+class TokenizerJsonEncoder:
+    """Documents through any Hugging Face ``tokenizer.json`` (BPE, WordPiece, Unigram ...): the
+    same ``encode_document`` as :class:`data_pipeline.wordpiece.WordPieceEncoder`.
+
+    Each sentence after the first is encoded with the space that separated it from the one before
+    (the splitter took it off): a byte-level BPE such as ModernBERT's encodes a word differently at
+    the start of a text ("How") than after a space ("ĠHow"), and inside a document it comes after
+    one. A tokenizer whose normalizer or pre-tokenizer drops leading spaces is unaffected. Special
+    tokens written in the text ("[SEP]") are recognised as the tokenizer's added tokens are."""
+
+    native_reason = "Hugging Face tokenizer.json (the tokenizers library)"
+
+    def __init__(self, path: str):
+        from bertdist.data.vocab import _read_bytes
+
+        self.tok = Tokenizer.from_str(_read_bytes(path).decode("utf-8"))
+        self.tok.no_truncation()
+        self.tok.no_padding()
+        size = max(self.tok.get_vocab(with_added_tokens=True).values()) + 1  # as TokenizerFile.size
+        self.dtype = np.uint16 if size < 65536 else np.uint32
+
+    def encode_document(self, sentences: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        texts = [s if i == 0 else " " + s for i, s in enumerate(sentences)]
+        encs = self.tok.encode_batch_fast(texts, add_special_tokens=False)
+        arrays = [a for a in (np.asarray(e.ids, dtype=self.dtype) for e in encs) if a.shape[0]]
+        bounds = np.zeros(len(arrays) + 1, np.int64)
+        np.cumsum([a.shape[0] for a in arrays], out=bounds[1:])
+        return (np.concatenate(arrays) if arrays else np.zeros(0, self.dtype)), bounds
+
+
+def load_encoder(vocab_path: str, lowercase: bool | None):
+    """The document encoder for a build's vocab: WordPiece for a ``vocab.txt``, the tokenizer
+    itself for a ``tokenizer.json`` (its own normalizer decides the case)."""
+    from bertdist.data.tokenizer_file import is_tokenizer_json
+
+    if is_tokenizer_json(vocab_path):
+        return TokenizerJsonEncoder(vocab_path)
+    from data_pipeline.wordpiece import WordPieceEncoder
+
+    tok, lowercase = load_tokenizer(vocab_path, lowercase)
+    return WordPieceEncoder(tok, lowercase)

@@ -96,6 +96,26 @@ def no_process_left_behind():
         pytest.fail("the test left processes running (killed now):\n  " + "\n  ".join(names))
 
 
+@pytest.fixture(autouse=True)
+def torch_linear_restored():
+    """DeepSpeed's ZeRO-3 engine replaces ``torch.nn.functional.linear`` for the whole process (its
+    ``zero3_linear_wrap``) and never puts it back. A `bertdist pretrain` process builds one engine;
+    a test process builds many, so the original is restored after each test, or a ZeRO-3 test
+    would change what every later test's linear layers run."""
+    import sys
+
+    functional = sys.modules.get("torch.nn.functional")
+    original = functional.linear if functional is not None else None
+    yield
+    functional = sys.modules.get("torch.nn.functional")
+    if functional is None:
+        return
+    if original is None:  # torch came in during this test: its linear is the C++ one, if not wrapped
+        wrapped = getattr(functional.linear, "__module__", "").startswith("deepspeed")
+        original = getattr(sys.modules["torch"]._C._nn, "linear") if wrapped else functional.linear
+    functional.linear = original
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """Path to ../shared/data; tests using it must also carry @pytest.mark.shared."""
@@ -120,6 +140,62 @@ def small_vocab(tmp_path_factory) -> Path:
     train_vocab(iter_sentences([InputConfig(kind="books", path=str(SAMPLES / "books"))]), out,
                 vocab_size=3000, lowercase=True)
     return out
+
+
+def train_bpe_tokenizer(out: Path, text_file: Path, vocab_size: int = 2000, *, specials_first: bool = False) -> Path:
+    """A small byte-level BPE ``tokenizer.json`` trained on ``text_file``, laid out as ModernBERT's:
+    the BPE vocabulary, then [UNK] [CLS] [SEP] [PAD] [MASK] as added special tokens, and a
+    TemplateProcessing post-processor "[CLS] $A [SEP]"; no tokenizer_config.json. ``specials_first``
+    puts the special tokens at ids 0-4 instead."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    specials = ["[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                  special_tokens=specials if specials_first else [],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(text_file.read_text(encoding="utf-8").splitlines(), trainer=trainer)
+    tok.add_special_tokens(specials)
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
+        special_tokens=[(t, tok.token_to_id(t)) for t in ("[CLS]", "[SEP]")])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out))
+    return out
+
+
+@pytest.fixture(scope="session")
+def small_bpe_tokenizer(tmp_path_factory) -> Path:
+    """A 2,000-token byte-level BPE tokenizer.json trained on Macbeth (ModernBERT's layout)."""
+    return train_bpe_tokenizer(tmp_path_factory.mktemp("bpe") / "tokenizer.json",
+                               SAMPLES / "books" / "shakespeare-macbeth.txt")
+
+
+@pytest.fixture(scope="session")
+def packed_records(tmp_path_factory, small_bpe_tokenizer) -> Path:
+    """ModernBERT-style records: the bundled wiki sample, Macbeth and Persuasion cut into short
+    documents (80-600 words: many share a row) through the BPE tokenizer.json, packed into
+    1,024-token rows, unmasked (30% dynamic masking)."""
+    import json
+    import random
+
+    from data_pipeline import build_records
+
+    folder = tmp_path_factory.mktemp("packed")
+    words = (SAMPLES / "books" / "austen-persuasion.txt").read_text(encoding="utf-8").split()
+    rng, docs, i = random.Random(0), [], 0
+    while i < len(words):
+        n = rng.randint(80, 600)
+        docs.append({"id": f"persuasion-{len(docs)}", "text": " ".join(words[i:i + n])})
+        i += n
+    (folder / "short.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    return build_records([f"wiki:{SAMPLES / 'wiki'}", f"books:{SAMPLES / 'books' / 'shakespeare-macbeth.txt'}",
+                          f"jsonl:{folder / 'short.jsonl'}"],
+                         folder / "records", small_bpe_tokenizer, max_seq_length=1024, objective="none", masking="dynamic",
+                         masked_lm_prob=0.3, dupe_factor=1, pack_documents=True, num_shards=2,
+                         pack_group_tokens=20_000, dedup={"enabled": False})
 
 
 @pytest.fixture(scope="session")

@@ -64,6 +64,12 @@ def build_report(manifest: dict) -> list[str]:
                      f"{h['fraction']}, at least {h['min_documents']} documents)")
     else:
         lines.append("  held-out: none (heldout_fraction 0)")
+    for split, pk in (c.get("packing") or {}).items():
+        fill = "" if pk["fill"] is None else f", {pk['fill']:.1%} full"
+        lines.append(f"  packed {split:<8} {pk['documents']:,} documents ({pk['split_documents']:,} longer than a row, "
+                     f"cut) in {pk['pieces']:,} pieces -> {pk['rows']:,} rows of "
+                     f"{manifest['records']['max_seq_length']:,}{fill}; {pk['document_tokens']:,} document tokens + "
+                     f"2 a piece = {pk['row_tokens']:,}")
     neg = manifest.get("negatives")
     if neg:
         lines.append(f"  NSP negatives, (document, start sentence) windows ({neg['buckets']['train']} train + "
@@ -92,6 +98,8 @@ def run_vocab(args) -> int:
     from data_pipeline.vocab_corpus import iter_sentences
 
     _setup_logging()
+    if args.existing and args.existing.endswith(".json"):
+        return _existing_tokenizer(args.existing, args.output)
     if args.existing:
         from bertdist.data.vocab import load_vocab, special_token_ids, vocab_sha256
 
@@ -120,6 +128,32 @@ def run_vocab(args) -> int:
     if skipped:
         print(f"vocab: skipped {len(skipped):,} file(s) that could not be read or decoded: "
               + ", ".join(skipped[:10]) + (" ..." if len(skipped) > 10 else ""))
+    return 0
+
+
+def _existing_tokenizer(existing: str, output: str) -> int:
+    """``--existing tokenizer.json``: read it as a build would (special tokens, size, word marks),
+    then copy it, with the tokenizer_config.json beside it, to ``output``."""
+    import shutil
+
+    from bertdist.config import ConfigError
+    from bertdist.data.tokenizer_file import TOKENIZER_CONFIG_NAME, load_tokenizer_file
+    from bertdist.data.vocab import vocab_sha256
+
+    try:
+        tf = load_tokenizer_file(existing)
+    except ConfigError as e:
+        print(f"bertdist data vocab: {e}", file=sys.stderr)
+        return 2
+    if os.path.abspath(existing) != os.path.abspath(output):
+        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+        shutil.copyfile(existing, output)
+        config = os.path.join(os.path.dirname(os.path.abspath(existing)), TOKENIZER_CONFIG_NAME)
+        if os.path.isfile(config):
+            shutil.copyfile(config, os.path.join(os.path.dirname(os.path.abspath(output)), TOKENIZER_CONFIG_NAME))
+    words = "yes ('##'-style pieces)" if tf.continuation is not None else "no (token masking only)"
+    print(f"tokenizer: {tf.model_type}, {tf.size:,} ids from {existing} -> {output} (sha256 {vocab_sha256(output)}); "
+          f"special tokens {tf.special}; word boundaries for whole-word masking: {words}")
     return 0
 
 
@@ -167,7 +201,7 @@ def register(sub) -> None:
     b.add_argument("--input", action="append", default=[], metavar="[KIND:]PATH",
                    help="repeatable; KIND in wiki|books|text|jsonl, guessed from the path when omitted")
     b.add_argument("--output", help="output directory (manifest.json + shards)")
-    b.add_argument("--vocab", help="vocab.txt (BERT WordPiece)")
+    b.add_argument("--vocab", help="vocab.txt (BERT WordPiece) or a Hugging Face tokenizer.json")
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a BuildConfig field, e.g. --set max_seq_length=512")
     b.set_defaults(func=None, _data_build=True, fast_exit=True)  # see cli.main: skips 0.3 s of teardown
@@ -179,7 +213,8 @@ def register(sub) -> None:
     v.add_argument("--size", type=int, default=30522)
     v.add_argument("--cased", action="store_true", help="keep case and accents (default: uncased)")
     v.add_argument("--min-frequency", type=int, default=2)
-    v.add_argument("--existing", help="use this vocab.txt instead of training (checked, then copied)")
+    v.add_argument("--existing", help="use this vocab.txt or Hugging Face tokenizer.json instead of training (checked, "
+                   "then copied)")
     v.set_defaults(func=run_vocab)
 
     r = dsub.add_parser("squad-retrieval", help="SQuAD v1.1 JSON -> retrieval train/dev JSONL, a corpus and queries, "

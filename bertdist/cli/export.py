@@ -3,7 +3,6 @@ from __future__ import annotations
 
 
 def run(args) -> int:
-    from bertdist.export import write_hf_dir
     from bertdist.export.sources import load_pretrained, write_torch_dir
     from bertdist.export.hf import ExportError
     from bertdist.export.safe_load import trust_checkpoints
@@ -24,10 +23,18 @@ def run(args) -> int:
         out = write_torch_dir(args.out, w)
         print(f"wrote {out} (bertdist torch format)")
         return 0
-    from bertdist.model.modernbert_config import ModernBertConfig
+    from bertdist.model.families import family_of
 
-    if isinstance(w.config, ModernBertConfig):
-        return export_modernbert(args, w)
+    return family_of(w.config).export(args, w)  # the family's HF directory (bertdist/model/families.py)
+
+
+def export_bert(args, w) -> int:
+    """A BERT as ``BertForPreTraining``, an ELECTRA as ``ElectraForPreTraining`` (its generator in
+    generator/), with the WordPiece vocab and tokenizer files."""
+    from bertdist.export import write_hf_dir
+    from bertdist.export.hf import ExportError
+    from bertdist.model.families import family_of
+
     if w.vocab_file is None:
         print("bertdist export: the checkpoint does not name its vocab file; pass --vocab FILE")
         return 2
@@ -36,12 +43,9 @@ def run(args) -> int:
     except ExportError as e:
         print(f"bertdist export: {e}")
         return 2
-    from bertdist.model.config import ElectraConfig
-
-    electra = isinstance(w.config, ElectraConfig)
-    what = ("ElectraForPreTraining (the discriminator; the generator, ElectraForMaskedLM, in generator/)" if electra
-            else "BertForPreTraining")
-    print(f"wrote {out}: config.json, model.safetensors ({what}), vocab.txt, tokenizer files "
+    family = family_of(w.config)
+    electra = family.name == "electra"
+    print(f"wrote {out}: config.json, model.safetensors ({family.hf_architecture}), vocab.txt, tokenizer files "
           f"({'uncased' if w.do_lower_case else 'cased'})")
     if not args.no_verify:
         from bertdist.export.verify import max_logit_diff

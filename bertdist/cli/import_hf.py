@@ -27,10 +27,17 @@ def run(args) -> int:
     except (ExportError, FileNotFoundError) as e:
         print(f"bertdist import-hf: {e}")
         return 2
-    from bertdist.model.modernbert_config import ModernBertConfig
+    from bertdist.model.families import family_of
 
-    if isinstance(w.config, ModernBertConfig):
-        return import_modernbert(args, w)
+    return family_of(w.config).import_(args, w)  # the family's import (bertdist/model/families.py)
+
+
+def import_bert(args, w) -> int:
+    """An HF BERT or ELECTRA, checked against transformers, as a trainer init checkpoint or torch dir."""
+    from bertdist.export.hf import ExportError
+    from bertdist.export.sources import write_torch_dir
+    from bertdist.model import ElectraConfig
+
     fresh = w.origin.get("newly_initialised") or []
     electra = isinstance(w.config, ElectraConfig)
     if not args.no_verify:
@@ -83,26 +90,43 @@ def run(args) -> int:
 
 
 def import_modernbert(args, w) -> int:
-    """A ``ModernBertForMaskedLM`` directory -> our torch format (the trainer does not take ModernBERT yet)."""
+    """A ``ModernBertForMaskedLM`` directory, checked against transformers (padded and packed), as a
+    trainer init checkpoint (continued pretraining: checkpoint.init_from) or our torch format."""
     from bertdist.cli.export import verify_modernbert
+    from bertdist.export.hf import ExportError
     from bertdist.export.sources import write_torch_dir
 
-    if args.format != "torch":
-        print("bertdist import-hf: a ModernBERT model imports with --format torch (its weights, config and "
-              "tokenizer files, which bertdist export reads); the trainer does not start from ModernBERT yet")
-        return 2
     if not args.no_verify and verify_modernbert(args.hf_dir, w, "bertdist import-hf"):
         return 1
-    out = write_torch_dir(args.out, w)
+    try:
+        if args.format == "torch":
+            out = write_torch_dir(args.out, w)
+        else:
+            from bertdist.export.trainer_init import write_trainer_init
+
+            out = write_trainer_init(args.out, w, str(args.hf_dir))
+    except ExportError as e:
+        print(f"bertdist import-hf: {e}")
+        return 2
     c = w.config
     print(f"wrote {out}: ModernBERT L={c.num_hidden_layers} H={c.hidden_size} A={c.num_attention_heads} "
           f"vocab={c.vocab_size} context={c.max_position_embeddings} window={c.local_attention} "
           f"(global every {c.global_attn_every_n_layers} layers)")
+    if args.format == "deepspeed":
+        keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                "max_position_embeddings", "global_attn_every_n_layers", "local_attention", "global_rope_theta",
+                "local_rope_theta", "pad_token_id", "cls_token_id", "sep_token_id", "bos_token_id", "eos_token_id")
+        print("continue pretraining: bertdist pretrain CONFIG "
+              f"checkpoint.init_from={out} checkpoint.init_load_optimizer=false model.model_type=modernbert "
+              "model.preset=custom " + " ".join(f"model.{k}={getattr(c, k)}" for k in keys)
+              + " (records must be built with the model's tokenizer; a new phase may change "
+                "max_position_embeddings and global_rope_theta)")
     return 0
 
 
 def register(sub) -> None:
-    p = sub.add_parser("import-hf", help="turn a Hugging Face BERT or ELECTRA directory into a bertdist init checkpoint")
+    p = sub.add_parser("import-hf", help="turn a Hugging Face BERT, ELECTRA or ModernBERT directory into a bertdist "
+                                         "init checkpoint")
     p.add_argument("hf_dir", help="directory with config.json, model.safetensors (or pytorch_model.bin), vocab.txt; "
                                   "ELECTRA: the discriminator's, with the generator's in generator/")
     p.add_argument("--out", required=True)

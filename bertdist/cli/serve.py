@@ -147,7 +147,7 @@ def _serve(app, sock, limits) -> int:
     # httptools (C parser) with the head deadline, head size bound and connection cap uvicorn lacks;
     # uvicorn's own keep-alive timeout closes idle connections between requests.
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                            http=guarded_protocol(limits), loop="auto",
+                            http=guarded_protocol(limits), loop="auto", proxy_headers=False,
                             timeout_graceful_shutdown=state.settings.grace_seconds, timeout_keep_alive=5)
     server = Server(config)
     stopped_by = []

@@ -20,7 +20,7 @@ import tokenize
 import typing
 from typing import Any
 
-from bertdist.config.schema import _strip_optional
+from bertdist.config.schema import _strip_optional, dataclass_members
 
 # (title, schema class as "module:Class", where its instances live, how a key is set)
 SCHEMAS = (
@@ -121,6 +121,8 @@ def rows(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
         if dataclasses.is_dataclass(tp):
             out.extend(rows(tp, f"{prefix}{f.name}."))
             continue
+        if len(dataclass_members(tp)) > 1:  # a union of sections: each has its own table
+            continue
         out.append((f"{prefix}{f.name}", type_name(tp), default_text(default_of(f)), comments.get(f.name, "")))
     return out
 
@@ -137,6 +139,9 @@ def sections(cls: type, prefix: str = "") -> list[tuple[str, type]]:
             out.extend(sections(item, f"{prefix}{f.name}[]."))  # each list item is one of these
         elif dataclasses.is_dataclass(inner := _strip_optional(tp)[0]):
             out.extend(sections(inner, f"{prefix}{f.name}."))  # an optional section: null unless set
+        else:  # a union of sections, one per model_type
+            for member in dataclass_members(tp):
+                out.extend(sections(member, f"{prefix}{f.name}."))
     return out
 
 
@@ -167,9 +172,15 @@ def render(schemas=SCHEMAS) -> str:
     for title, ref, where, how in schemas:
         cls = load_schema(ref)
         parts += ["", f"## {title}", "", f"Schema `{ref.replace(':', '.')}`; instances: {where}; set a key with {how}.", ""]
-        for prefix, section in sections(cls):
+        found = sections(cls)
+        prefixes = [q for q, _ in found]
+        shared = {q for q in prefixes if prefixes.count(q) > 1}
+        for prefix, section in found:
             doc = inspect.getdoc(section) if section.__doc__ and not section.__doc__.startswith(section.__name__ + "(") else ""
             name = f"`{prefix.rstrip('.')}`" if prefix else f"`{section.__name__}` (top level)"
+            if prefix in shared:  # one of a union's sections: which one
+                tag = next((f.default for f in dataclasses.fields(section) if f.name == "model_type"), None)
+                name += f" ({section.__name__}" + (f", `model_type: {tag}`)" if tag else ")")
             parts += [f"### {name}", ""]
             if doc:
                 parts += [" ".join(doc.split()), ""]

@@ -38,6 +38,33 @@ def _strip_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+def dataclass_members(tp: Any) -> tuple[type, ...]:
+    """The dataclasses a field of type ``tp`` holds: one for a (optional) section, several for a
+    union of sections (``BertConfig | ModernBertConfig``), none for a leaf value."""
+    tp, _ = _strip_optional(tp)
+    if dataclasses.is_dataclass(tp):
+        return (tp,)
+    if typing.get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        members = tuple(a for a in typing.get_args(tp) if a is not type(None))
+        if members and all(dataclasses.is_dataclass(a) for a in members):
+            return members
+    return ()
+
+
+def union_member(members: tuple[type, ...], value: Mapping[str, Any], where: str) -> type:
+    """The member of a union of sections that ``value`` describes: the one whose ``model_type``
+    default is ``value["model_type"]``; the member without a ``model_type`` field when it has none."""
+    tag = value.get("model_type")
+    for cls in members:
+        default = next((f.default for f in dataclasses.fields(cls) if f.name == "model_type"), None)
+        if default == tag:
+            return cls
+    known = [next((f.default for f in dataclasses.fields(c) if f.name == "model_type"), None) for c in members]
+    tags = sorted(t for t in known if t is not None)
+    default = f", or leave it out for a {members[known.index(None)].__name__}" if None in known else ""
+    raise ConfigError(f"{where}.model_type: {tag!r} is not one of {tags}{default}")
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Convert a YAML/CLI value to the declared field type, or raise ConfigError."""
     tp, optional = _strip_optional(tp)
@@ -45,6 +72,13 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if optional:
             return None
         raise ConfigError(f"{where}: null is not allowed (expected {getattr(tp, '__name__', tp)})")
+    members = dataclass_members(tp)
+    if len(members) > 1:  # a union of sections, told apart by model_type
+        if isinstance(value, members):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__} {value!r}")
+        tp = union_member(members, value, where)
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
@@ -153,9 +187,12 @@ def _parse_scalar(text: str) -> Any:
 
 
 def apply_overrides(cls: type[T], data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """Apply ``a.b.c=value`` overrides to ``data`` (a dict for ``cls``), validating each path."""
+    """Apply ``a.b.c=value`` overrides to ``data`` (a dict for ``cls``), validating each path. In a
+    union of sections the keys are checked against the member its ``model_type`` names (the
+    ``...model_type=`` overrides are applied first, so their order does not matter)."""
     data = _deepcopy(data)
-    for item in overrides:
+    tags = [o for o in overrides if "=" in o and o.split("=", 1)[0].strip().endswith(".model_type")]
+    for item in [*tags, *(o for o in overrides if o not in tags)]:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key.path=value")
         path, raw = item.split("=", 1)
@@ -169,16 +206,20 @@ def apply_overrides(cls: type[T], data: dict[str, Any], overrides: Sequence[str]
                 raise ConfigError(
                     f"override {item!r}: unknown key {key!r} under {done}; valid keys: {sorted(types)}"
                 )
-            tp, _ = _strip_optional(types[key])
+            members = dataclass_members(types[key])
             if depth == len(keys) - 1:
                 node[key] = _parse_scalar(raw)
             else:
-                if not dataclasses.is_dataclass(tp):
+                if not members:
                     raise ConfigError(f"override {item!r}: {key!r} is a leaf value, not a section")
+                if dataclasses.is_dataclass(node.get(key)):
+                    node[key] = to_dict(node[key])
                 node = node.setdefault(key, {})
-                if dataclasses.is_dataclass(node):
-                    node = to_dict(node)
-                node_cls = tp
+                if len(members) > 1 and keys[depth + 1:] == ["model_type"]:  # this override picks the member
+                    node_cls = union_member(members, {"model_type": _parse_scalar(raw)}, ".".join(keys[:depth + 1]))
+                else:
+                    node_cls = members[0] if len(members) == 1 else union_member(members, node,
+                                                                                 ".".join(keys[:depth + 1]))
     return data
 
 

@@ -13,6 +13,12 @@ Record columns (one row per training instance, no padding stored):
     -1 = no second objective.
   - ``masked_lm_positions``: list<uint16>, ``masked_lm_ids``: list<uint16|uint32> (original ids);
     empty lists when ``records.masking == "dynamic"`` (the trainer's loader masks then).
+  - packed records only (``records.packing``, manifest ``format_version`` 2): ``document_lengths``,
+    list<uint16>, the lengths of the row's documents, each ``[CLS] tokens [SEP]``, in row order;
+    they add up to the row's length (``num_a_tokens`` is the row's length, the label -1).
+
+The vocabulary is a WordPiece ``vocab.txt`` or a Hugging Face ``tokenizer.json``
+(:mod:`bertdist.data.tokenizer_file`; manifest ``vocab.kind``, ``format_version`` 2).
 
 The manifest holds two splits, ``train`` and ``heldout`` (a document-hash held-out split);
 ``open_records(..., split="train")`` picks one (default ``train``). ``records.record_format``

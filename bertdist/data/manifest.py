@@ -13,7 +13,11 @@ from typing import Any
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "bertdist-records"
-FORMAT_VERSION = 1
+# 1: one sequence a row, a WordPiece vocab.txt. 2: adds what a version-1 reader would misread:
+# rows of packed documents (records.packing, a document_lengths column) and tokenizer.json
+# vocabularies (vocab.kind). A build writes 1 when it uses neither, so older readers keep reading it.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 class RecordsError(RuntimeError):
@@ -57,8 +61,9 @@ def load_manifest(path: str | os.PathLike) -> dict[str, Any]:
         raise RecordsError(f"{p}: manifest is not valid JSON: {e}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
         raise RecordsError(f"{p}: not a {FORMAT_NAME} manifest (format={data.get('format') if isinstance(data, dict) else None!r})")
-    if data.get("format_version") != FORMAT_VERSION:
-        raise RecordsError(f"{p}: manifest format_version {data.get('format_version')!r}, this reader knows {FORMAT_VERSION}")
+    if data.get("format_version") not in READABLE_VERSIONS:
+        raise RecordsError(f"{p}: manifest format_version {data.get('format_version')!r}, this reader knows "
+                           f"{', '.join(map(str, READABLE_VERSIONS))}: update bertdist to read these records")
     return data
 
 

@@ -69,6 +69,15 @@ def check_replace_probs(mask_replace_prob: float, random_replace_prob: float, wh
                          f"(they add up to {mask_replace_prob + random_replace_prob})")
 
 
+def default_max_predictions(masked_lm_prob: float, max_seq_length: int) -> int:
+    """max_predictions_per_seq when a config leaves it unset: ceil(rate x length), at least 1, so
+    the rate holds at every length (20 at 0.15 x 128; 2,458 at 0.30 x 8,192). Rounded first:
+    0.15 x 128 is 19.200000000000003 in floating point."""
+    import math
+
+    return max(1, math.ceil(round(masked_lm_prob * max_seq_length, 6)))
+
+
 def masking_budget(length: int, masked_lm_prob: float, max_predictions: int) -> int:
     """How many positions a sequence of ``length`` tokens (specials included) should predict."""
     return min(max_predictions, max(1, int(round(length * masked_lm_prob))))

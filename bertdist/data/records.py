@@ -18,18 +18,25 @@ import pyarrow.parquet as pq
 from bertdist.data.manifest import MANIFEST_NAME, RecordsError, file_sha256, load_manifest, path_inside
 
 RECORD_COLUMNS = ("input_ids", "num_a_tokens", "next_sentence_label", "masked_lm_positions", "masked_lm_ids")
+# packed records only: the lengths of the documents (each framed [CLS] ... [SEP]) that make up the
+# row, in row order; they add up to the row's length
+DOCUMENT_LENGTHS = "document_lengths"
 
 
-def record_schema(vocab_size: int) -> pa.Schema:
-    """Arrow schema of a record shard; ids are uint16 while the vocab fits, else uint32."""
+def record_schema(vocab_size: int, packed: bool = False) -> pa.Schema:
+    """Arrow schema of a record shard; ids are uint16 while the vocab fits, else uint32. Positions
+    and lengths are uint16: rows hold at most 65,535 tokens. ``packed`` adds DOCUMENT_LENGTHS."""
     id_type = pa.uint16() if vocab_size < 65536 else pa.uint32()
-    return pa.schema([
+    fields = [
         pa.field("input_ids", pa.list_(id_type), nullable=False),
         pa.field("num_a_tokens", pa.uint16(), nullable=False),
         pa.field("next_sentence_label", pa.int8(), nullable=False),
         pa.field("masked_lm_positions", pa.list_(pa.uint16()), nullable=False),
         pa.field("masked_lm_ids", pa.list_(id_type), nullable=False),
-    ])
+    ]
+    if packed:
+        fields.append(pa.field(DOCUMENT_LENGTHS, pa.list_(pa.uint16()), nullable=False))
+    return pa.schema(fields)
 
 
 @dataclass
@@ -59,6 +66,11 @@ class Records:
     @property
     def objective(self) -> str:
         return self.record_format["objective"]
+
+    @property
+    def packed(self) -> bool:
+        """Whether rows hold several documents (DOCUMENT_LENGTHS gives their lengths)."""
+        return bool((self.record_format.get("packing") or {}).get("documents"))
 
     @property
     def special_token_ids(self) -> dict[str, int]:

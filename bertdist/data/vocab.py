@@ -32,6 +32,15 @@ def load_vocab(path: str | os.PathLike) -> list[str]:
     return tokens
 
 
+def vocab_file_size(path: str | os.PathLike) -> int:
+    """The number of ids of a vocab file: a vocab.txt's lines, a tokenizer.json's highest id + 1."""
+    if os.fspath(path).endswith(".json"):
+        from bertdist.data.tokenizer_file import load_tokenizer_file
+
+        return load_tokenizer_file(path).size
+    return len(load_vocab(path))
+
+
 def vocab_sha256(path: str | os.PathLike) -> str:
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
@@ -54,11 +63,16 @@ def _continuation_mask_cached(path: str, mtime: float) -> np.ndarray:
     return np.fromiter((t.startswith("##") for t in tokens), dtype=bool, count=len(tokens))
 
 
-def continuation_mask(path: str | os.PathLike) -> np.ndarray:
+def continuation_mask(path: str | os.PathLike) -> np.ndarray | None:
     """Bool array over the vocab: True where the token is a '##' continuation piece.
 
     Whole-word masking derives word starts from this (a position starts a word unless its
-    token is a continuation)."""
+    token is a continuation). For a Hugging Face tokenizer.json, its table
+    (``bertdist.data.tokenizer_file``), or None when the tokenizer marks no continuation pieces."""
     p = os.fspath(path)
+    if p.endswith(".json"):
+        from bertdist.data.tokenizer_file import load_tokenizer_file
+
+        return load_tokenizer_file(p).continuation
     # a URL names one run's staged copy, never rewritten: its path alone keys the cache
     return _continuation_mask_cached(p, os.path.getmtime(p) if "://" not in p else 0.0)

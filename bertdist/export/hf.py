@@ -49,13 +49,14 @@ def to_hf_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.
     return out
 
 
-# The word embeddings' key in our BertForPreTraining and ElectraForPreTraining state dicts.
-ANCHORS = ("bert.embeddings.word_embeddings.weight", "discriminator.electra.embeddings.word_embeddings.weight")
+# The word embeddings' key in our BertForPreTraining, ElectraForPreTraining and ModernBertForMaskedLM state dicts.
+ANCHORS = ("bert.embeddings.word_embeddings.weight", "discriminator.electra.embeddings.word_embeddings.weight",
+           "model.embeddings.tok_embeddings.weight")
 
 
 def strip_wrapper_prefix(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Remove a wrapper's prefix (``module.``, ``model.``) so keys start at ``bert.``/``cls.``
-    (ELECTRA: ``discriminator.``/``generator.``)."""
+    (ELECTRA: ``discriminator.``/``generator.``; ModernBERT: ``model.``/``head.``/``decoder.``)."""
     hits = [(k, anchor) for anchor in ANCHORS for k in state_dict if k.endswith(anchor)]
     if not hits:
         if "embeddings.word_embeddings.weight" in state_dict:  # a bare BertModel

@@ -30,8 +30,8 @@ def write_trainer_init(out_dir: str | os.PathLike, w: PretrainedWeights, source:
     import yaml
 
     from bertdist.export.hf import ExportError
-    from bertdist.model import BertForPreTraining, ElectraConfig
-    from bertdist.model.electra import ElectraForPreTraining
+    from bertdist.model import ElectraConfig
+    from bertdist.model.families import family_of
     from bertdist.train.checkpoint import COMPLETE, CONFIG_FILE, LATEST, STATE_FILE
     from bertdist.train.distributed import single_process_group
 
@@ -44,8 +44,9 @@ def write_trainer_init(out_dir: str | os.PathLike, w: PretrainedWeights, source:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with single_process_group():
-        cfg = dataclasses.replace(w.config, kernels="reference")
-        model = ElectraForPreTraining(cfg, device_type="cpu") if electra else BertForPreTraining(cfg, device_type="cpu")
+        family = family_of(w.config)
+        cfg = dataclasses.replace(w.config, kernels="reference") if family.uses_kernels else w.config
+        model = family.build(cfg, "cpu")
         model.load_state_dict(w.state_dict, strict=True)
         opt = torch.optim.AdamW(model.parameters(), lr=0.0)
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, dist_init_required=False, config={

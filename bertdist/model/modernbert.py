@@ -198,6 +198,32 @@ class MaskedLMOutput:
     loss: torch.Tensor | None = None
     mlm_labels: torch.Tensor | None = None  # labels aligned with the logits' rows
 
+    # The names pretraining reads from BERT's output (bertdist/train/objective.py): the loss is all MLM.
+    @property
+    def prediction_logits(self) -> torch.Tensor:
+        return self.logits
+
+    @property
+    def mlm_loss(self) -> torch.Tensor | None:
+        return self.loss
+
+    nsp_loss = None
+    seq_relationship_logits = None
+
+
+def packed_inputs(batch: dict) -> dict:
+    """The pretraining loader's batch (bertdist/train/loader.py, on the device) as ModernBERT's
+    packed forward takes it: the real tokens back to back (``input_ids[token_index]``), attention
+    segments as the loader's ``cu_seqlens`` give them (one per row, or one per document of a packed
+    row), and the masked positions renumbered from the padded [B * S] layout to the packed [T] one
+    (``token_index`` is ascending, so a search finds each; no host sync). Token types and NSP
+    labels are not inputs of ModernBERT."""
+    index = batch["token_index"]
+    return {"input_ids": batch["input_ids"].reshape(-1).index_select(0, index),
+            "labels": batch["labels"].reshape(-1).index_select(0, index),
+            "cu_seqlens": batch["cu_seqlens"], "max_seqlen": batch["max_seqlen"],
+            "masked_positions": torch.searchsorted(index, batch["masked_positions"])}
+
 
 class ModernBertForMaskedLM(nn.Module):
     """ModernBERT with the MLM head; ``decoder.weight`` is the token embeddings (tied)."""

@@ -58,6 +58,9 @@ class ModernBertConfig:
     sparse_mlm_head: bool = True
     # Run the encoder on real tokens only (packed, varlen attention) when a padding mask is given.
     unpad: bool = True
+    # Wrap the model in torch.compile for training (bertdist.train.compile): true, false, or
+    # auto, the measured choice per device type. Weights, checkpoints and export are unchanged.
+    compile: Literal["auto", True, False] = "auto"
 
     def __post_init__(self) -> None:
         if self.preset not in MODERNBERT_PRESETS and self.preset != "custom":
@@ -79,6 +82,10 @@ class ModernBertConfig:
         if self.local_attention > self.max_position_embeddings:
             raise ConfigError(f"model.local_attention ({self.local_attention}) is larger than the context, "
                               f"max_position_embeddings ({self.max_position_embeddings})")
+        if not 0 <= self.pad_token_id < self.vocab_size:  # the embedding's padding row
+            raise ConfigError(f"model.pad_token_id {self.pad_token_id} is not a token of the vocabulary of "
+                              f"{self.vocab_size}; set it (and cls/sep/bos/eos_token_id) to the vocab's ids: for a "
+                              f"BERT vocab.txt [PAD] 0, [CLS] 101, [SEP] 102")
         for name in ("global_rope_theta", "local_rope_theta", "norm_eps"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")

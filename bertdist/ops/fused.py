@@ -221,7 +221,8 @@ def _define_bias_dropout_add_layer_norm(namespace: str, extension: Callable[[], 
 
     @_bdaln_bwd.register_fake
     def _(grad_out, h, mean, rstd, weight, has_bias, p, rng_state):
-        acc = _acc_dtype(h)
+        # the dense bias's gradient: in the weights' dtype when they are h's bf16/fp16 (bf16 weights)
+        acc = h.dtype if weight.dtype == h.dtype and h.dtype in (torch.bfloat16, torch.float16) else _acc_dtype(h)
         dx = torch.empty_like(h) if p > 0 else h.new_empty(0)
         dbias = h.new_empty(h.shape[-1], dtype=acc) if has_bias else h.new_empty(0, dtype=acc)
         return torch.empty_like(h), dx, torch.empty_like(weight), torch.empty_like(weight), dbias

@@ -15,10 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 from starlette.applications import Starlette
@@ -29,7 +29,9 @@ from starlette.routing import Route
 
 from bertdist.serve import openai_api
 from bertdist.serve.batcher import Batcher, BatchFailed, Refused, TooManyItems
+from bertdist.serve.connections import ON_DISCONNECT
 from bertdist.serve.metrics import ServeMetrics
+from bertdist.serve.preparing import PreparingThread
 from bertdist.serve.runtime import RequestError
 
 log = logging.getLogger(__name__)
@@ -110,13 +112,18 @@ async def _read_body(request: Request, limit: int, chunks: list) -> bytes:
             raise HTTPError(400, f"bad Content-Length header {declared!r}") from None
         if size > limit:
             raise HTTPError(413, f"the body is {size} bytes, over this server's limit of {limit} bytes")
-    size = 0
-    async for chunk in request.stream():
+    size, more = 0, True
+    while more:  # receive() itself: request.stream() is an async generator, costly per request
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:  # a chunked body or a lying Content-Length
             raise HTTPError(413, f"the body is over this server's limit of {limit} bytes")
         chunks.append(chunk)
-    return b"".join(chunks)
+        more = message.get("more_body", False)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def parse_json_object(raw: bytes) -> dict:
@@ -170,7 +177,7 @@ class ServeState:
                                             max_wait_ms=settings.max_wait_ms, max_queue=settings.max_queue,
                                             batching=settings.batching, max_batch_tokens=settings.max_batch_tokens,
                                             observer=self.metrics)
-        self.prep_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="serve-prepare")
+        self.preparing = PreparingThread()
         # Requests still receiving their bodies, and requests waiting for their answers: the stop
         # cuts off the first at once and the second when the grace period ends.
         self.receiving: set[asyncio.Task] = set()
@@ -253,7 +260,7 @@ class ServeState:
 
     async def offload(self, fn, *args):
         """Runs ``fn`` on the request-preparing thread: parsing and tokenizing stay off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self.prep_executor, fn, *args)
+        return await self.preparing.run(fn, *args)
 
     async def encode(self, model, job) -> None:
         """Tokenizes the job's texts in chunks, so that a large request takes turns with small ones."""
@@ -268,24 +275,33 @@ class ServeState:
             batcher.check_fits(len(job.texts))  # before any tokenizing
             await self.encode(model, job)
         ticket = batcher.enqueue(job)
-        gone = asyncio.ensure_future(wait_for_disconnect(request))
+        # Our connection protocol calls back when the client goes; under another server, a task
+        # waits for the ASGI disconnect message instead.
+        watch = request.scope.get("extensions", {}).get(ON_DISCONNECT)
+        gone = None
+        if watch is not None:
+            watch(lambda: batcher.abandon(ticket))
+        else:
+            gone = asyncio.ensure_future(wait_for_disconnect(request))
+            gone.add_done_callback(lambda g: g.cancelled() or batcher.abandon(ticket))
         task = asyncio.current_task()
         self.answering.add(task)
         try:
-            await asyncio.wait({ticket.future, gone}, return_when=asyncio.FIRST_COMPLETED)
+            return await ticket.future
         except asyncio.CancelledError:
             batcher.abandon(ticket)
             if self.grace_over and task.uncancel() == 0:  # cancelled by _end_grace
                 raise CutOff(f"the server stopped: its grace period of {self.settings.grace_seconds:g} s ended "
                              f"before this answer was ready") from None
+            if task.cancelling() == 0:  # the ticket was abandoned: its client has gone
+                raise ClientGone() from None
             raise
         finally:
-            gone.cancel()
+            if watch is not None:
+                watch(None)
+            else:
+                gone.cancel()
             self.answering.discard(task)
-        if ticket.future.done():
-            return ticket.future.result()
-        batcher.abandon(ticket)
-        raise ClientGone()
 
     async def answer(self, request: Request, route: str | None, name: str | None, *, api: str = "tei") -> Response:
         """One request to a model route: ``route`` None is ``POST /``, ``api`` "openai" is
@@ -303,11 +319,12 @@ class ServeState:
                 label_model = model.name
             else:
                 job = await self.offload(plan_request, model, route or "root", raw, self.settings.max_queue)
-            self.metrics.in_flight.labels(model.name).inc()
+            in_flight = self.metrics.child(self.metrics.in_flight, model.name)
+            in_flight.inc()
             try:
                 response = Json(await self.run_job(request, model, job))
             finally:
-                self.metrics.in_flight.labels(model.name).dec()
+                in_flight.dec()
         except ClientGone:
             response = Response(status_code=499)  # nobody reads it; counted as such
         except ClientDisconnect:
@@ -386,13 +403,16 @@ def make_app(models: Sequence, settings: ServeSettings | None = None) -> Starlet
     async def lifespan(app):
         for b in state.batchers.values():
             await b.start()
+        # What is loaded by now (models, tokenizers, libraries) lives as long as the process: out
+        # of the collector's sight, a full collection no longer walks it between requests.
+        gc.freeze()
         state.serving = True
         try:
             yield
         finally:
             state.begin_stop()
             await asyncio.gather(*(b.drain() for b in state.batchers.values()))
-            state.prep_executor.shutdown(wait=False, cancel_futures=True)
+            state.preparing.shutdown()
             state.serving = False
 
     def unprefixed(route: str):

@@ -24,6 +24,9 @@ import resource
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 log = logging.getLogger(__name__)
+# The ASGI scope extension through which a request's handler learns that its client has gone:
+# ``scope["extensions"][ON_DISCONNECT](callback)`` (None to stop watching).
+ON_DISCONNECT = "bertdist.on_disconnect"
 # File descriptors kept free of connections: model files, the listening socket, log and pipe ends.
 RESERVED_FDS = 64
 
@@ -55,6 +58,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._head_timer = None
+            self._on_lost = None  # the answering request's callback, should the client go
             if len(self.connections) > cap and not self._displace_one():
                 self._refuse(503, f"the server holds its limit of {cap} connections; retry later", "Overloaded")
                 return
@@ -98,6 +102,13 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
                 self.transport.write(refusal(status, message, error_type))
                 self.transport.close()
 
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self.scope["extensions"] = {ON_DISCONNECT: self._watch}
+
+        def _watch(self, callback) -> None:
+            self._on_lost = callback
+
         def data_received(self, data: bytes) -> None:
             reading_head = self._head_timer is not None
             if reading_head:
@@ -127,5 +138,8 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
             waiting.pop(self, None)
             self._cancel_timer()
             super().connection_lost(exc)
+            lost, self._on_lost = self._on_lost, None
+            if lost is not None:
+                lost()
 
     return GuardedProtocol

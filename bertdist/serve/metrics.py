@@ -37,6 +37,16 @@ class ServeMetrics:
                                  "Queued items taken off the queue unrun because their client left", ["model"],
                                  registry=r)
         self.in_flight = Gauge(f"{PREFIX}_requests_in_flight", "Requests being answered", ["model"], registry=r)
+        self._children: dict[tuple, object] = {}
+
+    def child(self, metric, *labels: str):
+        """``metric.labels(*labels)``, looked up once: several are touched per request. The label
+        values come from fixed sets (loaded models, routes, status codes), so the cache stays small."""
+        key = (id(metric), labels)
+        got = self._children.get(key)
+        if got is None:
+            got = self._children[key] = metric.labels(*labels)
+        return got
 
     def add_model(self, model: str) -> None:
         """Makes the per-model series exist (at 0) before the first request."""
@@ -46,21 +56,21 @@ class ServeMetrics:
 
     # bertdist.serve.batcher.Observer
     def observe_batch(self, model: str, size: int, queue_waits: Sequence[float], run_seconds: float) -> None:
-        self.batch_size.labels(model).observe(size)
-        self.inference_seconds.labels(model).observe(run_seconds)
-        waits = self.queue_seconds.labels(model)
+        self.child(self.batch_size, model).observe(size)
+        self.child(self.inference_seconds, model).observe(run_seconds)
+        waits = self.child(self.queue_seconds, model)
         for w in queue_waits:
             waits.observe(w)
 
     def observe_abandoned(self, model: str, items: int) -> None:
-        self.abandoned.labels(model).inc(items)
+        self.child(self.abandoned, model).inc(items)
 
     def set_queue_depth(self, model: str, items: int) -> None:
-        self.queue_depth.labels(model).set(items)
+        self.child(self.queue_depth, model).set(items)
 
     def observe_request(self, model: str, route: str, code: int, seconds: float) -> None:
-        self.requests.labels(model, route, str(code)).inc()
-        self.request_seconds.labels(model, route).observe(seconds)
+        self.child(self.requests, model, route, str(code)).inc()
+        self.child(self.request_seconds, model, route).observe(seconds)
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""

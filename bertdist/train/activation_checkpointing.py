@@ -51,11 +51,15 @@ def checkpoint_modules(modules: Iterable[nn.Module], fn: Callable) -> int:
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, ds_config: dict | None = None) -> int:
-    """Checkpoint every encoder layer of a ``BertForPreTraining``/``BertModel`` (of both towers of
-    an ``ElectraForPreTraining``); returns how many."""
+    """Checkpoint every encoder layer of a pretraining model (both towers of an
+    ``ElectraForPreTraining``), the layer class its family names (bertdist/model/families.py);
+    returns how many."""
     from bertdist.model.bert import BertLayer
+    from bertdist.model.families import family_of
 
     fn = checkpoint_function(mode, ds_config)
     if fn is None:
         return 0
-    return checkpoint_modules([m for m in model.modules() if isinstance(m, BertLayer)], fn)
+    config = getattr(model, "config", None)
+    layer = family_of(config).encoder_layer() if config is not None else BertLayer
+    return checkpoint_modules([m for m in model.modules() if isinstance(m, layer)], fn)

@@ -1,31 +1,36 @@
 """TrainConfig: the schema of `bertdist pretrain` recipes (configs/pretrain/*.yaml).
 
-Each component gets only its own section: the model its ``BertConfig``, the
-loader ``LoaderConfig``, the optimizer ``OptimizerConfig`` and so on. The model
-section is filled from its ``preset`` first, explicit keys win; its
-``vocab_size`` always comes from the vocab file (``data.vocab_file``).
+Each component gets only its own section: the model its ``BertConfig`` (or, with
+``model_type: modernbert``, its ``ModernBertConfig``), the loader ``LoaderConfig``, the optimizer
+``OptimizerConfig`` and so on. The model section is filled from its family's ``preset`` first
+(bertdist/model/families.py), explicit keys win; its ``vocab_size`` always comes from the vocab
+file (``data.vocab_file``).
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Literal, Optional, Sequence
+from typing import Literal, Optional, Sequence, Union
 
 from bertdist.config import ConfigError, apply_overrides, from_dict, load_yaml
-from bertdist.model.config import PRESETS, BertConfig, ElectraConfig, model_config_from_mapping
+from bertdist.model.config import BertConfig, ElectraConfig, model_config_from_mapping
+from bertdist.model.families import family_of, family_of_mapping, section_presets
+from bertdist.model.modernbert_config import ModernBertConfig
 
 
 @dataclasses.dataclass
 class LoaderConfig:
     train_manifest: str = ""  # manifest.json of the pipeline's training shards
     eval_split: Optional[str] = "heldout"  # split of the same manifest used for evaluation; None: no eval
-    vocab_file: str = ""  # must be the vocab the shards were built with (sha256 checked)
+    # the vocab.txt or Hugging Face tokenizer.json the shards were built with (sha256 checked)
+    vocab_file: str = ""
     max_seq_length: int = 128  # must equal the manifest's
     micro_batch_size: int = 32  # per process, per forward
     global_batch_size: int = 256  # micro x accumulation x world size
     masking: Literal["auto", "static", "dynamic"] = "auto"  # auto: dynamic iff the records are unmasked
     mask_prob: Optional[float] = None  # None: the manifest's masked_lm_prob
-    max_predictions_per_seq: Optional[int] = None  # None: the manifest's
+    # None: the manifest's; with a mask_prob other than the records', ceil(mask_prob x max_seq_length)
+    max_predictions_per_seq: Optional[int] = None
     # dynamic masking: "token", "whole_word" or "span" (SpanBERT; bertdist/data/masking.py has the
     # rules). None: from whole_word_mask (the older setting: true is whole_word, false token), else
     # the manifest's; both set and meaning different modes is an error
@@ -88,16 +93,34 @@ class ScheduleConfig:
     total_steps: int = 7038  # length of the decay; the run stops here unless max_steps is smaller
     warmup_steps: Optional[int] = None  # either this ...
     warmup_fraction: Optional[float] = 0.2843  # ... or a fraction of total_steps (NVIDIA phase 1)
-    decay: Literal["linear", "poly", "constant"] = "poly"
+    # after warmup: linear or poly to min_lr_ratio at total_steps; constant; or wsd, warmup-stable-decay
+    # (trapezoidal): the peak lr until the last decay_fraction of total_steps, then down to min_lr_ratio
+    decay: Literal["linear", "poly", "constant", "wsd"] = "poly"
     poly_power: float = 0.5
     min_lr_ratio: float = 0.0  # floor of the decay, as a fraction of the peak lr
+    # wsd: the decay's length as a fraction of total_steps (0: none in this phase, a later phase decays),
+    # and its shape: linear, or 1-sqrt (lr = peak x (1 - sqrt(fraction of the decay done)), ModernBERT's)
+    decay_fraction: float = 0.1
+    decay_shape: Literal["linear", "1-sqrt"] = "1-sqrt"
 
     def __post_init__(self) -> None:
         if self.total_steps <= 0:
             raise ConfigError(f"schedule.total_steps must be positive, got {self.total_steps}")
+        if not 0.0 <= self.decay_fraction <= 1.0:
+            raise ConfigError(f"schedule.decay_fraction must be in [0, 1], got {self.decay_fraction}")
+        if self.decay == "wsd" and self.resolved_warmup_steps + self.decay_steps > self.total_steps:
+            raise ConfigError(
+                f"schedule: warmup {self.resolved_warmup_steps} steps + decay {self.decay_steps} steps "
+                f"(decay_fraction {self.decay_fraction} x total_steps {self.total_steps}) > total_steps "
+                f"{self.total_steps}; shorten the warmup or lower decay_fraction")
         if self.warmup_steps is not None and self.warmup_fraction is not None:
             raise ConfigError("schedule: set warmup_steps or warmup_fraction, not both "
                               f"(got {self.warmup_steps} and {self.warmup_fraction}); set the other to null")
+
+    @property
+    def decay_steps(self) -> int:
+        """wsd: the steps of the final decay (at least one unless decay_fraction is 0)."""
+        return max(1, int(round(self.decay_fraction * self.total_steps))) if self.decay_fraction else 0
 
     @property
     def resolved_warmup_steps(self) -> int:
@@ -110,6 +133,11 @@ class ScheduleConfig:
 class DeepSpeedConfig:
     zero_stage: int = 1
     precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    # bf16 only: the dtype of the model's weights (bertdist/train/precision.py). fp32: fp32 weights,
+    # bf16 matmuls under torch.autocast (a cast of every weight per forward). bf16: bf16 weights and
+    # activations; fp32 master weights, gradient sums and all-reduce in the flat optimizer (needs
+    # optimizer.implementation flat, zero_stage 0). auto: bf16 where it can run, else fp32
+    bf16_weights: Literal["auto", "fp32", "bf16"] = "auto"
     gradient_clipping: float = 1.0  # 0 disables
     # fp16 dynamic loss scaling (DeepSpeed's names)
     initial_scale_power: int = 16
@@ -275,7 +303,9 @@ class TrainConfig:
     deterministic: bool = False  # torch deterministic algorithms; bitwise-exact resume on CPU
     max_steps: Optional[int] = None  # stop early (the schedule still spans schedule.total_steps)
     max_consecutive_nonfinite: int = 20
-    model: BertConfig = dataclasses.field(default_factory=BertConfig)
+    # BERT (the default), or ModernBERT with model_type: modernbert; ELECTRA: a BERT section
+    # (its discriminator) with an electra section
+    model: Union[BertConfig, ModernBertConfig] = dataclasses.field(default_factory=BertConfig)
     data: LoaderConfig = dataclasses.field(default_factory=LoaderConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
@@ -295,6 +325,16 @@ class TrainConfig:
         if self.distill is not None and self.electra is not None:
             raise ConfigError("distill and electra are both set: general distillation trains a BERT's MLM head "
                               "towards a teacher, ELECTRA trains a discriminator; set one of them to null")
+        family = family_of(self.model)
+        if self.data.max_seq_length > self.model.max_position_embeddings:
+            raise ConfigError(f"data.max_seq_length {self.data.max_seq_length} is longer than the model's context, "
+                              f"model.max_position_embeddings {self.model.max_position_embeddings}; raise "
+                              f"max_position_embeddings (a new phase may, for ModernBERT) or use shorter records")
+        for section in OBJECTIVE_SECTIONS:
+            if getattr(self, section) is not None and section not in family.objectives:
+                raise ConfigError(f"{section}: a {family.name} model (model.model_type "
+                                  f"{getattr(self.model, 'model_type', 'bert')!r}) trains with "
+                                  f"{', '.join(family.objectives) or 'masked-LM only'}; set {section} to null")
         if self.electra is not None:
             self.electra.model_config(self.model)  # the generator's sizes resolve, or an error with the numbers
         if self.profiling.enabled and self.profiling.last_step > self.steps_to_run:
@@ -310,6 +350,7 @@ class TrainConfig:
                 f"optimizer.implementation=flat needs deepspeed.zero_stage=0 and precision fp32 or bf16 (got "
                 f"zero_stage {self.deepspeed.zero_stage}, precision {self.deepspeed.precision}); use "
                 "implementation auto or torch there")
+        self.weights  # bf16_weights=bf16 where it cannot run: an error with the settings
         if self.optimizer.name == "lamb" and self.deepspeed.zero_stage > 0:
             # ZeRO flattens and partitions the parameters, so the optimizer would see slices of a flat
             # buffer instead of layers, and LAMB's per-layer trust ratio ||w|| / ||update|| would be wrong.
@@ -320,10 +361,28 @@ class TrainConfig:
             )
 
     @property
-    def model_config(self) -> BertConfig:
+    def model_config(self) -> "BertConfig | ModernBertConfig":
         """The model the run trains: ``model``, or with an ``electra`` section the ELECTRA model
         (``model`` is its discriminator)."""
         return self.electra.model_config(self.model) if self.electra is not None else self.model
+
+    @property
+    def objective_sections(self) -> dict[str, object]:
+        """The objective sections (``OBJECTIVE_SECTIONS``), set or None: what a resume must match."""
+        return {name: getattr(self, name) for name in OBJECTIVE_SECTIONS}
+
+    @property
+    def weights(self) -> str:
+        """The dtype of the model's weights: "fp32", "bf16" (``deepspeed.bf16_weights`` resolved) or "fp16"."""
+        from bertdist.train.precision import resolve_bf16_weights
+
+        d = self.deepspeed
+        objective = "electra" if self.electra is not None else ("distill" if self.distill is not None else None)
+        try:
+            return resolve_bf16_weights(d.precision, d.bf16_weights, self.optimizer.implementation, d.zero_stage,
+                                        objective)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     @property
     def checkpoint_dir(self) -> str:
@@ -334,11 +393,19 @@ class TrainConfig:
         return min(self.schedule.total_steps, self.max_steps or self.schedule.total_steps)
 
 
+# The sections of TrainConfig that choose the objective (bertdist/train/objective.py); null: masked LM
+# (+ NSP where the model has the head and the records the label).
+OBJECTIVE_SECTIONS = ("distill", "electra")
+
+
 def _expand_model_preset(data: dict) -> dict:
-    model = dict(data.get("model") or {})
+    model = data.get("model") or {}
+    if not isinstance(model, dict):
+        return data
+    presets = section_presets(model)
     preset = model.get("preset", "base")
-    if preset in PRESETS:
-        model = {**PRESETS[preset], **model}
+    if preset in presets:
+        model = {**presets[preset], **model}
     return {**data, "model": model}
 
 
@@ -346,14 +413,14 @@ def train_config_from_dict(data: dict) -> TrainConfig:
     return from_dict(TrainConfig, _expand_model_preset(data))
 
 
-def model_config_of(run_cfg: dict) -> BertConfig:
+def model_config_of(run_cfg: dict) -> "BertConfig | ModernBertConfig":
     """The model a saved run config (``bertdist_config.yaml``, a run's ``config.yaml``) describes: its
     ``model`` section, made an ELECTRA model by an ``electra`` section or by ``model_type: electra``
     (the form ``bertdist import-hf`` writes)."""
     model = run_cfg.get("model")
     if not isinstance(model, dict):
         raise ConfigError("no `model:` section")
-    if run_cfg.get("electra") is not None:
+    if run_cfg.get("electra") is not None and family_of_mapping(model).name == "bert":
         bert = from_dict(BertConfig, _expand_model_preset({"model": model})["model"])
         return from_dict(PretrainElectraConfig, run_cfg["electra"], _where="electra").model_config(bert)
     return model_config_from_mapping(model)
@@ -366,7 +433,7 @@ def load_train_config(path: str | os.PathLike | None, overrides: Sequence[str] =
     # A preset override replaces the recipe's explicit sizes, not the other way round.
     if any(o.split("=", 1)[0].strip() == "model.preset" for o in overrides):
         preset = data["model"]["preset"]
-        for key in PRESETS.get(preset, {}):
+        for key in section_presets(data["model"]).get(preset, {}):
             if not any(o.split("=", 1)[0].strip() == f"model.{key}" for o in overrides):
                 data["model"].pop(key, None)
     return train_config_from_dict(data)

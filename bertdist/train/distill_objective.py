@@ -13,7 +13,9 @@ DeepSpeed engine: it is not trained, partitioned or checkpointed. Its outputs ar
 ``no_grad`` for exactly the micro-batch the student sees, so they depend only on the batch and a
 resumed run stays bitwise equal to an uninterrupted one. Building it does not touch the global
 RNG streams (``fork_rng``), so dropout and masking draw the same numbers with or without it.
-The trainer calls ``GeneralDistillation`` on the student's output from outside the model.
+The trainer calls ``GeneralDistillation`` on the student's output from outside the model; it is
+an objective like the others (bertdist/train/objective.py), which also checks that a resume keeps
+the ``distill`` section.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from bertdist.config import ConfigError
 from bertdist.model import IGNORE_INDEX, BertConfig, ElectraConfig
 from bertdist.model.bert import BertForPreTraining, PreTrainingOutput
 from bertdist.train.config import PretrainDistillConfig, TrainConfig
+from bertdist.train.objective import ObjectiveOutput, mlm_counts, mlm_eval_sums, nsp_counts
 
 
 @dataclasses.dataclass
@@ -161,33 +164,17 @@ def load_teacher(cfg: TrainConfig, device: torch.device, kernels=None) -> Loaded
     return LoadedTeacher(model, tcfg, w.origin, w.vocab_file)
 
 
-def check_resume(cfg: TrainConfig, load_dir: Path, tag: str) -> None:
-    """A resume continues the objective it was saved with: the checkpoint's ``distill`` section
-    (none, or teacher, temperature and weights) must be this config's."""
-    import yaml
-
-    from bertdist.config import to_dict
-    from bertdist.train.checkpoint import CONFIG_FILE
-
-    path = Path(load_dir) / tag / CONFIG_FILE
-    if not path.is_file():
-        return
-    saved = (yaml.safe_load(path.read_text()) or {}).get("distill")
-    ours = to_dict(cfg.distill) if cfg.distill is not None else None
-    if saved != ours:
-        raise ConfigError(f"cannot resume from {path.parent}: its distill section differs from this config's "
-                          f"(checkpoint {saved}, config {ours}); resume with the same distill section, or start "
-                          f"a new phase from it with checkpoint.init_from")
-
-
 class GeneralDistillation:
-    """The objective the trainer applies to each student output: ``__call__(out, batch)``."""
+    """The objective of a run with a ``distill`` section: ``__call__(out, batch)`` on each student output."""
+
+    without_nsp = None  # the gold NSP/SOP loss is one of its parts (alpha_nsp)
 
     def __init__(self, cfg: PretrainDistillConfig, student: nn.Module, teacher: BertForPreTraining,
-                 precision: str = "fp32", device_type: str = "cpu"):
+                 precision: str = "fp32", device_type: str = "cpu", origin: dict | None = None):
         from bertdist.train.precision import autocast_dtype
 
-        self.cfg, self.teacher = cfg, teacher
+        self.cfg, self.teacher, self.origin = cfg, teacher, origin or {}
+        self.generators: dict[str, torch.Generator] = {}
         dtype = autocast_dtype(precision)
         self._autocast = (lambda: torch.autocast(device_type, dtype=getattr(torch, dtype))) if dtype else \
             contextlib.nullcontext
@@ -203,15 +190,24 @@ class GeneralDistillation:
         with self._autocast():
             return self.teacher(**inputs).prediction_logits
 
-    def __call__(self, out: PreTrainingOutput, batch: dict[str, torch.Tensor]) -> DistillOutput:
+    def __call__(self, out: PreTrainingOutput, batch: dict[str, torch.Tensor]) -> ObjectiveOutput:
         teacher_logits = self.teacher_forward(batch)
         s_hidden = t_hidden = None
         if self._student_hidden is not None:
             s_hidden, t_hidden = self._student_hidden.take(), self._teacher_hidden.take()
-        return combined_loss(self.cfg, out, teacher_logits, s_hidden, t_hidden, batch.get("attention_mask"))
+        out = combined_loss(self.cfg, out, teacher_logits, s_hidden, t_hidden, batch.get("attention_mask"))
+        parts = {n: getattr(out, n) for n in ("mlm_loss", "nsp_loss", "mlm_kl", "hidden_cos")
+                 if getattr(out, n) is not None}
+        return ObjectiveOutput(out.loss, parts, {**mlm_counts(out), **nsp_counts(out, batch)}, out)
 
-    def describe(self, origin: dict) -> str:
-        c = self.cfg
+    def eval_sums(self, out: PreTrainingOutput, batch: dict[str, torch.Tensor]) -> dict:
+        return mlm_eval_sums(out, batch)  # held out: the student's own MLM and NSP
+
+    def evaluation(self):
+        return contextlib.nullcontext()
+
+    def describe(self) -> str:
+        c, origin = self.cfg, self.origin
         return (f"general distillation from {c.teacher} ({origin.get('kind', '?')}): loss = {c.alpha_mlm_kl} x "
                 f"T^2 KL (T={c.temperature}) + {c.alpha_mlm_ce} x MLM CE + {c.alpha_hidden_cos} x hidden cos + "
                 f"{c.alpha_nsp} x NSP")
@@ -221,4 +217,10 @@ def build_objective(cfg: TrainConfig, student: nn.Module, device: torch.device, 
                     ) -> tuple[GeneralDistillation, LoadedTeacher]:
     """The objective of a run with a ``distill`` section, its teacher loaded on ``device``."""
     teacher = load_teacher(cfg, device, kernels)
-    return GeneralDistillation(cfg.distill, student, teacher.model, cfg.deepspeed.precision, device.type), teacher
+    return GeneralDistillation(cfg.distill, student, teacher.model, cfg.deepspeed.precision, device.type,
+                               teacher.origin), teacher
+
+
+def from_config(cfg: TrainConfig, student: nn.Module, device: torch.device, rank: int = 0) -> GeneralDistillation:
+    """The objective of a run with a ``distill`` section (bertdist/train/objective.py: OBJECTIVES)."""
+    return build_objective(cfg, student, device)[0]

@@ -66,7 +66,7 @@ def generate_ds_config(cfg: TrainConfig, world_size: int, grad_accum: int) -> di
         # What each precision stores, computes, accumulates and communicates: precision.py.
         **ds_precision_sections(d.precision, initial_scale_power=d.initial_scale_power,
                                 loss_scale_window=d.loss_scale_window, hysteresis=d.hysteresis,
-                                min_loss_scale=d.min_loss_scale),
+                                min_loss_scale=d.min_loss_scale, weights=cfg.weights),
     }
     # ZeRO-3 must gather the full weights into mp_rank_00_model_states.pt for export.
     if d.zero_stage == 3:

@@ -17,19 +17,21 @@ distillation does (distill_objective.py), this objective
 
 The masking is the loader's (``data.*``: the paper's recipes mask 15% of the tokens, 85% of them
 to [MASK] and 15% kept, no random tokens). Records that carry NSP labels train without them.
+What a resume must match (the same ``electra`` section) and a new phase (the same generator and
+embedding sizes) is checked with every objective's, in bertdist/train/objective.py.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from pathlib import Path
 
 import torch
 
-from bertdist.config import ConfigError, to_dict
+from bertdist.config import ConfigError
 from bertdist.model.config import ElectraConfig
 from bertdist.model.electra import ElectraForPreTraining, ElectraPreTrainingOutput, TokenSampler
 from bertdist.train.config import PretrainElectraConfig, TrainConfig
+from bertdist.train.objective import ObjectiveOutput, mlm_counts, mlm_eval_sums
 
 SAMPLING_RNG = "electra_sampling"  # its name in the checkpoint's RNG state files
 
@@ -39,9 +41,17 @@ def combined_loss(cfg: PretrainElectraConfig, out: ElectraPreTrainingOutput) -> 
     return dataclasses.replace(out, loss=cfg.gen_weight * out.mlm_loss + cfg.disc_weight * out.disc_loss)
 
 
+def disc_counts(out: ElectraPreTrainingOutput) -> dict[str, torch.Tensor]:
+    """The discriminator's correct tokens, its count (the real tokens) and the replaced tokens."""
+    return {"disc_correct": (((out.discriminator_logits > 0) == out.replaced) & out.real).sum(),
+            "disc_count": out.real.sum(), "replaced_count": out.replaced.sum()}
+
+
 class ReplacedTokenDetection:
-    """The objective the trainer applies to each output: ``__call__(out, batch)``; ``generators``:
-    the RNGs it draws from, which checkpoints save and a resume restores."""
+    """The objective (bertdist/train/objective.py) of a run with an ``electra`` section;
+    ``generators``: the sampling RNG, which checkpoints save and a resume restores."""
+
+    without_nsp = "ELECTRA has no NSP head"
 
     def __init__(self, cfg: TrainConfig, model: ElectraForPreTraining, device: torch.device, rank: int = 0):
         if cfg.electra is None:
@@ -54,8 +64,17 @@ class ReplacedTokenDetection:
         model.sampler = TokenSampler(self.cfg.temperature, self.cfg.sampling, self.generator)
         self.generators = {SAMPLING_RNG: self.generator}
 
-    def __call__(self, out: ElectraPreTrainingOutput, batch: dict[str, torch.Tensor]) -> ElectraPreTrainingOutput:
-        return combined_loss(self.cfg, out)
+    def __call__(self, out: ElectraPreTrainingOutput, batch: dict[str, torch.Tensor]) -> ObjectiveOutput:
+        out = combined_loss(self.cfg, out)
+        return ObjectiveOutput(out.loss, {"mlm_loss": out.mlm_loss, "disc_loss": out.disc_loss},
+                               {**mlm_counts(out), **disc_counts(out)}, out)
+
+    def eval_sums(self, out: ElectraPreTrainingOutput, batch: dict[str, torch.Tensor]) -> dict:
+        import torch.nn.functional as F
+
+        bce = F.binary_cross_entropy_with_logits(out.discriminator_logits.float(), out.replaced.float(),
+                                                 reduction="none")
+        return {**mlm_eval_sums(out, batch), **disc_counts(out), "disc_loss_sum": (bce * out.real).sum().double()}
 
     @contextlib.contextmanager
     def evaluation(self):
@@ -78,56 +97,7 @@ class ReplacedTokenDetection:
                 f"of width {m.embedding_width}; {c.sampling} sampling at temperature {c.temperature}")
 
 
-def _saved_run_config(load_dir: Path, tag: str) -> dict | None:
-    import yaml
-
-    from bertdist.train.checkpoint import CONFIG_FILE
-
-    path = Path(load_dir) / tag / CONFIG_FILE
-    return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else None
-
-
-def _describe(model) -> str:
-    if not isinstance(model, ElectraConfig):
-        return "a BERT (no electra section)"
-    if not model.has_generator:
-        return f"an ELECTRA discriminator without a generator (embedding_size {model.embedding_width})"
-    return (f"ELECTRA with embedding_size {model.embedding_width}, generator hidden {model.generator_hidden_size}, "
-            f"layers {model.generator_num_hidden_layers}, heads {model.generator_num_attention_heads}, FFN "
-            f"{model.generator_intermediate_size}")
-
-
-def check_checkpoint(cfg: TrainConfig, load_dir: Path, tag: str, mode: str) -> None:
-    """A resume continues the objective it was saved with: the checkpoint's ``electra`` section (none,
-    or every field) must be this config's. A new phase (``checkpoint.init_from``) needs the same
-    model: BERT from BERT, ELECTRA from ELECTRA with the same embedding and generator sizes (the
-    discriminator's are checked with the other architecture fields)."""
-    from bertdist.train.config import model_config_of
-
-    saved = _saved_run_config(load_dir, tag)
-    if saved is None:
-        return
-    where = Path(load_dir) / tag
-    if mode == "resume":
-        theirs, ours = saved.get("electra"), to_dict(cfg.electra) if cfg.electra is not None else None
-        if theirs != ours:
-            raise ConfigError(f"cannot resume from {where}: its electra section differs from this config's "
-                              f"(checkpoint {theirs}, config {ours}); resume with the same electra section, or start "
-                              f"a new phase from it with checkpoint.init_from")
-        return
-    saved_electra = saved.get("electra") is not None or (saved.get("model") or {}).get("model_type") == "electra"
-    if cfg.electra is None and not saved_electra:
-        return  # BERT from BERT: check_compatible compares the shapes
-    try:
-        theirs = model_config_of(saved)
-    except ConfigError as e:
-        raise ConfigError(f"checkpoint.init_from {where}: its saved config does not describe a model: {e}") from None
-    ours = cfg.model_config
-    fields = ("embedding_width", "generator_hidden_size", "generator_num_hidden_layers",
-              "generator_num_attention_heads", "generator_intermediate_size")
-    same = (isinstance(theirs, ElectraConfig) == isinstance(ours, ElectraConfig)
-            and (not isinstance(ours, ElectraConfig)
-                 or all(getattr(theirs, f) == getattr(ours, f) for f in fields)))
-    if not same:
-        raise ConfigError(f"cannot start a new phase from {where}: it holds {_describe(theirs)}, this config trains "
-                          f"{_describe(ours)}; the weights must fit the model (set the electra section to match)")
+def from_config(cfg: TrainConfig, model: ElectraForPreTraining, device: torch.device, rank: int = 0
+                ) -> ReplacedTokenDetection:
+    """The objective of a run with an ``electra`` section (bertdist/train/objective.py: OBJECTIVES)."""
+    return ReplacedTokenDetection(cfg, model, device, rank)

@@ -24,25 +24,21 @@ def build_engine(cfg: TrainConfig, plan: RestorePlan, world_size: int, grad_accu
     resolves ``cfg.model.kernels`` here."""
     import deepspeed
 
-    from bertdist.model import BertForPreTraining
+    from bertdist.model.families import family_of
     from bertdist.train.activation_checkpointing import apply_activation_checkpointing
     from bertdist.train.checkpoint import seed_all
     from bertdist.train.ds_config import build_ds_config
-    from bertdist.train.optim import build_optimizer, build_scheduler
+    from bertdist.train.optim import build_optimizer, build_scheduler, finish_bf16_weights
 
     use_tf32(device_type)
     seed_all(cfg.seed)
-    if cfg.electra is not None:  # generator + discriminator; the objective is applied from outside
-        from bertdist.model.electra import ElectraForPreTraining
-
-        model = ElectraForPreTraining(cfg.model_config, device_type=device_type, kernels=kernels)
-    else:
-        model = BertForPreTraining(cfg.model, device_type=device_type, kernels=kernels)
+    # the family's pretraining model (bertdist/model/families.py); the objective is applied from outside
+    model = family_of(cfg.model_config).build(cfg.model_config, device_type, kernels)
     clips = cfg.optimizer.clips_itself
     if clips:  # it keeps the parameters as views of its own buffer: they must be where they will stay
         model.to(_local_device(device_type))
     optimizer = build_optimizer(model, cfg.optimizer, device_type,
-                                max_grad_norm=cfg.deepspeed.gradient_clipping if clips else 0.0)
+                                max_grad_norm=cfg.deepspeed.gradient_clipping if clips else 0.0, weights=cfg.weights)
     scheduler = build_scheduler(optimizer, cfg.schedule)
     ds_config = build_ds_config(cfg, world_size, grad_accum)
     if plan.universal:
@@ -50,7 +46,8 @@ def build_engine(cfg: TrainConfig, plan: RestorePlan, world_size: int, grad_accu
     apply_activation_checkpointing(model, cfg.deepspeed.activation_checkpointing, ds_config)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=ds_config, dist_init_required=False)
-    if world_size == 1 and cfg.deepspeed.zero_stage == 0:
+    reduces_itself = finish_bf16_weights(optimizer, model, world_size)  # bf16 weights: fp32 masters, fp32 all-reduce
+    if world_size == 1 and cfg.deepspeed.zero_stage == 0 or reduces_itself:
         # Alone, there is nothing to reduce: DeepSpeed would still flatten every gradient into
         # buckets, all-reduce them with itself and copy them back, every step.
         engine.enable_backward_allreduce = False

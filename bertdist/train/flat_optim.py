@@ -36,6 +36,21 @@ either way; ``load_state_dict`` copies the moments back into the flat buffers (a
 ``bf16_copy=True`` keeps a flat bf16 copy of the parameters (``flat_params_bf16``,
 ``bf16_params()``), written by the update kernels in the same pass: no extra launch.
 
+``param_dtype=torch.bfloat16`` makes that copy the model's parameters: bf16 weights (so bf16
+activations, with no cast per forward), fp32 master weights and fp32 gradient accumulation, as
+Megatron-LM keeps them. Each parameter becomes a view of the flat bf16 buffer, which the update
+kernels rewrite from the fp32 masters (``flat_params``, round to nearest even) in their own pass.
+Backward leaves each micro-batch's bf16 gradient in ``.grad`` (views of a flat bf16 buffer);
+``accumulate_grads()`` adds that buffer into the flat fp32 gradient buffer (``p.main_grad`` are
+its views) and zeroes it: 2 launches per micro-batch whatever the number of tensors. Call it after
+each micro-batch's backward (``step`` calls it for the last one): each micro-batch's gradient is
+then rounded to bf16 once and the sum over the micro-batches is fp32. ``reduce_gradients(world)``
+makes ``step`` all-reduce (mean) the fp32 sum over the default process group, in fp32, before the
+norm. ``bind_module(model)`` makes ``model.state_dict()`` hold the fp32 masters (checkpoints and
+exports carry fp32 weights, not their bf16 rounding) and ``model.load_state_dict()`` write them
+(then the parameters are their rounding); write weights only that way, since a write into a bf16
+parameter alone is overwritten from the masters at the next step.
+
 ``kernels`` picks the implementation as ``bertdist.ops.optim_dispatch`` says: ``auto`` (the
 compiled kernels of the parameters' device, else the reference ops), ``fused``, ``reference``,
 ``emulated``. ``chunk_size`` is the kernels' reduction chunk (``flat_layout``); every
@@ -57,7 +72,7 @@ class _FlatOptimizer(Optimizer):
     _run_keys: tuple[str, ...] = ()
 
     def __init__(self, params, defaults: dict, max_grad_norm: float, kernels: str, chunk_size: int,
-                 bf16_copy: bool):
+                 bf16_copy: bool, param_dtype: torch.dtype = torch.float32):
         self._flat_ready = False
         super().__init__(params, defaults)
         self.max_grad_norm = float(max_grad_norm)
@@ -69,7 +84,11 @@ class _FlatOptimizer(Optimizer):
             raise ValueError(f"every parameter must be on one device, got {', '.join(devices)}")
         dtypes = sorted({str(p.dtype) for p in self._params if p.dtype != torch.float32})
         if dtypes:
-            raise ValueError(f"the flat optimizer keeps fp32 parameters; got {', '.join(dtypes)}")
+            raise ValueError(f"the flat optimizer takes fp32 parameters; got {', '.join(dtypes)}")
+        if param_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"param_dtype must be torch.float32 or torch.bfloat16, got {param_dtype}")
+        self.param_dtype = param_dtype
+        self.low_precision = param_dtype == torch.bfloat16
         self.device = self._params[0].device
         self._ops, self.kernel_source = resolve_optim_ops(kernels, self.device.type)
         self._layout = flat_layout([p.numel() for p in self._params], chunk_size)
@@ -79,18 +98,30 @@ class _FlatOptimizer(Optimizer):
         self._flat_grads, self._exp_avg, self._exp_avg_sq = (torch.zeros_like(self._flat_params) for _ in range(3))
         self._spans = self._layout.spans()
         self._flat_params_bf16 = None
+        # bf16 parameters: what backward writes (their .grad), folded into _flat_grads (fp32)
+        self._flat_grads_lp = torch.zeros(n, dtype=param_dtype, device=self.device) if self.low_precision else None
         self._grad_views = []
+        self._masters: dict[int, torch.Tensor] = {}  # id(parameter) -> its fp32 master (a view)
+        self._reduce_world = 1
         with torch.no_grad():
             for p, (a, b) in zip(self._params, self._spans):
                 self._flat_params[a:b].copy_(p.detach().reshape(-1))
-                p.data = self._flat_params[a:b].view(p.shape)
-                view = self._flat_grads[a:b].view(p.shape)
-                if p.grad is not None:
-                    view.copy_(p.grad)
+            if bf16_copy or self.low_precision:
+                self._flat_params_bf16 = self._flat_params.to(torch.bfloat16)
+            model_params = self._flat_params_bf16 if self.low_precision else self._flat_params
+            model_grads = self._flat_grads_lp if self.low_precision else self._flat_grads
+            for p, (a, b) in zip(self._params, self._spans):
+                grad = p.grad
+                p.grad = None  # a grad of the old dtype cannot stay on a parameter of the new one
+                p.data = model_params[a:b].view(p.shape)
+                view = model_grads[a:b].view(p.shape)
+                if grad is not None:
+                    view.copy_(grad)
                 p.grad = view
                 self._grad_views.append(view)
-        if bf16_copy:
-            self._flat_params_bf16 = self._flat_params.to(torch.bfloat16)
+                self._masters[id(p)] = self._flat_params[a:b].view(p.shape)
+                if self.low_precision:
+                    p.main_grad = self._flat_grads[a:b].view(p.shape)
         # group i owns segments _group_bounds[i] .. _group_bounds[i + 1]
         self._group_bounds = [0]
         for g in self.param_groups:
@@ -119,13 +150,17 @@ class _FlatOptimizer(Optimizer):
                                  "exp_avg_sq": self._exp_avg_sq[a:b].view(p.shape)}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        # The saved tensors themselves: torch's loading casts a state's floating tensors to its
+        # parameter's dtype, which would round fp32 moments to bf16 for bf16 parameters.
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        saved = [state_dict["state"].get(i, {}) for i in saved_ids]
         super().load_state_dict(state_dict)
         with torch.no_grad():
             for gi, group in enumerate(self.param_groups):
                 first, steps = self._group_bounds[gi], []
                 for k, p in enumerate(group["params"]):
                     a, b = self._spans[first + k]
-                    st = self.state.get(p, {})
+                    st = saved[first + k]
                     for name, flat in (("exp_avg", self._exp_avg), ("exp_avg_sq", self._exp_avg_sq)):
                         if name in st:
                             flat[a:b].copy_(st[name].reshape(-1))
@@ -140,12 +175,62 @@ class _FlatOptimizer(Optimizer):
         self._bind_state()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zeroes the flat gradient buffer in one fill; the ``.grad`` views stay (``set_to_none`` is
-        ignored: a None gradient would make backward allocate a tensor outside the buffer)."""
+        """Zeroes the flat gradient buffer(s), one fill each; the ``.grad`` views stay (``set_to_none``
+        is ignored: a None gradient would make backward allocate a tensor outside the buffer)."""
         self._flat_grads.zero_()
+        if self._flat_grads_lp is not None:
+            self._flat_grads_lp.zero_()
         for p, view in zip(self._params, self._grad_views):
             if p.grad is not view:
                 p.grad = view
+
+    @torch.no_grad()
+    def accumulate_grads(self) -> None:
+        """bf16 parameters: adds the bf16 gradients of the last backward into the fp32 sum and zeroes
+        them (2 launches); fp32 parameters: nothing to do (their ``.grad`` is the fp32 sum) but bring
+        stray gradients into the buffer."""
+        self._gather_grads()
+        if self._flat_grads_lp is not None:
+            self._flat_grads.add_(self._flat_grads_lp)
+            self._flat_grads_lp.zero_()
+
+    def reduce_gradients(self, world_size: int) -> None:
+        """Makes ``step`` average the fp32 gradient sums of ``world_size`` ranks (one all-reduce over
+        the default process group, in fp32) before the norm; 1: no reduction. For bf16 parameters,
+        whose fp32 sums no data-parallel wrapper sees."""
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self._reduce_world = int(world_size)
+
+    def bind_module(self, module: torch.nn.Module) -> None:
+        """``module.state_dict()`` holds the fp32 masters in place of the parameters, and
+        ``module.load_state_dict()`` writes the masters as well as the parameters (the parameters
+        are then the masters' rounding): checkpoints and exports carry the fp32 weights, and a
+        resume or a new phase continues from them exactly. A no-op for fp32 parameters (they are
+        the masters)."""
+        if not self.low_precision:
+            return
+        # plain functions: torch marks the hooks it is given with an attribute, which a bound method refuses
+        module.register_state_dict_post_hook(lambda *args: self._masters_into_state_dict(*args))
+        module.register_load_state_dict_pre_hook(lambda *args: self._state_dict_into_masters(*args))
+
+    def _named_masters(self, module: torch.nn.Module, prefix: str):
+        for name, p in module.named_parameters(remove_duplicate=False):
+            master = self._masters.get(id(p))
+            if master is not None:
+                yield prefix + name, master
+
+    def _masters_into_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
+        for key, master in self._named_masters(module, prefix):
+            if key in state_dict:
+                state_dict[key] = master.detach()
+
+    @torch.no_grad()
+    def _state_dict_into_masters(self, module, state_dict, prefix, *args) -> None:
+        for key, master in self._named_masters(module, prefix):
+            value = state_dict.get(key)
+            if isinstance(value, torch.Tensor) and value.shape == master.shape:  # else load_state_dict says why
+                master.copy_(value)
 
     def _gather_grads(self) -> None:
         """Brings every gradient into the flat buffer (a no-op for the views backward filled)."""
@@ -173,8 +258,18 @@ class _FlatOptimizer(Optimizer):
 
     @property
     def flat_params(self) -> torch.Tensor:
-        """The fp32 buffer every parameter is a view of."""
+        """The fp32 master weights: the buffer every parameter is a view of (fp32 parameters), or
+        the buffer the bf16 parameters are rounded from."""
         return self._flat_params
+
+    @property
+    def flat_grads(self) -> torch.Tensor:
+        """The fp32 gradient sum the step reads (bf16 parameters: after ``accumulate_grads``)."""
+        return self._flat_grads
+
+    def master_params(self) -> list[torch.Tensor]:
+        """The fp32 master of each parameter (views of ``flat_params``), in param-group order."""
+        return [self._masters[id(p)] for p in self._params]
 
     @property
     def flat_params_bf16(self) -> torch.Tensor | None:
@@ -188,6 +283,12 @@ class _FlatOptimizer(Optimizer):
         if self._flat_params_bf16 is None:
             raise RuntimeError("this optimizer keeps no bf16 copy: construct it with bf16_copy=True")
         return [self._flat_params_bf16[a:b].view(p.shape) for p, (a, b) in zip(self._params, self._spans)]
+
+    def _all_reduce_grads(self) -> None:
+        import torch.distributed as dist
+
+        dist.all_reduce(self._flat_grads)
+        self._flat_grads.div_(self._reduce_world)
 
     @property
     def layout(self) -> FlatLayout:
@@ -224,7 +325,9 @@ class _FlatOptimizer(Optimizer):
     def step(self, closure=None):
         with torch.enable_grad():
             loss = closure() if closure is not None else None
-        self._gather_grads()
+        self.accumulate_grads()
+        if self._reduce_world > 1:
+            self._all_reduce_grads()
         L = self._layout
         _, self._stats = self._ops.grad_norm(self._flat_grads, self._table, L.num_chunks, L.chunk_size,
                                              self.max_grad_norm)
@@ -264,13 +367,13 @@ class FlatLamb(_FlatOptimizer):
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.01,
                  max_coeff: float = 10.0, min_coeff: float = 0.01, max_grad_norm: float = 0.0, *,
                  bias_correction: bool = True, kernels: str = "auto", chunk_size: int = DEFAULT_CHUNK_SIZE,
-                 bf16_copy: bool = False):
+                 bf16_copy: bool = False, param_dtype: torch.dtype = torch.float32):
         _check_common(lr, betas, eps, max_grad_norm)
         if not 0.0 <= min_coeff <= max_coeff:
             raise ValueError(f"need 0 <= min_coeff <= max_coeff, got min_coeff {min_coeff}, max_coeff {max_coeff}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, max_coeff=max_coeff, min_coeff=min_coeff)
-        super().__init__(params, defaults, max_grad_norm, kernels, chunk_size, bf16_copy)
+        super().__init__(params, defaults, max_grad_norm, kernels, chunk_size, bf16_copy, param_dtype)
 
     def _update(self, group, step, bufs, table, layout, wd, bf16):
         b1, b2 = group["betas"]
@@ -288,10 +391,10 @@ class FlatAdamW(_FlatOptimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
                  max_grad_norm: float = 0.0, *, kernels: str = "auto", chunk_size: int = DEFAULT_CHUNK_SIZE,
-                 bf16_copy: bool = False):
+                 bf16_copy: bool = False, param_dtype: torch.dtype = torch.float32):
         _check_common(lr, betas, eps, max_grad_norm)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults, max_grad_norm, kernels, chunk_size, bf16_copy)
+        super().__init__(params, defaults, max_grad_norm, kernels, chunk_size, bf16_copy, param_dtype)
 
     def _update(self, group, step, bufs, table, layout, wd, bf16):
         b1, b2 = group["betas"]

@@ -3,7 +3,8 @@ profile, without starting it (no process group, no GPU, no data read).
 
 ``launch_plan`` returns a JSON-able dict: the resolved config, the batch arithmetic, the DeepSpeed
 JSON, the optimizer and why, the precision of each tensor class, the kernel cases that
-``kernels: auto`` will decide with their candidates, and the memory estimate of ``memory.py``.
+``kernels: auto`` will decide with their candidates, the FLOPs per sequence and the memory estimate
+(``memory.py``), both the model family's (bertdist/model/families.py).
 ``format_launch_plan`` prints it for a person.
 """
 from __future__ import annotations
@@ -12,19 +13,22 @@ import json
 from pathlib import Path
 from typing import Any
 
+import math
+
 from bertdist.config import to_dict
+from bertdist.model.families import family_of
 from bertdist.train.config import TrainConfig, check_batch_sizes
-from bertdist.train.memory import GIB, estimate_memory
-from bertdist.train.precision import precision_policy
+from bertdist.train.memory import GIB
+from bertdist.train.precision import autocast_dtype, precision_policy
 
 
 def _vocab_size(cfg: TrainConfig) -> tuple[int, str]:
     """The vocab size the run would use (the vocab file's), or the config's when the file is absent."""
     path = Path(cfg.data.vocab_file) if cfg.data.vocab_file else None
     if path is not None and path.is_file():
-        from bertdist.data import load_vocab
+        from bertdist.data.vocab import vocab_file_size
 
-        return len(load_vocab(str(path))), f"from {path}"
+        return vocab_file_size(path), f"from {path}"
     where = f"{path} not found" if path is not None else "data.vocab_file not set"
     return cfg.model.vocab_size, f"model.vocab_size ({where}; the run takes the vocab file's size)"
 
@@ -41,7 +45,12 @@ def optimizer_choice(cfg: TrainConfig, profile) -> dict[str, str]:
 def kernel_cases(cfg: TrainConfig, profile) -> dict[str, Any]:
     """The (op, dtype, dropout) cases ``kernels: auto`` decides for this run on ``profile``, each
     with its candidates and, for those that cannot run it there, why."""
-    mode = cfg.model.kernels
+    mode = getattr(cfg.model, "kernels", None)
+    if mode is None:  # a family without bertdist.ops kernels (ModernBERT: model.attention_backend)
+        backend = getattr(cfg.model, "attention_backend", "?")
+        return {"mode": "none", "decides": False, "cases": [],
+                "why": f"the {cfg.model_config.__class__.__name__} model picks its attention with "
+                       f"model.attention_backend ({backend})"}
     if mode != "auto":
         return {"mode": mode, "decides": False, "why": f"kernels={mode} fixes every op", "cases": []}
     if not profile.is_cuda:
@@ -52,7 +61,7 @@ def kernel_cases(cfg: TrainConfig, profile) -> dict[str, Any]:
 
     workload = Workload.for_model(cfg.model, batch=cfg.data.micro_batch_size, seq=cfg.data.max_seq_length,
                                   precision=cfg.deepspeed.precision,
-                                  autocast=precision_policy(cfg.deepspeed.precision).compute != "fp32")
+                                  autocast=autocast_dtype(cfg.deepspeed.precision, cfg.weights) is not None)
     cases = []
     for case in workload.cases("cuda"):
         cands = []
@@ -84,19 +93,31 @@ def launch_plan(cfg: TrainConfig, world_size: int, profile) -> dict[str, Any]:
     cfg = dataclasses.replace(cfg, model=cfg.model.with_vocab(vocab))
     d = cfg.deepspeed
     ds = build_ds_config(cfg, world_size, accum)
-    mem = estimate_memory(cfg.model_config, micro_batch=cfg.data.micro_batch_size, seq=cfg.data.max_seq_length,
-                          precision=d.precision, zero_stage=d.zero_stage, world_size=world_size,
-                          max_predictions=cfg.data.max_predictions_per_seq,
-                          sparse_mlm_head=cfg.model.sparse_mlm_head)
+    model = cfg.model_config
+    family = family_of(model)
+    seq, mask_prob = cfg.data.max_seq_length, cfg.data.mask_prob or 0.15
+    predicted = cfg.data.max_predictions_per_seq or math.ceil(mask_prob * seq)
+    mem = family.estimate_memory(model, micro_batch=cfg.data.micro_batch_size, seq=seq, precision=d.precision,
+                                 zero_stage=d.zero_stage, world_size=world_size,
+                                 max_predictions=cfg.data.max_predictions_per_seq,
+                                 sparse_mlm_head=cfg.model.sparse_mlm_head, mask_prob=mask_prob,
+                                 weights_dtype=cfg.weights)
     memory = mem.to_dict()
     memory["device_memory_gib"] = profile.memory_gib or None
     memory["activation_checkpointing"] = d.activation_checkpointing
-    memory["formula"] = ("weights + fp32 masters (fp16) + bf16 autocast copies (bf16) + gradients + 2 fp32 "
+    memory["formula"] = ("weights + fp32 masters (fp16, bf16 weights) + bf16 autocast copies (bf16 under autocast) + "
+                         "gradients (bf16 weights: bf16 + the fp32 sum) + 2 fp32 "
                          "moments, partitioned by ZeRO; activations per layer s*b*h*(16e+2) + a*s^2*b*(2e+1) "
                          "(e = bytes per activation element), x layers, + MLM head logits; checkpointed: layer "
                          "inputs + one layer (bertdist/train/memory.py)")
-    model = cfg.model_config
-    model_row = {"type": "bert", "layers": model.num_hidden_layers, "hidden_size": model.hidden_size}
+    forward = family.flops(model, seq, predicted if cfg.model.sparse_mlm_head else None)
+    flops = {"seq": seq, "predicted": predicted if cfg.model.sparse_mlm_head else seq, "forward": forward,
+             "train_per_sequence": 3 * forward["total"],
+             "train_per_step": 3 * forward["total"] * cfg.data.global_batch_size,
+             "note": "per sequence of max_seq_length tokens (a full one); training = 3 x forward; "
+                     "bertdist/model/flops.py has the formulas"}
+    model_row = {"type": family.name, "layers": model.num_hidden_layers, "hidden_size": model.hidden_size,
+                 "parameters": mem.parameters, **{k: getattr(model, k) for k in family.plan_fields}}
     if cfg.electra is not None:  # the resolved generator sizes, which the recipe may give as a ratio
         model_row.update(type="electra", embedding_size=model.embedding_width,
                          generator={"layers": model.generator_num_hidden_layers,
@@ -113,8 +134,9 @@ def launch_plan(cfg: TrainConfig, world_size: int, profile) -> dict[str, Any]:
                   "grad_accum": accum, "world_size": world_size},
         "ds_config": ds,
         "optimizer": {"name": cfg.optimizer.name, **optimizer_choice(cfg, profile)},
-        "precision": precision_policy(d.precision, profile.type).to_dict(),
+        "precision": precision_policy(d.precision, profile.type, cfg.weights).to_dict(),
         "kernels": kernel_cases(cfg, profile),
+        "flops": flops,
         "memory": memory,
     }
 
@@ -138,6 +160,16 @@ def format_launch_plan(plan: dict[str, Any]) -> str:
         lines += [f"model: ELECTRA: discriminator {mr['layers']} x {mr['hidden_size']}, generator {g['layers']} x "
                   f"{g['hidden_size']} ({g['heads']} heads, FFN {g['intermediate_size']}), shared embeddings of width "
                   f"{mr['embedding_size']}", ""]
+    elif mr["type"] == "modernbert":
+        lines += [f"model: ModernBERT {mr['layers']} x {mr['hidden_size']}, context {mr['max_position_embeddings']}, "
+                  f"local window {mr['local_attention']} (global every {mr['global_attn_every_n_layers']} layers), "
+                  f"RoPE θ global {mr['global_rope_theta']:g} / local {mr['local_rope_theta']:g}, attention "
+                  f"{mr['attention_backend']}", ""]
+    f = plan["flops"]
+    parts = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in f["forward"].items() if k != "total")
+    lines += [f"FLOPs per sequence of {f['seq']} tokens ({f['predicted']} predicted): forward "
+              f"{f['forward']['total'] / 1e9:.2f} GFLOP ({parts}), training {f['train_per_sequence'] / 1e12:.3f} "
+              f"TFLOP; per step {f['train_per_step'] / 1e15:.2f} PFLOP", ""]
     lines += [f"batch: global {b['global']} = micro {b['micro']} x accumulation {b['grad_accum']} x world "
               f"{b['world_size']}", "",
               f"optimizer: {o['name']} -> {o['implementation']} ({o['why']})", "",

@@ -22,6 +22,18 @@ token), ``cu_seqlens`` (int32 [B + 1]), ``max_seqlen`` (a 0-d host tensor; ``bat
 hands it to the model as an int) and ``masked_positions`` (the flat positions with a label,
 ascending). The loader knows them when it collates; computed on the device they cost host syncs.
 
+Packed records (``records.packing`` in the manifest: several documents a row, each framed
+[CLS] ... [SEP], their lengths in the ``document_lengths`` column). ``cu_seqlens`` are the
+boundaries of the attention segments, in packed-token order: one segment per row for ordinary
+records, one per document for packed ones; ``max_seqlen`` is the longest segment, and positions
+restart at every segment (the model derives them from ``cu_seqlens``). Only a model that attends
+within each segment may train on packed rows: the loader refuses them unless it is told so
+(``document_attention=True``), since BERT's model (learned positions over the whole row,
+attention over the whole row) would mix documents. Dynamic masking never picks a [CLS], [SEP] or
+padding position, and a random replacement of a tokenizer.json or packed build draws from the
+vocabulary without its special tokens (``vocab.special_ids``); records of a WordPiece vocab.txt
+keep BERT's draw over the whole vocabulary, so their masks are unchanged.
+
 Memory: one or two windows of shards are held as flat numpy arrays (the
 columns of the parquet shards, zero-copy where possible).
 """
@@ -36,7 +48,8 @@ import numpy as np
 import torch
 
 from bertdist.config import ConfigError
-from bertdist.data.masking import resolve_masking_mode
+from bertdist.data.masking import default_max_predictions, resolve_masking_mode
+from bertdist.data.records import DOCUMENT_LENGTHS
 from bertdist.model.config import IGNORE_INDEX
 from bertdist.train.config import LoaderConfig
 from bertdist.train.masking import SpecialIds, dynamic_mask, pad_rows, special_ids_from_manifest, static_labels
@@ -105,6 +118,22 @@ class _Window:
         self.mids, _ = flat_list("masked_lm_ids")
         self.mpos_len = np.diff(np.append(self.mpos_start, len(self.mpos)))
         self.rows = len(self.tok_start)
+        self.packed = bool(tables) and DOCUMENT_LENGTHS in tables[0].column_names
+        if self.packed:  # each row's document lengths: doc_lens[doc_start[r] : doc_start[r] + doc_count[r]]
+            self.doc_lens, self.doc_start = flat_list(DOCUMENT_LENGTHS)
+            self.doc_lens = self.doc_lens.astype(np.int64)
+            self.doc_count = np.diff(np.append(self.doc_start, len(self.doc_lens)))
+            per_row = np.add.reduceat(self.doc_lens, self.doc_start) if len(self.doc_lens) else np.zeros(0, np.int64)
+            if self.doc_count.min(initial=1) < 1 or not np.array_equal(per_row, self.tok_len):
+                bad = int(np.flatnonzero((self.doc_count < 1) | (per_row != self.tok_len))[0])
+                raise ValueError(f"packed row {bad}: document_lengths add up to {int(per_row[bad])}, the row holds "
+                                 f"{int(self.tok_len[bad])} tokens")
+
+    def document_lengths(self, rows: np.ndarray) -> np.ndarray:
+        """The lengths of the documents of ``rows``, row by row in that order."""
+        counts = self.doc_count[rows]
+        starts = np.repeat(self.doc_start[rows] - np.cumsum(counts) + counts, counts)
+        return self.doc_lens[starts + np.arange(int(counts.sum()))]
 
 
 def records_masking_mode(cfg: LoaderConfig, fmt: dict) -> str:
@@ -121,11 +150,13 @@ class PretrainingLoader:
 
     def __init__(self, source: RecordSource, cfg: LoaderConfig, *, rank: int, world_size: int, grad_accum: int,
                  continuation: np.ndarray | None = None, mask_seed: int | None = None,
-                 pin_device: torch.device | None = None):
+                 pin_device: torch.device | None = None, document_attention: bool = False):
         """``continuation``: bool[V] "##" table (``bertdist.data.continuation_mask``), for whole-word masking.
         ``pin_device``: a CUDA device the batches are bound for; they are then collated into pinned
         (page-locked) memory, in the prefetch thread, so ``.to(device, non_blocking=True)`` is a real
-        asynchronous copy (from pageable memory it is not)."""
+        asynchronous copy (from pageable memory it is not).
+        ``document_attention``: the model attends within each ``cu_seqlens`` segment and restarts
+        positions there (ModernBERT); packed records are refused without it."""
         self.source, self.cfg, self.rank, self.world = source, cfg, rank, world_size
         self.pin_device = pin_device if pin_device is not None and pin_device.type == "cuda" else None
         self.accum, self.micro = grad_accum, cfg.micro_batch_size
@@ -141,15 +172,43 @@ class PretrainingLoader:
             # their input_ids already hold [MASK] and random ids: masking them again would train on those
             raise ConfigError(f"data.masking=dynamic but the records of {where} are already masked (masking: static); "
                               "build unmasked records (masking: dynamic) or set data.masking to auto or static")
+        self.packed = bool((fmt.get("packing") or {}).get("documents"))
+        if self.packed and not document_attention:
+            raise ConfigError(
+                f"the records of {where} are packed (records.packing: several documents a row, each [CLS] ... "
+                f"[SEP], column {DOCUMENT_LENGTHS}; format_version {source.manifest.get('format_version')}), and this "
+                "model does not attend within documents: BERT's learned absolute positions would run across "
+                "the documents of a row and its attention would mix them. Train a model with per-document "
+                "attention (ModernBERT) on them, or build unpacked records (pack_documents: false)")
         self.dynamic = cfg.masking == "dynamic" or fmt["masking"] == "dynamic"
-        self.mask_prob = cfg.mask_prob if cfg.mask_prob is not None else float(fmt.get("masked_lm_prob", 0.15))
-        self.max_predictions = (cfg.max_predictions_per_seq if cfg.max_predictions_per_seq is not None
-                                else int(fmt.get("max_predictions_per_seq", 20)))
+        built_prob = float(fmt.get("masked_lm_prob", 0.15))
+        self.mask_prob = cfg.mask_prob if cfg.mask_prob is not None else built_prob
+        # unset: the manifest's, which was made for the build's rate; at another rate the cap follows
+        # that rate (ceil(rate x length): 30% of 8,192 would otherwise be cut to a 15% build's cap)
+        if cfg.max_predictions_per_seq is not None:
+            self.max_predictions = cfg.max_predictions_per_seq
+        elif self.mask_prob != built_prob:
+            self.max_predictions = default_max_predictions(self.mask_prob, cfg.max_seq_length)
+        else:
+            self.max_predictions = int(fmt.get("max_predictions_per_seq", 20))
         self.vocab_size = int(source.manifest["vocab"]["size"])
+        # random replacements: the vocabulary without its special tokens, for builds that list them
+        # (tokenizer.json: ModernBERT's has dozens); a WordPiece vocab.txt's draw over all ids, as BERT
+        special_ids = source.manifest["vocab"].get("special_ids")
+        self.replace_ids = None
+        if special_ids is not None or self.packed:
+            from bertdist.data.tokenizer_file import replacement_ids
+
+            self.replace_ids = replacement_ids(
+                self.vocab_size, set(special_ids or ()) | set(source.manifest["special_token_ids"].values()))
         self.special = special_ids_from_manifest(source.manifest["special_token_ids"])
         self.masking_mode = records_masking_mode(cfg, fmt)
         if self.masking_mode != "token" and self.dynamic and continuation is None:
-            raise ValueError(f"masking_mode {self.masking_mode!r} needs the vocab's continuation table ('##' pieces)")
+            vocab = source.manifest["vocab"]
+            raise ConfigError(f"masking_mode {self.masking_mode!r} needs word boundaries (the vocab's continuation "
+                              f"table, '##' pieces), and none was given for the records of {where} (vocab "
+                              f"{vocab.get('kind', 'wordpiece')} {vocab.get('path')}, word boundaries: "
+                              f"{vocab.get('word_boundaries', True)}); set data.masking_mode: token")
         self.continuation = continuation if self.masking_mode != "token" else None
         # None in the config: the manifest's split (BERT's 80/10/10 for records that predate the keys)
         self.mask_replace_prob = float(cfg.mask_replace_prob if cfg.mask_replace_prob is not None
@@ -221,7 +280,7 @@ class PretrainingLoader:
             ids, labels = dynamic_mask(ids, lens, self.special, self.vocab_size, rng, self.mask_prob,
                                        self.max_predictions, self.continuation, mode=self.masking_mode,
                                        mask_replace_prob=self.mask_replace_prob,
-                                       random_replace_prob=self.random_replace_prob)
+                                       random_replace_prob=self.random_replace_prob, replace_ids=self.replace_ids)
         else:
             labels = np.concatenate([
                 static_labels((len(r), width), w.mpos, w.mids, w.mpos_start[r], w.mpos_len[r]) for w, r in parts
@@ -231,7 +290,8 @@ class PretrainingLoader:
             "attention_mask": torch.from_numpy(attention),
             "token_type_ids": torch.from_numpy(token_type),
             "labels": torch.from_numpy(labels),
-            **packing(attention, lens, labels),
+            **packing(attention, lens, labels,
+                      np.concatenate([w.document_lengths(r) for w, r in parts]) if self.packed else None),
         }
         if self.has_nsp:
             nsp = np.concatenate([w.nsp[r] for w, r in parts])
@@ -279,14 +339,19 @@ class PretrainingLoader:
 HOST_INTS = ("max_seqlen",)
 
 
-def packing(attention: np.ndarray, lens: np.ndarray, labels: np.ndarray) -> dict[str, torch.Tensor]:
+def packing(attention: np.ndarray, lens: np.ndarray, labels: np.ndarray,
+            segments: np.ndarray | None = None) -> dict[str, torch.Tensor]:
     """The packing of a right-padded [B, S] batch whose rows hold ``lens`` real tokens (see the
-    module docstring)."""
-    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    module docstring). ``segments``: the attention segments' lengths in packed-token order (the
+    documents of packed rows; they add up to ``lens``), None for one segment a row."""
+    seg = lens if segments is None else segments
+    if segments is not None and int(segments.sum()) != int(lens.sum()):
+        raise ValueError(f"the segments hold {int(segments.sum())} tokens, the rows {int(lens.sum())}")
+    cu = np.concatenate([[0], np.cumsum(seg)]).astype(np.int32)
     return {
         "token_index": torch.from_numpy(np.flatnonzero(attention.reshape(-1)).astype(np.int64)),
         "cu_seqlens": torch.from_numpy(cu),
-        "max_seqlen": torch.tensor(int(lens.max()) if len(lens) else 0, dtype=torch.int64),
+        "max_seqlen": torch.tensor(int(seg.max()) if len(seg) else 0, dtype=torch.int64),
         "masked_positions": torch.from_numpy(np.flatnonzero(labels.reshape(-1) != IGNORE_INDEX).astype(np.int64)),
     }
 
@@ -342,7 +407,8 @@ def _prefetch(gen, depth: int):
 
 
 def eval_batches(source: RecordSource, cfg: LoaderConfig, continuation: np.ndarray | None, *, rank: int, world_size: int,
-                 micro_batch_size: int, max_sequences: int, seed: int) -> list[dict[str, torch.Tensor]]:
+                 micro_batch_size: int, max_sequences: int, seed: int,
+                 document_attention: bool = False) -> list[dict[str, torch.Tensor]]:
     """This rank's share of the held-out set (file order), masked with fixed seeded masks.
 
     The first ``max_sequences`` rows are cut into micro-batches; batch ``i`` goes to rank
@@ -351,7 +417,7 @@ def eval_batches(source: RecordSource, cfg: LoaderConfig, continuation: np.ndarr
     """
     ecfg = dataclasses.replace(cfg, micro_batch_size=1, global_batch_size=1, prefetch_steps=0)
     loader = PretrainingLoader(source, ecfg, rank=0, world_size=1, grad_accum=1, continuation=continuation,
-                               mask_seed=seed)
+                               mask_seed=seed, document_attention=document_attention)
     total = min(max_sequences, loader.num_rows)
     tables, have = [], 0
     for i in range(len(source.shards)):

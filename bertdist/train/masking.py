@@ -62,8 +62,13 @@ def dynamic_mask(
     mode: str | None = None,
     mask_replace_prob: float = 0.8,
     random_replace_prob: float = 0.1,
+    replace_ids: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Mask ``input_ids`` [B, S] in place; returns (input_ids, labels) with labels = IGNORE_INDEX where not predicted.
+
+    ``replace_ids``: the ids a random replacement draws from (None: every id below ``vocab_size``,
+    as BERT); the draws are the same either way, ``replace_ids[draw]`` with ``len(replace_ids)``
+    for ``vocab_size``.
 
     The oracle's rules (``bertdist.data.masking``): budget ``min(max_predictions, max(1, round(len * p)))``
     with ``len`` counting [CLS]/[SEP]; words are visited in the order of their ``noise`` draw and one
@@ -120,7 +125,10 @@ def dynamic_mask(
     input_ids[to_mask] = special.mask
     n_rand = int(to_random.sum())
     if n_rand:
-        input_ids[to_random] = rng.integers(0, vocab_size, n_rand)
+        if replace_ids is None:
+            input_ids[to_random] = rng.integers(0, vocab_size, n_rand)
+        else:
+            input_ids[to_random] = replace_ids[rng.integers(0, len(replace_ids), n_rand)]
     return input_ids, labels
 
 

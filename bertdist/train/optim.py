@@ -24,6 +24,8 @@ recipe: 6e-3 (phase 1) / 4e-3 (phase 2), poly decay with power 0.5.
 """
 from __future__ import annotations
 
+import math
+
 import os
 import warnings
 
@@ -161,11 +163,14 @@ def param_groups(model: torch.nn.Module, cfg: OptimizerConfig) -> list[dict]:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device_type: str,
-                    profile: DeviceProfile | None = None, max_grad_norm: float = 0.0) -> torch.optim.Optimizer:
+                    profile: DeviceProfile | None = None, max_grad_norm: float = 0.0,
+                    weights: str = "fp32") -> torch.optim.Optimizer:
     """The optimizer ``optimizer_choice`` picks on ``profile`` (default: this machine's
     ``device_type`` device), DeepSpeed's op built first; a fallback is warned about, naming why.
     ``max_grad_norm``: the clipping of an optimizer that clips by itself (``clips_itself``);
-    such an optimizer holds the parameters where they are now, so the model must be on its device."""
+    such an optimizer holds the parameters where they are now, so the model must be on its device.
+    ``weights`` "bf16" (``TrainConfig.weights``): the flat optimizer makes the parameters bf16 and
+    keeps fp32 masters (``flat_optim``); ``finish_bf16_weights`` completes it once the engine exists."""
     profile = profile or for_device_type(device_type)
     choice, why = optimizer_choice(cfg, profile, build=True)
     if cfg.implementation == "auto" and profile.is_cuda and choice == TORCH_LAMB:
@@ -175,11 +180,15 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device_type: s
     if choice in (FLAT_LAMB, FLAT_ADAMW):
         from bertdist.train.flat_optim import FlatAdamW, FlatLamb
 
+        dtype = torch.bfloat16 if weights == "bf16" else torch.float32
         if choice == FLAT_LAMB:
             return FlatLamb(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                            max_coeff=cfg.lamb_max_coeff, min_coeff=cfg.lamb_min_coeff, max_grad_norm=max_grad_norm)
+                            max_coeff=cfg.lamb_max_coeff, min_coeff=cfg.lamb_min_coeff, max_grad_norm=max_grad_norm,
+                            param_dtype=dtype)
         return FlatAdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                         max_grad_norm=max_grad_norm)
+                         max_grad_norm=max_grad_norm, param_dtype=dtype)
+    if weights != "fp32":
+        raise ValueError(f"weights {weights!r} needs the flat optimizer (got {choice})")
     if choice == FUSED_LAMB:
         from deepspeed.ops.lamb import FusedLamb
 
@@ -199,16 +208,30 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device_type: s
                              fused=choice == TORCH_FUSED_ADAMW)
 
 
+def finish_bf16_weights(optimizer, model: torch.nn.Module, world_size: int) -> bool:
+    """For bf16 weights, once DeepSpeed's engine is built: the module's state dict holds the fp32
+    masters, and the optimizer all-reduces the fp32 gradient sums itself. Returns whether it does
+    (then DeepSpeed's all-reduce, of the bf16 ``.grad`` of the last micro-batch only, must be off)."""
+    if not getattr(optimizer, "low_precision", False):
+        return False
+    optimizer.bind_module(model)
+    optimizer.reduce_gradients(world_size)
+    return True
+
+
 class WarmupDecay:
     """LR multiplier for step ``s`` (0-based count of completed optimizer steps).
 
     A class rather than a closure so that ``LambdaLR.state_dict`` saves it.
     """
 
-    def __init__(self, warmup: int, total: int, decay: str, power: float, min_ratio: float):
+    def __init__(self, warmup: int, total: int, decay: str, power: float, min_ratio: float,
+                 decay_steps: int = 0, shape: str = "1-sqrt"):
         if warmup >= total and decay != "constant":
             raise ConfigError(f"schedule: warmup ({warmup} steps) must be shorter than total_steps ({total})")
         self.warmup, self.total, self.decay, self.power, self.min_ratio = warmup, total, decay, power, min_ratio
+        # wsd (warmup-stable-decay): the peak until total - decay_steps, then ``shape`` down to min_ratio
+        self.decay_steps, self.shape = decay_steps, shape
 
     def __call__(self, step: int) -> float:
         s = step + 1  # the lr used by the (step+1)-th update: warmup never uses lr 0
@@ -216,6 +239,8 @@ class WarmupDecay:
             return s / self.warmup
         if self.decay == "constant":
             return 1.0
+        if self.decay == "wsd":
+            return self._wsd(s)
         frac = min(1.0, (s - self.warmup) / max(1, self.total - self.warmup))
         if self.decay == "linear":
             mult = 1.0 - frac
@@ -223,7 +248,17 @@ class WarmupDecay:
             mult = (1.0 - frac) ** self.power
         return self.min_ratio + (1.0 - self.min_ratio) * mult
 
+    def _wsd(self, s: int) -> float:
+        """The stable peak, then the decay over the last ``decay_steps`` updates: the update at
+        total - decay_steps is the last at the peak, the one at total reaches min_ratio."""
+        if not self.decay_steps:  # no decay in this phase: the trapezoid's plateau
+            return 1.0
+        frac = min(1.0, max(0.0, (s - (self.total - self.decay_steps)) / self.decay_steps))
+        mult = 1.0 - (math.sqrt(frac) if self.shape == "1-sqrt" else frac)
+        return self.min_ratio + (1.0 - self.min_ratio) * mult
+
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    fn = WarmupDecay(cfg.resolved_warmup_steps, cfg.total_steps, cfg.decay, cfg.poly_power, cfg.min_lr_ratio)
+    fn = WarmupDecay(cfg.resolved_warmup_steps, cfg.total_steps, cfg.decay, cfg.poly_power, cfg.min_lr_ratio,
+                     cfg.decay_steps, cfg.decay_shape)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)

@@ -11,14 +11,12 @@ from pathlib import Path
 from typing import Literal
 
 from bertdist.config import ConfigError, to_dict
+from bertdist.model.families import arch_mismatches
 from bertdist.train.checkpoint import LATEST, latest_tag, read_checkpoint_state, resolve_checkpoint, saved_tags
 from bertdist.train.config import TrainConfig
 from bertdist.train.precision import precision_policy
 from bertdist.train.state import TrainerState
 
-# Model fields that change the weights' shapes; a resume with any of them changed is refused.
-ARCH_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-               "max_position_embeddings", "type_vocab_size")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,12 +31,10 @@ class RestorePlan:
 
 
 def check_compatible(saved: TrainerState, cfg: TrainConfig, what: str) -> None:
-    """Refuse a checkpoint whose shapes (and, for a resume, optimizer, precision, schedule) differ."""
-    problems = []
-    for k in ARCH_FIELDS:
-        a, b = saved.model.get(k), getattr(cfg.model, k)
-        if a != b:
-            problems.append(f"model.{k}: checkpoint {a}, config {b}")
+    """Refuse a checkpoint whose model (its family's architecture fields: bertdist/model/families.py;
+    a new phase may change the family's ``phase_fields``) and, for a resume, optimizer, precision,
+    schedule differ."""
+    problems = arch_mismatches(saved.model, cfg.model, new_phase=what != "resume")
     if what == "resume":
         for key, theirs, ours in (("optimizer", saved.optimizer, cfg.optimizer.name),
                                   ("zero_stage", saved.zero_stage, cfg.deepspeed.zero_stage),
@@ -55,8 +51,8 @@ def check_compatible(saved: TrainerState, cfg: TrainConfig, what: str) -> None:
                                 f"config {ours!r}")
     if _bf16_weights(saved) and (what == "resume" or cfg.checkpoint.init_load_optimizer):
         problems.append("precision: the checkpoint holds bf16 weights and DeepSpeed's bf16 optimizer wrapper state; "
-                        "bertdist's bf16 trains fp32 weights under autocast (bertdist/train/precision.py), which "
-                        "cannot load that optimizer state (checkpoint.init_from with init_load_optimizer=false "
+                        "bertdist's bf16 keeps fp32 weights, or fp32 masters in its own optimizer "
+                        "(bertdist/train/precision.py), which cannot load that optimizer state (checkpoint.init_from with init_load_optimizer=false "
                         "loads the weights)")
     if problems:
         raise ConfigError(
@@ -134,7 +130,7 @@ def new_state(cfg: TrainConfig, world_size: int, grad_accum: int) -> TrainerStat
         step=0, phase=cfg.phase, phases=[{"phase": cfg.phase, "init_from": None, "init_step": None}],
         loader={"epoch": 0, "position": 0}, world_size=world_size, model=to_dict(cfg.model),
         optimizer=cfg.optimizer.name, zero_stage=cfg.deepspeed.zero_stage, precision=cfg.deepspeed.precision,
-        weights=precision_policy(cfg.deepspeed.precision).weights,
+        weights=precision_policy(cfg.deepspeed.precision, weights=cfg.weights).weights,
         seed=cfg.seed, micro_batch_size=cfg.data.micro_batch_size, global_batch_size=cfg.data.global_batch_size,
         grad_accum=grad_accum, schedule={"lr": cfg.optimizer.lr, **to_dict(cfg.schedule)})
 

@@ -19,7 +19,8 @@ from typing import Any, Sequence
 import torch
 from torch.profiler import record_function
 
-from bertdist.model import IGNORE_INDEX, BertConfig, ElectraConfig, train_flops_per_sequence
+from bertdist.model import BertConfig
+from bertdist.model.families import family_of
 from bertdist.train.loader import batch_to_device
 
 
@@ -88,6 +89,7 @@ def clip_gradients(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
 
 
 # Per-step sums: losses are averaged over the accumulation steps on each rank, everything else counts.
+# An objective (bertdist/train/objective.py) fills the loss parts and counts it has.
 STEP_FIELDS = ("loss", "mlm_loss", "nsp_loss", "mlm_correct", "mlm_count", "nsp_correct", "nsp_count",
                "real_tokens", "padded_tokens", "sequences", "flops", "nonfinite", "stop", "mlm_kl", "hidden_cos",
                "disc_loss", "disc_correct", "disc_count", "replaced_count", "grad_norm")
@@ -95,23 +97,6 @@ STEP_FIELDS = ("loss", "mlm_loss", "nsp_loss", "mlm_correct", "mlm_count", "nsp_
 DISTILL_FIELDS = ("mlm_kl", "hidden_cos")
 EVAL_FIELDS = ("mlm_loss_sum", "mlm_correct", "mlm_count", "nsp_correct", "nsp_count", "nsp_loss_sum",
                "disc_loss_sum", "disc_correct", "disc_count", "replaced_count")
-
-
-def batch_stats(out, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """MLM and NSP (or SOP) correct/count of one micro-batch, as device tensors (no sync). ELECTRA
-    (bertdist/model/electra.py): MLM is the generator's; no NSP; the discriminator's correct,
-    count (real tokens) and replaced tokens."""
-    labels = out.mlm_labels
-    keep = labels != IGNORE_INDEX
-    stats = {"mlm_correct": ((out.prediction_logits.argmax(-1) == labels) & keep).sum(), "mlm_count": keep.sum()}
-    if "next_sentence_label" in mb and out.seq_relationship_logits is not None:
-        stats["nsp_correct"] = (out.seq_relationship_logits.argmax(-1) == mb["next_sentence_label"]).sum()
-        stats["nsp_count"] = mb["next_sentence_label"].numel()
-    if getattr(out, "discriminator_logits", None) is not None:
-        stats["disc_correct"] = (((out.discriminator_logits > 0) == out.replaced) & out.real).sum()
-        stats["disc_count"] = out.real.sum()
-        stats["replaced_count"] = out.replaced.sum()
-    return stats
 
 
 @dataclasses.dataclass
@@ -125,7 +110,8 @@ class StepRunner:
     model: BertConfig
     # DeepSpeed computes no global gradient norm for fp32 without ZeRO: then we do, and clip with it.
     own_grad_norm: bool
-    # (output, batch) -> output with the loss to train on, from outside the model (general distillation)
+    # the objective (bertdist/train/objective.py): the model's output -> the loss, its parts and counts;
+    # None: masked LM (+ NSP)
     objective: Any = None
     # With own_grad_norm: the max norm we clip to (DeepSpeed's gradient_clipping is 0 then; ds_config.py)
     clip: float = 0.0
@@ -140,23 +126,29 @@ class StepRunner:
 
         by_optimizer = cfg.optimizer.clips_itself
         own = trainer_clips(cfg.deepspeed.precision, cfg.deepspeed.zero_stage) and not by_optimizer
+        if objective is None:
+            from bertdist.train.objective import MaskedLM
+
+            objective = MaskedLM(cfg)
         return cls(engine, device, grad_accum, cfg.deepspeed.precision, cfg.model_config, own_grad_norm=own,
                    objective=objective, clip=cfg.deepspeed.gradient_clipping if own else 0.0,
                    optimizer_norm=by_optimizer)
 
     def __post_init__(self):
         self.params = list({id(p): p for p in self.engine.module.parameters()}.values())
-        d, v = self.model.hidden_size, self.model.vocab_size
-        self.head_flops = 3 * 2 * (d * d + d * v)  # training FLOPs of the MLM head per predicted position
-        if isinstance(self.model, ElectraConfig):  # the generator's head: its hidden size to the embeddings, then V
-            e, h = self.model.embedding_width, self.model.generator_hidden_size
-            self.head_flops = 3 * 2 * (h * e + e * v)
+        self.family = family_of(self.model)
+        if self.objective is None:
+            from bertdist.train.objective import MaskedLM
+
+            self.objective = MaskedLM(_ModelOnly(self.model))
+
+    def forward(self, mb: dict[str, torch.Tensor]):
+        """The objective's output for one micro-batch already on the device."""
+        return self.objective(self.engine(**self.family.model_inputs(mb)), mb)
 
     def flops(self, mb: dict[str, torch.Tensor], mlm_count) -> torch.Tensor | float:
-        n_seq, width = mb["input_ids"].shape
-        if self.model.sparse_mlm_head:  # FLOPs are linear in the number of predicted positions
-            return n_seq * train_flops_per_sequence(self.model, width, 0) + self.head_flops * mlm_count.double()
-        return n_seq * train_flops_per_sequence(self.model, width)
+        """The micro-batch's training FLOPs, the family's count (bertdist/model/families.py)."""
+        return self.family.train_flops_of_batch(self.model, mb, mlm_count)
 
 
 @dataclasses.dataclass
@@ -177,21 +169,22 @@ class PendingStep:
     engine_grad_norm: float | None  # DeepSpeed's own (fp16, ZeRO), already on the host; else in sums
 
 
-def _accumulate(r: StepRunner, sums: DeviceSums, out, mb: dict[str, torch.Tensor]) -> None:
-    lv = out.loss.detach().float()
-    values = {"loss": lv / r.grad_accum, "mlm_loss": out.mlm_loss.detach().float() / r.grad_accum}
-    if out.nsp_loss is not None:
-        values["nsp_loss"] = out.nsp_loss.detach().float() / r.grad_accum
-    if getattr(out, "disc_loss", None) is not None:
-        values["disc_loss"] = out.disc_loss.detach().float() / r.grad_accum
-    for name in DISTILL_FIELDS:
-        if getattr(out, name, None) is not None:
-            values[name] = getattr(out, name).detach().double() / r.grad_accum
-    stats = batch_stats(out, mb)
-    values.update(stats)
+@dataclasses.dataclass(frozen=True)
+class _ModelOnly:
+    """What ``MaskedLM`` reads of a config, for a runner built from a model config alone."""
+
+    model_config: Any
+
+
+def _accumulate(r: StepRunner, sums: DeviceSums, res, mb: dict[str, torch.Tensor]) -> None:
+    """Add one micro-batch's ``ObjectiveOutput`` (its loss, parts and counts) and the batch's sizes."""
+    lv = res.loss.detach().float()
+    values = {"loss": lv / r.grad_accum}
+    values.update({name: part.detach().float() / r.grad_accum for name, part in res.parts.items()})
+    values.update(res.counts)
     n_seq, width = mb["input_ids"].shape
     values.update(real_tokens=mb["attention_mask"].sum(), padded_tokens=n_seq * width, sequences=n_seq,
-                  flops=r.flops(mb, stats["mlm_count"]), nonfinite=~torch.isfinite(lv))
+                  flops=r.flops(mb, res.counts["mlm_count"]), nonfinite=~torch.isfinite(lv))
     sums.add_all(values)
 
 
@@ -218,13 +211,13 @@ def launch_step(r: StepRunner, micro_batches: list[dict[str, torch.Tensor]], sto
         last = i == r.grad_accum - 1
         mb = batch_to_device(mb, r.device)
         with record_function(REGIONS[0]):
-            out = engine(**mb)
-            if r.objective is not None:
-                out = r.objective(out, mb)
+            res = r.forward(mb)
         with torch.no_grad(), record_function(REGIONS[1]):
-            _accumulate(r, sums, out, mb)
+            _accumulate(r, sums, res, mb)
         with record_function(REGIONS[2]):
-            engine.backward(out.loss)
+            engine.backward(res.loss)
+            if r.optimizer_norm and not last:  # bf16 weights: this micro-batch's gradients into the fp32 sum
+                engine.optimizer.accumulate_grads()
         with record_function(REGIONS[3]):
             if last and r.own_grad_norm:  # gradients are reduced by now
                 sums.add("grad_norm", clip_gradients(r.params, r.clip).double())
@@ -293,34 +286,27 @@ def step_metrics(res: StepResult, seconds: float, world_size: int, peak_flops: f
 
 
 @torch.no_grad()
-def evaluate(engine, batches: list[dict[str, torch.Tensor]], device: torch.device,
-             objective=None) -> dict[str, float]:
+def evaluate(engine, batches: list[dict[str, torch.Tensor]], device: torch.device, objective=None,
+             model=None) -> dict[str, float]:
     """Held-out MLM loss / accuracy and NSP (or SOP) accuracy and loss, summed over all ranks; for
     ELECTRA the generator's MLM and the discriminator's loss, accuracy and replaced-token rate, with
-    replacements drawn inside ``objective.evaluation()`` (a fixed seed per evaluation)."""
+    replacements drawn inside ``objective.evaluation()`` (a fixed seed per evaluation). The sums
+    are the objective's (``eval_sums``; None: masked LM); ``model``: the model config, whose family
+    says how the model takes a batch (None: the module's ``config``, else as it is)."""
     import contextlib
 
-    import torch.nn.functional as F
+    from bertdist.train.objective import mlm_eval_sums
 
+    module = getattr(engine, "module", engine)
+    config = model if model is not None else getattr(module, "config", None)
+    inputs = family_of(config).model_inputs if config is not None else (lambda mb: mb)
+    eval_sums = getattr(objective, "eval_sums", mlm_eval_sums)
     engine.eval()
     sums = DeviceSums(EVAL_FIELDS, device)
     with getattr(objective, "evaluation", contextlib.nullcontext)():
         for mb in batches:
             mb = batch_to_device(mb, device)
-            out = engine(**mb)
-            logits = out.prediction_logits.float()
-            sums.add("mlm_loss_sum", F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                     out.mlm_labels.reshape(-1), ignore_index=IGNORE_INDEX,
-                                                     reduction="sum").double())
-            for name, value in batch_stats(out, mb).items():
-                sums.add(name, value)
-            if "next_sentence_label" in mb and out.seq_relationship_logits is not None:
-                sums.add("nsp_loss_sum", F.cross_entropy(out.seq_relationship_logits.float(),
-                                                         mb["next_sentence_label"], reduction="sum").double())
-            if getattr(out, "discriminator_logits", None) is not None:
-                bce = F.binary_cross_entropy_with_logits(out.discriminator_logits.float(), out.replaced.float(),
-                                                         reduction="none")
-                sums.add("disc_loss_sum", (bce * out.real).sum().double())
+            sums.add_all(eval_sums(engine(**inputs(mb)), mb))
     engine.train()
     s = sums.all_reduce()
     res = {"mlm_loss": s["mlm_loss_sum"] / max(1.0, s["mlm_count"]),

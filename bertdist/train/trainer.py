@@ -1,8 +1,9 @@
-"""`run_pretraining(cfg)`: BERT pretraining with DeepSpeed, from the pipeline's records.
+"""`run_pretraining(cfg)`: pretraining with DeepSpeed, from the pipeline's records, of any model
+family (bertdist/model/families.py) with any objective (bertdist/train/objective.py).
 
 One phase on every rank: set up the process group, open and verify the records, decide where to
 start (``restore.plan_restore``: fresh, ``--resume``, or a new phase from
-``checkpoint.init_from``), build the engine (``engine.build_engine``), load the plan
+``checkpoint.init_from``), build the engine (``engine.build_engine``) and the objective, load the plan
 (``restore.restore``), then run ``step.train_step`` until ``schedule.total_steps`` (or
 ``max_steps``), a SIGTERM, or a fault, evaluating, logging and checkpointing on the way.
 
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 from bertdist.config import ConfigError, save_config
+from bertdist.model.families import family_of
 from bertdist.train.config import TrainConfig, check_batch_sizes
 from bertdist.train.profiling import StepProfiler, describe
 from bertdist.train.state import TrainerState, checkpoint_tag
@@ -55,19 +57,22 @@ class _Stop:
 
 
 def _open_data(cfg: TrainConfig):
-    """The verified training records; ``cfg`` with the vocab's size; the vocab's continuation mask."""
-    from bertdist.data import continuation_mask, load_vocab
+    """The verified training records; ``cfg`` with the vocab's size; the vocab's continuation mask
+    (None for a tokenizer.json without word marks). ``data.vocab_file``: a WordPiece vocab.txt or
+    a Hugging Face tokenizer.json, the file the records were built with (sha256 checked)."""
+    from bertdist.data import continuation_mask
+    from bertdist.data.vocab import vocab_file_size
     from bertdist.train.loader import open_training_records
 
     if not cfg.data.train_manifest or not cfg.data.vocab_file:
         raise ConfigError("data.train_manifest and data.vocab_file are required")
     records = open_training_records(cfg.data.train_manifest, cfg.data.vocab_file, cfg.data.max_seq_length)
-    vocab = load_vocab(cfg.data.vocab_file)
-    if len(vocab) != int(records.manifest["vocab"]["size"]):
-        raise ConfigError(f"{cfg.data.vocab_file} has {len(vocab)} tokens, the records' vocab "
-                          f"{records.manifest['vocab']['size']}")
-    cfg = dataclasses.replace(cfg, model=cfg.model.with_vocab(len(vocab)))
-    return records, cfg, continuation_mask(cfg.data.vocab_file)
+    vocab_file = cfg.data.vocab_file
+    size = vocab_file_size(vocab_file)
+    if size != int(records.manifest["vocab"]["size"]):
+        raise ConfigError(f"{vocab_file} has {size} tokens, the records' vocab {records.manifest['vocab']['size']}")
+    cfg = dataclasses.replace(cfg, model=cfg.model.with_vocab(size))
+    return records, cfg, continuation_mask(vocab_file)
 
 
 def _eval_set(cfg: TrainConfig, continuation, rank: int, world: int, device) -> list | None:
@@ -83,7 +88,9 @@ def _eval_set(cfg: TrainConfig, continuation, rank: int, world: int, device) -> 
         return None
     batches = balanced_eval(eval_batches(held, cfg.data, continuation, rank=rank, world_size=world,
                                          micro_batch_size=cfg.eval.micro_batch_size,
-                                         max_sequences=cfg.eval.max_sequences, seed=cfg.eval.seed), device)
+                                         max_sequences=cfg.eval.max_sequences, seed=cfg.eval.seed,
+                                         document_attention=family_of(cfg.model_config).attends_within_segments),
+                            device)
     # held for the run: pinned once, so every evaluation copies them to the GPU asynchronously
     return pin_batches(batches) if device.type == "cuda" else batches
 
@@ -113,6 +120,7 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool
     from bertdist.train.metrics import RunLogger, device_peak_flops
     from bertdist.train.precision import autocast_dtype
     from bertdist.train.restore import check_fresh_start, new_state, plan_restore, restore
+    from bertdist.train.objective import build_objective
     from bertdist.train.step import StepRunner
 
     info = init_distributed(cfg.deepspeed.dist_backend)
@@ -126,12 +134,8 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
     plan = plan_restore(cfg, resume, world)  # before the engine: universal loading is an engine flag
-    if plan.mode == "resume":  # the checkpoint's objective: general distillation with the same section, or none
-        from bertdist.train.distill_objective import check_resume
-
-        check_resume(cfg, plan.load_dir, plan.tag)
-    if plan.mode in ("resume", "init"):  # ELECTRA with the same section (resume) or the same model (new phase)
-        from bertdist.train.electra_objective import check_checkpoint
+    if plan.mode in ("resume", "init"):  # the same objective sections (resume) or the same model (new phase)
+        from bertdist.train.objective import check_checkpoint
 
         check_checkpoint(cfg, plan.load_dir, plan.tag, plan.mode)
     ckpt = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep_last_n, rank, world)
@@ -139,9 +143,12 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool
         plan = dataclasses.replace(plan, load_dir=ensure_universal(plan.load_dir, plan.tag, rank))
     # kernels: auto on CUDA: rank 0 measures (or reads its cache) for this run's shapes and broadcasts the
     # plan, so every rank runs the same kernels; a copy goes to run_dir. Before seeding: it may use the RNG.
-    kernels = kernels_for_run(cfg.model.kernels, cfg.model, device, micro_batch=cfg.data.micro_batch_size,
-                              seq=cfg.data.max_seq_length, precision=cfg.deepspeed.precision,
-                              autocast=autocast_dtype(cfg.deepspeed.precision) is not None, run_dir=str(run_dir))
+    kernels = None  # a family without bertdist.ops kernels (ModernBERT) picks its attention in its config
+    if family_of(cfg.model_config).uses_kernels:
+        kernels = kernels_for_run(cfg.model.kernels, cfg.model, device, micro_batch=cfg.data.micro_batch_size,
+                                  seq=cfg.data.max_seq_length, precision=cfg.deepspeed.precision,
+                                  autocast=autocast_dtype(cfg.deepspeed.precision, cfg.weights) is not None,
+                                  run_dir=str(run_dir))
     built = build_engine(cfg, plan, world, grad_accum, device.type, kernels)
     engine = built.engine
     compiled = decide_compile(cfg.model.compile, device.type)
@@ -149,21 +156,14 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool
     apply_compile(engine.module, compiled)  # in place: checkpoints and export see the same module
     if rank == 0:
         save_ds_config(built.ds_config, run_dir)
-    objective = teacher = None
-    if cfg.distill is not None:  # the teacher: frozen, outside the engine, loaded once per rank
-        from bertdist.train.distill_objective import build_objective
-
-        objective, teacher = build_objective(cfg, engine.module, device)
-    elif cfg.electra is not None:  # the loss weights and the sampler (with its checkpointed RNG)
-        from bertdist.train.electra_objective import ReplacedTokenDetection
-
-        objective = ReplacedTokenDetection(cfg, engine.module, device, rank)
-    generators = getattr(objective, "generators", None)
-    state = restore(engine, built.scheduler, plan, cfg, rank, new_state(cfg, world, grad_accum), generators)
+    # masked LM, general distillation (its frozen teacher outside the engine) or ELECTRA (its sampler)
+    objective = build_objective(cfg, engine.module, device, rank)
+    state = restore(engine, built.scheduler, plan, cfg, rank, new_state(cfg, world, grad_accum), objective.generators)
     engine.train()
 
     loader = PretrainingLoader(records, cfg.data, rank=rank, world_size=world, grad_accum=grad_accum,
-                               continuation=continuation, pin_device=device)
+                               continuation=continuation, pin_device=device,
+                               document_attention=family_of(cfg.model_config).attends_within_segments)
     eval_set = _eval_set(cfg, continuation, rank, world, device)
     total = cfg.steps_to_run
     log = RunLogger(str(run_dir), rank == 0, cfg.logging.tensorboard, cfg.logging.progress, total, state.step)
@@ -179,12 +179,9 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool
                                    "dropped_per_epoch": loader.dropped_per_epoch, "loader": state.loader},
                tensorboard=False)
     runner = StepRunner.for_run(engine, cfg, device, grad_accum, objective)
-    if teacher is not None:
-        log.message(objective.describe(teacher.origin))
-    elif objective is not None:
-        log.message(objective.describe())
-    if cfg.electra is not None and loader.has_nsp:
-        log.message("the records carry NSP labels: ELECTRA has no NSP head, so they are not used")
+    log.message(objective.describe())
+    if objective.without_nsp and loader.has_nsp:
+        log.message(f"the records carry NSP labels: {objective.without_nsp}, so they are not used")
     session = _Session(cfg, engine, ckpt, log, eval_set, device, world, state, objective,
                        StepProfiler(cfg.profiling, run_dir, rank, device))
     if compiled.enabled:
@@ -222,7 +219,7 @@ class _Session:
     def save(self) -> None:
         t = time.time()
         self.state = dataclasses.replace(self.state, skipped_steps=int(self.engine.skipped_steps))
-        tag = self.ckpt.save(self.engine, self.state, self.cfg, getattr(self.objective, "generators", None))
+        tag = self.ckpt.save(self.engine, self.state, self.cfg, self.objective.generators)
         self.log.message(f"checkpoint {self.ckpt.dir / tag} saved in {time.time() - t:.1f}s")
         self.log.record("checkpoint", self.state.step, {"tag": tag, "seconds": time.time() - t}, tensorboard=False)
         self.last_checkpoint = tag

@@ -1,12 +1,16 @@
-"""The Beam transform for instances (CreateInstances): tokenized documents to MLM/NSP instances.
+"""The Beam transform for instances (CreateInstances): tokenized documents to MLM/NSP instances,
+or to rows of packed documents.
 
 Documents are spilled to files, grouped into NSP buckets by a build plan (see
 data_pipeline.negatives), cut into work units, and built by the instance builder
-(data_pipeline.instance_algorithm, or its native bridge data_pipeline.instance_native)."""
+(data_pipeline.instance_algorithm, or its native bridge data_pipeline.instance_native). With
+packing, a bucket's work units are pack groups, fixed hash ranges, each packed on its own
+(data_pipeline.packing)."""
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 
 import apache_beam as beam
@@ -18,8 +22,9 @@ from data_pipeline.instance_algorithm import InstanceParams, InstanceStats, crea
 from data_pipeline.instance_batch import InstanceBatch, list_column
 from data_pipeline.negatives import (
     HASH_SPACE, BuildPlan, CorpusSummary, NegativeSource, buckets_of_slot, canonical_order, fraction_threshold,
-    make_plan, placement_hash, split_units,
+    hash_ranges, make_plan, placement_hash, split_units,
 )
+from data_pipeline.packing import pack_documents
 from data_pipeline.seeds import derive_seed
 
 
@@ -169,7 +174,8 @@ def _to_buckets(piece: dict, plan: BuildPlan, slot_bits: int):
     for split, j in buckets_of_slot(plan, piece["slot"], slot_bits):
         lo, hi = plan.buckets[split][j]
         yield (split, j), {**piece, "lo": lo, "hi": hi, "buckets": plan.num_buckets(),
-                           "plan_documents": plan.documents[split]}
+                           "plan_documents": plan.documents[split], "plan_tokens": plan.tokens[split],
+                           "split_buckets": len(plan.buckets[split])}
 
 
 def _units(kv, target_units: int):
@@ -185,6 +191,26 @@ def _units(kv, target_units: int):
     for u, group in enumerate(groups):
         yield {"split": split, "bucket": bucket, "lo": lo, "hi": hi, "pieces": pieces, "unit": u,
                "units": len(groups), "mine": group, "plan_documents": pieces[0]["plan_documents"]}
+
+
+def pack_groups(lo: int, hi: int, split_tokens: int, split_buckets: int, group_tokens: int) -> list[tuple[int, int]]:
+    """A bucket's pack groups: its hash range [lo, hi) cut into equal ranges of about
+    ``group_tokens`` tokens each, by the split's mean tokens per bucket (from the plan: the same
+    on every worker and every run of the same corpus, whatever the bundling)."""
+    per_bucket = split_tokens / max(1, split_buckets)
+    return hash_ranges(lo, hi, max(1, math.ceil(per_bucket / max(1, group_tokens))))
+
+
+def _pack_units(kv, group_tokens: int):
+    """A bucket's pieces -> one work unit per pack group; each reads the pieces of the bucket and
+    keeps the documents of its hash range."""
+    (split, bucket), pieces = kv
+    pieces = sorted(pieces, key=lambda p: (p["path"], p["batch"]))
+    first = pieces[0]
+    groups = pack_groups(first["lo"], first["hi"], first["plan_tokens"], first["split_buckets"], group_tokens)
+    for u, (lo, hi) in enumerate(groups):
+        yield {"split": split, "bucket": bucket, "lo": lo, "hi": hi, "pieces": pieces, "unit": u,
+               "units": len(groups), "mine": list(range(len(pieces))), "plan_documents": first["plan_documents"]}
 
 
 YIELD_ROWS = 8192  # the most rows _CreateInstancesDoFn hands on in one element
@@ -290,6 +316,38 @@ class _CreateInstancesDoFn(beam.DoFn):
                          **dataclasses.asdict(total)})
 
 
+class _PackDocumentsDoFn(beam.DoFn):
+    """A pack group (see :func:`_pack_units`) -> (split, InstanceBatch) slices of its packed rows,
+    counted, and the unit's JSON report (as :class:`_CreateInstancesDoFn`'s, plus the packing
+    counts that the driver reconciles with the shards)."""
+
+    def __init__(self, params: InstanceParams, seed: int, report_dir: str | None = None):
+        self.params, self.seed, self.report_dir = params, seed, report_dir
+
+    def setup(self):
+        self.progress = Progress("documents packed")
+
+    def process(self, unit):
+        split = unit["split"]
+        docs = read_documents(unit["pieces"], unit["lo"], unit["hi"])
+        p = self.params
+        batch, stats = pack_documents([d.ids for d in docs], max_seq_length=p.max_seq_length, cls_id=p.cls_id,
+                                      sep_id=p.sep_id, key_seed=derive_seed(self.seed, "pack", split, unit["lo"]),
+                                      dtype=np.uint16 if p.vocab_size < 65536 else np.uint32)
+        self.progress.tick(len(docs))
+        for lo in range(0, len(batch), YIELD_ROWS):
+            yield split, batch.slice(lo, min(lo + YIELD_ROWS, len(batch)))
+        count(f"{split}_instances", len(batch))
+        count("packed_documents_split", stats.split_documents)
+        count("packed_padding_tokens", stats.padding)
+        if self.report_dir is not None:
+            _write_json(f"{self.report_dir}/units/{split}-{unit['bucket']:05d}-{unit['unit']:05d}.json",
+                        {"split": split, "bucket": unit["bucket"], "unit": unit["unit"], "units": unit["units"],
+                         "documents": len(docs), "sentences": sum(len(d.bounds) - 1 for d in docs),
+                         "tokens": stats.document_tokens,
+                         **dataclasses.asdict(InstanceStats(instances=len(batch))), "packing": stats.to_json()})
+
+
 class CreateInstances(beam.PTransform):
     """Tokenized documents -> ``{"instances": (split, InstanceBatch) pairs, one batch per document
     (all dupes), "expected_rows": {split: rows}, one element}``.
@@ -308,13 +366,22 @@ class CreateInstances(beam.PTransform):
 
     ``report_dir`` (optional) receives the plan (``plan-*.json``) and one JSON report per unit,
     which the driver checks before it commits. ``slot_bits`` (how finely the spill files are cut)
-    and ``target_units`` only change how the work is read and spread, never the output."""
+    and ``target_units`` only change how the work is read and spread, never the output.
+
+    ``pack_group_tokens`` (not None): MLM-only rows of packed documents instead
+    (:mod:`data_pipeline.packing`): each bucket is cut into pack groups of about that many tokens
+    (:func:`pack_groups`), each packed on its own; ``dupe_factor`` must be 1."""
 
     def __init__(self, params: InstanceParams, *, seed: int, dupe_factor: int, vocab_path: str, scratch_dir: str,
                  report_dir: str | None = None, heldout_fraction: float = 0.0, heldout_min_documents: int = 0,
                  heldout_floor_max_fraction: float = 0.25, bucket_tokens: int = 1 << 22, slot_bits: int = 2,
-                 spill_tokens: int = 1 << 20, target_units: int = 32, builder: str = "auto"):
+                 spill_tokens: int = 1 << 20, target_units: int = 32, builder: str = "auto",
+                 pack_group_tokens: int | None = None):
         super().__init__()
+        if pack_group_tokens is not None and (dupe_factor != 1 or pack_group_tokens < 1):
+            raise ValueError(f"packing takes dupe_factor 1 (got {dupe_factor}) and pack_group_tokens >= 1 "
+                             f"(got {pack_group_tokens})")
+        self.pack_group_tokens = pack_group_tokens
         self.params, self.seed, self.dupe_factor, self.vocab_path = params, seed, dupe_factor, vocab_path
         self.scratch_dir, self.report_dir, self.spill_tokens = scratch_dir, report_dir, spill_tokens
         self.heldout_fraction, self.heldout_min_documents = heldout_fraction, heldout_min_documents
@@ -337,9 +404,16 @@ class CreateInstances(beam.PTransform):
         dupe, seq = self.dupe_factor, self.params.max_seq_length
         expected_rows = plan | "ExpectedRows" >> beam.Map(
             lambda plan: {split: expected_instances(tokens, dupe, seq) for split, tokens in plan.tokens.items()})
-        instances = (spilled.pieces
-                     | "ToBuckets" >> beam.FlatMap(_to_buckets, beam.pvalue.AsSingleton(plan), self.slot_bits)
-                     | "GroupBucket" >> beam.GroupByKey()
+        buckets = (spilled.pieces
+                   | "ToBuckets" >> beam.FlatMap(_to_buckets, beam.pvalue.AsSingleton(plan), self.slot_bits)
+                   | "GroupBucket" >> beam.GroupByKey())
+        if self.pack_group_tokens is not None:
+            instances = (buckets
+                         | "PackUnits" >> beam.FlatMap(_pack_units, self.pack_group_tokens)
+                         | "Spread" >> beam.Reshuffle()
+                         | "Pack" >> beam.ParDo(_PackDocumentsDoFn(self.params, self.seed, self.report_dir)))
+            return {"instances": instances, "expected_rows": expected_rows}
+        instances = (buckets
                      | "Units" >> beam.FlatMap(_units, self.target_units)
                      | "Spread" >> beam.Reshuffle()  # units, not documents: cheap, and spreads them over workers
                      | "Create" >> beam.ParDo(_CreateInstancesDoFn(

@@ -32,11 +32,9 @@ class _TokenizeDoFn(beam.DoFn):
 
     def setup(self):
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread per worker: honest per-core rates
-        from data_pipeline.tokenization import load_tokenizer
-        from data_pipeline.wordpiece import WordPieceEncoder
+        from data_pipeline.tokenization import load_encoder
 
-        tok, lowercase = load_tokenizer(self.vocab_path, self.lowercase)
-        self.encoder = WordPieceEncoder(tok, lowercase)
+        self.encoder = load_encoder(self.vocab_path, self.lowercase)
         log.info("tokenizer: %s", self.encoder.native_reason)
         self.progress = Progress("documents tokenized")
 
@@ -73,7 +71,8 @@ class _TokenizeDoFn(beam.DoFn):
 
 
 class Tokenize(beam.PTransform):
-    """(doc_id, [sentences]) -> (doc_id, ids, sentence bounds), fast WordPiece in batches."""
+    """(doc_id, [sentences]) -> (doc_id, ids, sentence bounds): fast WordPiece for a ``vocab.txt``,
+    the tokenizer itself for a Hugging Face ``tokenizer.json``."""
 
     def __init__(self, vocab_path: str, lowercase=None, *, min_sentences: int = 2,
                  max_document_sentences: int = 20_000, max_sentence_chars: int = 20_000):

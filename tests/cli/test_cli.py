@@ -130,3 +130,25 @@ def test_info_shows_cached_kernel_decisions_per_device(tmp_path, monkeypatch, ca
     info.print_decisions(dec)
     out = capsys.readouterr().out
     assert "NVIDIA H100 80GB HBM3 | torch" in out and "-> fused" in out and "vs torch 2.000 ms" in out
+
+
+def test_data_vocab_checks_and_copies_an_existing_tokenizer_json(tmp_path, small_bpe_tokenizer, capsys):
+    """`bertdist data vocab --existing tokenizer.json` reads it as a build would and copies it with
+    the tokenizer_config.json beside it; a tokenizer without a mask token is refused (exit 2)."""
+    from bertdist.cli.main import main
+
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    shutil.copyfile(small_bpe_tokenizer, src / "tokenizer.json")
+    (src / "tokenizer_config.json").write_text(json.dumps({"mask_token": "[MASK]"}))
+    assert main(["data", "vocab", "--existing", str(src / "tokenizer.json"), "--output",
+                 str(tmp_path / "out" / "tokenizer.json")]) == 0
+    out = capsys.readouterr().out
+    assert "BPE, 2,005 ids" in out and "'mask': 2004" in out and "token masking only" in out
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == small_bpe_tokenizer.read_bytes()
+    assert (tmp_path / "out" / "tokenizer_config.json").is_file()
+    spec = json.loads(small_bpe_tokenizer.read_text())
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] != "[MASK]"]
+    (tmp_path / "nomask.json").write_text(json.dumps(spec))
+    assert main(["data", "vocab", "--existing", str(tmp_path / "nomask.json"), "--output", str(tmp_path / "x.json")]) == 2
+    assert "no mask token found" in capsys.readouterr().err

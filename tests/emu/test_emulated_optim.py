@@ -128,3 +128,25 @@ def test_flat_lamb_optimizer_on_the_emulated_kernels():
     train(a, opt, 3)
     train(b, Lamb(groups(b), lr=0.01), 3, clip=0.05)
     assert_close_rel(flat_params(a), flat_params(b), TOL, "params against Lamb with clip_grad_norm_")
+
+
+def test_bf16_parameters_on_the_emulated_kernels_track_their_fp32_masters():
+    """bf16 weights (``param_dtype``): given the same bf16 gradients, the CUDA kernels keep the fp32
+    masters within the tolerance of the C++ twin's, and write each bf16 parameter as its own
+    master's rounding."""
+    emu()
+    a, b = model(), model()
+    opts = [FlatLamb(groups(m), lr=0.01, max_grad_norm=0.05, kernels=k, chunk_size=32, param_dtype=torch.bfloat16)
+            for m, k in ((a, "emulated"), (b, "fused"))]
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        grads = [torch.randn(p.shape, generator=g).to(torch.bfloat16) for p in opts[0]._params]
+        for opt in opts:
+            opt.zero_grad()
+            for p, grad in zip(opt._params, grads):
+                p.grad.copy_(grad)
+            opt.step()
+    emu_opt, twin = opts
+    assert_close_rel(emu_opt.flat_params, twin.flat_params, TOL, "fp32 masters against the C++ twin's")
+    for p, master in zip(emu_opt._params, emu_opt.master_params()):
+        assert p.dtype == torch.bfloat16 and torch.equal(p.detach(), master.to(torch.bfloat16))

@@ -48,11 +48,18 @@ def test_import_then_export_is_bitwise_identical(tmp_path, capsys):
     assert back.config.rope_parameters["full_attention"]["rope_theta"] == 80_000.0
 
 
-def test_import_to_a_trainer_checkpoint_is_refused_with_the_way_out(tmp_path, capsys):
+def test_import_to_a_trainer_checkpoint_exports_the_same_weights(tmp_path, capsys):
+    """The default import writes a DeepSpeed checkpoint in the trainer's layout (what checkpoint.init_from
+    starts a run from); exporting that checkpoint gives back the HF weights bit for bit."""
     src = hf_dir(tmp_path)
-    assert main(["import-hf", str(src), "--out", str(tmp_path / "init"), "--no-verify"]) == 2
-    assert "--format torch" in capsys.readouterr().out
-    assert not (tmp_path / "init").exists()
+    assert main(["import-hf", str(src), "--out", str(tmp_path / "init")]) == 0
+    printed = capsys.readouterr().out
+    assert "-> OK" in printed and "checkpoint.init_from=" in printed and "model.model_type=modernbert" in printed
+    assert "model.global_rope_theta=80000.0" in printed and "model.local_attention=16" in printed
+    assert (tmp_path / "init" / "latest").is_file()
+    assert main(["export", str(tmp_path / "init"), "--out", str(tmp_path / "back")]) == 0
+    assert (tmp_path / "back" / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+    assert transformers.ModernBertForMaskedLM.from_pretrained(tmp_path / "back").config.local_attention == 16
 
 
 def test_export_does_not_overwrite_what_is_there(tmp_path):

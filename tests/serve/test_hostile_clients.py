@@ -155,12 +155,16 @@ def test_heads_are_bounded_in_size_and_time_and_bodies_in_time(cls_dir):
     assert rc == 0 and "Traceback" not in "".join(srv.output), "".join(srv.output)
 
 
-def test_a_disconnected_clients_queued_request_is_not_run(cls_dir):
+@pytest.mark.parametrize("http", ["guarded", "h11"])
+def test_a_disconnected_clients_queued_request_is_not_run(cls_dir, http):
+    """Under our protocol the connection calls back; under another server a task waits for the
+    ASGI disconnect message."""
     from bertdist.serve.app import ServeSettings
     from bertdist.serve.runtime import load_served_model
 
     # A long batching wait holds the request in the queue until its client has gone.
-    server = ThreadServer([load_served_model(cls_dir, name="cls")], ServeSettings(max_batch_size=64, max_wait_ms=1500))
+    server = ThreadServer([load_served_model(cls_dir, name="cls")], ServeSettings(max_batch_size=64, max_wait_ms=1500),
+                          http=http)
     try:
         body = json.dumps({"inputs": text("leaving", 8)}).encode()
         sock = raw_request(server.port, post_head("/predict", len(body)), body)

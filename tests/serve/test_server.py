@@ -128,15 +128,18 @@ def _listening_socket() -> socket.socket:
 class ThreadServer:
     """uvicorn serving ``make_app(models, settings)`` from a thread of this process."""
 
-    def __init__(self, models, settings):
+    def __init__(self, models, settings, http="h11"):
+        """``http``: uvicorn's protocol; ``"guarded"`` is the one `bertdist serve` runs."""
         import uvicorn
 
         from bertdist.serve.app import make_app
+        from bertdist.serve.connections import ConnectionLimits, guarded_protocol
 
         self.app = make_app(models, settings)
         self.sock = _listening_socket()
         self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on", http="h11"))
+        protocol = guarded_protocol(ConnectionLimits()) if http == "guarded" else http
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on", http=protocol))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

@@ -124,3 +124,26 @@ def test_who_clips_and_that_deepspeed_never_synchronizes_to_time_the_step():
     for bad in (["deepspeed.zero_stage=1", "optimizer.name=adamw"], ["deepspeed.precision=fp16"]):
         with pytest.raises(ConfigError, match="optimizer.implementation=flat needs deepspeed.zero_stage=0"):
             load_train_config(tiny, ["optimizer.implementation=flat", *bad])
+
+
+def test_a_modernbert_model_section_and_its_overrides():
+    """``model_type: modernbert`` makes the model section ModernBERT's (its presets; explicit keys win);
+    dotted overrides are checked against the family the section names, whichever order they come in."""
+    from bertdist.model.modernbert_config import ModernBertConfig
+
+    recipe = REPO / "configs/pretrain/modernbert-tiny.yaml"
+    cfg = load_train_config(recipe, ["model.preset=base", "model.local_attention=64"])
+    assert isinstance(cfg.model, ModernBertConfig) and cfg.model.num_hidden_layers == 22  # base's sizes
+    assert cfg.model.local_attention == 64 and cfg.model.max_position_embeddings == 128  # the recipe's key kept
+    # a model_type override picks the schema the other model keys are checked against, even after them
+    later = load_train_config(None, ["model.global_rope_theta=160000", "model.model_type=modernbert",
+                                     "optimizer.name=adamw"])
+    assert isinstance(later.model, ModernBertConfig) and later.model.global_rope_theta == 160000.0
+    with pytest.raises(ConfigError, match=r"unknown key 'type_vocab_size' under model; valid keys: .*'local_attention'"):
+        load_train_config(recipe, ["model.type_vocab_size=2"])
+    with pytest.raises(ConfigError, match=r"unknown key 'local_attention' under model; valid keys: .*'type_vocab_size'"):
+        load_train_config(REPO / "configs/pretrain/tiny.yaml", ["model.local_attention=64"])
+    with pytest.raises(ConfigError, match=r"model.model_type: 'gpt' is not one of \['modernbert'\], or leave it out for a BertConfig"):
+        load_train_config(REPO / "configs/pretrain/tiny.yaml", ["model.model_type=gpt"])
+    with pytest.raises(ConfigError, match=r"electra: a modernbert model .* trains with masked-LM only"):
+        load_train_config(recipe, ["electra.disc_weight=50"])

@@ -30,7 +30,8 @@ from bertdist.config import ConfigError
 from bertdist.model import IGNORE_INDEX, ElectraConfig
 from bertdist.model.electra import ElectraForPreTraining, sample_tokens
 from bertdist.train.config import PretrainElectraConfig, load_train_config
-from bertdist.train.electra_objective import check_checkpoint, combined_loss
+from bertdist.train.electra_objective import combined_loss
+from bertdist.train.objective import check_checkpoint
 from tests.train.conftest import REPO, assert_ok, metrics, run_pretrain, tiny_args, tiny_cfg
 
 ELECTRA_TINY = REPO / "configs" / "pretrain" / "electra-tiny.yaml"

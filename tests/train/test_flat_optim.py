@@ -201,3 +201,164 @@ def test_constructor_checks():
     opt.param_groups[0]["params"] = [p.detach().clone() for p in opt.param_groups[0]["params"]]
     with pytest.raises(RuntimeError, match=r"the param groups hold other tensors than the 7 the flat buffers"):
         opt.step()
+
+
+# ---------------------------------------------------------------- bf16 parameters, fp32 masters
+
+BF16 = torch.bfloat16
+
+
+def _masters_are_rounded_into_params(opt) -> None:
+    for p, master in zip(opt._params, opt.master_params()):
+        assert p.dtype == BF16 and master.dtype == torch.float32
+        assert torch.equal(p.detach(), master.to(BF16)), "a bf16 parameter is not its master's rounding"
+
+
+@pytest.mark.parametrize("cls", [FlatLamb, FlatAdamW])
+@pytest.mark.parametrize("kernels", IMPLS)
+def test_bf16_parameters_are_the_rounding_of_fp32_masters(cls, kernels):
+    m = model()
+    gs = groups(m)
+    before = [p.detach().clone() for g in gs for p in g["params"]]
+    opt = cls(gs, lr=0.01, kernels=kernels, chunk_size=32, param_dtype=BF16)
+    assert all(torch.equal(a, b) for a, b in zip(opt.master_params(), before)), "masters are not the fp32 weights"
+    _masters_are_rounded_into_params(opt)
+    for p in m.parameters():
+        assert p.grad.dtype == BF16 and p.main_grad.dtype == torch.float32 and p.main_grad.shape == p.shape
+    train(m, opt, 3)
+    _masters_are_rounded_into_params(opt)
+    assert not torch.equal(opt.flat_params, opt.flat_params.to(BF16).float()), "masters hold only bf16 values"
+
+
+@pytest.mark.parametrize("cls", [FlatLamb, FlatAdamW])
+@pytest.mark.parametrize("kernels", IMPLS)
+def test_bf16_parameters_update_the_masters_exactly_as_fp32_parameters(cls, kernels):
+    """Given the same (bf16-exact) gradients, the masters take the very steps the fp32 optimizer's
+    parameters take: the update runs on fp32, never on the bf16 copy."""
+    a, b = model(), model()
+    fp32 = cls(groups(a), lr=0.01, max_grad_norm=0.5, kernels=kernels, chunk_size=32)
+    bf16 = cls(groups(b), lr=0.01, max_grad_norm=0.5, kernels=kernels, chunk_size=32, param_dtype=BF16)
+    for s in range(4):
+        fp32.zero_grad()
+        bf16.zero_grad()
+        backward(a, s)
+        for pa, pb in zip(fp32._params, bf16._params):
+            g = pa.grad.to(BF16)
+            pa.grad.copy_(g)
+            pb.grad.copy_(g)
+        fp32.step()
+        bf16.step()
+        assert torch.equal(bf16.flat_grads, fp32.flat_grads) and torch.equal(bf16.grad_norm, fp32.grad_norm)
+        assert torch.equal(bf16.flat_params, fp32.flat_params), f"step {s}: masters differ from fp32 parameters"
+    _masters_are_rounded_into_params(bf16)
+
+
+def test_micro_batch_gradients_accumulate_in_fp32():
+    """1 + 8 x 2^-9: bf16 (8 significant bits) rounds every 2^-9 away, fp32 keeps the sum."""
+    w = nn.Parameter(torch.ones(4))
+    opt = FlatAdamW([w], lr=0.0, kernels="fused", param_dtype=BF16)
+    coeffs = [1.0] + [2.0 ** -9] * 8
+    for c in coeffs:
+        (w * c).sum().backward()
+        opt.accumulate_grads()
+    assert torch.equal(w.main_grad, torch.full((4,), sum(coeffs))), w.main_grad
+    assert torch.equal(w.grad, torch.zeros(4, dtype=BF16)), "the bf16 buffer is not zeroed after folding"
+    opt.zero_grad()
+    for c in coeffs:  # without folding between the micro-batches the sum is bf16's
+        (w * c).sum().backward()
+    opt.step()
+    assert torch.equal(w.main_grad, torch.ones(4)), w.main_grad
+
+
+def test_bf16_masters_through_the_module_state_dict():
+    m = model()
+    opt = FlatLamb(groups(m), lr=0.01, kernels="fused", param_dtype=BF16)
+    opt.bind_module(m)
+    train(m, opt, 3)
+    sd = m.state_dict()
+    masters = {id(p): mp for p, mp in zip(opt._params, opt.master_params())}
+    for name, p in m.named_parameters():
+        assert sd[name].dtype == torch.float32 and torch.equal(sd[name], masters[id(p)]), name
+    buf = io.BytesIO()
+    torch.save({"model": sd, "optim": opt.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+
+    other = model(seed=1)
+    opt2 = FlatLamb(groups(other), lr=0.01, kernels="fused", param_dtype=BF16)
+    opt2.bind_module(other)
+    other.load_state_dict(ckpt["model"])
+    opt2.load_state_dict(ckpt["optim"])
+    assert torch.equal(opt2.flat_params, opt.flat_params), "load_state_dict did not write the fp32 masters"
+    _masters_are_rounded_into_params(opt2)
+    train(m, opt, 2, first=3)
+    train(other, opt2, 2, first=3)
+    assert torch.equal(opt2.flat_params, opt.flat_params), "resume from the state dicts is not exact"
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        other.load_state_dict({**ckpt["model"], "1.weight": torch.zeros(3, 3)})
+
+
+def test_param_dtype_is_checked():
+    with pytest.raises(ValueError, match=r"param_dtype must be torch.float32 or torch.bfloat16, got torch.float16"):
+        FlatLamb(groups(model()), param_dtype=torch.float16)
+
+
+def _grads_of_rank(opt, rank: int) -> list[torch.Tensor]:
+    """bf16-exact gradients that differ per rank: rank r's are (r + 1) x one base."""
+    g = torch.Generator().manual_seed(5)
+    return [((rank + 1) * torch.randn(p.shape, generator=g)).to(BF16) for p in opt._params]
+
+
+def _reducing_rank(rank: int, world: int, init_file: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        m = model()
+        opt = FlatLamb(groups(m), lr=0.01, kernels="fused", param_dtype=BF16)
+        opt.reduce_gradients(world)
+        for p, g in zip(opt._params, _grads_of_rank(opt, rank)):
+            p.grad.copy_(g)
+        opt.step()
+        torch.save(opt.flat_params.clone(), f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two spawned processes: ~20 s on a busy 2-core machine
+def test_bf16_gradients_are_averaged_over_ranks_in_fp32(tmp_path):
+    """Two gloo ranks with different gradients end with the masters of one fp32 optimizer given
+    their fp32 mean (both sums are exact, so the comparison is bitwise)."""
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "masters")
+    mp.start_processes(_reducing_rank, args=(2, str(tmp_path / "rendezvous"), out), nprocs=2, start_method="spawn")
+    a = model()
+    fp32 = FlatLamb(groups(a), lr=0.01, kernels="fused")
+    for p, g0, g1 in zip(fp32._params, _grads_of_rank(fp32, 0), _grads_of_rank(fp32, 1)):
+        p.grad.copy_((g0.float() + g1.float()) / 2)
+    fp32.step()
+    for rank in range(2):
+        assert torch.equal(torch.load(f"{out}.{rank}", weights_only=True), fp32.flat_params), f"rank {rank}"
+
+
+def test_state_dicts_load_across_fp32_and_bf16_parameters():
+    """A checkpoint of fp32 parameters (autocast's) resumes with bf16 parameters and the reverse:
+    both carry fp32 weights and fp32 moments, which load exactly."""
+    a = model()
+    fp32 = FlatLamb(groups(a), lr=0.01, kernels="fused")
+    train(a, fp32, 2)
+    b = model(seed=1)
+    bf16 = FlatLamb(groups(b), lr=0.01, kernels="fused", param_dtype=BF16)
+    bf16.bind_module(b)
+    b.load_state_dict(a.state_dict())
+    bf16.load_state_dict(fp32.state_dict())
+    assert torch.equal(bf16.flat_params, fp32.flat_params) and torch.equal(bf16._exp_avg_sq, fp32._exp_avg_sq)
+    _masters_are_rounded_into_params(bf16)
+    train(b, bf16, 2, first=2)
+    c = model(seed=2)
+    back = FlatLamb(groups(c), lr=0.01, kernels="fused")
+    c.load_state_dict(b.state_dict())
+    back.load_state_dict(bf16.state_dict())
+    assert torch.equal(back.flat_params, bf16.flat_params) and torch.equal(back._exp_avg, bf16._exp_avg)
+    assert back._steps == bf16._steps == [4, 4]

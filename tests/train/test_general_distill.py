@@ -234,7 +234,10 @@ def test_two_ranks_kill_and_resume_is_bitwise_exact(tmp_path, hf_teacher, train_
 def test_resume_refuses_a_changed_distill_section(tmp_path):
     from bertdist.config import save_config
     from bertdist.train.checkpoint import CONFIG_FILE
-    from bertdist.train.distill_objective import check_resume
+    from bertdist.train.objective import check_checkpoint
+
+    def check_resume(cfg, load_dir, tag):
+        check_checkpoint(cfg, load_dir, tag, "resume")
 
     cfg = load_train_config(TINY, ["distill.teacher=/teachers/a"])
     (tmp_path / "step_00000010").mkdir()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from bertdist.device_profile import by_name
 from bertdist.train.config import load_train_config
-from bertdist.train.launch_plan import kernel_cases, launch_plan, optimizer_choice
+from bertdist.train.launch_plan import format_launch_plan, kernel_cases, launch_plan, optimizer_choice
 
 REPO = Path(__file__).resolve().parents[2]
 LARGE = REPO / "configs" / "pretrain" / "bert-large-phase1.yaml"
@@ -49,3 +49,59 @@ def test_plan_uses_the_vocab_files_size_or_says_where_it_came_from(tmp_path):
     assert plan["vocab_size"]["value"] == 100 and plan["recipe_config"]["model"]["vocab_size"] == 100
     missing = launch_plan(load_train_config(LARGE, [f"data.vocab_file={tmp_path / 'none.txt'}"]), 8, by_name("h100"))
     assert missing["vocab_size"]["value"] == 30522 and "not found" in missing["vocab_size"]["source"]
+
+
+MODERNBERT = REPO / "configs" / "pretrain" / "modernbert-base.yaml"
+MODERNBERT_CTX = REPO / "configs" / "pretrain" / "modernbert-base-ctx8192.yaml"
+
+
+def test_modernbert_plan_at_8_and_64_ranks():
+    """FLOPs per sequence from ModernBERT's own parts (local layers see at most the window), and a
+    memory plan whose optimizer state ZeRO-1 splits over the ranks."""
+    import pytest
+
+    from bertdist.model.flops import modernbert_forward_flops, window_pairs
+
+    plans = {n: launch_plan(load_train_config(MODERNBERT), n, by_name("h100")) for n in (8, 64)}
+    for n, plan in plans.items():
+        assert plan["batch"] == {"global": 4608, "micro": 24, "grad_accum": 4608 // (24 * n), "world_size": n}
+        assert plan["model"]["type"] == "modernbert" and plan["model"]["max_position_embeddings"] == 1024
+        assert plan["kernels"]["mode"] == "none" and "attention_backend" in plan["kernels"]["why"]
+    p8, p64 = plans[8], plans[64]
+    cfg = load_train_config(MODERNBERT).model  # the recipe's vocab file is absent: the config's 50,368
+    f = p8["flops"]["forward"]
+    assert f == modernbert_forward_flops(cfg, 1024, 308)
+    d, s = 768, 1024
+    assert f["global_attention"] == 8 * 2 * 2 * s * s * d  # layers 0, 3, ..., 21: 8 of the 22 are global
+    assert f["local_attention"] == 14 * 2 * 2 * window_pairs(s, 64) * d
+    assert window_pairs(s, 64) < s * 129  # each query sees at most 129 keys (itself and 64 on each side)
+    assert p8["flops"]["train_per_sequence"] == 3 * f["total"] == p64["flops"]["train_per_sequence"]
+    m8, m64 = p8["memory"], p64["memory"]
+    assert m8["parameters"] == m64["parameters"] == 149_655_232  # ModernBERT-base, its 50,368 tokens
+    assert m8["optimizer_state"] == m8["parameters"] * 8 // 8 and m64["optimizer_state"] == m8["parameters"] * 8 // 64
+    assert m8["weights"] == m64["weights"] == m8["parameters"] * 4  # ZeRO-1 keeps every weight
+    assert m8["total"] > m64["total"] and m8["activations"] == m64["activations"]
+    text = format_launch_plan(p64)
+    assert "ModernBERT 22 x 768, context 1024, local window 128" in text and "FLOPs per sequence of 1024" in text
+    assert pytest.approx(f["total"] / 1e9, rel=1e-3) == float(text.split("forward ")[1].split(" GFLOP")[0])
+
+
+def test_modernbert_plan_counts_8192_token_batches():
+    """At 8,192 tokens the global layers' attention grows quadratically, the local layers' linearly,
+    and the SDPA backend's [b, s, s] masks are in the memory plan."""
+    short = launch_plan(load_train_config(MODERNBERT), 8, by_name("h100"))
+    plan = launch_plan(load_train_config(MODERNBERT_CTX), 64, by_name("h100"))
+    f, f1 = plan["flops"]["forward"], short["flops"]["forward"]
+    assert plan["flops"]["seq"] == 8192 and plan["model"]["global_rope_theta"] == 160000.0
+    assert f["global_attention"] == f1["global_attention"] * 64  # quadratic: 8x the tokens, 64x the work
+    from bertdist.model.flops import window_pairs
+
+    assert f["local_attention"] == 14 * 2 * 2 * window_pairs(8192, 64) * 768
+    # linear in the tokens, but for the edges (a query near either end sees fewer keys)
+    assert 8 < f["local_attention"] / f1["local_attention"] < 8.3
+    assert f["global_attention"] / f["total"] > 4 * f1["global_attention"] / f1["total"]  # its share grows
+    m = plan["memory"]
+    assert m["attention_probs_per_layer"] == 3 * 8192 * 8192  # one bool mask per layer, micro-batch 3
+    flex = launch_plan(load_train_config(MODERNBERT_CTX, ["model.attention_backend=flex"]), 64, by_name("h100"))
+    assert flex["memory"]["attention_probs_per_layer"] == 0 and flex["memory"]["total"] < m["total"]
+    assert m["total_checkpointed"] < m["total"] < 80 * 2**30  # fits an 80 GB H100 without checkpointing

@@ -30,6 +30,10 @@ def test_states_by_precision_and_zero_stage():
     bf = _est()
     assert (bf.weights, bf.master_weights, bf.autocast_copies, bf.gradients, bf.optimizer_state) == \
         (4 * p, 0, 2 * p, 4 * p, 8 * p)
+    bw = _est(weights_dtype="bf16")  # bf16 weights, fp32 masters, bf16 gradients and their fp32 sum
+    assert (bw.weights, bw.master_weights, bw.autocast_copies, bw.gradients, bw.optimizer_state) == \
+        (2 * p, 4 * p, 0, 6 * p, 8 * p)
+    assert _est(precision="fp32", weights_dtype="bf16").weights == 4 * p  # only bf16 has bf16 weights
     fp16 = _est(precision="fp16")
     assert (fp16.weights, fp16.master_weights, fp16.autocast_copies, fp16.gradients) == (2 * p, 4 * p, 0, 2 * p)
     z1, z2, z3 = (_est(precision="fp32", zero_stage=z) for z in (1, 2, 3))

@@ -334,3 +334,37 @@ def test_lamb_step_reads_no_device_value(monkeypatch):
     monkeypatch.undo()
     assert reads == [("item", "cpu", 0)] * len(ps)  # only each tensor's step count
     assert all(opt.state[p]["step"].device.type == "cpu" for p in ps)
+
+
+@pytest.mark.parametrize("shape", ["linear", "1-sqrt"])
+def test_warmup_stable_decay_at_its_boundaries(shape):
+    """WSD over 1,000 updates: 100 of warmup, the peak until update 800, then 200 of decay to 10%."""
+    cfg = ScheduleConfig(total_steps=1000, warmup_steps=100, warmup_fraction=None, decay="wsd",
+                         decay_fraction=0.2, decay_shape=shape, min_lr_ratio=0.1)
+    assert cfg.decay_steps == 200
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2e-3)
+    f = build_scheduler(opt, cfg).lr_lambdas[0]
+    lr = lambda update: f(update - 1)  # noqa: E731 - the multiplier of the n-th update (1-based)
+    assert lr(1) == pytest.approx(0.01) and lr(50) == pytest.approx(0.5)
+    assert lr(100) == 1.0 and lr(101) == 1.0 and lr(800) == 1.0  # warmup ends at the peak; stable until 800
+    done = 1 / 200
+    first = 1 - (math.sqrt(done) if shape == "1-sqrt" else done)
+    assert lr(801) == pytest.approx(0.1 + 0.9 * first)
+    half = 1 - (math.sqrt(0.5) if shape == "1-sqrt" else 0.5)
+    assert lr(900) == pytest.approx(0.1 + 0.9 * half)
+    assert lr(1000) == pytest.approx(0.1) and lr(1200) == pytest.approx(0.1)  # the floor, and it stays
+    lrs = [lr(n) for n in range(800, 1001)]
+    assert all(a > b for a, b in zip(lrs, lrs[1:]))  # strictly down through the decay
+
+
+def test_wsd_config_errors():
+    with pytest.raises(ConfigError, match=r"warmup 600 steps \+ decay 500 steps .* > total_steps 1000"):
+        ScheduleConfig(total_steps=1000, warmup_steps=600, warmup_fraction=None, decay="wsd", decay_fraction=0.5)
+    with pytest.raises(ConfigError, match=r"decay_fraction must be in \[0, 1\], got 1.5"):
+        ScheduleConfig(total_steps=1000, decay="wsd", decay_fraction=1.5)
+
+
+def test_wsd_without_its_decay_is_the_plateau_a_later_phase_decays_from():
+    cfg = ScheduleConfig(total_steps=100, warmup_steps=10, warmup_fraction=None, decay="wsd", decay_fraction=0.0)
+    f = build_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), cfg).lr_lambdas[0]
+    assert cfg.decay_steps == 0 and f(4) == pytest.approx(0.5) and f(9) == f(50) == f(99) == f(150) == 1.0

@@ -164,3 +164,46 @@ def test_flat_optimizer_kill_and_resume_is_bitwise_exact(tmp_path, train_records
     assert_ok(run_pretrain(2, [*tiny_args(run_dir, train_records, small_vocab, *extra), "--resume", "auto"]))
     resumed = metrics(run_dir)[-14:]
     assert [(r["step"], r["loss"]) for r in resumed] == [(s, ref[s]) for s in range(11, 25)]
+
+
+def test_bf16_weights_kill_and_resume_is_bitwise_exact_and_exports_the_fp32_masters(tmp_path, train_records,
+                                                                                    small_vocab):
+    """bf16 weights with fp32 masters (precision bf16, the flat optimizer: bf16_weights auto) on two
+    ranks with 2 micro-batches each: a SIGKILL and --resume repeat the uninterrupted run's losses
+    bitwise, the checkpoints hold the fp32 masters (not their bf16 rounding), and the export
+    writes them."""
+    import torch
+
+    from bertdist.export.deepspeed_ckpt import consolidate
+
+    extra = ("optimizer.implementation=flat", "deepspeed.precision=bf16", "data.micro_batch_size=8",
+             "schedule.total_steps=24", "checkpoint.every_steps=10", "eval.every_steps=0")
+    ref_dir, run_dir = tmp_path / "reference", tmp_path / "killed"
+    assert_ok(run_pretrain(2, tiny_args(ref_dir, train_records, small_vocab, *extra)))
+    ref = {r["step"]: r["loss"] for r in metrics(ref_dir)}
+    assert sorted(ref) == list(range(1, 25)) and ref[24] < ref[1]
+    assert metrics(ref_dir, "run")[0]["grad_accum"] == 2
+    assert "torch_autocast" not in json.loads((ref_dir / "ds_config.json").read_text())
+    state = json.loads((ref_dir / "checkpoints" / "step_00000024" / "trainer_state.json").read_text())
+    assert (state["precision"], state["weights"]) == ("bf16", "bf16")
+    res = run_pretrain(2, tiny_args(run_dir, train_records, small_vocab, *extra), faults=["--kill-after-step", "13"])
+    assert res.returncode != 0
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000010"
+    assert_ok(run_pretrain(2, [*tiny_args(run_dir, train_records, small_vocab, *extra), "--resume", "auto"]))
+    resumed = metrics(run_dir)[-14:]
+    assert [(r["step"], r["loss"]) for r in resumed] == [(s, ref[s]) for s in range(11, 25)]
+
+    a, b = (consolidate(d / "checkpoints" / "step_00000024") for d in (ref_dir, run_dir))
+    assert a.state_dict.keys() == b.state_dict.keys()
+    assert [k for k in a.state_dict if not torch.equal(a.state_dict[k], b.state_dict[k])] == []
+    word = a.state_dict["bert.embeddings.word_embeddings.weight"]
+    assert word.dtype == torch.float32 and not torch.equal(word, word.bfloat16().float()), "bf16-rounded weights"
+    from safetensors.torch import load_file
+
+    from bertdist.cli.main import main
+
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "hf")]) == 0
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    hf_word = next(v for k, v in exported.items() if k.endswith("embeddings.word_embeddings.weight"))
+    assert hf_word.dtype == torch.float32
+    assert torch.equal(hf_word, b.state_dict["bert.embeddings.word_embeddings.weight"]), "the export is not the masters"
