@@ -13,8 +13,7 @@ from bertdist.cli.export import add_trust_flag
 def run(args) -> int:
     from bertdist.export.hf import ExportError, is_hf_dir
     from bertdist.export.safe_load import trust_checkpoints
-    from bertdist.export.sources import load_pretrained, write_torch_dir
-    from bertdist.model import ElectraConfig
+    from bertdist.export.sources import load_pretrained
 
     if not is_hf_dir(args.hf_dir):  # checked first: nothing else in the directory is read
         print(f"bertdist import-hf: {args.hf_dir} is not a Hugging Face model directory "
@@ -34,8 +33,6 @@ def run(args) -> int:
 
 def import_bert(args, w) -> int:
     """An HF BERT or ELECTRA, checked against transformers, as a trainer init checkpoint or torch dir."""
-    from bertdist.export.hf import ExportError
-    from bertdist.export.sources import write_torch_dir
     from bertdist.model import ElectraConfig
 
     fresh = w.origin.get("newly_initialised") or []
@@ -54,15 +51,8 @@ def import_bert(args, w) -> int:
         if not fresh and max(d.values()) > 1e-4:
             print("bertdist import-hf: our model does not reproduce the HF model's outputs")
             return 1
-    try:
-        if args.format == "torch":
-            out = write_torch_dir(args.out, w)
-        else:
-            from bertdist.export.trainer_init import write_trainer_init
-
-            out = write_trainer_init(args.out, w, str(args.hf_dir))
-    except ExportError as e:
-        print(f"bertdist import-hf: {e}")
+    out = _write(args, w)
+    if out is None:
         return 2
     c = w.config
     what = "BERT"
@@ -93,20 +83,11 @@ def import_modernbert(args, w) -> int:
     """A ``ModernBertForMaskedLM`` directory, checked against transformers (padded and packed), as a
     trainer init checkpoint (continued pretraining: checkpoint.init_from) or our torch format."""
     from bertdist.cli.export import verify_modernbert
-    from bertdist.export.hf import ExportError
-    from bertdist.export.sources import write_torch_dir
 
     if not args.no_verify and verify_modernbert(args.hf_dir, w, "bertdist import-hf"):
         return 1
-    try:
-        if args.format == "torch":
-            out = write_torch_dir(args.out, w)
-        else:
-            from bertdist.export.trainer_init import write_trainer_init
-
-            out = write_trainer_init(args.out, w, str(args.hf_dir))
-    except ExportError as e:
-        print(f"bertdist import-hf: {e}")
+    out = _write(args, w)
+    if out is None:
         return 2
     c = w.config
     print(f"wrote {out}: ModernBERT L={c.num_hidden_layers} H={c.hidden_size} A={c.num_attention_heads} "
@@ -138,3 +119,20 @@ def register(sub) -> None:
     p.add_argument("--no-verify", action="store_true", help="skip the logits comparison with transformers")
     add_trust_flag(p)
     p.set_defaults(func=run)
+
+
+def _write(args, w):
+    """The imported weights written in ``--format`` (our torch directory, or a trainer init
+    checkpoint for continued pretraining); None after printing why not."""
+    from bertdist.export.hf import ExportError
+    from bertdist.export.sources import write_torch_dir
+
+    try:
+        if args.format == "torch":
+            return write_torch_dir(args.out, w)
+        from bertdist.export.trainer_init import write_trainer_init
+
+        return write_trainer_init(args.out, w, str(args.hf_dir))
+    except ExportError as e:
+        print(f"bertdist import-hf: {e}")
+        return None

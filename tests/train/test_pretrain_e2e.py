@@ -148,6 +148,17 @@ def test_phase2_starts_from_phase1_with_fresh_schedule(reference_run, tmp_path, 
     assert res.returncode == 2 and "schedule.total_steps: checkpoint 4, config 8" in res.stderr, res.stderr[-2000:]
 
 
+def killed_after_13_and_resumed(run_dir, train_records, small_vocab, extra, ref: dict) -> None:
+    """Two ranks SIGKILLed after step 13 (the last checkpoint at 10), then ``--resume auto``: steps
+    11-24 must repeat ``ref``'s losses (the uninterrupted run's) bitwise."""
+    res = run_pretrain(2, tiny_args(run_dir, train_records, small_vocab, *extra), faults=["--kill-after-step", "13"])
+    assert res.returncode != 0
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000010"
+    assert_ok(run_pretrain(2, [*tiny_args(run_dir, train_records, small_vocab, *extra), "--resume", "auto"]))
+    resumed = metrics(run_dir)[-14:]
+    assert [(r["step"], r["loss"]) for r in resumed] == [(s, ref[s]) for s in range(11, 25)]
+
+
 def test_flat_optimizer_kill_and_resume_is_bitwise_exact(tmp_path, train_records, small_vocab):
     """The flat optimizer (parameters as views of its fp32 buffer, clipping fused in) through two
     ranks, a SIGKILL and --resume: the resumed steps repeat the uninterrupted run's losses bitwise."""
@@ -158,12 +169,7 @@ def test_flat_optimizer_kill_and_resume_is_bitwise_exact(tmp_path, train_records
     ref = {r["step"]: r["loss"] for r in metrics(ref_dir)}
     assert sorted(ref) == list(range(1, 25)) and all(r["grad_norm"] > 0 for r in metrics(ref_dir))
     assert json.loads((ref_dir / "ds_config.json").read_text())["gradient_clipping"] == 0.0  # the optimizer clips
-    res = run_pretrain(2, tiny_args(run_dir, train_records, small_vocab, *extra), faults=["--kill-after-step", "13"])
-    assert res.returncode != 0
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000010"
-    assert_ok(run_pretrain(2, [*tiny_args(run_dir, train_records, small_vocab, *extra), "--resume", "auto"]))
-    resumed = metrics(run_dir)[-14:]
-    assert [(r["step"], r["loss"]) for r in resumed] == [(s, ref[s]) for s in range(11, 25)]
+    killed_after_13_and_resumed(run_dir, train_records, small_vocab, extra, ref)
 
 
 def test_bf16_weights_kill_and_resume_is_bitwise_exact_and_exports_the_fp32_masters(tmp_path, train_records,
@@ -186,12 +192,7 @@ def test_bf16_weights_kill_and_resume_is_bitwise_exact_and_exports_the_fp32_mast
     assert "torch_autocast" not in json.loads((ref_dir / "ds_config.json").read_text())
     state = json.loads((ref_dir / "checkpoints" / "step_00000024" / "trainer_state.json").read_text())
     assert (state["precision"], state["weights"]) == ("bf16", "bf16")
-    res = run_pretrain(2, tiny_args(run_dir, train_records, small_vocab, *extra), faults=["--kill-after-step", "13"])
-    assert res.returncode != 0
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000010"
-    assert_ok(run_pretrain(2, [*tiny_args(run_dir, train_records, small_vocab, *extra), "--resume", "auto"]))
-    resumed = metrics(run_dir)[-14:]
-    assert [(r["step"], r["loss"]) for r in resumed] == [(s, ref[s]) for s in range(11, 25)]
+    killed_after_13_and_resumed(run_dir, train_records, small_vocab, extra, ref)
 
     a, b = (consolidate(d / "checkpoints" / "step_00000024") for d in (ref_dir, run_dir))
     assert a.state_dict.keys() == b.state_dict.keys()
