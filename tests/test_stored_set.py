@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from bertdist.export.tokenizer import tokenizer_sha256
 from bertdist.finetune.errors import DataError
 from bertdist.stored_set import (MANIFEST, PLAN, SetMismatch, model_sha256, num_shards, open_or_make, plan_diff,
                                  read_manifest, run_sharded, shard_name, write_json_atomic, write_parquet_atomic)
@@ -56,7 +57,7 @@ def pseudo_label_plan(model: Path, source: Path) -> dict:
     from bertdist.distill.teacher import Teacher
 
     teacher = SimpleNamespace(path=model, sha256=model_sha256(model), vocab_file=model / "vocab.txt",
-                              do_lower_case=True)
+                              tokenizer_files=(), vocab_sha256=tokenizer_sha256(model / "vocab.txt"), do_lower_case=True)
     teacher.identity = lambda: Teacher.identity(teacher)
     runner = SimpleNamespace(kind="classification", num_labels=2, label_names=["negative", "positive"])
     examples = source.read_text().splitlines()
@@ -67,8 +68,8 @@ def pseudo_label_plan(model: Path, source: Path) -> dict:
 def teacher_set_plan(model: Path, source: Path) -> dict:
     from bertdist.embed.distill import make_plan, teacher_identity
 
-    teacher = SimpleNamespace(vocab_file=model / "vocab.txt", do_lower_case=True, max_seq_length=32,
-                              pooling="mean", normalize=True, dim=8)
+    teacher = SimpleNamespace(vocab_file=model / "vocab.txt", tokenizer_files=(), do_lower_case=True,
+                              max_seq_length=32, pooling="mean", normalize=True, dim=8)
     texts = [(t,) for t in source.read_text().splitlines()]
     return make_plan("embedding_mse", teacher_identity(teacher, model), {"train": source}, texts)
 
