@@ -13,6 +13,7 @@ so the config layer can use the registry.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from typing import Any, Callable, Mapping
 
@@ -34,6 +35,7 @@ MODERNBERT_ARCH_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num
 MODERNBERT_PHASE_FIELDS = ("max_position_embeddings", "global_rope_theta")
 
 
+@functools.lru_cache(maxsize=None)  # looked up per micro-batch (inputs, FLOPs): resolved once
 def _resolve(ref: str) -> Callable:
     module, name = ref.split(":")
     return getattr(importlib.import_module(module), name)
