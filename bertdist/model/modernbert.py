@@ -14,7 +14,8 @@ Two input layouts, one set of weights:
   ``max_seqlen``; positions restart at 0 in each sequence, and attention stays inside it.
 
 Attention goes through ``bertdist/ops/windowed_attention.py`` (``config.attention_backend``),
-whose backends are tested against the reference there.
+whose backends are tested against the reference there; ``auto`` runs ``attention_choice.UNMEASURED``
+until the trainer sets the decided backend (``attention_choice.set_attention_backend``).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from bertdist.model.bert import Unpadded, host_int, mlm_loss
 from bertdist.model.config import IGNORE_INDEX
 from bertdist.model.modernbert_config import ModernBertConfig
+from bertdist.ops.attention_choice import UNMEASURED
 from bertdist.ops.windowed_attention import PADDED_BACKENDS, VARLEN_BACKENDS, Packing
 
 
@@ -84,7 +86,7 @@ class ModernBertAttention(nn.Module):
         self.Wo = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
         self.dropout_p = cfg.attention_dropout
         self.out_drop = nn.Dropout(cfg.attention_dropout)
-        self.backend = cfg.attention_backend
+        self.backend = UNMEASURED if cfg.attention_backend == "auto" else cfg.attention_backend
 
     def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 mask: "torch.Tensor | Packing | None") -> torch.Tensor:

@@ -52,8 +52,10 @@ class ModernBertConfig:
     cls_token_id: int = 50281
     sep_token_id: int = 50282
     # Which attention runs the packed path (bertdist/ops/windowed_attention.py): sdpa, flex
-    # (torch's FlexAttention), or reference (the Python loop every backend is tested against).
-    attention_backend: Literal["sdpa", "flex", "reference"] = "sdpa"
+    # (torch's FlexAttention), reference (the Python loop every backend is tested against), or
+    # auto: the trainer gates each against the reference on the run's shapes and takes the
+    # fastest that passes (bertdist/ops/attention_choice.py); a model built outside one runs sdpa.
+    attention_backend: Literal["auto", "sdpa", "flex", "reference"] = "sdpa"
     # Project only masked positions to the vocabulary when MLM labels are given.
     sparse_mlm_head: bool = True
     # Run the encoder on real tokens only (packed, varlen attention) when a padding mask is given.

@@ -11,6 +11,11 @@ type (``baseline_target``). It is always measured and wins unless another candid
 the numerics check and is measurably faster, so ``auto`` cannot be slower than ``reference``.
 
 Built in (``BUILTIN``): torch's ops (``torch_native``) and our fused kernels (``fused``).
+
+ModernBERT's windowed attention (``WINDOW_OPS``, ``bertdist/ops/windowed_attention.py``) is
+decided the same way, among the ``attention_backend`` names: its baseline is the reference
+twin (``reference``), which sets the error bounds and is chosen only when nothing else passes
+(``attention_choice.py``).
 Others register with ``register_candidate`` (e.g. emulated CUDA kernels, ``test_only=True``:
 tests only, never ``kernels: auto`` in a run). Registration order is measurement order.
 """
@@ -25,13 +30,25 @@ if TYPE_CHECKING:
 
 OPS = ("layer_norm", "bias_dropout_add_layer_norm", "attention", "varlen_attention")
 BASELINE = "torch"
+# ModernBERT's attention with an optional sliding window, padded and packed: one decision picks
+# its ``attention_backend``, so the candidates carry the backend names and the baseline is the oracle.
+WINDOW_OPS = ("window_attention", "varlen_window_attention")
+WINDOW_BASELINE = "reference"
+ALL_OPS = OPS + WINDOW_OPS
+
+
+def baseline_name(op: str) -> str:
+    """The name of ``op``'s first candidate: torch's op, or for the windowed ops the reference twin."""
+    return WINDOW_BASELINE if op in WINDOW_OPS else BASELINE
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One decision: ``op`` at ``dtype`` (torch dtype name), with dropout or without
     (``dropout``: a training call with p > 0), measured at batch x seq (lengths drawn from
-    ``lengths_seed``) with the model's hidden size and heads."""
+    ``lengths_seed``) with the model's hidden size and heads. The windowed ops also name the
+    window (``half_window``; None: a global layer) and whether the run needs gradients
+    (``backward``; False: inference, gated and timed on the forward alone)."""
 
     op: str
     dtype: str
@@ -44,6 +61,8 @@ class Case:
     p: float = 0.1
     eps: float = 1e-12
     lengths_seed: int = 0
+    half_window: int | None = None
+    backward: bool = True
 
     @property
     def head_dim(self) -> int:
@@ -53,13 +72,22 @@ class Case:
     def shape(self) -> str:
         if self.op in ("attention", "varlen_attention"):
             return f"batch {self.batch} x seq {self.seq}, {self.heads} heads x {self.head_dim}"
+        if self.op in WINDOW_OPS:
+            return f"b{self.batch} x s{self.seq}, {self.heads} x {self.head_dim}, {self.window}"
         return f"{self.batch * self.seq} rows x {self.hidden}"
 
     @property
     def key(self) -> str:
         mode = f"dropout {self.p:g}" if self.dropout else "no dropout"
-        return (f"{self.op} | {self.dtype} | {mode} | b{self.batch} s{self.seq} h{self.hidden} "
-                f"n{self.heads} eps{self.eps:g} seed{self.lengths_seed}")
+        key = (f"{self.op} | {self.dtype} | {mode} | b{self.batch} s{self.seq} h{self.hidden} "
+               f"n{self.heads} eps{self.eps:g} seed{self.lengths_seed}")
+        if self.op in WINDOW_OPS:
+            key += f" | {self.window} | {'forward + backward' if self.backward else 'forward only'}"
+        return key
+
+    @property
+    def window(self) -> str:
+        return "global" if self.half_window is None else f"window +-{self.half_window}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +182,21 @@ def varlen_attn_case_unsupported(case: Case, profile: "DeviceProfile | None" = N
     return None
 
 
+def flex_unsupported(case: Case, profile: "DeviceProfile | None" = None) -> str | None:
+    """torch's FlexAttention (the packed windowed backend ``flex``): no dropout, no CPU backward."""
+    import torch
+
+    if case.dropout:
+        return f"FlexAttention has no attention dropout (this run trains with p={case.p:g})"
+    if case.device_type == "cpu" and case.backward:
+        return f"FlexAttention has no backward on CPU (torch {torch.__version__}); training needs one"
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError as e:
+        return f"torch {torch.__version__} has no FlexAttention ({e})"
+    return None
+
+
 # ---------------------------------------------------------------- the registry
 
 _NATIVE = "bertdist.ops.torch_native"
@@ -165,11 +208,17 @@ _NATIVE_BASELINES = {"layer_norm": "layer_norm", "bias_dropout_add_layer_norm": 
                      "attention": "sdpa_attention", "varlen_attention": "varlen_attention"}
 
 
+_WINDOWED = "bertdist.ops.windowed_attention"
+
+
 def baseline_target(op: str, device_type: str) -> str:
     """What ``kernels: reference`` runs for ``op`` on ``device_type``: torch-native on CUDA; on
-    CPU the functions of reference.py (SDPA with an additive mask, the per-sequence varlen loop)."""
-    if op not in OPS:
-        raise ValueError(f"unknown op {op!r}; ops are {', '.join(OPS)}")
+    CPU the functions of reference.py (SDPA with an additive mask, the per-sequence varlen loop).
+    The windowed ops: their reference twin on every device."""
+    if op not in ALL_OPS:
+        raise ValueError(f"unknown op {op!r}; ops are {', '.join(ALL_OPS)}")
+    if op in WINDOW_OPS:
+        return f"{_WINDOWED}:reference_{op}"
     if device_type == "cuda":
         return f"{_NATIVE}:{_NATIVE_BASELINES[op]}"
     return f"bertdist.ops.reference:reference_{op}"
@@ -197,6 +246,11 @@ def _builtin() -> list[Candidate]:
         out.append(Candidate(op, "emulated", f"bertdist.ops.emulated:{op}", "emulated",
                              f"{_CHECKS}:emulated_unsupported", test_only=True,
                              bias_in_kernel=op == "bias_dropout_add_layer_norm"))
+    # The attention_backend names (windowed_attention.py); padded batches take SDPA under flex too.
+    out.append(Candidate("window_attention", "sdpa", f"{_WINDOWED}:sdpa_window_attention", "torch"))
+    out.append(Candidate("varlen_window_attention", "sdpa", f"{_WINDOWED}:sdpa_varlen_window_attention", "torch"))
+    out.append(Candidate("varlen_window_attention", "flex", f"{_WINDOWED}:flex_varlen_window_attention", "torch",
+                         f"{_CHECKS}:flex_unsupported"))
     return out
 
 
@@ -205,10 +259,10 @@ _EXTRA: list[Candidate] = []
 
 def register_candidate(candidate: Candidate) -> None:
     """Add a candidate (replacing one of the same op and name)."""
-    if candidate.op not in OPS:
-        raise ValueError(f"unknown op {candidate.op!r}; ops are {', '.join(OPS)}")
-    if candidate.name == BASELINE:
-        raise ValueError(f"{BASELINE!r} is the baseline's name and cannot be registered")
+    if candidate.op not in ALL_OPS:
+        raise ValueError(f"unknown op {candidate.op!r}; ops are {', '.join(ALL_OPS)}")
+    if candidate.name == baseline_name(candidate.op):
+        raise ValueError(f"{candidate.name!r} is the baseline's name and cannot be registered")
     _EXTRA[:] = [c for c in _EXTRA if (c.op, c.name) != (candidate.op, candidate.name)] + [candidate]
 
 
@@ -219,7 +273,7 @@ def unregister_candidate(op: str, name: str) -> None:
 def candidates_for(op: str, device_type: str, *, include_test_only: bool = False,
                    extra: list[Candidate] = ()) -> list[Candidate]:
     """The baseline first, then the built-in and registered candidates for ``op``."""
-    base = Candidate(op, BASELINE, baseline_target(op, device_type), "torch")
+    base = Candidate(op, baseline_name(op), baseline_target(op, device_type), "torch")
     rest = [c for c in (*_builtin(), *_EXTRA, *extra) if c.op == op and (include_test_only or not c.test_only)]
     seen, out = set(), [base]
     for c in reversed(rest):  # later registrations replace earlier ones of the same name

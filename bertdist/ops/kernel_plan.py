@@ -153,7 +153,11 @@ class KernelPlan:
 
 
 def format_table(decisions: Iterable[Decision], environment: dict, note: str = "") -> str:
-    lines = [f"kernels: auto on {environment.get('device')} (torch {environment.get('torch')}, "
+    decisions = list(decisions)
+    from bertdist.ops.candidates import WINDOW_OPS
+
+    what = "attention_backend" if decisions and all(d.case.op in WINDOW_OPS for d in decisions) else "kernels"
+    lines = [f"{what}: auto on {environment.get('device')} (torch {environment.get('torch')}, "
              f"build {environment.get('build')}){': ' + note if note else ''}",
              f"  {'op':<28} {'dtype':<9} {'dropout':<8} {'shape':<40} {'candidate':<22} {'error':>9} {'bound':>9} "
              f"{'ms':>9}  result"]

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from bertdist.device_profile import DeviceProfile
-from bertdist.ops.candidates import BASELINE, Candidate, Case
+from bertdist.ops.candidates import Candidate, Case
 from bertdist.ops.kernel_plan import Decision, Measurement
 
 
@@ -92,8 +92,8 @@ def measure_isolated(cases: list[tuple[Case, list[Candidate]]], device: torch.de
             if last_start is None:
                 raise RuntimeError(f"kernel measurement process failed (exit {rc}) before any candidate ran: {tail}")
             key, name = last_start
-            if name == BASELINE:
-                raise RuntimeError(f"kernel measurement: the torch-native baseline failed on {key} (exit {rc}): {tail}")
+            if name == next(cands[0].name for case, cands in cases if case.key == key):  # the baseline
+                raise RuntimeError(f"kernel measurement: the baseline {name!r} failed on {key} (exit {rc}): {tail}")
             why = (f"left the CUDA device unusable: {unusable['error']}" if unusable
                    else f"killed the measuring process (exit {rc}): {tail}")
             excluded.setdefault(key, {})[name] = why

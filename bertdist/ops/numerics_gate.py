@@ -11,6 +11,10 @@ positions (padded positions are never read by the model).
 With dropout the candidate must also apply it (the output changes), stay finite forward and
 backward, drop a binomial fraction p, and use one mask in the forward and the backward
 (``dropout_problem``). The bounds are applied by the planning (``selection.decide_case``).
+
+The windowed ops (``WINDOW_OPS``) are judged against their reference twins with the case's
+window; an inference case (``backward`` False) on its output alone. With dropout they must
+apply it and stay finite (the mask-reading checks are written for the unwindowed ops).
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from typing import Callable
 import torch
 
 from bertdist.ops import reference
-from bertdist.ops.candidates import Case
+from bertdist.ops.candidates import WINDOW_OPS, Case
 from bertdist.ops.kernel_plan import DTYPES
 
 # Additive error floors per dtype (tests/ops: 1e-6 for bf16/fp16; fp32 kernels match to 1e-5).
@@ -69,18 +73,28 @@ class Problem:
             # Kernels that do not take the bias get none: the model adds it in the GEMM (free in cuBLAS).
             bias = leaves["dense_bias"] if bias_in_kernel else None
             return fn(leaves["x"], bias, leaves["residual"], leaves["weight"], leaves["ln_bias"], p=p, training=dropout, eps=c.eps)
-        if c.op == "attention":
+        if c.op in ("attention", "window_attention"):
             qkv = leaves["qkv"].permute(2, 0, 3, 1, 4)  # [3, B, H, S, D] views, as the model makes them
+            if c.op == "window_attention":
+                return fn(qkv[0], qkv[1], qkv[2], e["mask"], half_window=c.half_window, dropout_p=p, training=dropout)
             return fn(qkv[0], qkv[1], qkv[2], e["mask"], dropout_p=p, training=dropout)
         q, k, v = leaves["qkv"].unbind(1)  # [T, H, D] views of [T, 3, H, D]
+        if c.op == "varlen_window_attention":
+            return fn(q, k, v, e["packing"], half_window=c.half_window, dropout_p=p, training=dropout)
         return fn(q, k, v, e["cu_seqlens"], e["max_seqlen"], dropout_p=p, training=dropout)
 
     def run(self, fn: Callable, dtype: torch.dtype, *, dropout: bool = False, bias_in_kernel: bool = True,
-            masters_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """Output and input gradients of one call (fp32 copies), keyed "out", "d<input>"."""
+            masters_dtype: torch.dtype | None = None, backward: bool = True) -> dict[str, torch.Tensor]:
+        """Output and input gradients of one call (fp32 copies), keyed "out", "d<input>";
+        without ``backward`` the output alone, computed without autograd (inference)."""
         leaves = self.leaves(dtype)
         if masters_dtype is not None:  # the oracle: inputs rounded to the case dtype, computed wider
             leaves = {k: v.detach().to(masters_dtype).requires_grad_(True) for k, v in leaves.items()}
+        if not backward:
+            with torch.no_grad():
+                out = self.call(fn, {k: v.detach() for k, v in leaves.items()}, dropout=dropout,
+                                bias_in_kernel=bias_in_kernel)
+            return {"out": (out * self.out_mask if self.out_mask is not None else out).float()}
         out = self.call(fn, leaves, dropout=dropout, bias_in_kernel=bias_in_kernel)
         go = self.grad_out.to(out.dtype)
         if self.out_mask is not None:
@@ -109,13 +123,18 @@ def make_problem(case: Case, device: torch.device) -> Problem:
         return Problem(case, masters, {}, None, randn(rows, h))
     b, s, heads, d = case.batch, case.seq, case.heads, case.head_dim
     mask = (torch.arange(s)[None, :] < lengths[:, None]).to(device)
-    if case.op == "attention":
+    if case.op in ("attention", "window_attention"):
         masters = {"qkv": randn(b, s, 3, heads, d)}
         return Problem(case, masters, {"mask": mask}, mask[:, None, :, None], randn(b, heads, s, d))
     total = int(lengths.sum())
     cu = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(device=device, dtype=torch.int32)
     masters = {"qkv": randn(total, 3, heads, d)}
-    return Problem(case, masters, {"cu_seqlens": cu, "max_seqlen": int(lengths.max())}, None, randn(total, heads, d))
+    extra = {"cu_seqlens": cu, "max_seqlen": int(lengths.max())}
+    if case.op == "varlen_window_attention":
+        from bertdist.ops.windowed_attention import Packing
+
+        extra["packing"] = Packing.from_cu_seqlens(cu, extra["max_seqlen"], total)
+    return Problem(case, masters, extra, None, randn(total, heads, d))
 
 
 def oracle_for(op: str) -> Callable:
@@ -129,6 +148,10 @@ def oracle_for(op: str) -> Callable:
         return bdaln_math
     if op == "attention":
         return reference.reference_attention_math
+    if op in WINDOW_OPS:  # the reference twins: the padded math with the window, the per-sequence loop
+        from bertdist.ops import windowed_attention
+
+        return getattr(windowed_attention, f"reference_{op}")
     return reference.reference_varlen_attention
 
 

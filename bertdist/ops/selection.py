@@ -45,7 +45,7 @@ from typing import Callable, Iterable
 import torch
 
 from bertdist.device_profile import DeviceProfile, for_device_type
-from bertdist.ops.candidates import BASELINE, OPS, Candidate, Case, candidates_for
+from bertdist.ops.candidates import OPS, WINDOW_OPS, Candidate, Case, baseline_name, candidates_for
 from bertdist.ops.kernel_plan import DTYPES, Decision, KernelPlan, Measurement, Workload, environment
 from bertdist.ops.measure_child import measure_isolated
 from bertdist.ops.numerics_gate import FLOORS, dropout_problem, make_problem, oracle_for, rel_err
@@ -85,11 +85,12 @@ def decide_case(case: Case, candidates: list[Candidate], device: torch.device, *
                 on_start: Callable[[Candidate], None] | None = None, profile: DeviceProfile | None = None) -> Decision:
     """Measure every candidate of ``case`` (the baseline first) on ``device`` (described by
     ``profile``; default: this machine's) and choose."""
-    if candidates[0].name != BASELINE:
-        raise ValueError(f"the first candidate must be the baseline {BASELINE!r}, got {candidates[0].name!r}")
+    baseline = baseline_name(case.op)
+    if candidates[0].name != baseline:
+        raise ValueError(f"the first candidate must be the baseline {baseline!r}, got {candidates[0].name!r}")
     dtype = DTYPES[case.dtype]
     problem = make_problem(case, device)
-    oracle = problem.run(oracle_for(case.op), dtype, masters_dtype=torch.float32)
+    oracle = problem.run(oracle_for(case.op), dtype, masters_dtype=torch.float32, backward=case.backward)
     floor = FLOORS[case.dtype]
     base_err: dict[str, float] | None = None
     results: list[Measurement] = []
@@ -104,7 +105,7 @@ def decide_case(case: Case, candidates: list[Candidate], device: torch.device, *
             continue
         try:
             fn = cand.load()
-            got = problem.run(fn, dtype)
+            got = problem.run(fn, dtype, backward=case.backward)
             errs = {k: rel_err(v, oracle[k]) for k, v in got.items()}
             if base_err is None:  # the baseline: its own error sets the bounds
                 base_err = errs
@@ -124,6 +125,10 @@ def decide_case(case: Case, candidates: list[Candidate], device: torch.device, *
             go = problem.grad_out.to(dtype)
 
             def step(fn=fn, leaves=leaves, go=go, bik=cand.bias_in_kernel):
+                if not case.backward:  # inference: the forward alone
+                    with torch.no_grad():
+                        problem.call(fn, {k: v.detach() for k, v in leaves.items()}, dropout=False)
+                    return
                 out = problem.call(fn, leaves, dropout=case.dropout, bias_in_kernel=bik)
                 torch.autograd.grad(out, list(leaves.values()), go.to(out.dtype), allow_unused=True)
 
@@ -133,9 +138,9 @@ def decide_case(case: Case, candidates: list[Candidate], device: torch.device, *
             m.status, m.reason = "error", _first_line(e)
             if not _device_ok(device):
                 raise DeviceUnusable(cand.name, m.reason) from e
-            if cand.name == BASELINE:
-                raise RuntimeError(f"kernels=auto: the torch-native baseline failed on {case.key}: {m.reason}") from e
-    choice = choose(results)
+            if cand.name == baseline:
+                raise RuntimeError(f"kernels=auto: the baseline {baseline!r} failed on {case.key}: {m.reason}") from e
+    choice = choose(results, oracle_baseline=case.op in WINDOW_OPS)
     for m in results:
         if m.status in ("failed", "error"):
             warnings.warn(f"kernels=auto: {case.op} candidate {m.name!r} disabled for {case.dtype}"
@@ -144,10 +149,15 @@ def decide_case(case: Case, candidates: list[Candidate], device: torch.device, *
     return Decision(case, choice, results, [c.name for c in candidates])
 
 
-def choose(results: list[Measurement]) -> str:
-    """The fastest passing candidate if it beats the baseline by MIN_GAIN, else the baseline."""
+def choose(results: list[Measurement], *, oracle_baseline: bool = False) -> str:
+    """The fastest passing candidate if it beats the baseline by MIN_GAIN, else the baseline.
+    ``oracle_baseline``: the baseline is a reference twin, there to set the bounds: the fastest
+    other passing candidate, the baseline only when none passed."""
     base = results[0]
     timed = [m for m in results if m.status == "passed" and m.ms is not None]
+    if oracle_baseline:
+        others = [m for m in timed if m is not base]
+        return min(others, key=lambda m: m.ms).name if others else base.name
     if base.ms is None or not timed:
         return base.name
     best = min(timed, key=lambda m: m.ms)
@@ -283,9 +293,9 @@ def log_once(plan: KernelPlan, write: Callable[[str], None] | None = None) -> No
     (write or (lambda s: print(s, file=sys.stderr, flush=True)))(text)
 
 
-def plan_copy(plan: KernelPlan, run_dir: str | os.PathLike) -> Path:
-    """Write the plan into the run directory (``kernel_decisions.json``) and return the path."""
-    path = Path(run_dir) / "kernel_decisions.json"
+def plan_copy(plan: KernelPlan, run_dir: str | os.PathLike, name: str = "kernel_decisions.json") -> Path:
+    """Write the plan into the run directory (``name``) and return the path."""
+    path = Path(run_dir) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(plan.to_dict(), indent=1) + "\n")
     return path

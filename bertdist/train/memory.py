@@ -144,9 +144,12 @@ def estimate_modernbert_memory(model, *, micro_batch: int, seq: int, precision: 
                         model.num_hidden_layers)
     masks = (s * b * h if model.attention_dropout else 0) * 2 + (s * b * f if model.mlp_dropout else 0)
     per_layer = s * b * h * 11 * e + 4 * s * b * f * e + masks
-    if model.attention_backend == "reference":
+    backend = model.attention_backend
+    if backend == "auto":  # decided at the run's start; estimated as SDPA (attention_choice.UNMEASURED)
+        backend = "sdpa"
+    if backend == "reference":
         probs = a * s * s * b * e
-    elif model.attention_backend == "sdpa":
+    elif backend == "sdpa":
         per_layer += 4 * s * b * h * e
         probs = b * s * s
     else:

@@ -106,6 +106,18 @@ def _check_device(cfg: TrainConfig, device) -> None:
         torch.use_deterministic_algorithms(True, warn_only=device.type == "cuda")
 
 
+def _decide_attention(cfg: TrainConfig, device, run_dir: Path):
+    """``attention_backend: auto``: the backend rank 0 measured for this run's shapes (every rank
+    runs it), logged on rank 0 and copied to ``run_dir``; None when the config names one."""
+    if getattr(cfg.model_config, "attention_backend", None) != "auto":
+        return None
+    from bertdist.ops.attention_choice import decide_attention_backend
+
+    return decide_attention_backend(cfg.model_config, device, batch=cfg.data.micro_batch_size,
+                                    seq=cfg.data.max_seq_length, precision=cfg.deepspeed.precision,
+                                    run_dir=str(run_dir))
+
+
 def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool = False) -> TrainResult:
     """Train one phase. ``resume``: None (fresh), "auto" (latest checkpoint if any) or a checkpoint path.
     ``overwrite``: a fresh run may replace the checkpoints of an earlier run in ``cfg.run_dir``."""
@@ -149,8 +161,13 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool
                                   seq=cfg.data.max_seq_length, precision=cfg.deepspeed.precision,
                                   autocast=autocast_dtype(cfg.deepspeed.precision, cfg.weights) is not None,
                                   run_dir=str(run_dir))
+    attention = _decide_attention(cfg, device, run_dir)  # ModernBERT's attention_backend: auto, likewise
     built = build_engine(cfg, plan, world, grad_accum, device.type, kernels)
     engine = built.engine
+    if attention is not None:
+        from bertdist.ops.attention_choice import set_attention_backend
+
+        set_attention_backend(engine.module, attention.backend)
     compiled = decide_compile(cfg.model.compile, device.type)
     cache_loaded = load_compile_cache(cfg.compile_cache) if compiled.enabled else None
     apply_compile(engine.module, compiled)  # in place: checkpoints and export see the same module
@@ -178,6 +195,9 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool
                                    "steps_per_epoch": loader.steps_per_epoch,
                                    "dropped_per_epoch": loader.dropped_per_epoch, "loader": state.loader},
                tensorboard=False)
+    if attention is not None:  # its table and figures went to stderr at the decision; the choice goes here too
+        log.record("attention", state.step, {"backend": attention.backend, "summary": attention.summary},
+                   tensorboard=False)
     runner = StepRunner.for_run(engine, cfg, device, grad_accum, objective)
     log.message(objective.describe())
     if objective.without_nsp and loader.has_nsp:

@@ -73,3 +73,11 @@ def attention_new_mask_in_backward(q, k, v, key_padding_mask, *, dropout_p=0.0, 
     if training and dropout_p > 0:
         probs = _NewMaskInBackward.apply(probs, dropout_p)
     return probs @ v
+
+
+def wrong_varlen_window_attention(q, k, v, packing, *, half_window=None, dropout_p=0.0, training=False, scale=None):
+    """ModernBERT's packed attention with the window ignored: right on a global layer only."""
+    from bertdist.ops.windowed_attention import sdpa_varlen_window_attention
+
+    return sdpa_varlen_window_attention(q, k, v, packing, half_window=None, dropout_p=dropout_p, training=training,
+                                        scale=scale)

@@ -134,6 +134,10 @@ def test_pretrain_resumes_bitwise_exports_and_extends_the_context(tmp_path, trai
     assert (ckpt / "latest").read_text().strip() == "step_00000008"
     assert "the records carry NSP labels: modernbert has no NSP head, so they are not used" in res.stdout + res.stderr
     killed = {r["step"]: r for r in metrics(run)}
+    # the recipe's attention_backend: auto, decided at the start: CPU training runs sdpa (flex has no CPU backward)
+    assert [r["backend"] for r in metrics(run, "attention")] == ["sdpa"]
+    assert "attention_backend: auto chose sdpa: forward + backward of 1 global + 2 local (+-16) layers" in res.stderr
+    assert (run / "attention_decisions.json").is_file()
     first_8 = tmp_path / "first_step_00000008"
     shutil.copytree(ckpt / "step_00000008", first_8)
     assert_ok(run_pretrain(1, [*args, "--resume", str(ckpt / "step_00000004")]))
