@@ -22,6 +22,7 @@ import torch
 
 from bertdist.export.hf import ExportError, is_hf_dir, read_hf_dir
 from bertdist.export.modernbert_hf import TOKENIZER_FILES, is_modernbert_dir, read_modernbert_hf_dir
+from bertdist.data.tokenizer_file import is_tokenizer_json
 from bertdist.export.tokenizer import infer_do_lower_case, read_tokenizer_casing
 from bertdist.model import BertConfig, ElectraConfig
 from bertdist.model.config import model_config_from_mapping
@@ -159,6 +160,11 @@ def _load_deepspeed(p: Path, tag: str | None) -> PretrainedWeights:
     vocab, lower = _vocab_and_casing(run_cfg, cfg_path)
     origin = {"kind": "deepspeed", "path": str(ck.ref.path), "tag": ck.ref.tag, "zero_stage": ck.zero_stage,
               "world_size": ck.world_size, "fp32_master_weights": ck.master_weights, "config": str(cfg_path)}
+    if vocab is not None and is_tokenizer_json(vocab):  # a BPE tokenizer.json: carried as it is, no casing
+        from bertdist.data.tokenizer_file import TOKENIZER_CONFIG_NAME
+
+        files = [vocab] + [f for f in (vocab.with_name(TOKENIZER_CONFIG_NAME),) if f.is_file()]
+        return PretrainedWeights(cfg, ck.state_dict, None, None, origin, files)
     return PretrainedWeights(cfg, ck.state_dict, vocab, lower, origin)
 
 
