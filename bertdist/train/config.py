@@ -64,7 +64,8 @@ class LoaderConfig:
 
 @dataclasses.dataclass
 class OptimizerConfig:
-    name: Literal["lamb", "adamw"] = "lamb"
+    # stable_adamw: AdamW with per-tensor update clipping (bertdist/train/stable_adamw.py), ModernBERT's
+    name: Literal["lamb", "adamw", "stable_adamw"] = "lamb"
     lr: float = 6e-3  # peak learning rate (reached at the end of warmup)
     betas: list[float] = dataclasses.field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-6
@@ -75,6 +76,9 @@ class OptimizerConfig:
     lamb_min_coeff: float = 0.01
     # auto: fused on CUDA where it loads; flat: bertdist's flat-buffer kernels (train/optim.py)
     implementation: Literal["auto", "fused", "torch", "flat"] = "auto"
+    # stable_adamw only: weight decay independent of the peak lr (optimi's decouple_lr): each step
+    # multiplies the weights by 1 - weight_decay x (lr / peak lr), e.g. ModernBERT's 1e-5
+    lr_independent_weight_decay: bool = False
 
     @property
     def clips_itself(self) -> bool:
@@ -86,6 +90,14 @@ class OptimizerConfig:
             raise ConfigError(f"optimizer.betas must be two numbers in [0, 1), got {self.betas}")
         if self.lr <= 0:
             raise ConfigError(f"optimizer.lr must be positive, got {self.lr}")
+        if self.name == "stable_adamw" and self.implementation in ("fused", "flat"):
+            raise ConfigError(f"optimizer.name=stable_adamw has no {self.implementation} implementation (its "
+                              "per-tensor update clipping is bertdist's PyTorch StableAdamW); use implementation "
+                              "auto or torch")
+        if self.lr_independent_weight_decay and self.name != "stable_adamw":
+            raise ConfigError(f"optimizer.lr_independent_weight_decay is StableAdamW's option; optimizer.name is "
+                              f"{self.name!r} (its weight decay scales with lr: set weight_decay = decay per step / "
+                              "peak lr instead)")
 
 
 @dataclasses.dataclass

@@ -9,6 +9,8 @@
   their op can neither be loaded nor built. DeepSpeed compiles these ops at first use unless
   it was installed with them prebuilt (``DS_BUILD_FUSED_LAMB=1 DS_BUILD_FUSED_ADAM=1``).
 - ``torch`` (and ``auto`` on CPU): our ``Lamb`` / ``torch.optim.AdamW``.
+- StableAdamW (``name: stable_adamw``, ``stable_adamw.py``): ours, PyTorch foreach ops, under
+  ``auto`` and ``torch`` alike; it has no fused or flat version (a ConfigError).
 - ``flat``: ``bertdist.train.flat_optim``'s FlatLamb / FlatAdamW: every parameter a view of one
   flat fp32 buffer, a fixed handful of kernel launches per step whatever the number of tensors,
   and the global-norm clipping fused in (``deepspeed.gradient_clipping`` goes to the optimizer,
@@ -44,6 +46,7 @@ TORCH_ADAMW = "torch.optim.AdamW"
 TORCH_FUSED_ADAMW = "torch.optim.AdamW(fused=True)"
 FLAT_LAMB = "bertdist.train.flat_optim.FlatLamb"
 FLAT_ADAMW = "bertdist.train.flat_optim.FlatAdamW"
+STABLE_ADAMW = "bertdist.train.stable_adamw.StableAdamW"
 
 
 def toolkit_refused(profile: DeviceProfile) -> str | None:
@@ -117,8 +120,14 @@ def optimizer_choice(cfg: OptimizerConfig, profile: DeviceProfile, *, build: boo
     """(implementation, why) of the optimizer ``build_optimizer`` constructs on ``profile``.
     ``build``: try DeepSpeed's op now (a run does); without it (``--plan``) the choice is what
     the profile predicts, and a build failing at the start of the run still falls back."""
+    if cfg.name == "stable_adamw":
+        if cfg.implementation not in ("auto", "torch"):  # OptimizerConfig refuses these too
+            raise ConfigError(f"optimizer.name=stable_adamw has no {cfg.implementation} implementation; use auto "
+                              "or torch")
+        return STABLE_ADAMW, (f"implementation {cfg.implementation}: bertdist's StableAdamW (PyTorch foreach ops; "
+                              "no fused or flat version)")
     if cfg.name not in _DS_OPS:
-        raise ConfigError(f"optimizer.name: {cfg.name!r} is not one of {sorted(_DS_OPS)}")
+        raise ConfigError(f"optimizer.name: {cfg.name!r} is not one of {sorted(_DS_OPS) + ['stable_adamw']}")
     impl, lamb = cfg.implementation, cfg.name == "lamb"
     plain = TORCH_LAMB if lamb else TORCH_ADAMW
     if impl == "fused" and not profile.is_cuda:
@@ -189,6 +198,11 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device_type: s
                          max_grad_norm=max_grad_norm, param_dtype=dtype)
     if weights != "fp32":
         raise ValueError(f"weights {weights!r} needs the flat optimizer (got {choice})")
+    if choice == STABLE_ADAMW:
+        from bertdist.train.stable_adamw import StableAdamW
+
+        return StableAdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                           lr_independent_decay=cfg.lr_independent_weight_decay)
     if choice == FUSED_LAMB:
         from deepspeed.ops.lamb import FusedLamb
 

@@ -172,6 +172,8 @@ def restore(engine, scheduler, plan: RestorePlan, cfg: TrainConfig, rank: int, s
         lam = scheduler.lr_lambdas[0]
         for g, base in zip(engine.optimizer.param_groups, scheduler.base_lrs):
             g["lr"] = base * lam(0)
+            if "max_lr" in g:  # StableAdamW's lr-independent decay is relative to this phase's peak
+                g["max_lr"] = base
         state = dataclasses.replace(state, phases=plan.saved.phases + [
             {"phase": cfg.phase, "init_from": f"{plan.load_dir}/{plan.tag}", "init_step": plan.saved.step}])
     return state
