@@ -172,6 +172,18 @@ def test_pretrain_resumes_bitwise_exports_and_extends_the_context(tmp_path, trai
     assert refused.returncode != 0
     assert "model.local_attention: checkpoint 32, config 64" in refused.stdout + refused.stderr
     assert_ok(run_pretrain(1, _args(tmp_path / "ctx", train_records, small_vocab, *phase2, *longer)))
+    # a new phase from the DeepSpeed checkpoint, its optimizer state loaded, at another peak lr:
+    # StableAdamW's lr-independent weight decay is relative to the new peak
+    p2 = tmp_path / "p2"
+    assert_ok(run_pretrain(1, _args(p2, train_records, small_vocab, "phase=2", "optimizer.lr=1e-3",
+                                    f"checkpoint.init_from={ckpt / 'step_00000008'}",
+                                    "checkpoint.init_load_optimizer=true", "schedule.total_steps=2",
+                                    "schedule.warmup_steps=1", "eval.every_steps=0", "eval.at_end=false",
+                                    "checkpoint.every_steps=0")))
+    groups = torch.load(p2 / "checkpoints" / "step_00000002" / "mp_rank_00_model_states.pt", map_location="cpu",
+                        weights_only=False)["optimizer"]["param_groups"]
+    assert [g["max_lr"] for g in groups] == [1e-3, 1e-3]
+    assert all(g["lr_independent_decay"] for g in groups)
     ctx = metrics(tmp_path / "ctx")
     assert [r["step"] for r in ctx] == [1, 2, 3, 4]
     assert ctx[0]["mlm_loss"] < killed[1]["mlm_loss"] - 0.5  # it started from the trained weights (8.0 -> 7.1 seen)

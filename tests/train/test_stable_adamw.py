@@ -157,3 +157,22 @@ def test_config_and_build():
     with pytest.raises(ConfigError, match="lr_independent_weight_decay is StableAdamW's option; optimizer.name is "
                                           "'adamw'"):
         OptimizerConfig(name="adamw", lr_independent_weight_decay=True)
+
+
+def test_the_modernbert_recipes_use_it_and_bf16_weights_resolve_to_fp32():
+    """bf16 weights need the flat optimizer, which StableAdamW has not: auto resolves to fp32
+    weights (DeepSpeed's bf16 with fp32 masters), an explicit bf16 is refused naming why."""
+    from pathlib import Path
+
+    from bertdist.train.config import load_train_config
+
+    recipes = Path(__file__).resolve().parents[2] / "configs" / "pretrain"
+    for name in ("modernbert-tiny", "modernbert-base", "modernbert-large", "modernbert-base-ctx8192"):
+        opt = load_train_config(recipes / f"{name}.yaml").optimizer
+        assert (opt.name, opt.weight_decay, opt.lr_independent_weight_decay) == ("stable_adamw", 1e-5, True), name
+    tiny = recipes / "modernbert-tiny.yaml"
+    assert load_train_config(tiny, ["deepspeed.precision=bf16"]).weights == "fp32"
+    with pytest.raises(ConfigError, match="bf16_weights=bf16: it needs optimizer.implementation flat"):
+        load_train_config(tiny, ["deepspeed.precision=bf16", "deepspeed.bf16_weights=bf16"]).weights
+    with pytest.raises(ConfigError, match="stable_adamw has no flat implementation"):
+        load_train_config(tiny, ["optimizer.implementation=flat"])
