@@ -42,39 +42,59 @@ def optimizer_choice(cfg: TrainConfig, profile) -> dict[str, str]:
     return {"implementation": implementation, "why": why}
 
 
-def kernel_cases(cfg: TrainConfig, profile) -> dict[str, Any]:
-    """The (op, dtype, dropout) cases ``kernels: auto`` decides for this run on ``profile``, each
-    with its candidates and, for those that cannot run it there, why."""
-    mode = getattr(cfg.model, "kernels", None)
-    if mode is None:  # a family without bertdist.ops kernels (ModernBERT: model.attention_backend)
-        backend = getattr(cfg.model, "attention_backend", "?")
-        return {"mode": "none", "decides": False, "cases": [],
-                "why": f"the {cfg.model_config.__class__.__name__} model picks its attention with "
-                       f"model.attention_backend ({backend})"}
-    if mode != "auto":
-        return {"mode": mode, "decides": False, "why": f"kernels={mode} fixes every op", "cases": []}
-    if not profile.is_cuda:
-        return {"mode": mode, "decides": False, "cases": [],
-                "why": f"auto on {profile.type}: the reference kernels (nothing is measured off CUDA)"}
-    from bertdist.ops.candidates import candidates_for
-    from bertdist.ops.kernel_plan import Workload
+def _case_rows(cases, profile) -> list[dict[str, Any]]:
+    """Each case with its candidates and, for those that cannot run it on ``profile``, why."""
+    from bertdist.ops.candidates import WINDOW_OPS, candidates_for
 
-    workload = Workload.for_model(cfg.model, batch=cfg.data.micro_batch_size, seq=cfg.data.max_seq_length,
-                                  precision=cfg.deepspeed.precision,
-                                  autocast=autocast_dtype(cfg.deepspeed.precision, cfg.weights) is not None)
-    cases = []
-    for case in workload.cases("cuda"):
+    rows = []
+    for case in cases:
         cands = []
-        for c in candidates_for(case.op, "cuda"):
+        for c in candidates_for(case.op, profile.type):
             try:
                 reason = c.unsupported(case, profile)
             except Exception as e:  # noqa: BLE001 - a broken check is reported, not fatal to a plan
                 reason = f"support check failed: {type(e).__name__}: {e}"
             cands.append({"name": c.name, "family": c.family, "unsupported": reason})
-        cases.append({"op": case.op, "dtype": case.dtype, "dropout": case.p if case.dropout else 0.0,
-                      "shape": f"b{case.batch} s{case.seq} h{case.hidden} n{case.heads}", "candidates": cands})
+        shape = case.shape if case.op in WINDOW_OPS else f"b{case.batch} s{case.seq} h{case.hidden} n{case.heads}"
+        rows.append({"op": case.op, "dtype": case.dtype, "dropout": case.p if case.dropout else 0.0,
+                     "shape": shape, "candidates": cands})
+    return rows
+
+
+def _attention_cases(cfg: TrainConfig, profile) -> dict[str, Any]:
+    """ModernBERT's ``attention_backend``: fixed, or the cases ``auto`` gates and times at the start."""
+    backend = getattr(cfg.model, "attention_backend", "?")
+    if backend != "auto":
+        return {"mode": "none", "decides": False, "cases": [],
+                "why": f"the {cfg.model_config.__class__.__name__} model runs model.attention_backend {backend}"}
+    from bertdist.ops.attention_choice import AttentionWorkload
+
+    workload = AttentionWorkload.for_model(cfg.model_config, batch=cfg.data.micro_batch_size,
+                                           seq=cfg.data.max_seq_length, precision=cfg.deepspeed.precision)
+    return {"mode": "attention_backend auto", "decides": True, "cases": _case_rows(workload.cases(profile.type), profile),
+            "why": "rank 0 gates each backend against the reference twin and times those that pass, at the first "
+                   "start (then cached); every rank runs the one with the least time summed over the layers"}
+
+
+def kernel_cases(cfg: TrainConfig, profile) -> dict[str, Any]:
+    """The (op, dtype, dropout) cases ``kernels: auto`` decides for this run on ``profile``, each
+    with its candidates and, for those that cannot run it there, why (ModernBERT: the cases of
+    its ``attention_backend: auto``)."""
+    mode = getattr(cfg.model, "kernels", None)
+    if mode is None:  # a family without bertdist.ops kernels (ModernBERT: model.attention_backend)
+        return _attention_cases(cfg, profile)
+    if mode != "auto":
+        return {"mode": mode, "decides": False, "why": f"kernels={mode} fixes every op", "cases": []}
+    if not profile.is_cuda:
+        return {"mode": mode, "decides": False, "cases": [],
+                "why": f"auto on {profile.type}: the reference kernels (nothing is measured off CUDA)"}
+    from bertdist.ops.kernel_plan import Workload
+
+    workload = Workload.for_model(cfg.model, batch=cfg.data.micro_batch_size, seq=cfg.data.max_seq_length,
+                                  precision=cfg.deepspeed.precision,
+                                  autocast=autocast_dtype(cfg.deepspeed.precision, cfg.weights) is not None)
     return {"mode": mode, "decides": True, "why": "measured on rank 0 at the first start (then cached), "
-            "broadcast to every rank", "cases": cases}
+            "broadcast to every rank", "cases": _case_rows(workload.cases("cuda"), profile)}
 
 
 def launch_plan(cfg: TrainConfig, world_size: int, profile) -> dict[str, Any]:

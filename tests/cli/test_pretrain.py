@@ -49,7 +49,12 @@ def test_plan_of_every_recipe(recipe, world, capsys):
     if raw["deepspeed"]["precision"] == "bf16":
         assert prec["compute"] == "bf16" and ds["torch_autocast"]["dtype"] == "bfloat16"
     k = plan["kernels"]
-    if raw["model"].get("kernels") == "auto":  # (ModernBERT has no bertdist.ops kernels: attention_backend)
+    if raw["model"].get("attention_backend") == "auto":  # ModernBERT: a global and a local layer, gated and timed
+        assert k["decides"] and [c["op"] for c in k["cases"]] == ["varlen_window_attention"] * 2
+        for c in k["cases"]:
+            names = [x["name"] for x in c["candidates"] if x["unsupported"] is None]
+            assert names[0] == "reference" and "sdpa" in names, c
+    elif raw["model"].get("kernels") == "auto":
         # CUDA profile: every case the run will call, each with the baseline among its runnable candidates
         ops = {c["op"] for c in k["cases"]}
         assert k["decides"] and {"layer_norm", "bias_dropout_add_layer_norm"} <= ops

@@ -66,7 +66,12 @@ def test_modernbert_plan_at_8_and_64_ranks():
     for n, plan in plans.items():
         assert plan["batch"] == {"global": 4608, "micro": 24, "grad_accum": 4608 // (24 * n), "world_size": n}
         assert plan["model"]["type"] == "modernbert" and plan["model"]["max_position_embeddings"] == 1024
-        assert plan["kernels"]["mode"] == "none" and "attention_backend" in plan["kernels"]["why"]
+        k = plan["kernels"]  # the recipe's attention_backend: auto, on an H100: sdpa and flex both take part
+        assert k["mode"] == "attention_backend auto" and k["decides"]
+        assert [(c["op"], c["dtype"], c["dropout"], c["shape"]) for c in k["cases"]] == [
+            ("varlen_window_attention", "bfloat16", 0.0, f"b4 x s1024, 12 x 64, {w}") for w in ("global", "window +-64")]
+        assert [[(x["name"], x["unsupported"]) for x in c["candidates"]] for c in k["cases"]] == \
+            [[("reference", None), ("sdpa", None), ("flex", None)]] * 2
     p8, p64 = plans[8], plans[64]
     cfg = load_train_config(MODERNBERT).model  # the recipe's vocab file is absent: the config's 50,368
     f = p8["flops"]["forward"]
@@ -105,3 +110,18 @@ def test_modernbert_plan_counts_8192_token_batches():
     flex = launch_plan(load_train_config(MODERNBERT_CTX, ["model.attention_backend=flex"]), 64, by_name("h100"))
     assert flex["memory"]["attention_probs_per_layer"] == 0 and flex["memory"]["total"] < m["total"]
     assert m["total_checkpointed"] < m["total"] < 80 * 2**30  # fits an 80 GB H100 without checkpointing
+
+
+def test_modernbert_plan_says_what_attention_backend_auto_can_choose_on_cpu():
+    tiny = REPO / "configs" / "pretrain" / "modernbert-tiny.yaml"
+    k = kernel_cases(load_train_config(tiny), by_name("cpu"))
+    assert k["decides"] and [c["shape"] for c in k["cases"]] == ["b4 x s128, 2 x 32, global",
+                                                                 "b4 x s128, 2 x 32, window +-16"]
+    flex = [x for c in k["cases"] for x in c["candidates"] if x["name"] == "flex"]
+    assert len(flex) == 2 and all("no backward on CPU" in x["unsupported"] for x in flex)
+    text = format_launch_plan(launch_plan(load_train_config(tiny), 1, by_name("cpu")))
+    assert "kernels: attention_backend auto: rank 0 gates each backend" in text
+    assert "varlen_window_attention float32 dropout 0 b4 x s128, 2 x 32, window +-16: candidates reference, sdpa; " \
+           "cannot run: flex (FlexAttention has no backward on CPU" in text
+    fixed = kernel_cases(load_train_config(tiny, ["model.attention_backend=sdpa"]), by_name("cpu"))
+    assert (fixed["mode"], fixed["cases"]) == ("none", []) and "runs model.attention_backend sdpa" in fixed["why"]
