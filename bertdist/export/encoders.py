@@ -182,7 +182,10 @@ class ModernBertFamily(EncoderFamily):
         return cfg if p is None else dataclasses.replace(cfg, mlp_dropout=p)
 
     def kernel_sources(self, model):
-        return {"attention": model.backbone.config.attention_backend}
+        # what runs: attention_backend auto runs attention_choice.UNMEASURED until a decision sets one
+        from bertdist.model.modernbert import ModernBertAttention
+
+        return {"attention": next(m.backend for m in model.modules() if isinstance(m, ModernBertAttention))}
 
     captures_layers = False  # its layers run unpadded: no [B, S, H] states to hook
 

@@ -165,3 +165,13 @@ def test_export_writes_no_backend_into_the_hf_config():
     hf = hf_config_dict(_cfg())
     assert "auto" not in json.dumps(hf) and "attention_backend" not in hf
     assert config_from_hf(hf, "config.json").attention_backend == "sdpa"  # what the dataclass defaults to
+
+
+def test_a_fine_tuning_summary_names_the_backend_that_runs_not_auto():
+    from bertdist.export.encoders import family_of
+    from bertdist.finetune.heads import task_model
+
+    model = task_model(_cfg(), "sequence", 2, device_type="cpu")
+    assert family_of(_cfg()).kernel_sources(model) == {"attention": attention_choice.UNMEASURED}
+    set_attention_backend(model, "reference")
+    assert family_of(_cfg()).kernel_sources(model) == {"attention": "reference"}
