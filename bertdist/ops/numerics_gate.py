@@ -13,8 +13,11 @@ backward, drop a binomial fraction p, and use one mask in the forward and the ba
 (``dropout_problem``). The bounds are applied by the planning (``selection.decide_case``).
 
 The windowed ops (``WINDOW_OPS``) are judged against their reference twins with the case's
-window; an inference case (``backward`` False) on its output alone. With dropout they must
-apply it and stay finite (the mask-reading checks are written for the unwindowed ops).
+window; an inference case (``backward`` False) on its output alone. Their baseline, the reference
+twin, computes in fp32 and rounds once, so in bf16/fp16 its error is no yardstick for a correct
+kernel: the bound there is twice the larger of its error and that of an unfused kernel in the
+case's dtype (``unfused_twin``: Q K^T and P V in that dtype, the softmax in fp32). With dropout
+they must apply it and stay finite (the mask-reading checks are written for the unwindowed ops).
 """
 from __future__ import annotations
 
@@ -153,6 +156,41 @@ def oracle_for(op: str) -> Callable:
 
         return getattr(windowed_attention, f"reference_{op}")
     return reference.reference_varlen_attention
+
+
+def _attention_in_dtype(q, k, v, key_padding_mask, *, half_window=None, dropout_p=0.0, training=False, scale=None):
+    """Padded attention as an unfused kernel computes it in q's dtype: Q K^T and P V there (fp32
+    accumulation), the softmax in fp32 and P rounded to the dtype."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q @ k.transpose(-1, -2)).float() * scale
+    low = torch.finfo(torch.float32).min  # as the reference: a query without keys gets no NaN
+    if key_padding_mask is not None:
+        scores = scores.masked_fill(~key_padding_mask[:, None, None, :].bool(), low)
+    if half_window is not None:
+        pos = torch.arange(q.shape[-2], device=q.device)
+        scores = scores.masked_fill((pos[:, None] - pos[None, :]).abs() > half_window, low)
+    probs = torch.nn.functional.dropout(torch.softmax(scores, dim=-1), p=dropout_p, training=training)
+    return probs.to(q.dtype) @ v
+
+
+def _varlen_attention_in_dtype(q, k, v, packing, *, half_window=None, dropout_p=0.0, training=False, scale=None):
+    """``_attention_in_dtype`` one packed sequence at a time."""
+    out = torch.empty_like(q)
+    bounds = packing.cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end > start:
+            qs, ks, vs = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            o = _attention_in_dtype(qs, ks, vs, None, half_window=half_window, dropout_p=dropout_p,
+                                    training=training, scale=scale)
+            out[start:end] = o.squeeze(0).transpose(0, 1)
+    return out
+
+
+def unfused_twin(op: str, dtype: str) -> Callable | None:
+    """The yardstick of a windowed op's bounds in a low-precision dtype (None: its baseline's error is)."""
+    if op not in WINDOW_OPS or dtype not in ("bfloat16", "float16"):
+        return None
+    return _varlen_attention_in_dtype if op == "varlen_window_attention" else _attention_in_dtype
 
 
 # ---------------------------------------------------------------- errors

@@ -175,3 +175,21 @@ def test_a_fine_tuning_summary_names_the_backend_that_runs_not_auto():
     assert family_of(_cfg()).kernel_sources(model) == {"attention": attention_choice.UNMEASURED}
     set_attention_backend(model, "reference")
     assert family_of(_cfg()).kernel_sources(model) == {"attention": "reference"}
+
+
+def test_in_bf16_the_bounds_are_an_unfused_kernels_error_and_still_catch_a_wrong_one():
+    """The reference twin computes in fp32 and rounds once: twice its error would fail flex's correct
+    bf16 result (seen: 5.7e-3 against 4.0e-3). The bound is twice an unfused bf16 kernel's error,
+    far below what ignoring the window costs."""
+    wrong = Candidate("varlen_window_attention", "windowless", f"{TC}:wrong_varlen_window_attention", "test",
+                      test_only=True)
+    with pytest.warns(RuntimeWarning, match="candidate 'windowless' disabled"):
+        got = decide_attention_backend(_cfg(), CPU, batch=4, seq=64, precision="bf16", training=False, cache=False,
+                                       timer=_timer({"reference": 9.0, "sdpa": 2.0, "flex": 1.0, "windowless": 0.1}),
+                                       agree=False, log=lambda s: None, extra=[wrong], include_test_only=True)
+    assert got.backend == "flex"
+    for d in got.plan.decisions.values():
+        ref, flex = d.measurement("reference"), d.measurement("flex")
+        assert d.case.dtype == "bfloat16" and flex.status == "passed" and ref.bound > 2 * ref.error
+    local = next(d for d in got.plan.decisions.values() if d.case.half_window == 8).measurement("windowless")
+    assert local.status == "failed" and local.error > 10 * local.bound
