@@ -66,16 +66,22 @@ def collect() -> dict:
 
 
 def cached_decisions(cache) -> dict:
-    """What kernels: auto measured and cached, per environment (device, torch, build)."""
+    """What kernels: auto (and attention_backend: auto) measured and cached, per environment
+    (device, torch, build); ``torch_ms``: the baseline's time (the reference twin's for the windowed ops)."""
+    from bertdist.ops.candidates import WINDOW_OPS, Case, baseline_name
+
     envs = []
     for entry in cache.environments().values():
         rows = []
         for d in entry["decisions"].values():
             ms = {m["name"]: m.get("ms") for m in d["measurements"]}
             c = d["case"]
+            shape = f"b{c['batch']} s{c['seq']} h{c['hidden']} n{c['heads']}"
+            if c["op"] in WINDOW_OPS:  # ModernBERT's attention_backend: auto, per layer kind
+                shape += f" {Case(**c).window}{'' if c.get('backward', True) else ' fwd'}"
             rows.append({"op": c["op"], "dtype": c["dtype"], "dropout": c["p"] if c["dropout"] else 0.0,
-                         "shape": f"b{c['batch']} s{c['seq']} h{c['hidden']} n{c['heads']}", "choice": d["choice"],
-                         "choice_ms": ms.get(d["choice"]), "torch_ms": ms.get("torch"),
+                         "shape": shape, "choice": d["choice"], "baseline": baseline_name(c["op"]),
+                         "choice_ms": ms.get(d["choice"]), "torch_ms": ms.get(baseline_name(c["op"])),
                          "rejected": sorted(m["name"] for m in d["measurements"] if m["status"] in ("failed", "error"))})
         envs.append({"environment": entry["environment"], "updated": entry.get("updated"), "decisions": rows})
     return {"cache": str(cache.path), "environments": envs}
@@ -120,7 +126,7 @@ def print_decisions(dec: dict) -> None:
         print(f"  {e.get('device')} | torch {e.get('torch')} (CUDA {e.get('cuda')}, cuDNN {e.get('cudnn')}) | "
               f"build {e.get('build')} | updated {env['updated']}")
         for r in env["decisions"]:
-            times = (f"{r['choice_ms']:.3f} ms vs torch {r['torch_ms']:.3f} ms"
+            times = (f"{r['choice_ms']:.3f} ms vs {r['baseline']} {r['torch_ms']:.3f} ms"
                      if r["choice_ms"] is not None and r["torch_ms"] is not None else "")
             rejected = f"; rejected: {', '.join(r['rejected'])}" if r["rejected"] else ""
             print(f"    {r['op']:<28} {r['dtype']:<9} dropout {r['dropout']:<4g} {r['shape']:<22} -> "

@@ -116,6 +116,12 @@ def test_decisions_are_cached_and_copied_to_the_run_dir(tmp_path):
     # training is another decision (another case key): measured afresh
     decide_attention_backend(_cfg(), CPU, batch=4, seq=64, training=True, **kw)
     assert len(calls) == n + 4  # reference and sdpa, per layer kind; flex cannot run it
+    from bertdist.cli.info import cached_decisions  # what `bertdist info` lists
+
+    rows = cached_decisions(cache)["environments"][0]["decisions"]
+    assert sorted(r["shape"] for r in rows) == ["b4 s64 h64 n2 global", "b4 s64 h64 n2 global fwd",
+                                                "b4 s64 h64 n2 window +-8", "b4 s64 h64 n2 window +-8 fwd"]
+    assert {(r["baseline"], r["torch_ms"]) for r in rows} == {("reference", 9.0)}
 
 
 def test_the_gate_is_a_small_case_of_the_runs_shape():
