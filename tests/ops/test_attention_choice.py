@@ -199,3 +199,19 @@ def test_in_bf16_the_bounds_are_an_unfused_kernels_error_and_still_catch_a_wrong
         assert d.case.dtype == "bfloat16" and flex.status == "passed" and ref.bound > 2 * ref.error
     local = next(d for d in got.plan.decisions.values() if d.case.half_window == 8).measurement("windowless")
     assert local.status == "failed" and local.error > 10 * local.bound
+
+
+@pytest.mark.slow  # a measuring child process (~10 s on a shared CPU)
+def test_the_isolated_measurement_cuda_uses_decides_the_windowed_cases_too():
+    """On CUDA ``selection.decide`` measures in a child process: the windowed cases (their window
+    and forward-only flag) and their candidates travel there and back. Forced here on the CPU."""
+    from bertdist.ops import selection
+
+    work = AttentionWorkload.for_model(_cfg(), batch=2, seq=64, precision="bf16", training=False)
+    plan = selection.decide(work, CPU, isolate=True)
+    assert [(d.case.half_window, d.case.backward) for d in plan.decisions.values()] == [(None, False), (8, False)]
+    for d in plan.decisions.values():
+        assert [m.name for m in d.measurements] == ["reference", "sdpa", "flex"]
+        assert all(m.status == "passed" and m.ms > 0 for m in d.measurements), d.measurements
+    backend, summary = attention_choice.combine(plan, work)
+    assert backend in ("sdpa", "flex") and summary.startswith(f"attention_backend: auto chose {backend}: forward of")
