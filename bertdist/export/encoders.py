@@ -96,6 +96,11 @@ class EncoderFamily:
     def kernel_sources(self, model: nn.Module) -> dict:
         return dict(model.backbone.kernels.sources)
 
+    def decide_attention(self, model: nn.Module, device, *, batch: int, seq: int, precision: str) -> str | None:
+        """A model whose config leaves its attention to a measurement (ModernBERT's
+        ``attention_backend: auto``): decide for training at these shapes and set it; None: nothing to decide."""
+        return None
+
     # TinyBERT's intermediate losses (bertdist/distill/capture.py) hook BERT-layout encoder layers.
     captures_layers = True
 
@@ -180,6 +185,19 @@ class ModernBertFamily(EncoderFamily):
     def with_dropout(self, cfg, p):
         # BERT's hidden dropout sits on each block's output; ModernBERT's nearest is its MLP dropout.
         return cfg if p is None else dataclasses.replace(cfg, mlp_dropout=p)
+
+    def decide_attention(self, model, device, *, batch, seq, precision):
+        cfg = model.backbone.config
+        if cfg.attention_backend != "auto":
+            return None
+        import torch
+
+        from bertdist.ops.attention_choice import decide_attention_backend, set_attention_backend
+
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the run's RNG untouched
+            choice = decide_attention_backend(cfg, device, batch=batch, seq=seq, precision=precision)
+        set_attention_backend(model, choice.backend)
+        return choice.backend
 
     def kernel_sources(self, model):
         # what runs: attention_backend auto runs attention_choice.UNMEASURED until a decision sets one

@@ -217,6 +217,7 @@ def train_once(cfg: FinetuneConfig, runner: Runner, w: PretrainedWeights, train_
     if cfg.batch_size % world:
         raise DataError(f"batch_size {cfg.batch_size} is not divisible by the {world} processes")
     micro = cfg.batch_size // world
+    family.decide_attention(model, device, batch=micro, seq=cfg.max_seq_length, precision=cfg.precision)
     total = total_steps(cfg, len(train_feats))
     engine, opt, sched = build_optimization(model, cfg, param_groups(model, cfg, lr), lr, micro, total)
     writer = None

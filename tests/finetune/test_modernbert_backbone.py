@@ -113,6 +113,27 @@ def test_training_lowers_the_loss(hf_dir, sst2):
     assert max(losses[-3:]) < 0.25 * losses[0], losses
 
 
+def test_finetune_decides_attention_backend_auto_at_its_start(hf_dir, sst2, tmp_path, monkeypatch, capsys):
+    """A backbone whose config says attention_backend auto (a pretraining run's): fine-tuning gates
+    and times the backends for its shapes before training; on CPU, training, that is sdpa."""
+    import dataclasses
+
+    from bertdist.finetune import FinetuneConfig, run_finetune
+
+    monkeypatch.setenv("BERTDIST_CACHE_DIR", str(tmp_path / "cache"))
+    w = load_pretrained(hf_dir)
+    w.config = dataclasses.replace(w.config, attention_backend="auto")
+    ckpt = write_torch_dir(tmp_path / "torch", w)
+    cfg = FinetuneConfig(task="sst2", checkpoint=str(ckpt), data=str(sst2), output_dir=str(tmp_path / "run"),
+                         max_seq_length=32, batch_size=4, max_steps=2, learning_rate=1e-3, progress=False,
+                         save_model=False, predict_test=False, tensorboard=False)
+    summary = run_finetune(cfg)
+    assert summary["kernel_sources"] == {"attention": "sdpa"}
+    err = capsys.readouterr().err
+    assert "attention_backend: auto chose sdpa: forward + backward of" in err and "batch 4 x seq 32" in err
+    assert (tmp_path / "cache" / "kernel_decisions.json").is_file()
+
+
 @pytest.mark.parametrize("source", ["hf", "torch"])
 def test_finetune_saves_a_model_transformers_reproduces(hf_dir, sst2, tmp_path, source):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
