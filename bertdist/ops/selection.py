@@ -28,6 +28,10 @@ config implies (``Workload``, ``kernel_plan.py``), never lazily inside a forward
 see different padded lengths. At call time an op picks by dtype and by whether dropout is
 active, both the same on every rank.
 
+ModernBERT's ``attention_backend: auto`` runs the same planning over the windowed ops
+(``attention_choice.py``): there the baseline is the reference twin, which sets the bounds and is
+chosen only when no other candidate passed (``choose``'s ``oracle_baseline``).
+
 This is the module callers use: the plan's types (``Workload``, ``Decision``, ``KernelPlan``)
 and ``measure_isolated`` are imported here and can be named from here.
 """

@@ -71,7 +71,8 @@ def _attention_cases(cfg: TrainConfig, profile) -> dict[str, Any]:
 
     workload = AttentionWorkload.for_model(cfg.model_config, batch=cfg.data.micro_batch_size,
                                            seq=cfg.data.max_seq_length, precision=cfg.deepspeed.precision)
-    return {"mode": "attention_backend auto", "decides": True, "cases": _case_rows(workload.cases(profile.type), profile),
+    return {"mode": "attention_backend auto", "decides": True,
+            "cases": _case_rows(workload.cases(profile.type), profile),
             "why": "rank 0 gates each backend against the reference twin and times those that pass, at the first "
                    "start (then cached); every rank runs the one with the least time summed over the layers"}
 

@@ -34,6 +34,10 @@ def _args(run_dir, records, vocab, *extra):
             "data.max_seq_length=64", "logging.progress=none", "eval.at_start=false", "eval.max_sequences=64", *extra]
 
 
+# The larger recipes' optimizer (the tiny recipe keeps AdamW for the parity benchmark)
+STABLE_ADAMW = ("optimizer.name=stable_adamw", "optimizer.lr_independent_weight_decay=true")
+
+
 def test_a_step_feeds_the_packed_layout_and_matches_the_padded_model(tmp_path, group, train_records, small_vocab):
     """One step through the trainer's runner: the model gets the real tokens back to back (no padding
     reaches the encoder), and its loss is the padded model's on the same masked batch."""
@@ -118,15 +122,15 @@ def test_documents_packed_in_a_row_attend_within_themselves(group):
 
 @pytest.mark.slow
 def test_pretrain_resumes_bitwise_exports_and_extends_the_context(tmp_path, train_records, small_vocab):
-    """`bertdist pretrain` on one rank, killed after step 10 (checkpoints at 4 and 8), resumed from
-    step 4: steps 5..10 replay exactly and step 8's weights are the same bytes. Its export is a
+    """`bertdist pretrain` on one rank with StableAdamW, killed after step 10 (checkpoints at 4 and 8),
+    resumed from step 4: steps 5..10 replay exactly and step 8's weights are the same bytes. Its export is a
     ModernBertForMaskedLM directory; `import-hf` of it starts a new phase at a longer context with
     global θ 160,000, and a changed window is refused."""
     from bertdist.cli.main import main
     from bertdist.export.sources import load_pretrained
 
     run = tmp_path / "run"
-    args = _args(run, train_records, small_vocab, "schedule.total_steps=12", "schedule.warmup_steps=2",
+    args = _args(run, train_records, small_vocab, *STABLE_ADAMW, "schedule.total_steps=12", "schedule.warmup_steps=2",
                  "checkpoint.every_steps=4", "checkpoint.keep_last_n=0", "eval.every_steps=0", "logging.every_steps=2")
     res = run_pretrain(1, args, faults=["--kill-after-step", "10"])
     assert res.returncode != 0
@@ -175,7 +179,7 @@ def test_pretrain_resumes_bitwise_exports_and_extends_the_context(tmp_path, trai
     # a new phase from the DeepSpeed checkpoint, its optimizer state loaded, at another peak lr:
     # StableAdamW's lr-independent weight decay is relative to the new peak
     p2 = tmp_path / "p2"
-    assert_ok(run_pretrain(1, _args(p2, train_records, small_vocab, "phase=2", "optimizer.lr=1e-3",
+    assert_ok(run_pretrain(1, _args(p2, train_records, small_vocab, *STABLE_ADAMW, "phase=2", "optimizer.lr=1e-3",
                                     f"checkpoint.init_from={ckpt / 'step_00000008'}",
                                     "checkpoint.init_load_optimizer=true", "schedule.total_steps=2",
                                     "schedule.warmup_steps=1", "eval.every_steps=0", "eval.at_end=false",
@@ -263,8 +267,8 @@ def test_pretrain_on_packed_tokenizer_json_records(tmp_path, packed_records, sma
 
 @pytest.mark.slow  # three two-rank torchrun runs
 def test_two_rank_kill_and_resume_on_packed_records_is_bitwise_exact(tmp_path, packed_records, small_bpe_tokenizer):
-    """The tiny recipe on packed rows (several documents a row, one attention segment each) on two
-    ranks: SIGKILLed after step 7 (the last checkpoint at 4), then ``--resume auto``. Steps 5-12
+    """The tiny recipe with StableAdamW on packed rows (several documents a row, one attention
+    segment each) on two ranks: SIGKILLed after step 7 (the last checkpoint at 4), then ``--resume auto``. Steps 5-12
     repeat the uninterrupted run's losses and gradient norms bitwise, and step 12's weights,
     optimizer state and schedule are the same bytes. The run's export (it trained on a
     tokenizer.json) carries the tokenizer and matches transformers."""
@@ -277,7 +281,7 @@ def test_two_rank_kill_and_resume_on_packed_records_is_bitwise_exact(tmp_path, p
                 "model.max_position_embeddings=1024", "data.micro_batch_size=2", "data.global_batch_size=4",
                 "schedule.total_steps=12", "schedule.warmup_steps=2", "checkpoint.every_steps=4",
                 "checkpoint.keep_last_n=0", "eval.every_steps=0", "eval.at_end=false", "logging.every_steps=1",
-                "logging.progress=none"]
+                "logging.progress=none", *STABLE_ADAMW]
 
     ref_dir, run_dir = tmp_path / "reference", tmp_path / "killed"
     assert_ok(run_pretrain(2, args(ref_dir)))
