@@ -363,6 +363,15 @@ class TrainConfig:
                 f"zero_stage {self.deepspeed.zero_stage}, precision {self.deepspeed.precision}); use "
                 "implementation auto or torch there")
         self.weights  # bf16_weights=bf16 where it cannot run: an error with the settings
+        if self.optimizer.name == "stable_adamw" and (self.deepspeed.zero_stage > 0
+                                                      or self.deepspeed.precision == "fp16"):
+            # As for LAMB below: its update clipping divides each tensor's lr by that tensor's RMS(g^2 / v),
+            # and ZeRO (and DeepSpeed's fp16 optimizer) hand it flat buffers of many tensors instead.
+            raise ConfigError(
+                f"optimizer.name=stable_adamw needs deepspeed.zero_stage=0 and precision fp32 or bf16 (got "
+                f"zero_stage {self.deepspeed.zero_stage}, precision {self.deepspeed.precision}): its per-tensor "
+                "update clipping needs whole parameter tensors, and ZeRO 1-3 and DeepSpeed's fp16 optimizer hand "
+                "the optimizer flat partitions. Use zero_stage 0 with stable_adamw, or adamw with ZeRO.")
         if self.optimizer.name == "lamb" and self.deepspeed.zero_stage > 0:
             # ZeRO flattens and partitions the parameters, so the optimizer would see slices of a flat
             # buffer instead of layers, and LAMB's per-layer trust ratio ||w|| / ||update|| would be wrong.

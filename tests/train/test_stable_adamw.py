@@ -177,3 +177,8 @@ def test_the_modernbert_recipes_use_it_and_bf16_weights_resolve_to_fp32():
         load_train_config(tiny, [*stable, "deepspeed.precision=bf16", "deepspeed.bf16_weights=bf16"]).weights
     with pytest.raises(ConfigError, match="stable_adamw has no flat implementation"):
         load_train_config(tiny, [*stable, "optimizer.implementation=flat"])
+    # ZeRO hands the optimizer flat partitions of many tensors: no per-tensor clipping there
+    with pytest.raises(ConfigError, match=r"stable_adamw needs deepspeed.zero_stage=0 and precision fp32 or bf16 "
+                                          r"\(got zero_stage 1, precision bf16\)"):
+        load_train_config(tiny, [*stable, "deepspeed.zero_stage=1", "deepspeed.precision=bf16"])
+    assert load_train_config(tiny, ["deepspeed.zero_stage=1"]).optimizer.name == "adamw"  # AdamW may
