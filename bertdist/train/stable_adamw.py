@@ -80,20 +80,24 @@ class StableAdamW(Optimizer):
         torch._foreach_lerp_(ms, grads, 1 - b1)
         torch._foreach_mul_(vs, b2)
         torch._foreach_addcmul_(vs, grads, grads, value=1 - b2)
-        # rms = sqrt(mean(g^2 / max(v, eps^2))) per tensor, and each tensor's lr = lr / max(1, rms)
-        g2 = torch._foreach_mul(grads, grads)
-        torch._foreach_div_(g2, torch._foreach_clamp_min(vs, eps * eps))
-        rms = torch.stack([x.mean() for x in g2]).sqrt()
+        # rms = sqrt(mean(g^2 / max(v, eps^2))) per tensor, and each tensor's lr = lr / max(1, rms).
+        # Two temporaries of the parameters' size, reused for the update below.
+        tmp = torch._foreach_mul(grads, grads)
+        den = torch._foreach_clamp_min(vs, eps * eps)
+        torch._foreach_div_(tmp, den)
+        rms = torch.stack([x.mean() for x in tmp]).sqrt()
         lrs = group["lr"] / rms.clamp(min=1.0)
         ws = [p.float() for p in params]  # p itself when fp32
         if wd:
             rate = lrs / group["max_lr"] if group["lr_independent_decay"] else lrs
             torch._foreach_mul_(ws, list((1 - rate * wd).unbind()))
-        denom = torch._foreach_sqrt(vs)
-        torch._foreach_add_(denom, eps)
-        update = torch._foreach_div(ms, denom)
-        torch._foreach_mul_(update, list((-lrs).unbind()))
-        torch._foreach_add_(ws, update)
+        torch._foreach_copy_(den, vs)
+        torch._foreach_sqrt_(den)
+        torch._foreach_add_(den, eps)
+        torch._foreach_copy_(tmp, ms)
+        torch._foreach_div_(tmp, den)  # m / (sqrt(v) + eps)
+        torch._foreach_mul_(tmp, list((-lrs).unbind()))
+        torch._foreach_add_(ws, tmp)
         low = [(p, w) for p, w in zip(params, ws) if w is not p]  # bf16/fp16 params: write back in their dtype
         if low:
             torch._foreach_copy_([p for p, _ in low], [w for _, w in low])
