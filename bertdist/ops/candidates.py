@@ -28,6 +28,27 @@ BASELINE = "torch"
 
 
 @dataclasses.dataclass(frozen=True)
+class LayerContext:
+    """The encoder layer a case's candidates are timed in (``layer_timing.py``), as the run builds
+    it: FFN width, the layer's compute dtype (autocast's under ``autocast``, else the weights'),
+    the dropout of the ops not being decided, padded or unpadded attention, eager or compiled."""
+
+    intermediate: int
+    dtype: str
+    autocast: bool
+    hidden_dropout: float
+    attention_dropout: float
+    unpad: bool = False
+    compiled: bool = False
+
+    @property
+    def key(self) -> str:
+        return (f"layer i{self.intermediate} {self.dtype}{' autocast' if self.autocast else ''} "
+                f"hd{self.hidden_dropout:g} ad{self.attention_dropout:g}{' unpad' if self.unpad else ''} "
+                f"{'compiled' if self.compiled else 'eager'}")
+
+
+@dataclasses.dataclass(frozen=True)
 class Case:
     """One decision: ``op`` at ``dtype`` (torch dtype name), with dropout or without
     (``dropout``: a training call with p > 0), measured at batch x seq (lengths drawn from
@@ -44,6 +65,11 @@ class Case:
     p: float = 0.1
     eps: float = 1e-12
     lengths_seed: int = 0
+    layer: LayerContext | None = None  # None: timed as the op alone
+
+    def __post_init__(self) -> None:
+        if isinstance(self.layer, dict):  # from JSON (the cache, the isolated measurement)
+            object.__setattr__(self, "layer", LayerContext(**self.layer))
 
     @property
     def head_dim(self) -> int:
@@ -56,10 +82,19 @@ class Case:
         return f"{self.batch * self.seq} rows x {self.hidden}"
 
     @property
+    def region(self) -> str:
+        """What a candidate of this case is timed in (``layer_timing.py``)."""
+        if self.layer is None:
+            return "the op alone"
+        where = "the embeddings' layer norm + dropout" if self.op == "layer_norm" else "one encoder layer"
+        return f"{where}, {'compiled' if self.layer.compiled else 'eager'}"
+
+    @property
     def key(self) -> str:
         mode = f"dropout {self.p:g}" if self.dropout else "no dropout"
         return (f"{self.op} | {self.dtype} | {mode} | b{self.batch} s{self.seq} h{self.hidden} "
-                f"n{self.heads} eps{self.eps:g} seed{self.lengths_seed}")
+                f"n{self.heads} eps{self.eps:g} seed{self.lengths_seed}"
+                + (f" | {self.layer.key}" if self.layer is not None else ""))
 
 
 @dataclasses.dataclass(frozen=True)
