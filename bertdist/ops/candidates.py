@@ -10,7 +10,8 @@ Every op's first candidate is its *baseline*: what ``kernels: reference`` runs o
 type (``baseline_target``). It is always measured and wins unless another candidate passes
 the numerics check and is measurably faster, so ``auto`` cannot be slower than ``reference``.
 
-Built in (``BUILTIN``): torch's ops (``torch_native``) and our fused kernels (``fused``).
+Built in (``BUILTIN``): torch's ops (``torch_native``), our fused kernels (``fused``) and, for
+the layer-norm family on CUDA, Inductor's fused kernel compiled from our twin (``inductor``).
 Others register with ``register_candidate`` (e.g. emulated CUDA kernels, ``test_only=True``:
 tests only, never ``kernels: auto`` in a run). Registration order is measurement order.
 """
@@ -228,6 +229,9 @@ def _builtin() -> list[Candidate]:
             ]
         out.append(Candidate(op, "fused", f"bertdist.ops.fused:{op}", "fused", f"{_CHECKS}:fused_unsupported",
                              bias_in_kernel=op == "bias_dropout_add_layer_norm"))
+        if op in ("layer_norm", "bias_dropout_add_layer_norm"):  # torch.compile of our twin: Inductor's fused kernel
+            out.append(Candidate(op, "inductor", f"bertdist.ops.inductor:{op}", "inductor",
+                                 "bertdist.ops.inductor:unsupported", bias_in_kernel=op == "bias_dropout_add_layer_norm"))
         # The CUDA kernels' own code run on the CPU (slow): judged like any other, in tests only.
         out.append(Candidate(op, "emulated", f"bertdist.ops.emulated:{op}", "emulated",
                              f"{_CHECKS}:emulated_unsupported", test_only=True,

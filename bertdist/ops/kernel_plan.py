@@ -189,7 +189,37 @@ def format_table(decisions: Iterable[Decision], environment: dict, note: str = "
                 result += f" [{d.origin}]"
             lines.append(f"  {cols[0]:<28} {cols[1]:<9} {cols[2]:<8} {cols[3]:<40} {m.name:<22} {err:>9} {bound:>9} "
                          f"{ms:>9}  {result}")
+        versus = inductor_versus_ours(d)
+        if versus:
+            lines.append(f"  {versus}")
+    errors = [(d, m) for d in decisions for m in d.measurements if m.status == "error"]
+    if errors:
+        lines.append(f"  {len(errors)} candidate measurement(s) skipped after an error: " + "; ".join(
+            f"{m.name} for {d.case.op} {d.case.dtype}{' with dropout' if d.case.dropout else ''}: {m.reason}"
+            for d, m in errors))
     return "\n".join(lines)
+
+
+def inductor_versus_ours(d: Decision) -> str | None:
+    """Inductor's figure next to our fused kernel's, and which won, where Inductor was timed."""
+    ind = d.measurement("inductor")
+    if ind is None or ind.ms is None:
+        return None
+    ours = [m for m in d.measurements if m.family == "fused"]
+    timed = [m for m in ours if m.ms is not None]
+    if timed:
+        best = min(timed, key=lambda m: m.ms)
+        theirs = f"ours ({best.name}) {best.ms:.3f} ms"
+    else:
+        theirs = f"ours not timed ({ours[0].status}: {ours[0].reason})" if ours else "ours not a candidate"
+    if d.choice == "inductor":
+        verdict = "Inductor's kernel chosen"
+    elif timed and d.choice == best.name:
+        verdict = "ours chosen"
+    else:
+        verdict = f"{d.choice} chosen"
+    return (f"{d.case.op} {d.case.dtype}{' with dropout' if d.case.dropout else ''}: Inductor {ind.ms:.3f} ms vs "
+            f"{theirs} in {d.case.region}: {verdict}")
 
 
 # ---------------------------------------------------------------- environment

@@ -81,8 +81,13 @@ def _device_ok(device: torch.device) -> bool:
 
 
 def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:200] if text else ''}"
+    """The error's first line, and the next one where the first only introduces it (torch.compile's
+    ``backend='inductor' raised:``)."""
+    text = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    head = text[0] if text else ""
+    if head.endswith(":") and len(text) > 1:
+        head = f"{head} {text[1]}"
+    return f"{type(e).__name__}: {head[:200]}"
 
 
 def _op_step(problem, case: Case, cand: Candidate, fn: Callable, dtype: torch.dtype) -> Callable[[], None]:
