@@ -53,10 +53,19 @@ def _child_main(spec_path: str, out_path: str) -> int:
     return 0
 
 
+TIMEOUT_S = 900.0  # one child's measurement of eager cases
+COMPILE_ALLOWANCE_S = 120.0  # more per candidate timed in a compiled layer (each compiles its own)
+
+
 def measure_isolated(cases: list[tuple[Case, list[Candidate]]], device: torch.device, *,
-                     timeout_s: float = 900.0, profile: DeviceProfile | None = None) -> list[Decision]:
+                     timeout_s: float | None = None, profile: DeviceProfile | None = None) -> list[Decision]:
     """``measure`` in child processes: a candidate that kills the child or the CUDA context is
-    recorded as an error and excluded, and the remaining cases are measured again without it."""
+    recorded as an error and excluded, and the remaining cases are measured again without it.
+    ``timeout_s``: per child (default: ``TIMEOUT_S`` plus ``COMPILE_ALLOWANCE_S`` per compiled
+    candidate measurement)."""
+    if timeout_s is None:
+        compiled = sum(len(cands) for case, cands in cases if case.layer is not None and case.layer.compiled)
+        timeout_s = TIMEOUT_S + COMPILE_ALLOWANCE_S * compiled
     done: dict[str, Decision] = {}
     excluded: dict[str, dict[str, str]] = {}  # case key -> candidate -> reason
     for _attempt in range(1 + sum(len(c) for _, c in cases)):

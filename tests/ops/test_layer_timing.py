@@ -103,11 +103,42 @@ def test_compiled_runs_time_candidates_in_a_compiled_layer(monkeypatch):
         return gm.forward
 
     monkeypatch.setattr(layer_timing, "COMPILE_BACKEND", backend)
-    w = _workload(ops=("bias_dropout_add_layer_norm",), hidden_dropout=0.0, compiled=True)
+    # attention is timed in compiled layers whose bias_dropout_add_layer_norm is routed to its choice
+    w = _workload(ops=("bias_dropout_add_layer_norm", "attention"), hidden_dropout=0.0, attention_dropout=0.0,
+                  unpad=False, compiled=True)
     plan = selection.decide(w, CPU, timer=lambda cand, case, call, dev: (call(), [1.0])[1])
-    (d,) = plan.decisions.values()
-    assert d.case.layer.compiled and graphs  # the torch baseline's layer, and fused's where it runs
+    assert all(d.case.layer.compiled for d in plan.decisions.values())
+    timed = sum(m.ms is not None for d in plan.decisions.values() for m in d.measurements)
+    assert len(graphs) >= timed >= 3, (len(graphs), timed)  # every timed candidate ran a compiled layer
     assert "one encoder layer, compiled" in plan.table()
+
+
+def test_the_default_timer_runs_a_layer_in_batches_of_at_least_five():
+    import time
+
+    from bertdist.ops.timing import default_timer
+
+    case = _workload(ops=("layer_norm",)).cases("cpu")[0]
+    calls = []
+    samples = default_timer(None, case, lambda: (calls.append(1), time.sleep(0.01)), CPU)
+    assert len(samples) == 7 and len(calls) == 3 + 1 + 7 * 5  # warm-up, probe, 7 batches of 5
+    assert min(samples) >= 10
+
+
+def test_an_isolated_measurement_of_compiled_layers_gets_time_to_compile(monkeypatch):
+    import subprocess
+
+    from bertdist.ops import measure_child
+    from bertdist.ops.candidates import candidates_for
+
+    def timeout(cmd, timeout, **kw):
+        raise subprocess.TimeoutExpired(cmd, timeout)
+
+    monkeypatch.setattr(subprocess, "run", timeout)
+    for compiled, expected in ((False, 900), (True, 900 + 120 * 2)):  # torch and fused, one case
+        cases = [(c, candidates_for(c.op, "cpu")[:2]) for c in _workload(ops=("layer_norm",), compiled=compiled).cases("cpu")]
+        with pytest.raises(RuntimeError, match=f"timed out after {expected} s"):
+            measure_child.measure_isolated(cases, CPU)
 
 
 def test_real_timing_in_a_layer_ranks_a_slower_kernel_last():
