@@ -58,11 +58,12 @@ COMPILE_ALLOWANCE_S = 120.0  # more per candidate timed in a compiled layer (eac
 
 
 def measure_isolated(cases: list[tuple[Case, list[Candidate]]], device: torch.device, *,
-                     timeout_s: float | None = None, profile: DeviceProfile | None = None) -> list[Decision]:
+                     timeout_s: float | None = None, profile: DeviceProfile | None = None,
+                     decided: list[tuple[Case, Candidate]] = ()) -> list[Decision]:
     """``measure`` in child processes: a candidate that kills the child or the CUDA context is
     recorded as an error and excluded, and the remaining cases are measured again without it.
     ``timeout_s``: per child (default: ``TIMEOUT_S`` plus ``COMPILE_ALLOWANCE_S`` per compiled
-    candidate measurement)."""
+    candidate measurement). ``decided``: choices made before (cached), which the layers run."""
     if timeout_s is None:
         compiled = sum(len(cands) for case, cands in cases if case.layer is not None and case.layer.compiled)
         timeout_s = TIMEOUT_S + COMPILE_ALLOWANCE_S * compiled
@@ -79,7 +80,8 @@ def measure_isolated(cases: list[tuple[Case, list[Candidate]]], device: torch.de
                                         "profile": profile.to_dict() if profile else None, "cases": [
                 {"case": dataclasses.asdict(case), "candidates": [c.to_dict() for c in cands]} for case, cands in todo],
                 # a fresh child times its layers with the choices the earlier ones made
-                "decided": [{"case": dataclasses.asdict(case), "candidate": next(
+                "decided": [{"case": dataclasses.asdict(case), "candidate": cand.to_dict()} for case, cand in decided]
+                + [{"case": dataclasses.asdict(case), "candidate": next(
                     c.to_dict() for c in cands if c.name == done[case.key].choice)}
                     for case, cands in cases if case.key in done]}))
             cmd = [sys.executable, "-c", "import sys; from bertdist.ops.measure_child import _child_main; "

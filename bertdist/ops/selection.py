@@ -240,10 +240,12 @@ def decide(workload: Workload, device: torch.device, *, cache=None, timer: Timer
     cached = cache.load(env) if cache is not None else {}
     decisions: dict[str, Decision] = {}
     todo = []
+    prior: list[tuple[Case, Candidate]] = []  # cached choices: the measured cases' layers run them
     for case, cands in wanted:
         hit = cached.get(case.key)
         if hit is not None and hit["candidates"] == [c.name for c in cands]:
             decisions[case.key] = Decision.from_dict(hit, "cache")
+            prior.append((case, next(c for c in cands if c.name == hit["choice"])))
         else:
             todo.append((case, cands))
     if todo:
@@ -255,8 +257,8 @@ def decide(workload: Workload, device: torch.device, *, cache=None, timer: Timer
         elif timer is not None and isolate:
             raise ValueError("a custom timer runs in this process only (isolate=False)")
         else:
-            measured = (measure_isolated(todo, device, profile=profile) if isolate else
-                        measure(todo, device, timer=timer or default_timer, profile=profile))
+            measured = (measure_isolated(todo, device, profile=profile, decided=prior) if isolate else
+                        measure(todo, device, timer=timer or default_timer, profile=profile, decided=prior))
         for d in measured:
             decisions[d.case.key] = d
         missing = [case.key for case, _ in todo if case.key not in decisions]

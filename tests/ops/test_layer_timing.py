@@ -148,3 +148,23 @@ def test_real_timing_in_a_layer_ranks_a_slower_kernel_last():
     plan = selection.decide(w, CPU, extra=extra, include_test_only=True)
     (d,) = plan.decisions.values()
     assert d.measurement("slow").ms > 15 > d.measurement("torch").ms and d.choice != "slow"
+
+
+def test_layers_run_the_cached_choices_of_the_ops_not_measured_again(tmp_path):
+    extra = [Candidate("bias_dropout_add_layer_norm", "counting", f"{TC}:counting_bdaln", "test", test_only=True)]
+    cache = DecisionCache(tmp_path / "kd.json")
+    prefer_counting = lambda cand, case, call, dev: [0.1 if cand.name == "counting" else 1.0]  # noqa: E731
+    norm_only = _workload(ops=("bias_dropout_add_layer_norm",), unpad=False)
+    selection.decide(norm_only, CPU, cache=cache, timer=prefer_counting, extra=extra, include_test_only=True)
+    calls = []
+
+    def timer(candidate, case, call, device):
+        assert case.op == "attention", case.key  # bias_dropout_add_layer_norm comes from the cache
+        start = len(selection_candidates.CALLS)
+        call()
+        calls.append(len(selection_candidates.CALLS) - start)
+        return [1.0]
+
+    plan = selection.decide(dataclasses.replace(norm_only, ops=("bias_dropout_add_layer_norm", "attention")), CPU,
+                            cache=cache, timer=timer, extra=extra, include_test_only=True)
+    assert plan.note.startswith("partly cached") and calls and set(calls) == {2}, calls
