@@ -101,3 +101,16 @@ def test_real_inductor_passes_the_numerics_gate_on_cpu():
     (d,) = plan.decisions.values()
     m = d.measurement("inductor")
     assert m.status == "passed" and m.error <= m.bound, m.reason
+
+
+@pytest.mark.gpu
+@pytest.mark.slow  # compiles Triton kernels and times layers
+def test_on_a_gpu_inductor_compiles_and_is_timed_in_the_layer_beside_ours():
+    w = kernel_plan.Workload(batch=8, seq=128, hidden=768, heads=12, dtypes=("bfloat16",), ops=NORM_OPS)
+    plan = selection.decide(w, torch.device("cuda"), isolate=False)
+    print(plan.table())
+    for d in plan.decisions.values():
+        m = d.measurement("inductor")
+        assert m.status in ("passed", "failed"), (d.case.key, m.status, m.reason)  # compiled and ran
+        if m.status == "passed":
+            assert m.ms is not None and f"Inductor {m.ms:.3f} ms" in plan.table()
