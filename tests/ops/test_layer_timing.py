@@ -147,7 +147,8 @@ def test_real_timing_in_a_layer_ranks_a_slower_kernel_last():
     extra = [Candidate("layer_norm", "slow", f"{TC}:slow_layer_norm", "test", test_only=True)]
     plan = selection.decide(w, CPU, extra=extra, include_test_only=True)
     (d,) = plan.decisions.values()
-    assert d.measurement("slow").ms > 15 > d.measurement("torch").ms and d.choice != "slow"
+    # torch's time is not compared with a constant: a loaded machine has made tiny steps take 20 ms
+    assert d.measurement("slow").ms > 15 and d.measurement("torch").status == "passed" and d.choice != "slow"
 
 
 def test_layers_run_the_cached_choices_of_the_ops_not_measured_again(tmp_path):
