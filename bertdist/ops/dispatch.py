@@ -217,7 +217,7 @@ def default_workload(model_config, device_type: str, profile: "DeviceProfile | N
                     heads=model_config.num_attention_heads, dtypes=(low, "float32"),
                     hidden_dropout=model_config.hidden_dropout_prob,
                     attention_dropout=model_config.attention_probs_dropout_prob, eps=model_config.layer_norm_eps,
-                    unpad=model_config.unpad)
+                    unpad=model_config.unpad, intermediate=model_config.intermediate_size)
 
 
 def _distributed_world() -> int:
