@@ -169,3 +169,12 @@ def test_layers_run_the_cached_choices_of_the_ops_not_measured_again(tmp_path):
     plan = selection.decide(dataclasses.replace(norm_only, ops=("bias_dropout_add_layer_norm", "attention")), CPU,
                             cache=cache, timer=timer, extra=extra, include_test_only=True)
     assert plan.note.startswith("partly cached") and calls and set(calls) == {2}, calls
+
+
+def test_a_model_built_without_a_plan_decides_for_layers_of_its_own_ffn_width():
+    from bertdist.device_profile import by_name
+    from bertdist.ops.dispatch import default_workload
+
+    cfg = BertConfig.from_preset("tiny", intermediate_size=48)
+    cases = default_workload(cfg, "cuda", by_name("h100")).cases("cuda")
+    assert cases and {c.layer.intermediate for c in cases} == {48}
