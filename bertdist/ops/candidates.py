@@ -10,7 +10,8 @@ Every op's first candidate is its *baseline*: what ``kernels: reference`` runs o
 type (``baseline_target``). It is always measured and wins unless another candidate passes
 the numerics check and is measurably faster, so ``auto`` cannot be slower than ``reference``.
 
-Built in (``BUILTIN``): torch's ops (``torch_native``) and our fused kernels (``fused``).
+Built in (``BUILTIN``): torch's ops (``torch_native``), our fused kernels (``fused``) and, for
+the layer-norm family on CUDA, Inductor's fused kernel compiled from our twin (``inductor``).
 Others register with ``register_candidate`` (e.g. emulated CUDA kernels, ``test_only=True``:
 tests only, never ``kernels: auto`` in a run). Registration order is measurement order.
 """
@@ -25,6 +26,27 @@ if TYPE_CHECKING:
 
 OPS = ("layer_norm", "bias_dropout_add_layer_norm", "attention", "varlen_attention")
 BASELINE = "torch"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerContext:
+    """The encoder layer a case's candidates are timed in (``layer_timing.py``), as the run builds
+    it: FFN width, the layer's compute dtype (autocast's under ``autocast``, else the weights'),
+    the dropout of the ops not being decided, padded or unpadded attention, eager or compiled."""
+
+    intermediate: int
+    dtype: str
+    autocast: bool
+    hidden_dropout: float
+    attention_dropout: float
+    unpad: bool = False
+    compiled: bool = False
+
+    @property
+    def key(self) -> str:
+        return (f"layer i{self.intermediate} {self.dtype}{' autocast' if self.autocast else ''} "
+                f"hd{self.hidden_dropout:g} ad{self.attention_dropout:g}{' unpad' if self.unpad else ''} "
+                f"{'compiled' if self.compiled else 'eager'}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +66,11 @@ class Case:
     p: float = 0.1
     eps: float = 1e-12
     lengths_seed: int = 0
+    layer: LayerContext | None = None  # None: timed as the op alone
+
+    def __post_init__(self) -> None:
+        if isinstance(self.layer, dict):  # from JSON (the cache, the isolated measurement)
+            object.__setattr__(self, "layer", LayerContext(**self.layer))
 
     @property
     def head_dim(self) -> int:
@@ -56,10 +83,19 @@ class Case:
         return f"{self.batch * self.seq} rows x {self.hidden}"
 
     @property
+    def region(self) -> str:
+        """What a candidate of this case is timed in (``layer_timing.py``)."""
+        if self.layer is None:
+            return "the op alone"
+        where = "the embeddings' layer norm + dropout" if self.op == "layer_norm" else "one encoder layer"
+        return f"{where}, {'compiled' if self.layer.compiled else 'eager'}"
+
+    @property
     def key(self) -> str:
         mode = f"dropout {self.p:g}" if self.dropout else "no dropout"
         return (f"{self.op} | {self.dtype} | {mode} | b{self.batch} s{self.seq} h{self.hidden} "
-                f"n{self.heads} eps{self.eps:g} seed{self.lengths_seed}")
+                f"n{self.heads} eps{self.eps:g} seed{self.lengths_seed}"
+                + (f" | {self.layer.key}" if self.layer is not None else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +229,9 @@ def _builtin() -> list[Candidate]:
             ]
         out.append(Candidate(op, "fused", f"bertdist.ops.fused:{op}", "fused", f"{_CHECKS}:fused_unsupported",
                              bias_in_kernel=op == "bias_dropout_add_layer_norm"))
+        if op in ("layer_norm", "bias_dropout_add_layer_norm"):  # torch.compile of our twin: Inductor's fused kernel
+            out.append(Candidate(op, "inductor", f"bertdist.ops.inductor:{op}", "inductor",
+                                 "bertdist.ops.inductor:unsupported", bias_in_kernel=op == "bias_dropout_add_layer_norm"))
         # The CUDA kernels' own code run on the CPU (slow): judged like any other, in tests only.
         out.append(Candidate(op, "emulated", f"bertdist.ops.emulated:{op}", "emulated",
                              f"{_CHECKS}:emulated_unsupported", test_only=True,

@@ -58,10 +58,12 @@ def kernel_cases(cfg: TrainConfig, profile) -> dict[str, Any]:
                 "why": f"auto on {profile.type}: the reference kernels (nothing is measured off CUDA)"}
     from bertdist.ops.candidates import candidates_for
     from bertdist.ops.kernel_plan import Workload
+    from bertdist.train.compile import decide_compile
 
     workload = Workload.for_model(cfg.model, batch=cfg.data.micro_batch_size, seq=cfg.data.max_seq_length,
                                   precision=cfg.deepspeed.precision,
-                                  autocast=autocast_dtype(cfg.deepspeed.precision, cfg.weights) is not None)
+                                  autocast=autocast_dtype(cfg.deepspeed.precision, cfg.weights) is not None,
+                                  compiled=decide_compile(cfg.model.compile, profile.type).enabled)
     cases = []
     for case in workload.cases("cuda"):
         cands = []
