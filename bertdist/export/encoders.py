@@ -168,8 +168,11 @@ class ModernBertFamily(EncoderFamily):
 
     def write_pretraining_dir(self, out, w):
         from bertdist.export.modernbert_hf import write_modernbert_hf_dir
+        from bertdist.export.tokenizer import write_modernbert_tokenizer
 
-        return write_modernbert_hf_dir(out, w.config, w.state_dict, w.tokenizer_files)
+        out = write_modernbert_hf_dir(out, w.config, w.state_dict, w.tokenizer_files)
+        write_modernbert_tokenizer(out, w)
+        return out
 
     def task_config(self, model: nn.Module) -> dict:
         return {"classifier_pooling": model.pooling, "classifier_dropout": model.classifier_dropout}
