@@ -56,8 +56,10 @@ def node_errors(fp32_file: Path, int8_file: Path, feeds: list[dict[str, np.ndarr
     w = {k: numpy_helper.to_array(weights[n.input[1]]).astype(np.float64) for k, n in quantised.items()}
     err = dict.fromkeys(quantised, 0.0)
     ref = dict.fromkeys(quantised, 0.0)
+    from bertdist.serve.parity import graph_feed
+
     for feed in feeds:
-        got = dict(zip(tensors, sess.run(tensors, feed)))
+        got = dict(zip(tensors, sess.run(tensors, graph_feed(sess, feed))))
         for k, n in quantised.items():
             want = np.matmul(got[n.input[0]].astype(np.float64), w[k])
             err[k] += float(np.sum((got[n.output[0]] - want) ** 2))
@@ -70,7 +72,9 @@ def throughput(sessions: dict, feeds: list[dict[str, np.ndarray]], repeats: int 
     (bertdist.serve.int8_report.take_turns); the median of ``repeats`` passes after a warm-up batch."""
     from bertdist.serve.int8_report import take_turns
 
-    runners = {k: (lambda s: lambda f: s.run(None, f))(s) for k, s in sessions.items()}
+    from bertdist.serve.parity import run_onnx
+
+    runners = {k: (lambda s: lambda f: run_onnx(s, f))(s) for k, s in sessions.items()}
     for run in runners.values():
         run(feeds[0])
     n = sum(len(f["input_ids"]) for f in feeds)
