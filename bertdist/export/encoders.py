@@ -187,7 +187,7 @@ class ModernBertFamily(EncoderFamily):
     def kernel_sources(self, model):
         return {"attention": model.backbone.config.attention_backend}
 
-    captures_layers = False  # its layers run unpadded: no [B, S, H] states to hook
+    captures_layers = True  # bertdist/distill/capture.py reads its layers (unpadded ones put back)
 
     def student_preset(self, name, teacher_cfg):
         keep = ("vocab_size", "max_position_embeddings", "pad_token_id", "bos_token_id", "eos_token_id",
