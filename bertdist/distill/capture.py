@@ -29,7 +29,9 @@ class LayerCapture:
         self.hidden: list[torch.Tensor] = []
         self.inputs: list[torch.Tensor] = []
         self.attention = attention
-        self.modernbert = hasattr(backbone, "layers") and hasattr(backbone, "rotary")
+        from bertdist.model.modernbert import ModernBertModel
+
+        self.modernbert = isinstance(backbone, ModernBertModel)
         self.backbone = backbone
         self.layers = list(backbone.layers if self.modernbert else backbone.encoder.layer)
         self._handles = []
