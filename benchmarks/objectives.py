@@ -32,6 +32,12 @@ sequence length:
            ``--electra-embedding-size`` says otherwise
   wwm      (e) whole-word masking 15%, no NSP: span masking's baseline (tiny-span.yaml with
            masking_mode=whole_word); not in the default arms
+  modernbert (f) ModernBERT beside BERT (modernbert-tiny.yaml): MLM 30% on whole documents packed
+           into rows (its own records, built with pack_documents), an encoder of the BERT preset's
+           depth, width and heads with a GeGLU MLP of BERT's MLP parameters (2/3 of its
+           intermediate size), the same vocab; its FLOPs by ModernBERT's count (local layers'
+           windowed attention, full-length rows); not in the default arms. The random
+           initialisation baseline stays BERT's
 
 With ``--tasks squad`` (SQuAD v1.1 dev split by article: even articles train, odd dev; F1),
 ``--arms span,wwm`` judges whether span masking is no worse than whole-word masking on SQuAD.
