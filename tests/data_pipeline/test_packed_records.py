@@ -74,8 +74,13 @@ def test_packing_and_word_masks_are_checked_before_the_build(tmp_path, small_bpe
     inputs = [f"books:{SAMPLES / 'books' / 'shakespeare-macbeth.txt'}"]
     with pytest.raises(ConfigError, match="needs objective: none, masking: dynamic and dupe_factor: 1.*masking: static"):
         build_records(inputs, tmp_path / "a", small_vocab, **{**common, "masking": "static"}, pack_documents=True)
-    with pytest.raises(ConfigError, match="masking_mode 'whole_word' needs word boundaries"):
-        build_records(inputs, tmp_path / "b", small_bpe_tokenizer, **common, masking_mode="whole_word")
+    unmarked = tmp_path / "unmarked" / "tokenizer.json"  # a BPE marking neither continuations nor word starts
+    spec = json.loads(small_bpe_tokenizer.read_text())
+    spec["pre_tokenizer"], spec["decoder"] = {"type": "Whitespace"}, None
+    unmarked.parent.mkdir()
+    unmarked.write_text(json.dumps(spec))
+    with pytest.raises(ConfigError, match="masking_mode 'whole_word' needs word boundaries.*nor word starts"):
+        build_records(inputs, tmp_path / "b", unmarked, **common, masking_mode="whole_word")
     with pytest.raises(ConfigError, match="normalizer decides the case"):
         build_records(inputs, tmp_path / "c", small_bpe_tokenizer, **common, lowercase=True)
     assert not (tmp_path / "a").exists() or not any((tmp_path / "a").glob("manifest.json"))
