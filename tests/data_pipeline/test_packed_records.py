@@ -154,3 +154,36 @@ def test_packed_shards_are_byte_identical_across_worker_counts(tmp_path, small_b
         shards[name] = {s["path"].rsplit("/", 1)[-1]: s["sha256"] for sp in man["splits"].values() for s in sp["shards"]}
     assert shards["a"] == shards["b"] and len(shards["a"]) == 4
     assert a == tmp_path / "a" / "manifest.json"
+
+
+def test_static_whole_word_masking_with_a_byte_level_bpe_masks_whole_words(tmp_path, small_bpe_tokenizer):
+    """A build with the byte-level BPE tokenizer.json and static whole-word masking: its words come
+    from the 'Ġ' word starts, and every word of every row is masked whole or not at all."""
+    from bertdist.data import continuation_mask, open_records
+    from data_pipeline import build_records
+
+    table = continuation_mask(small_bpe_tokenizer)
+    manifest = build_records([f"books:{SAMPLES / 'books' / 'shakespeare-macbeth.txt'}"], tmp_path / "r",
+                             small_bpe_tokenizer, max_seq_length=128, objective="none", masking="static",
+                             masking_mode="whole_word", dupe_factor=1, num_shards=1, dedup={"enabled": False})
+    records = open_records(manifest)
+    assert records.manifest["vocab"]["word_boundaries"] is True
+    special = set(records.manifest["vocab"]["special_ids"])
+    rows = words = whole = 0
+    for table_ in records.iter_shards():
+        for ids, pos, mids in zip(*(table_.column(c).to_pylist() for c in
+                                    ("input_ids", "masked_lm_positions", "masked_lm_ids"))):
+            orig = np.asarray(ids)
+            orig[pos] = mids
+            masked = np.zeros(len(orig), bool)
+            masked[pos] = True
+            maskable = ~np.isin(orig, list(special))
+            prev = np.concatenate([[False], maskable[:-1]])
+            word = np.cumsum(maskable & (~table[orig] | ~prev))
+            for k in range(1, word[-1] + 1):
+                w = np.flatnonzero(maskable & (word == k))
+                assert masked[w].all() or not masked[w].any(), (orig[w], masked[w])
+                words += 1
+                whole += len(w) > 1 and masked[w].all()
+            rows += 1
+    assert rows > 50 and words > 1000 and whole > 20
