@@ -134,6 +134,17 @@ def test_int8_of_a_modernbert_classifier_keeps_its_dev_accuracy(tmp_path, finetu
     quantised = [x for x in int8.graph.node if x.op_type in ("MatMulInteger", "DynamicQuantizeMatMul")
                  or (x.op_type == "MatMul" and mode == "static")]
     assert len(quantised) >= n
+    # the served int8 model (two inputs fed) labels the dev texts as the gate measured
+    from bertdist.serve.runtime import load_served_model
+
+    texts = [ln.split("\t")[0] for ln in (dev / "dev.tsv").read_text().splitlines()[1:]]
+    labels = {}
+    for variant in ("fp32", "int8"):
+        m = load_served_model(tmp_path / "q", variant=variant)
+        job = m.prepare("predict", {"inputs": [[t] for t in texts]})
+        labels[variant] = [a[0]["label"] for a in job.finish(m.run(job.items))]
+    agree = sum(a == b for a, b in zip(labels["fp32"], labels["int8"])) / len(texts)
+    assert agree == pytest.approx(p["int8"], abs=1 / len(texts)) and agree >= 0.9
 
 
 def test_int8_of_a_modernbert_encoder_is_judged_by_its_embeddings(tmp_path, pretrained):
