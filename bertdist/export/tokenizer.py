@@ -161,6 +161,11 @@ def write_modernbert_tokenizer(out_dir: str | Path, w) -> list[str]:
         return []
     lower = w.do_lower_case if w.do_lower_case is not None else infer_do_lower_case(w.vocab_file)
     write_tokenizer_files(out_dir, w.vocab_file, lower, max_length)
+    # ModernBERT takes no token types: the tokenizer's output goes into the model as it is
+    cfg_path = Path(out_dir) / "tokenizer_config.json"
+    conf = json.loads(cfg_path.read_text())
+    conf["model_input_names"] = ["input_ids", "attention_mask"]
+    cfg_path.write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
     return ["vocab.txt", "tokenizer.json", "tokenizer_config.json"]
 
 

@@ -85,6 +85,8 @@ def test_a_bpe_run_exports_its_tokenizer_json_and_autotokenizer_encodes_as_the_p
     assert tok.model_max_length == 128
     hf = transformers.ModernBertForMaskedLM.from_pretrained(tmp_path / "hf")
     assert hf.config.cls_token_id == tok.cls_token_id and hf.config.pad_token_id == tok.pad_token_id
+    longest = max(len(tok(t).input_ids) for t in TEXTS)
+    assert hf(**tok(TEXTS, padding=True, return_tensors="pt")).logits.shape[:2] == (3, longest)
 
 
 def test_a_wordpiece_run_exports_bert_tokenizer_files(tmp_path, small_vocab):
@@ -96,6 +98,9 @@ def test_a_wordpiece_run_exports_bert_tokenizer_files(tmp_path, small_vocab):
     assert tok.mask_token_id == vocab.special["mask"] and tok("Anne Elliot")["input_ids"] == tok("anne elliot")["input_ids"]
     for text in TEXTS:
         assert tok(text, add_special_tokens=False)["input_ids"] == _pipeline_ids(small_vocab, text), text
+    hf = transformers.ModernBertForMaskedLM.from_pretrained(tmp_path / "hf")
+    assert sorted(tok(TEXTS[0])) == ["attention_mask", "input_ids"]  # no token types: it goes into the model as is
+    assert hf(**tok(TEXTS, padding=True, return_tensors="pt")).logits.shape[0] == 3
 
 
 def test_a_missing_or_altered_tokenizer_is_refused(tmp_path):
