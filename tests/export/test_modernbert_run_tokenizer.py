@@ -126,3 +126,20 @@ def test_a_missing_or_altered_tokenizer_is_refused(tmp_path):
     shutil.copytree(other.parent, tok_json.parent)  # a file of that name, but not the bytes the data used
     code, printed = _export(run, tmp_path / "hf")
     assert code == 2 and f"but the run's data ({tmp_path / 'records' / 'manifest.json'})" in printed, printed
+
+
+def test_fine_tuning_a_bpe_run_tokenizes_with_its_tokenizer_json(tmp_path):
+    """A run's checkpoint read for fine-tuning names the tokenizer.json its data used as its own
+    tokenizer (not as a WordPiece vocab), and fine-tuning encodes with it as the pipeline did."""
+    from bertdist.export.sources import load_pretrained
+    from bertdist.finetune.config import FinetuneConfig
+    from bertdist.finetune.train import resolve_tokenizer
+
+    tok_json = train_bpe_tokenizer(tmp_path / "bpe" / "tokenizer.json", SAMPLES / "books" / "shakespeare-macbeth.txt",
+                                   vocab_size=400)
+    run, vocab = _run(tmp_path, tok_json)
+    w = load_pretrained(run)
+    assert w.vocab_file is None and w.tokenizer_json == tok_json
+    tok = resolve_tokenizer(FinetuneConfig(task="sst2", checkpoint=str(run)), w)
+    for text in TEXTS:
+        assert tok(text)["input_ids"] == [vocab.special["cls"], *_pipeline_ids(tok_json, text), vocab.special["sep"]]
