@@ -99,9 +99,9 @@ class OnnxEncoder:
         self.session, self.tok, self.max_length = session, tok, max_length
 
     def _run(self, texts: list, batch_size: int, output: int) -> np.ndarray:
-        examples = text_examples(self.tok, texts, self.max_length)
         from bertdist.serve.parity import run_onnx
 
+        examples = text_examples(self.tok, texts, self.max_length)
         return np.concatenate([run_onnx(self.session, f)[output] for f in batch_feeds(examples, batch_size)])
 
     def encode(self, texts, batch_size=64, max_seq_length=None) -> np.ndarray:
