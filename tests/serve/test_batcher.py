@@ -315,7 +315,7 @@ def test_bad_settings_are_refused():
         Batcher(Recorder(), bucket_edges=(32, 16))
     with pytest.raises(ValueError, match="workers >= 1"):
         Batcher(Recorder(), workers=0)
-    assert [length_bucket(n) for n in (1, 16, 17, 512, 513)] == [0, 0, 1, 5, 6]
+    assert [length_bucket(n) for n in (1, 8, 9, 33, 512, 513)] == [0, 0, 1, 7, 22, 23]
 
 
 def test_requests_take_turns_and_a_batch_is_bounded_in_tokens():
