@@ -32,6 +32,12 @@ sequence length:
            ``--electra-embedding-size`` says otherwise
   wwm      (e) whole-word masking 15%, no NSP: span masking's baseline (tiny-span.yaml with
            masking_mode=whole_word); not in the default arms
+  modernbert (f) ModernBERT beside BERT (modernbert-tiny.yaml): MLM 30% on whole documents packed
+           into rows (its own records, built with pack_documents), an encoder of the BERT preset's
+           depth, width and heads with a GeGLU MLP of BERT's MLP parameters (2/3 of its
+           intermediate size), the same vocab; its FLOPs by ModernBERT's count (local layers'
+           windowed attention, full-length rows); not in the default arms. The random
+           initialisation baseline stays BERT's
 
 With ``--tasks squad`` (SQuAD v1.1 dev split by article: even articles train, odd dev; F1),
 ``--arms span,wwm`` judges whether span masking is no worse than whole-word masking on SQuAD.
@@ -99,6 +105,7 @@ class Arm:
     random_replace_prob: float
     electra: bool = False
     note: str = ""  # how the recipe is changed, where the arm changes more than the masking rate
+    family: str = "bert"  # the model family the recipe trains (bertdist/model/families.py)
 
 
 ARMS = {
@@ -111,6 +118,11 @@ ARMS = {
     # masking, the same budget of masked tokens; not in the default arms
     "wwm": Arm("(e) whole-word masking 15%, no NSP", "tiny-span.yaml", "none", 0.15, "whole_word", 0.8, 0.1,
                note="masking_mode=whole_word"),
+    # ModernBERT beside BERT: MLM 30% on documents packed into rows, as ModernBERT trains; its encoder
+    # has the BERT preset's depth, width and heads (modernbert_sizes); not in the default arms
+    "modernbert": Arm("(f) ModernBERT, MLM 30%, packed rows", "modernbert-tiny.yaml", "packed", 0.30, "token", 0.8,
+                      0.1, note="the BERT preset's layers, width and heads; GeGLU MLP of 2/3 its intermediate size",
+                      family="modernbert"),
 }
 DEFAULT_ARMS = ("mlm_nsp", "mlm30", "span", "electra")
 SPAN_TARGET = ("span", "wwm", "squad")  # span masking no worse than whole-word masking on SQuAD
@@ -285,8 +297,9 @@ def vocab_tag(vocab: Path) -> str:
 
 
 def build_records(shared: Path, work: Path, kind: str, seq: int, max_books_mb: float | None, vocab: Path) -> dict:
-    """Unmasked records (the loader masks each batch) with NSP pairs ("nsp") or without ("none"),
-    built once: {manifest, rows, tokens, documents, build_s}."""
+    """Unmasked records (the loader masks each batch) with NSP pairs ("nsp"), without ("none"), or
+    whole documents packed into rows ("packed", ModernBERT's), built once:
+    {manifest, rows, tokens, documents, build_s}."""
     out = work / "records" / f"{kind}-seq{seq}-{corpus_key(max_books_mb)}{vocab_tag(vocab)}"
     manifest = out / "manifest.json"
     if not manifest.is_file():
@@ -295,9 +308,10 @@ def build_records(shared: Path, work: Path, kind: str, seq: int, max_books_mb: f
         inputs, _ = corpus_inputs(shared, work, max_books_mb)
         t = time.time()
         print(f"building {kind} records at seq {seq} from {inputs} -> {out}", flush=True)
-        beam_build(inputs, out, vocab, masking="dynamic", objective=kind, max_seq_length=seq,
-                   max_predictions_per_seq=predicted_per_sequence(seq, 0.15), dupe_factor=1, num_shards=4,
-                   heldout_fraction=0.0, seed=12345)
+        packed = kind == "packed"
+        beam_build(inputs, out, vocab, masking="dynamic", objective="none" if packed else kind, max_seq_length=seq,
+                   max_predictions_per_seq=predicted_per_sequence(seq, 0.30 if packed else 0.15), dupe_factor=1,
+                   num_shards=4, heldout_fraction=0.0, seed=12345, **({"pack_documents": True} if packed else {}))
         (out / "build_seconds.json").write_text(json.dumps({"seconds": time.time() - t}))
     m = json.loads(manifest.read_text())
     seconds = out / "build_seconds.json"
@@ -367,13 +381,33 @@ def task_rows(task: str, folder: Path) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------- pretraining
+def modernbert_sizes(preset: str) -> dict[str, int]:
+    """A ModernBERT encoder beside the BERT ``preset``: its layers, hidden size and heads, and a
+    GeGLU MLP of 2/3 BERT's intermediate size, whose input projection (value and gate) is twice
+    that wide: 3 x 2/3 = 2 weight matrices' worth, BERT's MLP parameters and FLOPs."""
+    from bertdist.model.config import PRESETS
+
+    p = PRESETS[preset]
+    return {"num_hidden_layers": p["num_hidden_layers"], "hidden_size": p["hidden_size"],
+            "num_attention_heads": p["num_attention_heads"], "intermediate_size": p["intermediate_size"] * 2 // 3}
+
+
+def model_overrides(arm: Arm, args) -> list[str]:
+    """The encoder of an arm: the BERT preset itself, or a ModernBERT of its sizes whose context
+    is the benchmark's sequence length (its recipe's local window kept)."""
+    if arm.family != "modernbert":
+        return [f"model.preset={args.preset}", "model.kernels=reference"]
+    return ["model.preset=custom", *(f"model.{k}={v}" for k, v in modernbert_sizes(args.preset).items()),
+            f"model.max_position_embeddings={args.seq}"]
+
+
 def arm_overrides(arm: Arm, args, steps: int, manifest: str) -> list[str]:
     """The recipe overrides of one arm: everything shared by the arms, then its masking (and ELECTRA's sizes)."""
     every = steps // POINTS
     predicted = predicted_per_sequence(args.seq, arm.mask_prob)
     shared = [
-        f"data.train_manifest={manifest}", f"data.vocab_file={args.vocab}", f"model.preset={args.preset}",
-        "model.kernels=reference", f"data.max_seq_length={args.seq}", f"data.micro_batch_size={args.batch}",
+        f"data.train_manifest={manifest}", f"data.vocab_file={args.vocab}", *model_overrides(arm, args),
+        f"data.max_seq_length={args.seq}", f"data.micro_batch_size={args.batch}",
         f"data.global_batch_size={args.batch}", "data.eval_split=null", "data.masking=dynamic",
         "optimizer.name=adamw", f"optimizer.lr={args.lr}", "optimizer.betas=[0.9,0.999]", "optimizer.eps=1e-6",
         "optimizer.weight_decay=0.01", f"schedule.total_steps={steps}",

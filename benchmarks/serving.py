@@ -16,8 +16,9 @@ at the stated price of a 2-vCPU machine.
 Under load, `bertdist serve` runs the student in its own process and a client process keeps
 1-64 connections busy for a fixed time each, with dynamic batching on and off; every answer is
 checked against the offline model. Before each round, with the servers idle, the served model file
-is also timed alone on the load's sentences at the server's threads: at batch 1, and at batch 32
-sorted by length (the least padding any batcher could reach). The second over the unbatched
+is also timed alone on the load's sentences on the server's cores: at batch 1, and at batch 32
+sorted by length (the least padding any batcher could reach), the fastest of one run over all the
+cores and one single-threaded run per core. The second over the unbatched
 server's throughput bounds what batching can give on this machine, whatever the HTTP layer costs.
 
     python benchmarks/serving.py --teacher T --student S --out benchmarks/results/serving_cpu_DATE.md
@@ -150,31 +151,48 @@ def offline(name: str, hf_dir: Path, onnx_dir: Path, texts, labels, args) -> dic
 
 # ---------------------------------------------------------------- under load
 def model_alone(onnx_dir: Path, texts: list[str], args) -> dict:
-    """The served model file timed without a server, at the server's threads: sequences per second
-    at batch 1 (one sentence a call) and at batch 32 in length order, each the faster of ONNX
+    """The served model file timed without a server, on the server's cores (``--threads``):
+    sequences per second at batch 1 (one sentence a call) and at batch 32 in length order. Each
+    is the fastest of three ways to use those cores: one run at a time over all of them, with ONNX
     Runtime's pool threads spinning between calls (its default, best for a process that only runs
-    the model) and sleeping (as the server runs them)."""
+    the model) or sleeping; and one single-threaded run per core at once, on one session (as the
+    server runs by default), the batches dealt out in turn."""
+    import threading
+
     from transformers import AutoTokenizer
 
     from bertdist.serve.card import FILES
     from bertdist.serve.runtime import make_session
 
     tok = AutoTokenizer.from_pretrained(str(onnx_dir))
-    sessions = {spin: make_session(onnx_dir / FILES[args.serve_variant], args.threads, spin=spin)
-                for spin in (True, False)}
+    path = onnx_dir / FILES[args.serve_variant]
+    sessions = {"spin": make_session(path, args.threads, spin=True), "sleep": make_session(path, args.threads),
+                "per_core": make_session(path, 1)}
     by_length = sorted(texts, key=lambda t: len(tok(t, truncation=True, max_length=128)["input_ids"]))
     batches = {"b1": tokenise(tok, texts, 1), "b32_sorted": tokenise(tok, by_length, 32)}
     for session in sessions.values():
         for b in batches.values():  # warm-up
             session.run(None, b[0])
+
+    def run_all(session, bs):
+        for b in bs:
+            session.run(None, b)
+
     out = {}
     for name, bs in batches.items():
-        for spin, session in sessions.items():
+        for way, session in sessions.items():
             t0 = time.perf_counter()
-            for b in bs:
-                session.run(None, b)
-            out[f"{name}_{'spin' if spin else 'sleep'}"] = len(texts) / (time.perf_counter() - t0)
-        out[f"{name}_seq_per_s"] = max(out[f"{name}_spin"], out[f"{name}_sleep"])
+            if way == "per_core":
+                runs = [threading.Thread(target=run_all, args=(session, bs[i::args.threads]))
+                        for i in range(args.threads)]
+                for t in runs:
+                    t.start()
+                for t in runs:
+                    t.join()
+            else:
+                run_all(session, bs)
+            out[f"{name}_{way}"] = len(texts) / (time.perf_counter() - t0)
+        out[f"{name}_seq_per_s"] = max(out[f"{name}_{way}"] for way in sessions)
     return out
 
 
@@ -198,7 +216,8 @@ def load_test(onnx_dir: Path, texts: list[str], args) -> tuple[list[dict], dict]
         for batching in (True, False):
             port = _free_port()
             cmd = [sys.executable, "-m", "bertdist.cli.main", "serve", str(onnx_dir), "--port", str(port),
-                   "--variant", args.serve_variant, "--threads", str(args.threads), "--max-batch-size", "32",
+                   "--variant", args.serve_variant, "--threads", "1", "--workers", str(args.threads),
+                   "--max-batch-size", "32",
                    "--max-wait-ms", str(args.max_wait_ms), "--max-queue", "1024"]
             if not batching:
                 cmd.append("--no-batching")
@@ -247,7 +266,7 @@ def hostile_test(onnx_dir: Path, args) -> dict:
     alternating, ``--hostile-rounds`` rounds each. Their p99 (median round) with it over without."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "bertdist.cli.main", "serve", str(onnx_dir), "--port", str(port),
-                             "--variant", args.serve_variant, "--threads", str(args.threads)],
+                             "--variant", args.serve_variant, "--threads", "1", "--workers", str(args.threads)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
     runs: dict[int, list[dict]] = {0: [], 1: []}
     try:
@@ -330,12 +349,14 @@ def report(res: dict, load: list[dict], args, seconds: float, alone: dict | None
         lines.append("")
     if alone:
         rounds = "; ".join(f"{a['b1_seq_per_s']:.0f} and {a['b32_sorted_seq_per_s']:.0f}" for a in alone["rounds"])
-        lines += [f"The model alone (the served file, {args.threads} threads, no server), before each round: "
+        lines += [f"The model alone (the served file on {args.threads} cores, no server), before each round: "
                   f"{alone['b1_seq_per_s']:.1f} sentences/s at batch 1 and {alone['b32_sorted_seq_per_s']:.1f} at "
-                  f"batch 32 sorted by length (medians; every round: {rounds}). Each is the faster of ONNX Runtime's "
-                  f"pool threads spinning between calls and sleeping (as the server runs them); at batch 32, medians "
-                  f"{alone.get('b32_sorted_spin', float('nan')):.1f} spinning and "
-                  f"{alone.get('b32_sorted_sleep', float('nan')):.1f} sleeping.", ""]
+                  f"batch 32 sorted by length (medians; every round: {rounds}). Each is the fastest of one run at a "
+                  f"time over the {args.threads} cores, ONNX Runtime's pool threads spinning between calls or sleeping, "
+                  f"and one single-threaded run per core at once (as the server runs); at batch 32, medians "
+                  f"{alone.get('b32_sorted_spin', float('nan')):.1f} spinning, "
+                  f"{alone.get('b32_sorted_sleep', float('nan')):.1f} sleeping and "
+                  f"{alone.get('b32_sorted_per_core', float('nan')):.1f} per core.", ""]
     if hostile:
         w, wo = hostile["with"], hostile["without"]
         lines += ["## Beside a hostile client", "",

@@ -202,15 +202,17 @@ OURS = {  # variant -> (unpad, kernels)
 }
 
 
-def ours_kernels(name: str, cfg, device: torch.device, batch: int | None, seq: int | None, precision: str):
+def ours_kernels(name: str, cfg, device: torch.device, batch: int | None, seq: int | None, precision: str,
+                 compiled: bool = False):
     """The variant's KernelSet: for ours-optimized on CUDA the measured plan of this run's
-    shapes (under autocast, as make_step runs it), else what ``kernels`` resolves to."""
+    shapes (under autocast, as make_step runs it; timed in compiled layers when the variant
+    compiles), else what ``kernels`` resolves to."""
     from bertdist.ops import kernels_for_run
 
     _, mode = OURS[name]
     if mode == "auto" and device.type == "cuda" and batch:
         return kernels_for_run(mode, cfg, device, micro_batch=batch, seq=seq, precision=precision,
-                               autocast=precision != "fp32")
+                               autocast=precision != "fp32", compiled=compiled)
     return None  # resolved by the model from cfg.kernels
 
 
@@ -223,9 +225,9 @@ def build_variant(name: str, cfg, device: torch.device, compile_ours: bool, *, b
         base = name.removesuffix("-compile")
         unpad, mode = OURS[base]
         vcfg = dataclasses.replace(cfg, unpad=unpad, sparse_mlm_head=True, kernels=mode)
-        kernels = ours_kernels(base, vcfg, device, batch, seq, precision)
-        raw = BertForPreTraining(vcfg, device_type=device.type, kernels=kernels).to(device).train()
         compiled = name.endswith("-compile") or (name == "ours-optimized" and compile_ours)
+        kernels = ours_kernels(base, vcfg, device, batch, seq, precision, compiled)
+        raw = BertForPreTraining(vcfg, device_type=device.type, kernels=kernels).to(device).train()
         info = {"impl": "bertdist", "unpad": vcfg.unpad, "sparse_mlm_head": vcfg.sparse_mlm_head,
                 "kernels": dict(raw.bert.kernels.sources), "compile": compiled}
         plan = raw.bert.kernels.plan
@@ -399,12 +401,14 @@ def build_trainer_variant(name: str, cfg, recipe: Path, device: torch.device, ba
     ``logging.every_steps`` calls; the step returns its loss slot, still on the device."""
     from bertdist.ops import kernels_for_run
     from bertdist.train.inprocess import build_run
+    from bertdist.train.compile import decide_compile
     from bertdist.train.precision import autocast_dtype
     from bertdist.train.step import STEP_FIELDS, launch_step, settle
 
     tc = trainer_config(name, cfg, recipe, batch, seq, precision)
     kernels = kernels_for_run(tc.model.kernels, tc.model, device, micro_batch=batch, seq=seq, precision=precision,
-                              autocast=autocast_dtype(precision) is not None)
+                              autocast=autocast_dtype(precision) is not None,
+                              compiled=decide_compile(tc.model.compile, device.type).enabled)
     run = build_run(tc, device, kernels)
     every, pending, loss_at = tc.logging.every_steps, [], STEP_FIELDS.index("loss")
 

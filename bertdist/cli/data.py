@@ -151,7 +151,7 @@ def _existing_tokenizer(existing: str, output: str) -> int:
         config = os.path.join(os.path.dirname(os.path.abspath(existing)), TOKENIZER_CONFIG_NAME)
         if os.path.isfile(config):
             shutil.copyfile(config, os.path.join(os.path.dirname(os.path.abspath(output)), TOKENIZER_CONFIG_NAME))
-    words = "yes ('##'-style pieces)" if tf.continuation is not None else "no (token masking only)"
+    words = f"yes ({tf.word_marks})" if tf.continuation is not None else "no (token masking only)"
     print(f"tokenizer: {tf.model_type}, {tf.size:,} ids from {existing} -> {output} (sha256 {vocab_sha256(output)}); "
           f"special tokens {tf.special}; word boundaries for whole-word masking: {words}")
     return 0

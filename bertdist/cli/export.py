@@ -3,7 +3,7 @@ from __future__ import annotations
 
 
 def run(args) -> int:
-    from bertdist.export.sources import load_pretrained, write_torch_dir
+    from bertdist.export.sources import data_tokenizer_problem, load_pretrained, write_torch_dir
     from bertdist.export.hf import ExportError
     from bertdist.export.safe_load import trust_checkpoints
 
@@ -15,6 +15,10 @@ def run(args) -> int:
             w = load_pretrained(args.source, vocab_file=args.vocab, do_lower_case=lower, tag=args.tag)
     except (ExportError, FileNotFoundError) as e:
         print(f"bertdist export: {e}")
+        return 2
+    problem = data_tokenizer_problem(w)
+    if problem is not None:
+        print(f"bertdist export: {problem}")
         return 2
     print(f"read {w.origin.get('kind')} checkpoint {w.origin.get('path')}"
           + (f" (tag {w.origin['tag']}, ZeRO stage {w.origin['zero_stage']}, world size {w.origin['world_size']})"
@@ -61,17 +65,20 @@ def export_bert(args, w) -> int:
 
 
 def export_modernbert(args, w) -> int:
-    """A ModernBERT model as a ``ModernBertForMaskedLM`` directory, its tokenizer files carried along."""
+    """A ModernBERT model as a ``ModernBertForMaskedLM`` directory with the tokenizer it was trained
+    with: its tokenizer files carried along, or the WordPiece vocab's tokenizer files."""
     from bertdist.export.hf import ExportError
     from bertdist.export.modernbert_hf import write_modernbert_hf_dir
+    from bertdist.export.tokenizer import write_modernbert_tokenizer
 
     try:
         out = write_modernbert_hf_dir(args.out, w.config, w.state_dict, w.tokenizer_files)
     except ExportError as e:
         print(f"bertdist export: {e}")
         return 2
+    names = list(dict.fromkeys([f.name for f in w.tokenizer_files] + write_modernbert_tokenizer(out, w)))
     print(f"wrote {out}: config.json, model.safetensors (ModernBertForMaskedLM)"
-          + (f", {', '.join(f.name for f in w.tokenizer_files)}" if w.tokenizer_files else ", no tokenizer files"))
+          + (f", {', '.join(names)}" if names else ", no tokenizer files"))
     return 0 if args.no_verify else verify_modernbert(out, w, "bertdist export")
 
 
@@ -114,6 +121,12 @@ def run_onnx(args) -> int:
         lower = {"cased": False, "uncased": True, None: None}[args.casing]
         with trust_checkpoints(args.trust_checkpoint):
             w = load_pretrained(args.source, vocab_file=args.vocab, do_lower_case=lower, tag=args.tag)
+        from bertdist.export.sources import data_tokenizer_problem
+
+        problem = data_tokenizer_problem(w)
+        if problem is not None:
+            print(f"bertdist export: {problem}")
+            return 2
         if w.vocab_file is None and w.tokenizer_json is None:
             print("bertdist export: the checkpoint does not name its vocab file; pass --vocab FILE")
             return 2

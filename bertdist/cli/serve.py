@@ -37,6 +37,15 @@ def _url(host: str, port: int) -> str:
     return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
 
 
+def default_workers(threads: int, models: int) -> int:
+    """Runs at once per model when ``--workers`` is not given: the cores this process may use,
+    shared among the models, ``threads`` to a run; at least one."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // (threads * models))
+
+
 def run(args) -> int:
     from pathlib import Path
 
@@ -68,9 +77,11 @@ def run(args) -> int:
         if value < low:
             print(f"bertdist serve: {flag} {value}: must be at least {low}", file=sys.stderr)
             return 2
-    if args.threads is not None and args.threads < 1:
-        print(f"bertdist serve: --threads {args.threads}: must be at least 1", file=sys.stderr)
-        return 2
+    for flag, value in (("--threads", args.threads), ("--workers", args.workers)):
+        if value is not None and value < 1:
+            print(f"bertdist serve: {flag} {value}: must be at least 1", file=sys.stderr)
+            return 2
+    workers = args.workers or default_workers(args.threads, len(args.dirs))
 
     from bertdist.serve.card import ExportError
     from bertdist.serve.runtime import load_served_model
@@ -97,7 +108,7 @@ def run(args) -> int:
     settings = ServeSettings(max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms,
                              max_queue=args.max_queue, batching=not args.no_batching,
                              body_timeout=args.body_timeout, grace_seconds=args.grace,
-                             max_batch_tokens=args.max_batch_tokens or None)
+                             max_batch_tokens=args.max_batch_tokens or None, workers=workers)
     app = make_app(models, settings)
     try:
         sock = _bind(args.host, args.port)
@@ -118,8 +129,10 @@ def _announce(args, url: str, models, settings) -> None:
         routes = ", ".join(f"POST /{r}" for r in m.routes)
         print(f"model {m.name}: {m.task}, {m.variant} ONNX, max length {m.max_length}: {routes} "
               f"(also POST /models/{m.name}/ROUTE)")
-    batching = (f"batches of up to {settings.max_batch_size} items, {settings.max_wait_ms:g} ms wait"
-                if settings.batching else "batching off")
+    runs = f"{settings.workers} run{'s' if settings.workers > 1 else ''} at once of {args.threads} thread" + \
+        ("s" if args.threads > 1 else "")
+    batching = (f"batches of up to {settings.max_batch_size} items, {settings.max_wait_ms:g} ms wait, {runs}"
+                if settings.batching else f"batching off, {runs}")
     print(f"serving on {url} ({batching}, queue {settings.max_queue} items per model); GET /health /info /metrics")
     sys.stdout.flush()
 
@@ -196,7 +209,12 @@ def register(sub) -> None:
     p.add_argument("--no-batching", action="store_true", help="run each request alone (for comparison)")
     p.add_argument("--variant", choices=["auto", "fp32", "optimized", "int8"], default="auto",
                    help="which exported ONNX file to load (auto: int8, else optimized, else fp32)")
-    p.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads per model")
+    p.add_argument("--threads", type=int, default=1,
+                   help="onnxruntime threads per model run (default 1: on CPU, one single-threaded run per core "
+                        "serves more than one run over all cores)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="batches of a model that run at once, each on its own thread (default: the available "
+                        "cores, shared among the models, divided by --threads)")
     p.add_argument("--refuse-long", action="store_true",
                    help="answer 413 to texts over the model's max length (default: truncate them)")
     p.add_argument("--grace", type=float, default=25.0,

@@ -17,10 +17,16 @@ A tokenizer without one of the five is refused, naming what it does have.
 
 Word boundaries (whole-word and span masking): a token continues a word when the model marks it
 so in its vocabulary, as WordPiece does with ``##`` (a BPE with a ``continuing_subword_prefix``
-too). A byte-level BPE such as ModernBERT's (OLMo's) marks word *starts* only by a leading space,
-and its pre-tokenizer splits punctuation and digits off words without a mark, so which tokens
-continue a word cannot be read from the ids: such a tokenizer gets no table, and whole-word and
-span masking with it are refused (:func:`require_continuation`).
+too). A byte-level BPE such as ModernBERT's (OLMo's, GPT-2's) marks word *starts* instead: a token
+that begins with the space its pre-tokenizer encodes as ``Ġ`` starts a word, every other token
+continues one (SentencePiece's Metaspace marks them with ``▁`` alike). Words are then what
+whitespace separates, as fairseq's whole-word masking for GPT-2's BPE has them: punctuation and
+digits the pre-tokenizer splits off a word without a space ("end" "." in "end.") mask with it,
+and where a run of spaces leaves one space token alone, that token is a word of its own.
+The first word of a text has no space before it; it follows [CLS] or [SEP], and a token after a
+special one always starts a word (bertdist.data.masking, bertdist.train.masking). A tokenizer with
+neither kind of mark gets no table, and whole-word and span masking with it are refused
+(:func:`require_continuation`).
 """
 from __future__ import annotations
 
@@ -56,6 +62,7 @@ class TokenizerFile:
     special_ids: tuple[int, ...]  # every id the tokenizer flags special, the five included (sorted)
     continuation: np.ndarray | None = field(repr=False, compare=False)  # bool [size]; None: no word marks
     continuation_why: str = ""  # why there is no table (None above)
+    word_marks: str = ""  # what the table was read from: "'##' continuation pieces", "'Ġ' word starts"
 
     def manifest_entry(self) -> dict:
         """The manifest's extra ``vocab`` keys for a tokenizer.json."""
@@ -117,21 +124,51 @@ def _sibling_config(path: str) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def _continuation(spec: dict, vocab: dict[str, int], size: int, special_ids) -> tuple[np.ndarray | None, str]:
+BYTE_LEVEL_SPACE = "\u0120"  # "Ġ": the space byte as a byte-level BPE writes it
+
+
+def _pre_tokenizers(pre: dict | None) -> list[dict]:
+    """A pre-tokenizer and, for a Sequence, the ones inside it."""
+    if not isinstance(pre, dict):
+        return []
+    return [pre] + [p for sub in pre.get("pretokenizers", []) for p in _pre_tokenizers(sub)]
+
+
+def word_start_marker(spec: dict) -> str | None:
+    """The mark a tokenizer puts at the start of a word's first token: ``Ġ`` for a byte-level
+    pre-tokenizer, a Metaspace's replacement character (``▁``); None when it marks none."""
+    for pre in _pre_tokenizers(spec.get("pre_tokenizer")):
+        if pre.get("type") == "ByteLevel":
+            return BYTE_LEVEL_SPACE
+        if pre.get("type") == "Metaspace":
+            return pre.get("replacement") or "\u2581"
+    return None
+
+
+def _continuation(spec: dict, vocab: dict[str, int], size: int, special_ids) -> tuple[np.ndarray | None, str, str]:
+    """(the table, why there is none, what marks it was read from)."""
     model = spec.get("model") or {}
     kind = model.get("type", "?")
     prefix = model.get("continuing_subword_prefix")
     if kind == "WordPiece" and prefix is None:
         prefix = "##"
-    if not prefix:
-        pre = (spec.get("pre_tokenizer") or {}).get("type", "none")
-        return None, (f"its model ({kind}, pre-tokenizer {pre}) marks no word-continuation pieces in its vocabulary "
-                      "(no continuing_subword_prefix), so word boundaries cannot be read from token ids")
     table = np.zeros(size, bool)
-    for tok, i in vocab.items():
-        table[i] = tok.startswith(prefix) and len(tok) > len(prefix)
+    if prefix:
+        marks = f"{prefix!r} continuation pieces"
+        for tok, i in vocab.items():
+            table[i] = tok.startswith(prefix) and len(tok) > len(prefix)
+    else:
+        start = word_start_marker(spec)
+        if start is None:
+            pre = (spec.get("pre_tokenizer") or {}).get("type", "none")
+            return None, (f"its model ({kind}, pre-tokenizer {pre}) marks neither word-continuation pieces "
+                          "(no continuing_subword_prefix) nor word starts (no ByteLevel or Metaspace "
+                          "pre-tokenizer), so word boundaries cannot be read from token ids"), ""
+        marks = f"{start!r} word starts"
+        for tok, i in vocab.items():
+            table[i] = not tok.startswith(start)
     table[list(special_ids)] = False
-    return table, ""
+    return table, "", marks
 
 
 def _parse(path: str, text: str) -> TokenizerFile:
@@ -174,8 +211,9 @@ def _parse(path: str, text: str) -> TokenizerFile:
             f"{', '.join(f'{r}_token' for r in missing)}, as a Hugging Face checkpoint has")
     special = {role: int(vocab[names[role]]) for role in SPECIAL_ROLES}
     special_ids = tuple(sorted(set(flagged) | set(special.values())))
-    table, why = _continuation(spec, vocab, size, special_ids)
-    return TokenizerFile(path, (spec.get("model") or {}).get("type", "?"), size, special, special_ids, table, why)
+    table, why, marks = _continuation(spec, vocab, size, special_ids)
+    return TokenizerFile(path, (spec.get("model") or {}).get("type", "?"), size, special, special_ids, table, why,
+                         marks)
 
 
 @lru_cache(maxsize=8)
@@ -200,7 +238,8 @@ def require_continuation(tf: TokenizerFile, masking_mode: str, where: str = "mas
     if tf.continuation is None:
         raise ConfigError(f"{where} {masking_mode!r} needs word boundaries, and the tokenizer {tf.path} has none: "
                           f"{tf.continuation_why}. Use masking_mode: token with it (ModernBERT trains with token "
-                          "masking), or a tokenizer whose vocabulary marks continuation pieces (WordPiece '##')")
+                          "masking), or a tokenizer whose vocabulary marks continuation pieces (WordPiece '##') or word "
+                          "starts (a byte-level BPE's 'Ġ', SentencePiece's '▁')")
     return tf.continuation
 
 

@@ -185,10 +185,22 @@ def hidden_mse(student_hidden: list[torch.Tensor], teacher_hidden: list[torch.Te
     return total / len(layer_map)
 
 
+def renormalised(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``probs`` [..., S, S] restricted to the ``keys`` [S, S] and summing to 1 again per query."""
+    kept = probs * keys
+    return kept / kept.sum(-1, keepdim=True).clamp_min(1e-12)
+
+
 def attention_kl(student_probs: list[torch.Tensor], teacher_probs: list[torch.Tensor], layer_map: list[int],
-                 attention_mask: torch.Tensor) -> torch.Tensor:
+                 attention_mask: torch.Tensor, student_allowed: list | None = None,
+                 teacher_allowed: list | None = None) -> torch.Tensor:
     """Mean over the mapped layers of ``KL(A_t || A_s)`` between attention distributions
-    [B, heads, S, S] (per query row, averaged over heads and real query tokens). Head counts must agree."""
+    [B, heads, S, S] (per query row, averaged over heads and real query tokens). Head counts must agree.
+
+    ``*_allowed``: per layer, the [S, S] keys the layer may attend to (a ModernBERT local layer's
+    window), or None for all. Where the two layers of a pair see different keys, both
+    distributions are renormalised over the keys both see, so a windowed layer is compared on its
+    window only (outside it, its probability is 0 and the KL would be unbounded)."""
     q = attention_mask.bool()[:, None, :].float()  # [B, 1, S] real query rows
     total = student_probs[0].new_zeros((), dtype=torch.float32)
     eps = 1e-12
@@ -197,6 +209,11 @@ def attention_kl(student_probs: list[torch.Tensor], teacher_probs: list[torch.Te
         if a_s.shape != a_t.shape:
             raise ValueError(f"attention maps of student layer {s_i} {tuple(a_s.shape)} and teacher layer {t_i} "
                              f"{tuple(a_t.shape)} differ (heads must agree for the attention loss)")
+        w_s = student_allowed[s_i] if student_allowed else None
+        w_t = teacher_allowed[t_i] if teacher_allowed else None
+        if w_s is not None or w_t is not None:
+            common = w_s if w_t is None else w_t if w_s is None else w_s & w_t
+            a_s, a_t = (renormalised(a, common) for a in (a_s, a_t))
         kl = (a_t * ((a_t + eps).log() - (a_s + eps).log())).sum(-1)  # [B, heads, S]
         kl = kl * q
         total = total + kl.sum() / (q.sum() * a_s.shape[1])

@@ -156,8 +156,8 @@ def train_student(cfg: DistillConfig, runner, plan: StudentPlan, rows: list[dict
                if not family_of(c).captures_layers]
         if off:
             raise DataError(f"hidden_weight={cfg.hidden_weight}, attention_weight={cfg.attention_weight}: TinyBERT's "
-                            f"intermediate losses read BERT-layout layers, and the {' and the '.join(off)} has none; "
-                            "set both to 0 (logit distillation)")
+                            f"intermediate losses read each encoder layer, and the {' and the '.join(off)} exposes "
+                            "none; set both to 0 (logit distillation)")
         layer_map = losses.check_layer_map(cfg.layer_map or plan.teacher_layers or losses.default_layer_map(
             plan.config.num_hidden_layers, teacher.config.num_hidden_layers), plan.config.num_hidden_layers,
             teacher.config.num_hidden_layers)
@@ -205,11 +205,13 @@ def train_student(cfg: DistillConfig, runner, plan: StudentPlan, rows: list[dict
                         teacher.model(inputs)
                     if cfg.hidden_weight > 0:
                         loss = loss + cfg.hidden_weight * losses.hidden_mse(
-                            s_cap.hidden, t_cap.hidden, layer_map, batch["attention_mask"], projection)
+                            s_cap.states(batch["attention_mask"]), t_cap.states(batch["attention_mask"]), layer_map,
+                            batch["attention_mask"], projection)
                     if cfg.attention_weight > 0:
+                        mask = batch["attention_mask"]
                         loss = loss + cfg.attention_weight * losses.attention_kl(
-                            s_cap.probs(batch["attention_mask"]), t_cap.probs(batch["attention_mask"]), layer_map,
-                            batch["attention_mask"])
+                            s_cap.probs(mask), t_cap.probs(mask), layer_map, mask, s_cap.allowed(mask),
+                            t_cap.allowed(mask))
             apply_update(engine, opt, sched, loss, [p for grp in groups for p in grp["params"]], fcfg.max_grad_norm)
             step += 1
             bar.update(1)

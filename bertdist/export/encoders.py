@@ -173,8 +173,11 @@ class ModernBertFamily(EncoderFamily):
 
     def write_pretraining_dir(self, out, w):
         from bertdist.export.modernbert_hf import write_modernbert_hf_dir
+        from bertdist.export.tokenizer import write_modernbert_tokenizer
 
-        return write_modernbert_hf_dir(out, w.config, w.state_dict, w.tokenizer_files)
+        out = write_modernbert_hf_dir(out, w.config, w.state_dict, w.tokenizer_files)
+        write_modernbert_tokenizer(out, w)
+        return out
 
     def task_config(self, model: nn.Module) -> dict:
         return {"classifier_pooling": model.pooling, "classifier_dropout": model.classifier_dropout}
@@ -205,7 +208,7 @@ class ModernBertFamily(EncoderFamily):
 
         return {"attention": next(m.backend for m in model.modules() if isinstance(m, ModernBertAttention))}
 
-    captures_layers = False  # its layers run unpadded: no [B, S, H] states to hook
+    captures_layers = True  # bertdist/distill/capture.py reads its layers (unpadded ones put back)
 
     def student_preset(self, name, teacher_cfg):
         keep = ("vocab_size", "max_position_embeddings", "pad_token_id", "bos_token_id", "eos_token_id",

@@ -22,7 +22,6 @@ import torch
 
 from bertdist.export.hf import ExportError, is_hf_dir, read_hf_dir
 from bertdist.export.modernbert_hf import TOKENIZER_FILES, is_modernbert_dir, read_modernbert_hf_dir
-from bertdist.data.tokenizer_file import is_tokenizer_json
 from bertdist.export.tokenizer import infer_do_lower_case, read_tokenizer_casing
 from bertdist.model import BertConfig, ElectraConfig
 from bertdist.model.config import model_config_from_mapping
@@ -30,6 +29,7 @@ from bertdist.model.modernbert_config import ModernBertConfig
 
 TORCH_WEIGHTS = "bertdist_model.pt"
 TORCH_CONFIG = "bertdist_model.yaml"
+TOKENIZER_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
 
 
 @dataclasses.dataclass
@@ -87,6 +87,9 @@ def load_pretrained(
         w.config = family_of(w.config).with_kernels(w.config, kernels)
     if vocab_file is not None:
         w.vocab_file = Path(vocab_file)
+    if isinstance(w.config, ModernBertConfig) and w.vocab_file is not None and w.vocab_file.suffix == ".json":
+        w.tokenizer_files = own_tokenizer_files(w.vocab_file)  # a run's data tokenized with a tokenizer.json
+        w.vocab_file = None
     if do_lower_case is not None:
         w.do_lower_case = do_lower_case
     if w.vocab_file is not None and w.do_lower_case is None:
@@ -159,12 +162,8 @@ def _load_deepspeed(p: Path, tag: str | None) -> PretrainedWeights:
     cfg = _model_config(run_cfg, cfg_path, ck.state_dict)
     vocab, lower = _vocab_and_casing(run_cfg, cfg_path)
     origin = {"kind": "deepspeed", "path": str(ck.ref.path), "tag": ck.ref.tag, "zero_stage": ck.zero_stage,
-              "world_size": ck.world_size, "fp32_master_weights": ck.master_weights, "config": str(cfg_path)}
-    if vocab is not None and is_tokenizer_json(vocab):  # a BPE tokenizer.json: carried as it is, no casing
-        from bertdist.data.tokenizer_file import TOKENIZER_CONFIG_NAME
-
-        files = [vocab] + [f for f in (vocab.with_name(TOKENIZER_CONFIG_NAME),) if f.is_file()]
-        return PretrainedWeights(cfg, ck.state_dict, None, None, origin, files)
+              "world_size": ck.world_size, "fp32_master_weights": ck.master_weights, "config": str(cfg_path),
+              "data_tokenizer": _data_tokenizer(run_cfg, cfg_path)}
     return PretrainedWeights(cfg, ck.state_dict, vocab, lower, origin)
 
 
@@ -214,6 +213,60 @@ def _resolve(value: Any, base: Path) -> Path | None:
     return None
 
 
+def own_tokenizer_files(tokenizer_json: Path) -> list[Path]:
+    """A tokenizer.json and the files beside it that go with it (its tokenizer_config.json names the
+    special tokens, as the data pipeline read them)."""
+    beside = [tokenizer_json.parent / n for n in TOKENIZER_COMPANIONS]
+    return [tokenizer_json] + [f for f in beside if f.is_file()]
+
+
+def _manifest_path(value: Any, base: Path) -> Path | None:
+    mp = _resolve(value, base)
+    if mp is None and isinstance(value, str) and Path(value).is_dir() and (Path(value) / "manifest.json").is_file():
+        mp = Path(value) / "manifest.json"
+    return mp
+
+
+def _data_tokenizer(run_cfg: dict, cfg_path: Path) -> dict:
+    """What the run's config and its data manifest say of the tokenizer the records were built with:
+    the file the config names (``named``), and the manifest's fingerprint of it (``sha256``, the
+    sha256 of the file's bytes, checked when the run opened its records)."""
+    named = next((v for v in _find_key(run_cfg.get("data", run_cfg), ("vocab_file",)) if isinstance(v, str) and v),
+                 None)
+    found: dict[str, Any] = {"named": named}
+    for m in _find_key(run_cfg, ("train_manifest", "manifest", "manifest_path", "data_manifest")):
+        mp = _manifest_path(m, cfg_path.parent)
+        if mp is None:
+            continue
+        vocab = json.loads(mp.read_text()).get("vocab")
+        if isinstance(vocab, dict) and vocab.get("sha256"):
+            found.update(manifest=str(mp), sha256=vocab["sha256"], manifest_path=vocab.get("path"))
+            break
+    return found
+
+
+def data_tokenizer_problem(w: PretrainedWeights) -> str | None:
+    """Why ``w``'s tokenizer is not the one its run's data was tokenized with, or None: the file is
+    not there, or its bytes are not the ones the data manifest fingerprinted."""
+    from bertdist.data.vocab import vocab_sha256 as file_sha256
+
+    data = w.origin.get("data_tokenizer") or {}
+    have = w.vocab_file or w.tokenizer_json
+    if have is None:
+        if not data.get("named") and not data.get("sha256"):
+            return None  # the run says nothing of its tokenizer (an imported checkpoint without one)
+        return (f"the run's data was tokenized with {data.get('named') or data.get('manifest_path')} "
+                f"(data.vocab_file in {w.origin.get('config')}), which is not there; pass --vocab FILE "
+                "with that file (a vocab.txt or a tokenizer.json)")
+    if not Path(have).is_file():
+        return f"the tokenizer file {have} is not there; pass --vocab FILE with the one the run's data used"
+    if data.get("sha256") and file_sha256(have) != data["sha256"]:
+        return (f"{have} has sha256 {file_sha256(have)}, but the run's data ({data['manifest']}) was tokenized "
+                f"with a file of sha256 {data['sha256']} ({data.get('manifest_path')}); an export with another "
+                "tokenizer would encode other ids than the model was trained on. Pass --vocab FILE with that file")
+    return None
+
+
 def _vocab_and_casing(run_cfg: dict, cfg_path: Path) -> tuple[Path | None, bool | None]:
     """The vocab file and casing the run trained with: named in its config or in its data manifest."""
     vocab = None
@@ -222,9 +275,7 @@ def _vocab_and_casing(run_cfg: dict, cfg_path: Path) -> tuple[Path | None, bool 
     lower = next((bool(v) for v in _find_key(run_cfg, ("do_lower_case", "lower_case", "lowercase")) if v is not None), None)
     if vocab is None:
         for m in _find_key(run_cfg, ("manifest", "manifest_path", "train_manifest", "data_manifest")):
-            mp = _resolve(m, cfg_path.parent)
-            if mp is None and isinstance(m, str) and Path(m).is_dir() and (Path(m) / "manifest.json").is_file():
-                mp = Path(m) / "manifest.json"
+            mp = _manifest_path(m, cfg_path.parent)
             if mp is None:
                 continue
             manifest = json.loads(mp.read_text())

@@ -114,13 +114,59 @@ def write_checkpoint_tokenizer(out_dir: str | Path, w, vocab_file: str | Path | 
                                max_length: int) -> None:
     """The tokenizer files of a model made from the checkpoint ``w`` (a ``PretrainedWeights``): its
     own tokenizer files as they were (ModernBERT), else the WordPiece ``vocab_file`` with its casing."""
-    if any(Path(f).name == "tokenizer.json" for f in w.tokenizer_files):
+    own = next((Path(f) for f in w.tokenizer_files if Path(f).name == "tokenizer.json"), None)
+    if own is not None:
         for f in w.tokenizer_files:
             shutil.copyfile(f, Path(out_dir) / Path(f).name)
+        write_special_tokens_config(out_dir, own, max_length)
         return
     if vocab_file is None:
         raise ValueError("the checkpoint names neither tokenizer files nor a vocab file to write its tokenizer from")
     write_tokenizer_files(out_dir, vocab_file, bool(do_lower_case), max_length)
+
+
+def write_special_tokens_config(out_dir: str | Path, tokenizer_json: str | Path, max_length: int) -> bool:
+    """A tokenizer_config.json naming the special tokens of a bare ``tokenizer.json`` (one built for
+    the data pipeline needs none: it reads them from the post-processor), so that ``AutoTokenizer``
+    has [CLS], [MASK] and [PAD] as the records had them. A config already in ``out_dir`` is kept;
+    False when there was one, or the tokenizer names no full set of special tokens."""
+    from bertdist.config import ConfigError
+    from bertdist.data.tokenizer_file import SPECIAL_ROLES, load_tokenizer_file
+
+    out = Path(out_dir) / "tokenizer_config.json"
+    if out.is_file():
+        return False
+    try:
+        tf = load_tokenizer_file(tokenizer_json)
+    except ConfigError:
+        return False  # not one the pipeline could have used either; carried as it is
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    conf = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
+            **{f"{role}_token": tok.id_to_token(tf.special[role]) for role in SPECIAL_ROLES},
+            "model_input_names": ["input_ids", "attention_mask"]}
+    out.write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
+    return True
+
+
+def write_modernbert_tokenizer(out_dir: str | Path, w) -> list[str]:
+    """Beside a ModernBERT's weights (its tokenizer.json files already copied there): the
+    tokenizer_config.json a bare tokenizer.json lacks, or for a ModernBERT pretrained on a WordPiece
+    vocab its BERT tokenizer files. Returns the names written."""
+    max_length = w.config.max_position_embeddings
+    if w.tokenizer_json is not None:
+        return ["tokenizer_config.json"] if write_special_tokens_config(out_dir, w.tokenizer_json, max_length) else []
+    if w.vocab_file is None:
+        return []
+    lower = w.do_lower_case if w.do_lower_case is not None else infer_do_lower_case(w.vocab_file)
+    write_tokenizer_files(out_dir, w.vocab_file, lower, max_length)
+    # ModernBERT takes no token types: the tokenizer's output goes into the model as it is
+    cfg_path = Path(out_dir) / "tokenizer_config.json"
+    conf = json.loads(cfg_path.read_text())
+    conf["model_input_names"] = ["input_ids", "attention_mask"]
+    cfg_path.write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
+    return ["vocab.txt", "tokenizer.json", "tokenizer_config.json"]
 
 
 def tokenizer_sha256(vocab_file: str | Path | None, tokenizer_files=()) -> str:

@@ -58,13 +58,20 @@ def write_trainer_init(out_dir: str | os.PathLike, w: PretrainedWeights, source:
                          loader=None, world_size=1, model=to_dict(w.config), optimizer="none", zero_stage=0,
                          precision="fp32", imported_from=source)
     (tdir / STATE_FILE).write_text(json.dumps(state.to_dict(), indent=2) + "\n")
-    run_cfg = {"model": to_dict(w.config),
-               "data": {"vocab_file": str((out / "vocab.txt").resolve()) if w.vocab_file else None,
-                        "do_lower_case": w.do_lower_case}}
-    if w.vocab_file is not None:
-        import shutil
+    import shutil
 
-        shutil.copyfile(w.vocab_file, out / "vocab.txt")
+    # the tokenizer travels with the weights, so that exporting this checkpoint writes it again
+    tokenizer = None
+    if w.vocab_file is not None:
+        tokenizer = out / "vocab.txt"
+        shutil.copyfile(w.vocab_file, tokenizer)
+    elif w.tokenizer_json is not None:
+        for f in w.tokenizer_files:
+            shutil.copyfile(f, out / f.name)
+        tokenizer = out / "tokenizer.json"
+    run_cfg = {"model": to_dict(w.config),
+               "data": {"vocab_file": str(tokenizer.resolve()) if tokenizer else None,
+                        "do_lower_case": w.do_lower_case}}
     (tdir / CONFIG_FILE).write_text(yaml.safe_dump(run_cfg, sort_keys=False))
     (tdir / COMPLETE).write_text("")
     (out / LATEST).write_text(TAG)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from bertdist.model.config import IGNORE_INDEX, BertConfig
 from bertdist.ops import KernelSet, resolve_kernels
+from bertdist.ops.dispatch import BIAS_IN_KERNEL
 
 
 class LayerNorm(nn.LayerNorm):
@@ -141,10 +142,10 @@ class DenseDropoutAddNorm(nn.Module):
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.dropout_p = cfg.hidden_dropout_prob
         self.kernels = kernels
-        # Our kernels (fused, or their emulated run) add the bias together with dropout and the
-        # residual; torch's ops are faster with the bias inside the GEMM (addmm) than as a
-        # separate element-wise pass.
-        self.bias_in_kernel = kernels.sources["bias_dropout_add_layer_norm"] in ("fused", "emulated")
+        # Fused kernels (ours, their emulated run, Inductor's) add the bias together with dropout
+        # and the residual; torch's ops are faster with the bias inside the GEMM (addmm) than as
+        # a separate element-wise pass.
+        self.bias_in_kernel = kernels.sources["bias_dropout_add_layer_norm"] in BIAS_IN_KERNEL
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if self.bias_in_kernel:

@@ -10,7 +10,8 @@ Every op's first candidate is its *baseline*: what ``kernels: reference`` runs o
 type (``baseline_target``). It is always measured and wins unless another candidate passes
 the numerics check and is measurably faster, so ``auto`` cannot be slower than ``reference``.
 
-Built in (``BUILTIN``): torch's ops (``torch_native``) and our fused kernels (``fused``).
+Built in (``BUILTIN``): torch's ops (``torch_native``), our fused kernels (``fused``) and, for
+the layer-norm family on CUDA, Inductor's fused kernel compiled from our twin (``inductor``).
 
 ModernBERT's windowed attention (``WINDOW_OPS``, ``bertdist/ops/windowed_attention.py``) is
 decided the same way, among the ``attention_backend`` names: its baseline is the reference
@@ -43,6 +44,27 @@ def baseline_name(op: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
+class LayerContext:
+    """The encoder layer a case's candidates are timed in (``layer_timing.py``), as the run builds
+    it: FFN width, the layer's compute dtype (autocast's under ``autocast``, else the weights'),
+    the dropout of the ops not being decided, padded or unpadded attention, eager or compiled."""
+
+    intermediate: int
+    dtype: str
+    autocast: bool
+    hidden_dropout: float
+    attention_dropout: float
+    unpad: bool = False
+    compiled: bool = False
+
+    @property
+    def key(self) -> str:
+        return (f"layer i{self.intermediate} {self.dtype}{' autocast' if self.autocast else ''} "
+                f"hd{self.hidden_dropout:g} ad{self.attention_dropout:g}{' unpad' if self.unpad else ''} "
+                f"{'compiled' if self.compiled else 'eager'}")
+
+
+@dataclasses.dataclass(frozen=True)
 class Case:
     """One decision: ``op`` at ``dtype`` (torch dtype name), with dropout or without
     (``dropout``: a training call with p > 0), measured at batch x seq (lengths drawn from
@@ -63,6 +85,11 @@ class Case:
     lengths_seed: int = 0
     half_window: int | None = None
     backward: bool = True
+    layer: LayerContext | None = None  # None: timed as the op alone
+
+    def __post_init__(self) -> None:
+        if isinstance(self.layer, dict):  # from JSON (the cache, the isolated measurement)
+            object.__setattr__(self, "layer", LayerContext(**self.layer))
 
     @property
     def head_dim(self) -> int:
@@ -77,13 +104,21 @@ class Case:
         return f"{self.batch * self.seq} rows x {self.hidden}"
 
     @property
+    def region(self) -> str:
+        """What a candidate of this case is timed in (``layer_timing.py``)."""
+        if self.layer is None:
+            return "the op alone"
+        where = "the embeddings' layer norm + dropout" if self.op == "layer_norm" else "one encoder layer"
+        return f"{where}, {'compiled' if self.layer.compiled else 'eager'}"
+
+    @property
     def key(self) -> str:
         mode = f"dropout {self.p:g}" if self.dropout else "no dropout"
         key = (f"{self.op} | {self.dtype} | {mode} | b{self.batch} s{self.seq} h{self.hidden} "
                f"n{self.heads} eps{self.eps:g} seed{self.lengths_seed}")
         if self.op in WINDOW_OPS:
             key += f" | {self.window} | {'forward + backward' if self.backward else 'forward only'}"
-        return key
+        return key + (f" | {self.layer.key}" if self.layer is not None else "")
 
     @property
     def window(self) -> str:
@@ -242,6 +277,9 @@ def _builtin() -> list[Candidate]:
             ]
         out.append(Candidate(op, "fused", f"bertdist.ops.fused:{op}", "fused", f"{_CHECKS}:fused_unsupported",
                              bias_in_kernel=op == "bias_dropout_add_layer_norm"))
+        if op in ("layer_norm", "bias_dropout_add_layer_norm"):  # torch.compile of our twin: Inductor's fused kernel
+            out.append(Candidate(op, "inductor", f"bertdist.ops.inductor:{op}", "inductor",
+                                 "bertdist.ops.inductor:unsupported", bias_in_kernel=op == "bias_dropout_add_layer_norm"))
         # The CUDA kernels' own code run on the CPU (slow): judged like any other, in tests only.
         out.append(Candidate(op, "emulated", f"bertdist.ops.emulated:{op}", "emulated",
                              f"{_CHECKS}:emulated_unsupported", test_only=True,

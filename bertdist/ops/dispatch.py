@@ -52,6 +52,9 @@ if TYPE_CHECKING:
 KernelMode = Literal["reference", "fused", "auto", "emulated"]
 OP_NAMES = ("layer_norm", "bias_dropout_add_layer_norm", "attention", "varlen_attention")
 MEASURED_DEVICE_TYPES = ("cuda",)
+# The bias_dropout_add_layer_norm implementations the model hands the dense bias to (``sources``
+# names): they add it in their fused pass; torch's ops are faster with it inside the GEMM.
+BIAS_IN_KERNEL = ("fused", "emulated", "inductor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,7 +217,7 @@ def default_workload(model_config, device_type: str, profile: "DeviceProfile | N
                     heads=model_config.num_attention_heads, dtypes=(low, "float32"),
                     hidden_dropout=model_config.hidden_dropout_prob,
                     attention_dropout=model_config.attention_probs_dropout_prob, eps=model_config.layer_norm_eps,
-                    unpad=model_config.unpad)
+                    unpad=model_config.unpad, intermediate=model_config.intermediate_size)
 
 
 def _distributed_world() -> int:
@@ -302,17 +305,18 @@ def _warn_fused_is_a_test_mode() -> None:
 def kernels_for_run(mode: KernelMode, model_config, device: torch.device, *, micro_batch: int, seq: int,
                     precision: str, autocast: bool = False, log: Callable[[str], None] | None = None,
                     run_dir: str | None = None, cache=None, profile: "DeviceProfile | None" = None,
-                    measurer=None) -> KernelSet:
+                    measurer=None, compiled: bool = False) -> KernelSet:
     """The KernelSet of a training run, the same on every rank. ``auto`` on CUDA: decided on
     rank 0 for this run's micro batch, sequence length and precision, broadcast, logged once,
     and copied to ``run_dir/kernel_decisions.json`` (rank 0). ``profile``: the device
-    (default: this machine's); ``measurer``: see ``selection.decide``."""
+    (default: this machine's); ``measurer``: see ``selection.decide``; ``compiled``: the run
+    compiles its layers (candidates are timed in a compiled layer)."""
     if mode != "auto" or device.type not in MEASURED_DEVICE_TYPES:
         return resolve_kernels(mode, device.type, profile=profile)
     from bertdist.ops import selection
 
     workload = selection.Workload.for_model(model_config, batch=micro_batch, seq=seq, precision=precision,
-                                            autocast=autocast)
+                                            autocast=autocast, compiled=compiled)
     kernels = auto_kernels(workload, device, cache=cache, log=log, profile=profile, measurer=measurer)
     if run_dir is not None and kernels.plan is not None and _rank() == 0:
         selection.plan_copy(kernels.plan, run_dir)

@@ -17,9 +17,9 @@ from typing import Iterable
 import torch
 
 from bertdist.device_profile import DeviceProfile, for_device_type
-from bertdist.ops.candidates import OPS, Candidate, Case
+from bertdist.ops.candidates import OPS, Candidate, Case, LayerContext
 
-SELECTION_VERSION = 1  # part of the environment: a new version measures afresh
+SELECTION_VERSION = 2  # part of the environment: a new version measures afresh
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -31,7 +31,9 @@ class Workload:
     """The shapes and dtypes a run's config implies. ``dtypes``: the compute dtypes of the
     model (bf16 under DeepSpeed bf16); ``autocast``: the model runs under torch.autocast, where
     the layer-norm ops run in fp32 (torch's CUDA policy, and our fused ops register the same).
-    ``unpad``: which attention op the model calls (None: decide both)."""
+    ``unpad``: which attention op the model calls (None: decide both). ``in_layer``: candidates
+    are timed inside one encoder layer of this shape (``intermediate``: its FFN width, 0: 4 x
+    hidden; ``compiled``: regionally compiled, as ``model.compile`` runs it), not as the op alone."""
 
     batch: int
     seq: int
@@ -44,6 +46,9 @@ class Workload:
     unpad: bool | None = None
     autocast: bool = False
     ops: tuple[str, ...] = OPS  # decide only these ops (the others run torch-native)
+    intermediate: int = 0
+    compiled: bool = False
+    in_layer: bool = True
 
     def __post_init__(self) -> None:
         if set(self.ops) - set(OPS):
@@ -56,13 +61,23 @@ class Workload:
                              "all must be positive and hidden divisible by heads")
 
     @classmethod
-    def for_model(cls, cfg, *, batch: int, seq: int, precision: str = "fp32", autocast: bool = False) -> "Workload":
-        """From a ``BertConfig`` and the run's micro batch, sequence length and precision."""
+    def for_model(cls, cfg, *, batch: int, seq: int, precision: str = "fp32", autocast: bool = False,
+                  compiled: bool = False) -> "Workload":
+        """From a ``BertConfig`` and the run's micro batch, sequence length and precision;
+        ``compiled``: whether ``model.compile`` resolved true for the run."""
         dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[precision]
         return cls(batch=batch, seq=min(seq, cfg.max_position_embeddings), hidden=cfg.hidden_size,
                    heads=cfg.num_attention_heads, dtypes=(dtype,), hidden_dropout=cfg.hidden_dropout_prob,
                    attention_dropout=cfg.attention_probs_dropout_prob, eps=cfg.layer_norm_eps, unpad=cfg.unpad,
-                   autocast=autocast and dtype != "float32")
+                   autocast=autocast and dtype != "float32", intermediate=cfg.intermediate_size, compiled=compiled)
+
+    def layer(self, dtype: str, attention: str) -> LayerContext | None:
+        """The layer a case at ``dtype`` is timed in (None: as the op alone); ``attention``: the
+        attention op it calls."""
+        if not self.in_layer:
+            return None
+        return LayerContext(self.intermediate or 4 * self.hidden, dtype, self.autocast, self.hidden_dropout,
+                            self.attention_dropout, unpad=attention == "varlen_attention", compiled=self.compiled)
 
     def cases(self, device_type: str) -> list[Case]:
         out: list[Case] = []
@@ -71,12 +86,13 @@ class Workload:
         attention_ops = {None: ("attention", "varlen_attention"), False: ("attention",), True: ("varlen_attention",)}
         for dtype in self.dtypes:
             norm = "float32" if self.autocast else dtype
-            out.append(Case("layer_norm", norm, False, **shape))
+            layer = self.layer(dtype, attention_ops[self.unpad][0])
+            out.append(Case("layer_norm", norm, False, layer=layer, **shape))
             for p in sorted({self.hidden_dropout, 0.0}, reverse=True):
-                out.append(Case("bias_dropout_add_layer_norm", norm, p > 0, p=p, **shape))
+                out.append(Case("bias_dropout_add_layer_norm", norm, p > 0, p=p, layer=layer, **shape))
             for op in attention_ops[self.unpad]:
                 for p in sorted({self.attention_dropout, 0.0}, reverse=True):
-                    out.append(Case(op, dtype, p > 0, p=p, **shape))
+                    out.append(Case(op, dtype, p > 0, p=p, layer=self.layer(dtype, op), **shape))
         seen, unique = set(), []
         for c in out:
             if c.key not in seen and c.op in self.ops:
@@ -163,6 +179,7 @@ def format_table(decisions: Iterable[Decision], environment: dict, note: str = "
              f"{'ms':>9}  result"]
     for d in decisions:
         c = d.case
+        lines.append(f"  {c.op} {c.dtype}{' with dropout' if c.dropout else ''}: ms = forward + backward of {c.region}")
         head = [c.op, c.dtype, f"{c.p:g}" if c.dropout else "0", c.shape]
         for i, m in enumerate(d.measurements):
             cols = head if i == 0 else ["", "", "", ""]
@@ -176,7 +193,37 @@ def format_table(decisions: Iterable[Decision], environment: dict, note: str = "
                 result += f" [{d.origin}]"
             lines.append(f"  {cols[0]:<28} {cols[1]:<9} {cols[2]:<8} {cols[3]:<40} {m.name:<22} {err:>9} {bound:>9} "
                          f"{ms:>9}  {result}")
+        versus = inductor_versus_ours(d)
+        if versus:
+            lines.append(f"  {versus}")
+    errors = [(d, m) for d in decisions for m in d.measurements if m.status == "error"]
+    if errors:
+        lines.append(f"  {len(errors)} candidate measurement(s) skipped after an error: " + "; ".join(
+            f"{m.name} for {d.case.op} {d.case.dtype}{' with dropout' if d.case.dropout else ''}: {m.reason}"
+            for d, m in errors))
     return "\n".join(lines)
+
+
+def inductor_versus_ours(d: Decision) -> str | None:
+    """Inductor's figure next to our fused kernel's, and which won, where Inductor was timed."""
+    ind = d.measurement("inductor")
+    if ind is None or ind.ms is None:
+        return None
+    ours = [m for m in d.measurements if m.family == "fused"]
+    timed = [m for m in ours if m.ms is not None]
+    if timed:
+        best = min(timed, key=lambda m: m.ms)
+        theirs = f"ours ({best.name}) {best.ms:.3f} ms"
+    else:
+        theirs = f"ours not timed ({ours[0].status}: {ours[0].reason})" if ours else "ours not a candidate"
+    if d.choice == "inductor":
+        verdict = "Inductor's kernel chosen"
+    elif timed and d.choice == best.name:
+        verdict = "ours chosen"
+    else:
+        verdict = f"{d.choice} chosen"
+    return (f"{d.case.op} {d.case.dtype}{' with dropout' if d.case.dropout else ''}: Inductor {ind.ms:.3f} ms vs "
+            f"{theirs} in {d.case.region}: {verdict}")
 
 
 # ---------------------------------------------------------------- environment

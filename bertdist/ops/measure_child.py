@@ -37,6 +37,7 @@ def _child_main(spec_path: str, out_path: str) -> int:
     p = spec.get("profile")
     profile = DeviceProfile(**{**p, "capability": tuple(p["capability"]) if p["capability"] else None}) if p else None
     cases = [(Case(**c["case"]), [Candidate.from_dict(x) for x in c["candidates"]]) for c in spec["cases"]]
+    decided = [(Case(**c["case"]), Candidate.from_dict(c["candidate"])) for c in spec.get("decided", [])]
     with open(out_path, "a", buffering=1) as f:
         def emit(obj):
             f.write(json.dumps(obj) + "\n")
@@ -45,17 +46,27 @@ def _child_main(spec_path: str, out_path: str) -> int:
 
         try:
             measure(cases, device, on_start=lambda case, c: emit({"start": case.key, "candidate": c.name}),
-                    on_done=lambda d: emit({"decision": d.to_dict()}), profile=profile)
+                    on_done=lambda d: emit({"decision": d.to_dict()}), profile=profile, decided=decided)
         except DeviceUnusable as e:
             emit({"unusable": e.candidate, "error": e.error})
             return 3
     return 0
 
 
+TIMEOUT_S = 900.0  # one child's measurement of eager cases
+COMPILE_ALLOWANCE_S = 120.0  # more per candidate timed in a compiled layer (each compiles its own)
+
+
 def measure_isolated(cases: list[tuple[Case, list[Candidate]]], device: torch.device, *,
-                     timeout_s: float = 900.0, profile: DeviceProfile | None = None) -> list[Decision]:
+                     timeout_s: float | None = None, profile: DeviceProfile | None = None,
+                     decided: list[tuple[Case, Candidate]] = ()) -> list[Decision]:
     """``measure`` in child processes: a candidate that kills the child or the CUDA context is
-    recorded as an error and excluded, and the remaining cases are measured again without it."""
+    recorded as an error and excluded, and the remaining cases are measured again without it.
+    ``timeout_s``: per child (default: ``TIMEOUT_S`` plus ``COMPILE_ALLOWANCE_S`` per compiled
+    candidate measurement). ``decided``: choices made before (cached), which the layers run."""
+    if timeout_s is None:
+        compiled = sum(len(cands) for case, cands in cases if case.layer is not None and case.layer.compiled)
+        timeout_s = TIMEOUT_S + COMPILE_ALLOWANCE_S * compiled
     done: dict[str, Decision] = {}
     excluded: dict[str, dict[str, str]] = {}  # case key -> candidate -> reason
     for _attempt in range(1 + sum(len(c) for _, c in cases)):
@@ -67,7 +78,12 @@ def measure_isolated(cases: list[tuple[Case, list[Candidate]]], device: torch.de
             spec, out = Path(tmp) / "spec.json", Path(tmp) / "events.jsonl"
             spec.write_text(json.dumps({"device": str(device), "sys_path": sys.path,
                                         "profile": profile.to_dict() if profile else None, "cases": [
-                {"case": dataclasses.asdict(case), "candidates": [c.to_dict() for c in cands]} for case, cands in todo]}))
+                {"case": dataclasses.asdict(case), "candidates": [c.to_dict() for c in cands]} for case, cands in todo],
+                # a fresh child times its layers with the choices the earlier ones made
+                "decided": [{"case": dataclasses.asdict(case), "candidate": cand.to_dict()} for case, cand in decided]
+                + [{"case": dataclasses.asdict(case), "candidate": next(
+                    c.to_dict() for c in cands if c.name == done[case.key].choice)}
+                    for case, cands in cases if case.key in done]}))
             cmd = [sys.executable, "-c", "import sys; from bertdist.ops.measure_child import _child_main; "
                    "sys.exit(_child_main(sys.argv[1], sys.argv[2]))", str(spec), str(out)]
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}

@@ -7,8 +7,11 @@ candidate of ``candidates.py`` is run on the device:
    dropout off, against the fp32 math on the same rounded inputs, within twice the baseline's
    own error plus a floor; with dropout the candidate must also apply it, with one mask forward
    and backward, and stay finite.
-2. **Time** (``timing.py``): forward + backward with the case's dropout, after a warm-up, as the
-   median of ``repeats`` timings (CUDA events on a GPU), each over enough calls to last ~1 ms.
+2. **Time** (``timing.py``): inside the region the trainer runs the op in, built for the run
+   (``layer_timing.py``: one encoder layer, or the embeddings' norm, eager or compiled as the
+   run is), forward + backward with the case's dropout, the other ops at the candidates already
+   chosen for them; after a warm-up, the median of ``repeats`` timings (device time on a GPU:
+   CUDA events around a batch of iterations). Timed alone, an op is mostly host dispatch.
 3. **Choice**: the fastest candidate that passed, if it beats the baseline (what
    ``kernels: reference`` runs) by at least ``MIN_GAIN``; else the baseline. These timings
    make the choice and are not evidence for it: whole training steps with ``auto`` against
@@ -51,6 +54,7 @@ import torch
 from bertdist.device_profile import DeviceProfile, for_device_type
 from bertdist.ops.candidates import OPS, WINDOW_OPS, Candidate, Case, baseline_name, candidates_for
 from bertdist.ops.kernel_plan import DTYPES, Decision, KernelPlan, Measurement, Workload, environment
+from bertdist.ops.layer_timing import layer_kernels, layer_step
 from bertdist.ops.measure_child import measure_isolated
 from bertdist.ops.numerics_gate import FLOORS, dropout_problem, make_problem, oracle_for, rel_err, unfused_twin
 from bertdist.ops.timing import Timer, default_timer
@@ -81,14 +85,39 @@ def _device_ok(device: torch.device) -> bool:
 
 
 def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:200] if text else ''}"
+    """The error's first line, and the next one where the first only introduces it (torch.compile's
+    ``backend='inductor' raised:``)."""
+    text = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    head = text[0] if text else ""
+    if head.endswith(":") and len(text) > 1:
+        head = f"{head} {text[1]}"
+    return f"{type(e).__name__}: {head[:200]}"
+
+
+def _op_step(problem, case: Case, cand: Candidate, fn: Callable, dtype: torch.dtype) -> Callable[[], None]:
+    """One forward + backward of the op alone on the numerics problem's inputs (the forward alone
+    for an inference case)."""
+    leaves = problem.leaves(dtype)
+    go = problem.grad_out.to(dtype)
+
+    def step():
+        if not case.backward:  # inference: the forward alone
+            with torch.no_grad():
+                problem.call(fn, {k: v.detach() for k, v in leaves.items()}, dropout=False)
+            return
+        out = problem.call(fn, leaves, dropout=case.dropout, bias_in_kernel=cand.bias_in_kernel)
+        torch.autograd.grad(out, list(leaves.values()), go.to(out.dtype), allow_unused=True)
+
+    return step
 
 
 def decide_case(case: Case, candidates: list[Candidate], device: torch.device, *, timer: Timer = default_timer,
-                on_start: Callable[[Candidate], None] | None = None, profile: DeviceProfile | None = None) -> Decision:
+                on_start: Callable[[Candidate], None] | None = None, profile: DeviceProfile | None = None,
+                decided: list[tuple[Case, Candidate]] = ()) -> Decision:
     """Measure every candidate of ``case`` (the baseline first) on ``device`` (described by
-    ``profile``; default: this machine's) and choose."""
+    ``profile``; default: this machine's) and choose. With ``case.layer`` each candidate is
+    timed inside that layer, the other ops running the candidates ``decided`` chose for them
+    (``layer_timing.py``)."""
     baseline = baseline_name(case.op)
     if candidates[0].name != baseline:
         raise ValueError(f"the first candidate must be the baseline {baseline!r}, got {candidates[0].name!r}")
@@ -130,17 +159,8 @@ def decide_case(case: Case, candidates: list[Candidate], device: torch.device, *
                 if bad:
                     m.status, m.reason = "failed", bad
                     continue
-            leaves = problem.leaves(dtype)
-            go = problem.grad_out.to(dtype)
-
-            def step(fn=fn, leaves=leaves, go=go, bik=cand.bias_in_kernel):
-                if not case.backward:  # inference: the forward alone
-                    with torch.no_grad():
-                        problem.call(fn, {k: v.detach() for k, v in leaves.items()}, dropout=False)
-                    return
-                out = problem.call(fn, leaves, dropout=case.dropout, bias_in_kernel=bik)
-                torch.autograd.grad(out, list(leaves.values()), go.to(out.dtype), allow_unused=True)
-
+            step = (layer_step(case, layer_kernels(case, cand, fn, decided, device.type), device)
+                    if case.layer is not None else _op_step(problem, case, cand, fn, dtype))
             samples = timer(cand, case, step, device)
             m.ms, m.ms_range = statistics.median(samples), (min(samples), max(samples))
         except Exception as e:  # noqa: BLE001 - a failing candidate is disabled, never fatal
@@ -178,12 +198,16 @@ def choose(results: list[Measurement], *, oracle_baseline: bool = False) -> str:
 
 def measure(cases: list[tuple[Case, list[Candidate]]], device: torch.device, *, timer: Timer = default_timer,
             on_start: Callable[[Case, Candidate], None] | None = None,
-            on_done: Callable[[Decision], None] | None = None, profile: DeviceProfile | None = None) -> list[Decision]:
-    out = []
+            on_done: Callable[[Decision], None] | None = None, profile: DeviceProfile | None = None,
+            decided: Iterable[tuple[Case, Candidate]] = ()) -> list[Decision]:
+    """Decide ``cases`` in order; ``decided``: choices made before (another process's)."""
+    out: list[Decision] = []
+    decided = list(decided)  # what the layers of later cases run for the ops decided
     for case, cands in cases:
-        d = decide_case(case, cands, device, timer=timer, profile=profile,
+        d = decide_case(case, cands, device, timer=timer, profile=profile, decided=decided,
                         on_start=(lambda c, case=case: on_start(case, c)) if on_start else None)
         out.append(d)
+        decided.append((case, next(c for c in cands if c.name == d.choice)))
         if on_done is not None:
             on_done(d)
     return out
@@ -236,10 +260,12 @@ def decide(workload: Workload, device: torch.device, *, cache=None, timer: Timer
     cached = cache.load(env) if cache is not None else {}
     decisions: dict[str, Decision] = {}
     todo = []
+    prior: list[tuple[Case, Candidate]] = []  # cached choices: the measured cases' layers run them
     for case, cands in wanted:
         hit = cached.get(case.key)
         if hit is not None and hit["candidates"] == [c.name for c in cands]:
             decisions[case.key] = Decision.from_dict(hit, "cache")
+            prior.append((case, next(c for c in cands if c.name == hit["choice"])))
         else:
             todo.append((case, cands))
     if todo:
@@ -251,8 +277,8 @@ def decide(workload: Workload, device: torch.device, *, cache=None, timer: Timer
         elif timer is not None and isolate:
             raise ValueError("a custom timer runs in this process only (isolate=False)")
         else:
-            measured = (measure_isolated(todo, device, profile=profile) if isolate else
-                        measure(todo, device, timer=timer or default_timer, profile=profile))
+            measured = (measure_isolated(todo, device, profile=profile, decided=prior) if isolate else
+                        measure(todo, device, timer=timer or default_timer, profile=profile, decided=prior))
         for d in measured:
             decisions[d.case.key] = d
         missing = [case.key for case, _ in todo if case.key not in decisions]

@@ -1,7 +1,8 @@
 """How ``kernels: auto`` times a candidate that passed the numerics gate.
 
-Forward + backward with the case's dropout, after a warm-up, as ``repeats`` samples, each
-averaged over enough calls to last ~1 ms (CUDA events on a GPU, perf_counter elsewhere); the
+One call is a forward + backward of the region the candidate is timed in (``layer_timing.py``)
+or of the op alone, after a warm-up, as ``repeats`` samples, each averaged over enough calls to
+last ~20 ms for a region, ~1 ms for an op (CUDA events on a GPU, perf_counter elsewhere); the
 planning takes their median. A ``Timer`` can be injected (tests give fixed times) in place of
 ``default_timer``.
 """
@@ -17,9 +18,11 @@ from bertdist.ops.candidates import Candidate, Case
 
 
 def time_call(call: Callable[[], None], device: torch.device, *, warmup: int = 3, repeats: int = 7,
-              target_ms: float = 1.0) -> list[float]:
-    """Milliseconds per call, ``repeats`` samples, each averaged over enough calls to last
-    ``target_ms`` (CUDA events on a GPU, perf_counter elsewhere), after ``warmup`` calls."""
+              target_ms: float = 1.0, min_inner: int = 1) -> list[float]:
+    """Milliseconds per call, ``repeats`` samples, each averaged over enough calls (at least
+    ``min_inner``) to last ``target_ms`` (CUDA events on a GPU, perf_counter elsewhere), after
+    ``warmup`` calls. On a GPU the events bracket a batch of calls queued back to back, so the
+    device time is measured: the host's dispatch counts only where it leaves the device idle."""
     cuda = device.type == "cuda"
     for _ in range(warmup):
         call()
@@ -29,7 +32,7 @@ def time_call(call: Callable[[], None], device: torch.device, *, warmup: int = 3
     call()
     if cuda:
         torch.cuda.synchronize(device)
-    inner = int(min(50, max(1, math.ceil(target_ms / max((time.perf_counter() - t0) * 1e3, 1e-3)))))
+    inner = int(min(50, max(min_inner, math.ceil(target_ms / max((time.perf_counter() - t0) * 1e3, 1e-3)))))
     samples = []
     for _ in range(repeats):
         if cuda:
@@ -53,4 +56,6 @@ Timer = Callable[[Candidate, Case, Callable[[], None], torch.device], list[float
 
 
 def default_timer(candidate: Candidate, case: Case, call: Callable[[], None], device: torch.device) -> list[float]:
+    if case.layer is not None:  # a layer's step: a batch of at least 5 to keep the device's queue full
+        return time_call(call, device, target_ms=20.0, min_inner=5)
     return time_call(call, device)

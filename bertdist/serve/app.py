@@ -55,6 +55,9 @@ class ServeSettings:
     # than a batch of short ones, so small requests never wait behind a long one for long.
     max_batch_tokens: int | None = 2048
     batching: bool = True
+    # Batches of one model running at once, each on its own thread. One single-threaded run per
+    # core beats one run over all cores: the runs' threads never meet at an operator's end.
+    workers: int = 1
     max_body_bytes: int = 1 << 20
     body_timeout: float = 30.0  # seconds for a request's body to arrive once its head has
     grace_seconds: float = 25.0  # from a stop signal to exit; Kubernetes' default grace period is 30 s
@@ -176,7 +179,7 @@ class ServeState:
             self.batchers[m.name] = Batcher(m.run, name=m.name, max_batch_size=settings.max_batch_size,
                                             max_wait_ms=settings.max_wait_ms, max_queue=settings.max_queue,
                                             batching=settings.batching, max_batch_tokens=settings.max_batch_tokens,
-                                            observer=self.metrics)
+                                            workers=settings.workers, observer=self.metrics)
         self.preparing = PreparingThread()
         # Requests still receiving their bodies, and requests waiting for their answers: the stop
         # cuts off the first at once and the second when the grace period ends.
@@ -443,6 +446,7 @@ def make_app(models: Sequence, settings: ServeSettings | None = None) -> Starlet
         return Json({"models": [{"name": m.name, **m.info()} for m in state.models.values()],
                      "batching": {"enabled": s.batching, "max_batch_size": s.max_batch_size,
                                   "max_batch_tokens": s.max_batch_tokens, "max_wait_ms": s.max_wait_ms,
+                                  "workers": s.workers,
                                   "max_queue": s.max_queue},
                      "max_body_bytes": s.max_body_bytes})
 

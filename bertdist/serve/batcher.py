@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import collections
+import functools
 import logging
 import math
 import time
@@ -29,11 +30,13 @@ from typing import Any, Callable, Protocol, Sequence
 
 log = logging.getLogger(__name__)
 
-# Upper edges (in tokens) of the length buckets; longer items share one last bucket. A batch
-# costs about a fixed cost per call plus its rows x its longest row, padding included; on 2 CPU
-# cores a 3-layer MiniLM's fixed cost is about 50 token-rows (its intra-op threads meet at every
-# operator), so finer buckets, with fewer texts each, cost more than the padding they save.
-DEFAULT_BUCKET_EDGES = (16, 32, 64, 128, 256, 512)
+# Upper edges (in tokens) of the length buckets, from 16 tokens up at most a quarter of the length
+# apart; longer items share one last bucket. A batch costs a fixed cost per call plus its rows x
+# its longest row, padding included. With one single-threaded run per core (the server's default)
+# the fixed cost of a 3-layer MiniLM is about 4 token-rows, so batches of near-equal lengths, even
+# small ones, cost less than fuller batches padded to their longest text.
+DEFAULT_BUCKET_EDGES = (8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256,
+                        320, 384, 448, 512)
 
 
 class Refused(Exception):
@@ -111,18 +114,19 @@ class _Item:
 class Batcher:
     """Batches the items of submitted jobs into calls of ``run(list_of_items) -> list_of_outputs``.
 
-    ``run`` is blocking and not thread-safe; it is only ever called from this batcher's one
-    worker thread. With ``batching=False`` every job runs alone (its items as one batch), in
-    arrival order, under the same queue bound: the baseline for comparing batching.
+    ``run`` is blocking. Up to ``workers`` batches run at once, each on its own worker thread, so
+    ``run`` must be thread-safe when ``workers`` > 1 (an ONNX Runtime session's ``run`` is). With
+    ``batching=False`` every job runs alone (its items as one batch), in arrival order, under the
+    same queue bound: the baseline for comparing batching.
     """
 
     def __init__(self, run: Callable[[list], list], *, name: str = "model", max_batch_size: int = 32,
                  max_wait_ms: float = 0.0, max_queue: int = 256, batching: bool = True,
-                 max_batch_tokens: int | None = None,
+                 max_batch_tokens: int | None = None, workers: int = 1,
                  bucket_edges: Sequence[int] = DEFAULT_BUCKET_EDGES, observer: Observer | None = None):
-        if max_batch_size < 1 or max_queue < 1 or max_wait_ms < 0:
-            raise ValueError(f"need max_batch_size >= 1, max_queue >= 1, max_wait_ms >= 0; got "
-                             f"{max_batch_size}, {max_queue}, {max_wait_ms}")
+        if max_batch_size < 1 or max_queue < 1 or max_wait_ms < 0 or workers < 1:
+            raise ValueError(f"need max_batch_size >= 1, max_queue >= 1, max_wait_ms >= 0, workers >= 1; got "
+                             f"{max_batch_size}, {max_queue}, {max_wait_ms}, {workers}")
         if list(bucket_edges) != sorted(set(bucket_edges)):
             raise ValueError(f"bucket edges must increase strictly: {list(bucket_edges)}")
         self._run = run
@@ -132,12 +136,14 @@ class Batcher:
         self.max_wait = max_wait_ms / 1000.0
         self.max_queue = max_queue
         self.batching = batching
+        self.workers = workers
         self.bucket_edges = tuple(bucket_edges)
         self._observer = observer
         self._buckets: dict[int, collections.deque[_Item]] = {}  # batching: items by bucket
         self._jobs: collections.deque[_Pending] = collections.deque()  # no batching: whole jobs
         self._queued = 0  # items waiting (not in flight)
-        self._in_flight = 0  # items in the batch now running
+        self._in_flight = 0  # items in the batches now running
+        self._running: set[asyncio.Task] = set()  # the batches now running
         self._batch_seconds = 0.05  # moving average of a batch's run, for Retry-After
         self._token_seconds = 1e-4  # moving average of a batch's run per token, for turns
         self._accepting = False
@@ -156,7 +162,7 @@ class Batcher:
 
     @property
     def in_flight(self) -> int:
-        """Items in the batch now running."""
+        """Items in the batches now running."""
         return self._in_flight
 
     @property
@@ -164,18 +170,19 @@ class Batcher:
         return self._accepting
 
     def retry_after(self) -> int:
-        """Seconds until the queue has likely emptied: whole batches ahead times a batch's run."""
+        """Seconds until the queue has likely emptied: whole batches ahead times a batch's run,
+        shared among the workers."""
         batches = math.ceil((self._queued + self._in_flight) / self.max_batch_size) + 1
-        return max(1, math.ceil(batches * self._batch_seconds))
+        return max(1, math.ceil(batches * self._batch_seconds / self.workers))
 
     # -- life cycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Starts the worker thread and the batching task on the running event loop."""
+        """Starts the worker threads and the batching task on the running event loop."""
         if self._task is not None:
             raise RuntimeError(f"batcher {self.name!r} already started")
         self._wakeup = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"serve-{self.name}")
+        self._executor = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix=f"serve-{self.name}")
         self._task = asyncio.get_running_loop().create_task(self._serve(), name=f"batcher-{self.name}")
         self._task.add_done_callback(self._on_task_done)
         self._accepting = True
@@ -190,7 +197,7 @@ class Batcher:
 
     async def drain(self) -> None:
         """Graceful stop: refuse new jobs at once, finish every queued and running one, then
-        stop the worker thread."""
+        stop the worker threads."""
         self._accepting = False
         self._closing = True
         if self._task is None:
@@ -297,20 +304,36 @@ class Batcher:
 
     async def _serve(self) -> None:
         loop = asyncio.get_running_loop()
-        while True:
-            now = time.monotonic()
-            batch = self._take_batch(now)
-            if batch is None:
-                if self._closing and self._queued == 0:
+        try:
+            while True:
+                now = time.monotonic()
+                free = len(self._running) < self.workers
+                batch = self._take_batch(now) if free else None
+                if batch is not None:
+                    task = loop.create_task(self._run_batch(loop, batch, now))
+                    self._running.add(task)
+                    task.add_done_callback(functools.partial(self._on_batch_done, batch))
+                    continue
+                if self._closing and self._queued == 0 and not self._running:
                     return
-                deadline = self._next_deadline()
+                # Wake for a new job, a finished batch, or (with a worker free) a bucket's wait ending.
+                deadline = self._next_deadline() if free else None
                 self._wakeup.clear()
                 try:
-                    await asyncio.wait_for(self._wakeup.wait(), None if deadline is None else max(0.0, deadline - now))
+                    await asyncio.wait_for(self._wakeup.wait(),
+                                           None if deadline is None else max(0.0, deadline - now))
                 except asyncio.TimeoutError:
                     pass
-                continue
-            await self._run_batch(loop, batch, now)
+        finally:
+            for task in self._running:  # only when the loop itself fails: their jobs fail with it
+                task.cancel()
+
+    def _on_batch_done(self, batch: list[_Item], task: asyncio.Task) -> None:
+        self._running.discard(task)
+        self._wakeup.set()
+        if not task.cancelled() and task.exception() is not None:  # a bug: no job of the batch may hang
+            log.error("model %s: a batch of %d items failed: %r", self.name, len(batch), task.exception())
+            self._fail_batch(batch, BatchFailed(f"the batcher of model {self.name!r} failed: {task.exception()!r}"))
 
     def _take_batch(self, now: float) -> list[_Item] | None:
         """The next batch to run, taken off the queue; None when no bucket is ready yet."""
@@ -379,7 +402,7 @@ class Batcher:
         return min(heads) + self.max_wait if heads else None
 
     async def _run_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_Item], now: float) -> None:
-        self._in_flight = len(batch)
+        self._in_flight += len(batch)
         self._report_depth()
         start = time.monotonic()
         try:
@@ -395,7 +418,7 @@ class Batcher:
             raise
         finally:
             seconds = time.monotonic() - start
-            self._in_flight = 0
+            self._in_flight -= len(batch)
             self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * seconds
             tokens = sum(it.encoded.length for it in batch)
             if tokens:

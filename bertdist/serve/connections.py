@@ -49,6 +49,38 @@ def refusal(status: int, message: str, error_type: str) -> bytes:
                      b"content-length: ", str(len(body)).encode(), b"\r\n", b"connection: close\r\n\r\n", body])
 
 
+class CoalescingTransport:
+    """A connection's transport whose writes in one turn of the loop go out as one: uvicorn writes
+    a response's head and its body separately, and each write to a socket is a system call (and,
+    on loopback, a wake-up of the reader), which under load costs more than building the answer."""
+
+    __slots__ = ("_transport", "_loop", "_pending")
+
+    def __init__(self, transport, loop):
+        self._transport = transport
+        self._loop = loop
+        self._pending: list[bytes] | None = None
+
+    def write(self, data: bytes) -> None:
+        if self._pending is None:
+            self._pending = [data]
+            self._loop.call_soon(self.flush)
+        else:
+            self._pending.append(data)
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending and not self._transport.is_closing():
+            self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+
 def guarded_protocol(limits: ConnectionLimits) -> type:
     """An httptools protocol class (uvicorn's ``http=``) enforcing ``limits``."""
     cap = limits.connection_cap()
@@ -56,7 +88,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
 
     class GuardedProtocol(HttpToolsProtocol):
         def connection_made(self, transport) -> None:
-            super().connection_made(transport)
+            super().connection_made(CoalescingTransport(transport, self.loop))
             self._head_timer = None
             self._on_lost = None  # the answering request's callback, should the client go
             if len(self.connections) > cap and not self._displace_one():

@@ -33,6 +33,8 @@ def node_errors(fp32_file: Path, int8_file: Path, feeds: list[dict[str, np.ndarr
     import onnxruntime as ort
     from onnx import numpy_helper
 
+    from bertdist.serve.parity import graph_feed
+
     fp = onnx.load(str(fp32_file))
     weights = {i.name: i for i in fp.graph.initializer}
     q = onnx.load(str(int8_file))
@@ -57,7 +59,7 @@ def node_errors(fp32_file: Path, int8_file: Path, feeds: list[dict[str, np.ndarr
     err = dict.fromkeys(quantised, 0.0)
     ref = dict.fromkeys(quantised, 0.0)
     for feed in feeds:
-        got = dict(zip(tensors, sess.run(tensors, feed)))
+        got = dict(zip(tensors, sess.run(tensors, graph_feed(sess, feed))))
         for k, n in quantised.items():
             want = np.matmul(got[n.input[0]].astype(np.float64), w[k])
             err[k] += float(np.sum((got[n.output[0]] - want) ** 2))
@@ -69,8 +71,9 @@ def throughput(sessions: dict, feeds: list[dict[str, np.ndarray]], repeats: int 
     """Sequences per second of each session over ``feeds``, the sessions taking turns batch by batch
     (bertdist.serve.int8_report.take_turns); the median of ``repeats`` passes after a warm-up batch."""
     from bertdist.serve.int8_report import take_turns
+    from bertdist.serve.parity import run_onnx
 
-    runners = {k: (lambda s: lambda f: s.run(None, f))(s) for k, s in sessions.items()}
+    runners = {k: (lambda s: lambda f: run_onnx(s, f))(s) for k, s in sessions.items()}
     for run in runners.values():
         run(feeds[0])
     n = sum(len(f["input_ids"]) for f in feeds)

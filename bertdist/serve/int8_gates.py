@@ -99,8 +99,10 @@ class OnnxEncoder:
         self.session, self.tok, self.max_length = session, tok, max_length
 
     def _run(self, texts: list, batch_size: int, output: int) -> np.ndarray:
+        from bertdist.serve.parity import run_onnx
+
         examples = text_examples(self.tok, texts, self.max_length)
-        return np.concatenate([self.session.run(None, f)[output] for f in batch_feeds(examples, batch_size)])
+        return np.concatenate([run_onnx(self.session, f)[output] for f in batch_feeds(examples, batch_size)])
 
     def encode(self, texts, batch_size=64, max_seq_length=None) -> np.ndarray:
         return self._run(list(texts), batch_size, 1)
@@ -173,11 +175,9 @@ def embed_inputs(task: str, dev: str | Path, tok, max_length: int, fp32_session,
 
 def int8_inputs(src_task: str, opts, stage: Path, fp32_session, sample, max_length: int) -> Int8Inputs:
     """The gate and calibration examples for an export's options (see the module docstring)."""
-    from transformers import AutoTokenizer
-
     from bertdist.serve import parity
 
-    tok = AutoTokenizer.from_pretrained(str(stage))
+    tok = parity.export_tokenizer(stage)
     n_cal = opts.calibration
     if opts.task in EMBED_TASKS and opts.dev and not opts.skip_metric_check:
         return embed_inputs(opts.task, opts.dev, tok, max_length, fp32_session, opts.tolerance_points,

@@ -37,7 +37,8 @@ def speed(torch_model, fp32_session, int8_session, examples: list, threads: int 
     from bertdist.serve import parity
 
     runners = {"torch_eager_fp32": lambda f: parity.run_torch(torch_model, f),
-               "onnx_fp32": lambda f: fp32_session.run(None, f), "onnx_int8": lambda f: int8_session.run(None, f)}
+               "onnx_fp32": lambda f: parity.run_onnx(fp32_session, f),
+               "onnx_int8": lambda f: parity.run_onnx(int8_session, f)}
     before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(int(threads))

@@ -311,7 +311,6 @@ def export_onnx(source: str | os.PathLike, out: str | os.PathLike, opts: ExportO
                 log=print) -> dict:
     """Export, check parity, write the card; the output appears only once every check has passed."""
     import onnxruntime
-    from transformers import AutoTokenizer
 
     from bertdist.serve import parity
     from bertdist.serve.card import CARD, write_card
@@ -325,10 +324,6 @@ def export_onnx(source: str | os.PathLike, out: str | os.PathLike, opts: ExportO
     if opts.quantize and opts.int8_mode not in MODES:
         raise ExportError(f"--int8-mode {opts.int8_mode!r}: one of {list(MODES)}")
     src = read_source(source)
-    if opts.quantize and not takes_token_types(src.config):
-        # The int8 gates and calibration feed BERT's three inputs; a ModernBERT graph takes two.
-        raise ExportError(f"{src.path}: --quantize int8 is not supported for {src.config['model_type']} models yet; "
-                          "export fp32 (and --optimize)")
     if opts.quantize and src.task != "encoder" and not (opts.dev and opts.task) and not opts.skip_metric_check:
         raise ExportError("int8 export of a task model checks the task metric before and after: pass --task NAME "
                           "and --dev DIR_OR_FILE (the dev set), or --skip-metric-check to export it unchecked")
@@ -353,8 +348,7 @@ def export_onnx(source: str | os.PathLike, out: str | os.PathLike, opts: ExportO
                 "parity": {}}
         copy_tokenizer(src.path, stage)
         shutil.copyfile(src.path / "config.json", stage / "config.json")
-        tok = AutoTokenizer.from_pretrained(str(stage))
-        tok.model_input_names = list(INPUTS)  # token types for every family (zeros where a model has none)
+        tok = parity.export_tokenizer(stage)
         sample = parity.encode_sample(tok, src.task, parity.sample_texts(), max_length)
         sessions = {"fp32": make_session(stage / files["fp32"], opts.threads)}
         if opts.optimize:

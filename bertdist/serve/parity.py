@@ -43,6 +43,16 @@ def sample_texts(n: int = 48, samples: Path = SAMPLES) -> list[str]:
     return picks
 
 
+def export_tokenizer(model_dir: str | Path):
+    """The tokenizer of an export's directory, returning token types for every family (zeros where
+    a model, such as ModernBERT, has none), as the features and the PyTorch wrapper expect them."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok.model_input_names = ["input_ids", "attention_mask", "token_type_ids"]
+    return tok
+
+
 def encode_sample(tok, task: str, texts: list[str], max_length: int) -> list[dict[str, np.ndarray]]:
     """Batches of 8 padded inputs as numpy int64 (choice: 4 endings per row; span: question + context)."""
     out = []
@@ -68,9 +78,15 @@ def run_torch(model, batch: dict[str, np.ndarray]) -> list[np.ndarray]:
     return [t.numpy() for t in (out if isinstance(out, tuple) else (out,))]
 
 
+def graph_feed(session, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``batch`` without the inputs the session's graph does not take (a ModernBERT graph takes no
+    token_type_ids; the examples and the PyTorch model carry them for every family)."""
+    names = {i.name for i in session.get_inputs()}
+    return {k: v for k, v in batch.items() if k in names}
+
+
 def run_onnx(session, batch: dict[str, np.ndarray]) -> list[np.ndarray]:
-    names = {i.name for i in session.get_inputs()}  # a ModernBERT graph takes no token_type_ids
-    return session.run(None, {k: v for k, v in batch.items() if k in names})
+    return session.run(None, graph_feed(session, batch))
 
 
 @dataclasses.dataclass
@@ -129,7 +145,6 @@ def dev_runner(task_name: str, dev: str | Path, model_dir: Path, max_length: int
     its train features, when the directory has them, are the first ``max_train_examples``."""
     from bertdist.finetune.config import FinetuneConfig
     from bertdist.finetune.tasks import make_runner
-    from transformers import AutoTokenizer
 
     d = Path(dev)
     if not d.exists():
@@ -139,7 +154,7 @@ def dev_runner(task_name: str, dev: str | Path, model_dir: Path, max_length: int
                          max_eval_examples=max_examples, max_train_examples=max_train_examples)
     if task_name in ("ner",):  # the NER runner reads the train file for its label set and scheme
         cfg.train_file = dev_file
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok = export_tokenizer(model_dir)
     return make_runner(task_name, data_dir, tok, cfg)
 
 

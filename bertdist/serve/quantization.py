@@ -60,7 +60,9 @@ def quantize(in_file: Path, out_file: Path, mode: str = DEFAULT_MODE, keep_fp32:
             raise ValueError("static int8 needs calibration inputs")
         settings.update(format="QDQ", activation_type="QInt8", calibrate_method="MinMax",
                         calibration_examples=sum(len(f["input_ids"]) for f in calibration), op_types=["MatMul"])
-        quantize_static(str(in_file), str(out_file), FeedReader(calibration), quant_format=QuantFormat.QDQ,
+        names = {i.name for i in onnx.load(str(in_file), load_external_data=False).graph.input}
+        feeds = [{k: v for k, v in f.items() if k in names} for f in calibration]  # ModernBERT: no token types
+        quantize_static(str(in_file), str(out_file), FeedReader(feeds), quant_format=QuantFormat.QDQ,
                         op_types_to_quantize=["MatMul"], per_channel=True, reduce_range=False,
                         activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, nodes_to_exclude=keep,
                         calibrate_method=CalibrationMethod.MinMax, extra_options={"MatMulConstBOnly": True})

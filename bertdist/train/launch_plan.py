@@ -90,12 +90,42 @@ def kernel_cases(cfg: TrainConfig, profile) -> dict[str, Any]:
         return {"mode": mode, "decides": False, "cases": [],
                 "why": f"auto on {profile.type}: the reference kernels (nothing is measured off CUDA)"}
     from bertdist.ops.kernel_plan import Workload
+    from bertdist.train.compile import decide_compile
 
     workload = Workload.for_model(cfg.model, batch=cfg.data.micro_batch_size, seq=cfg.data.max_seq_length,
                                   precision=cfg.deepspeed.precision,
-                                  autocast=autocast_dtype(cfg.deepspeed.precision, cfg.weights) is not None)
+                                  autocast=autocast_dtype(cfg.deepspeed.precision, cfg.weights) is not None,
+                                  compiled=decide_compile(cfg.model.compile, profile.type).enabled)
     return {"mode": mode, "decides": True, "why": "measured on rank 0 at the first start (then cached), "
             "broadcast to every rank", "cases": _case_rows(workload.cases("cuda"), profile)}
+
+
+def _records_packing(manifest_path: str) -> dict[str, Any]:
+    """The packing counts of the run's training records, from their manifest (or why there are none)."""
+    if not manifest_path:
+        return {"known": False, "why": "data.train_manifest not set"}
+    p = Path(manifest_path)
+    p = p / "manifest.json" if p.is_dir() else p
+    if not p.is_file():
+        return {"known": False, "why": f"{p} not found"}
+    m = json.loads(p.read_text())
+    counts = ((m.get("counts") or {}).get("packing") or {}).get("train")
+    if not (m.get("records") or {}).get("packing") or not counts:
+        return {"known": True, "packed": False, "manifest": str(p)}
+    return {"known": True, "packed": True, "manifest": str(p), **counts}
+
+
+def modernbert_layout(cfg: TrainConfig, model, predicted: int) -> dict[str, Any]:
+    """What a ModernBERT run does beyond its sizes: which layers are global, what a local layer
+    sees, the tokens and predictions of a micro-batch and a step, and how its records are packed."""
+    layers = range(model.num_hidden_layers)
+    seq, micro, batch = cfg.data.max_seq_length, cfg.data.micro_batch_size, cfg.data.global_batch_size
+    return {"global_layers": [i for i in layers if model.is_global(i)],
+            "local_layers": [i for i in layers if not model.is_global(i)],
+            "half_window": model.half_window,
+            "tokens": {"row": seq, "micro_batch": micro * seq, "step": batch * seq},
+            "predicted": {"mask_prob": cfg.data.mask_prob, "row": predicted, "step": predicted * batch},
+            "unpad": model.unpad, "records": _records_packing(cfg.data.train_manifest)}
 
 
 def launch_plan(cfg: TrainConfig, world_size: int, profile) -> dict[str, Any]:
@@ -145,6 +175,8 @@ def launch_plan(cfg: TrainConfig, world_size: int, profile) -> dict[str, Any]:
                                     "hidden_size": model.generator_hidden_size,
                                     "heads": model.generator_num_attention_heads,
                                     "intermediate_size": model.generator_intermediate_size})
+    if family.name == "modernbert":
+        model_row["layout"] = modernbert_layout(cfg, model, predicted)
     return {
         "recipe_config": to_dict(cfg),
         "model": model_row,
@@ -166,6 +198,33 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
+def _layer_list(layers: list[int]) -> str:
+    return ", ".join(map(str, layers)) if len(layers) <= 8 else f"{', '.join(map(str, layers[:4]))}, ..., {layers[-1]}"
+
+
+def _modernbert_lines(mr: dict[str, Any]) -> list[str]:
+    lay = mr["layout"]
+    g, loc, t, p, r = lay["global_layers"], lay["local_layers"], lay["tokens"], lay["predicted"], lay["records"]
+    lines = [f"  layers: {len(g)} global ({_layer_list(g)}): RoPE θ {mr['global_rope_theta']:,g}, every token sees "
+             f"its whole document; {len(loc)} local" + (f" ({_layer_list(loc)})" if loc else "") +
+             f": RoPE θ {mr['local_rope_theta']:,g}, a token sees itself and {lay['half_window']} tokens each side "
+             f"(local_attention {mr['local_attention']})",
+             f"  tokens: rows of {t['row']:,}; {t['micro_batch']:,} a micro-batch, {t['step']:,} a step; MLM at "
+             f"{p['mask_prob']:g}: up to {p['row']:,} predicted a row, {p['step']:,} a step"]
+    if not r["known"]:
+        where = f"records: packing unknown ({r['why']})"
+    elif not r["packed"]:
+        where = (f"records: {r['manifest']} holds one sequence a row, not packed documents (ModernBERT trains on "
+                 "packed rows: build them with pack_documents)")
+    else:
+        where = (f"records: packed, {r['documents']:,} documents ({r['split_documents']:,} cut across rows) in "
+                 f"{r['rows']:,} rows, {r['pieces'] / r['rows']:.1f} a row, {r['fill']:.1%} of the rows' room filled; "
+                 "each document attends within itself")
+    unpad = ("unpadded: padding never reaches the encoder" if lay["unpad"] else
+             "padded: the encoder runs the padding too (model.unpad: false)")
+    return lines + [f"  {where}; {unpad}"]
+
+
 def format_launch_plan(plan: dict[str, Any]) -> str:
     b, p, o, m, k = plan["batch"], plan["precision"], plan["optimizer"], plan["memory"], plan["kernels"]
     prof = plan["device_profile"]
@@ -185,7 +244,7 @@ def format_launch_plan(plan: dict[str, Any]) -> str:
         lines += [f"model: ModernBERT {mr['layers']} x {mr['hidden_size']}, context {mr['max_position_embeddings']}, "
                   f"local window {mr['local_attention']} (global every {mr['global_attn_every_n_layers']} layers), "
                   f"RoPE θ global {mr['global_rope_theta']:g} / local {mr['local_rope_theta']:g}, attention "
-                  f"{mr['attention_backend']}", ""]
+                  f"{mr['attention_backend']}", *_modernbert_lines(mr), ""]
     f = plan["flops"]
     parts = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in f["forward"].items() if k != "total")
     lines += [f"FLOPs per sequence of {f['seq']} tokens ({f['predicted']} predicted): forward "

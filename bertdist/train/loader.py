@@ -206,7 +206,7 @@ class PretrainingLoader:
         if self.masking_mode != "token" and self.dynamic and continuation is None:
             vocab = source.manifest["vocab"]
             raise ConfigError(f"masking_mode {self.masking_mode!r} needs word boundaries (the vocab's continuation "
-                              f"table, '##' pieces), and none was given for the records of {where} (vocab "
+                              f"table: '##' pieces, or word starts such as a byte-level BPE's 'Ġ'), and none was given for the records of {where} (vocab "
                               f"{vocab.get('kind', 'wordpiece')} {vocab.get('path')}, word boundaries: "
                               f"{vocab.get('word_boundaries', True)}); set data.masking_mode: token")
         self.continuation = continuation if self.masking_mode != "token" else None

@@ -155,12 +155,14 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool
         plan = dataclasses.replace(plan, load_dir=ensure_universal(plan.load_dir, plan.tag, rank))
     # kernels: auto on CUDA: rank 0 measures (or reads its cache) for this run's shapes and broadcasts the
     # plan, so every rank runs the same kernels; a copy goes to run_dir. Before seeding: it may use the RNG.
+    # The candidates are timed in a layer compiled as the run compiles its own.
+    compiled = decide_compile(cfg.model.compile, device.type)
     kernels = None  # a family without bertdist.ops kernels (ModernBERT) picks its attention in its config
     if family_of(cfg.model_config).uses_kernels:
         kernels = kernels_for_run(cfg.model.kernels, cfg.model, device, micro_batch=cfg.data.micro_batch_size,
                                   seq=cfg.data.max_seq_length, precision=cfg.deepspeed.precision,
                                   autocast=autocast_dtype(cfg.deepspeed.precision, cfg.weights) is not None,
-                                  run_dir=str(run_dir))
+                                  run_dir=str(run_dir), compiled=compiled.enabled)
     attention = _decide_attention(cfg, device, run_dir)  # ModernBERT's attention_backend: auto, likewise
     built = build_engine(cfg, plan, world, grad_accum, device.type, kernels)
     engine = built.engine
@@ -168,7 +170,6 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool
         from bertdist.ops.attention_choice import set_attention_backend
 
         set_attention_backend(engine.module, attention.backend)
-    compiled = decide_compile(cfg.model.compile, device.type)
     cache_loaded = load_compile_cache(cfg.compile_cache) if compiled.enabled else None
     apply_compile(engine.module, compiled)  # in place: checkpoints and export see the same module
     if rank == 0:

@@ -269,3 +269,71 @@ def test_one_after_another_no_run_starts_past_the_timeout(objectives, tmp_path):
     assert stopped == {"mlm_nsp": "killed at the 1 s pretraining timeout",
                        "span": "not started: past the 1 s pretraining timeout"}
     assert not (tmp_path / "span").exists()
+
+
+def test_the_modernbert_arm_gets_the_bert_presets_sizes_and_an_equal_flop_budget(objectives, tmp_path):
+    """ModernBERT beside BERT: its encoder has the preset's depth, width and heads and a GeGLU MLP
+    with BERT's MLP parameters; its step is counted by the ModernBERT FLOP formula (30% of positions
+    predicted) and its steps spend the budget of the MLM + NSP arm's."""
+    from bertdist.model.flops import train_flops_per_sequence
+    from bertdist.model.modernbert_config import ModernBertConfig
+    from bertdist.train import load_train_config
+
+    vocab = tmp_path / objectives.VOCAB_NAME
+    vocab.write_text("".join(f"t{i}\n" for i in range(1000)))
+    args = objectives.parse_args(["--out-md", str(tmp_path / "r.md"), "--budget-steps", "600", "--preset", "mini",
+                                  "--arms", "mlm_nsp,modernbert"])
+    args.vocab = vocab
+    arm = objectives.ARMS["modernbert"]
+    cfg = load_train_config(objectives.RECIPES / arm.recipe, objectives.arm_overrides(arm, args, 600, "m.json"))
+    model = cfg.model_config
+    assert isinstance(model, ModernBertConfig)
+    assert (model.num_hidden_layers, model.hidden_size, model.num_attention_heads, model.intermediate_size) == \
+        (4, 256, 4, 682)
+    assert model.max_position_embeddings == 128 and cfg.data.mask_prob == 0.3
+    assert cfg.data.max_predictions_per_seq == 38  # objectives.predicted_per_sequence(128, 0.30)
+    mlp_bert, mlp_modern = 2 * 256 * 1024, 3 * 256 * 682  # BERT's two matrices; GeGLU's value, gate and output
+    assert abs(mlp_modern - mlp_bert) / mlp_bert < 0.01
+    plan = objectives.plan_arms(args)
+    per_step = args.batch * train_flops_per_sequence(
+        ModernBertConfig(**{**vars(model), "vocab_size": 1000}), 128, 38)
+    assert plan["modernbert"]["flops_per_step"] == per_step
+    assert plan["modernbert"]["steps"] == objectives.equal_flop_steps(plan["mlm_nsp"]["flops"], per_step)
+    assert plan["modernbert"]["steps"] != plan["mlm_nsp"]["steps"]
+    assert abs(plan["modernbert"]["flops"] - plan["mlm_nsp"]["flops"]) <= 1.5 * per_step
+
+
+@pytest.mark.slow
+def test_a_cpu_smoke_run_trains_and_fine_tunes_modernbert_beside_bert(objectives, tmp_path, small_vocab):
+    """The benchmark end to end on the bundled text at a budget of 6 mini steps: packed records for
+    the ModernBERT arm, NSP records for BERT's, both pretrained at equal FLOPs, each checkpoint
+    fine-tuned on a tiny SST-2, and the report lists both arms."""
+    import shutil
+
+    from tests.conftest import SAMPLES
+
+    shared = tmp_path / "shared"
+    (shared / "vocab").mkdir(parents=True)
+    shutil.copyfile(small_vocab, shared / "vocab" / objectives.VOCAB_NAME)
+    (shared / "wiki").symlink_to(SAMPLES / "wiki")
+    (shared / "books").symlink_to(SAMPLES / "books")
+    sst2 = shared / "glue" / "SST-2"
+    sst2.mkdir(parents=True)
+    lines = [ln.strip() for ln in (SAMPLES / "books" / "shakespeare-macbeth.txt").read_text(encoding="utf-8")
+             .splitlines() if len(ln.split()) >= 4][:80]
+    rows = "".join(f"{ln}\t{int('the' in ln.lower().split())}\n" for ln in lines)
+    for split in ("train", "dev"):
+        (sst2 / f"{split}.tsv").write_text("sentence\tlabel\n" + rows, encoding="utf-8")
+    out = tmp_path / "report.md"
+    assert objectives.main(["--smoke", "--arms", "mlm_nsp,modernbert", "--tasks", "sst2", "--seeds", "1",
+                            "--no-init-baseline", "--shared", str(shared), "--work", str(tmp_path / "work"),
+                            "--out-md", str(out)]) == 0
+    results = json.loads(out.with_suffix(".json").read_text())
+    pre = results["pretrain"]
+    assert set(pre) == {"mlm_nsp", "modernbert"}
+    assert pre["modernbert"]["records"] == "packed" and pre["modernbert"]["points_done"] == pre["modernbert"]["points"]
+    assert abs(pre["modernbert"]["flops"] - pre["mlm_nsp"]["flops"]) <= 1.5 * pre["modernbert"]["flops_per_step"]
+    assert pre["modernbert"]["last_loss"] < pre["modernbert"]["first_loss"] + 1.0  # finite, trained
+    scores = results["finetune"]["modernbert"]["3/3"]["sst2"]["1"]
+    assert 0.0 <= scores["score"] <= 100.0
+    assert "(f) ModernBERT, MLM 30%, packed rows" in out.read_text()

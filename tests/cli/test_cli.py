@@ -144,7 +144,7 @@ def test_data_vocab_checks_and_copies_an_existing_tokenizer_json(tmp_path, small
     assert main(["data", "vocab", "--existing", str(src / "tokenizer.json"), "--output",
                  str(tmp_path / "out" / "tokenizer.json")]) == 0
     out = capsys.readouterr().out
-    assert "BPE, 2,005 ids" in out and "'mask': 2004" in out and "token masking only" in out
+    assert "BPE, 2,005 ids" in out and "'mask': 2004" in out and "yes ('Ġ' word starts)" in out
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == small_bpe_tokenizer.read_bytes()
     assert (tmp_path / "out" / "tokenizer_config.json").is_file()
     spec = json.loads(small_bpe_tokenizer.read_text())

@@ -74,8 +74,13 @@ def test_packing_and_word_masks_are_checked_before_the_build(tmp_path, small_bpe
     inputs = [f"books:{SAMPLES / 'books' / 'shakespeare-macbeth.txt'}"]
     with pytest.raises(ConfigError, match="needs objective: none, masking: dynamic and dupe_factor: 1.*masking: static"):
         build_records(inputs, tmp_path / "a", small_vocab, **{**common, "masking": "static"}, pack_documents=True)
-    with pytest.raises(ConfigError, match="masking_mode 'whole_word' needs word boundaries"):
-        build_records(inputs, tmp_path / "b", small_bpe_tokenizer, **common, masking_mode="whole_word")
+    unmarked = tmp_path / "unmarked" / "tokenizer.json"  # a BPE marking neither continuations nor word starts
+    spec = json.loads(small_bpe_tokenizer.read_text())
+    spec["pre_tokenizer"], spec["decoder"] = {"type": "Whitespace"}, None
+    unmarked.parent.mkdir()
+    unmarked.write_text(json.dumps(spec))
+    with pytest.raises(ConfigError, match="masking_mode 'whole_word' needs word boundaries.*nor word starts"):
+        build_records(inputs, tmp_path / "b", unmarked, **common, masking_mode="whole_word")
     with pytest.raises(ConfigError, match="normalizer decides the case"):
         build_records(inputs, tmp_path / "c", small_bpe_tokenizer, **common, lowercase=True)
     assert not (tmp_path / "a").exists() or not any((tmp_path / "a").glob("manifest.json"))
@@ -149,3 +154,36 @@ def test_packed_shards_are_byte_identical_across_worker_counts(tmp_path, small_b
         shards[name] = {s["path"].rsplit("/", 1)[-1]: s["sha256"] for sp in man["splits"].values() for s in sp["shards"]}
     assert shards["a"] == shards["b"] and len(shards["a"]) == 4
     assert a == tmp_path / "a" / "manifest.json"
+
+
+def test_static_whole_word_masking_with_a_byte_level_bpe_masks_whole_words(tmp_path, small_bpe_tokenizer):
+    """A build with the byte-level BPE tokenizer.json and static whole-word masking: its words come
+    from the 'Ġ' word starts, and every word of every row is masked whole or not at all."""
+    from bertdist.data import continuation_mask, open_records
+    from data_pipeline import build_records
+
+    table = continuation_mask(small_bpe_tokenizer)
+    manifest = build_records([f"books:{SAMPLES / 'books' / 'shakespeare-macbeth.txt'}"], tmp_path / "r",
+                             small_bpe_tokenizer, max_seq_length=128, objective="none", masking="static",
+                             masking_mode="whole_word", dupe_factor=1, num_shards=1, dedup={"enabled": False})
+    records = open_records(manifest)
+    assert records.manifest["vocab"]["word_boundaries"] is True
+    special = set(records.manifest["vocab"]["special_ids"])
+    rows = words = whole = 0
+    for table_ in records.iter_shards():
+        for ids, pos, mids in zip(*(table_.column(c).to_pylist() for c in
+                                    ("input_ids", "masked_lm_positions", "masked_lm_ids"))):
+            orig = np.asarray(ids)
+            orig[pos] = mids
+            masked = np.zeros(len(orig), bool)
+            masked[pos] = True
+            maskable = ~np.isin(orig, list(special))
+            prev = np.concatenate([[False], maskable[:-1]])
+            word = np.cumsum(maskable & (~table[orig] | ~prev))
+            for k in range(1, word[-1] + 1):
+                w = np.flatnonzero(maskable & (word == k))
+                assert masked[w].all() or not masked[w].any(), (orig[w], masked[w])
+                words += 1
+                whole += len(w) > 1 and masked[w].all()
+            rows += 1
+    assert rows > 50 and words > 1000 and whole > 20

@@ -2,7 +2,7 @@
 tokenizer.json, fine-tuned here): a ModernBERT teacher, a ``layers:K`` student made of its layers
 (and a ``preset:`` one of ModernBERT's sizes), pseudo-labels over unlabelled text, and a student
 written as ``ModernBertForSequenceClassification`` that transformers loads; TinyBERT's intermediate
-losses, which read BERT-layout layers, are refused with the way out."""
+losses on its layers' hidden states and attention maps (a local layer's compared on its window)."""
 from __future__ import annotations
 
 import hashlib
@@ -82,6 +82,50 @@ def test_distill_writes_a_modernbert_student_transformers_loads(setup, tmp_path)
     manifest = json.loads((out / "pseudo_labels" / "manifest.json").read_text())
     # the set records the teacher's tokenizer by its tokenizer.json's fingerprint
     assert manifest["teacher"]["vocab_sha256"] == hashlib.sha256((t_dir / "tokenizer.json").read_bytes()).hexdigest()
-    with pytest.raises(DataError, match="intermediate losses read BERT-layout layers"):
-        run_distill(fx.distill_config("sst2", t_dir, data, [unl], tmp_path / "tiny", student="layers:2", steps=1,
-                                      hidden_weight=1.0, labels_dir=str(out / "pseudo_labels")))
+    # TinyBERT's intermediate losses read a ModernBERT's layers too; a preset:tiny student is wider
+    # (64 against 32: the learned projection) and its local window differs from the teacher's
+    wide = run_distill(fx.distill_config("sst2", t_dir, data, [unl], tmp_path / "tiny", student="preset:tiny", steps=3,
+                                         hidden_weight=1.0, attention_weight=1.0, layer_map=[0, 2, 3],
+                                         labels_dir=str(out / "pseudo_labels")))
+    assert wide is not None
+    r = json.loads((tmp_path / "tiny" / "report.json").read_text())
+    assert r["hidden_weight"] == 1.0 and r["attention_weight"] == 1.0 and r["student_spec"]["hidden_size"] == 64
+
+
+def test_tinybert_losses_between_modernbert_layers_are_finite_and_train_the_student(setup):
+    """One batch through a ModernBERT teacher (4 layers: global, local, local, global; window 16)
+    and a layers:2 student (teacher layers 0 and 3, the second now local): the hidden-state MSE and
+    the attention KL (the student's local layer compared on its window) are finite and positive,
+    and their gradient reaches the student's attention weights."""
+    from bertdist.distill import losses
+    from bertdist.distill.capture import LayerCapture
+    from bertdist.export.tokenizer import fast_tokenizer
+
+    *_, t_dir = setup
+    teacher = load_teacher(t_dir, "sst2", "classification", 2, device=torch.device("cpu"))
+    plan = plan_student("layers:2", teacher, "classification")
+    student = plan.build("classification", 2, "cpu").train()
+    tok = fast_tokenizer(t_dir / "tokenizer.json")
+    texts = [" ".join(CORPUS[i:i + 4]) for i in range(6)]
+    batch = dict(tok(texts, padding=True, truncation=True, max_length=64, return_tensors="pt"))
+    mask = batch["attention_mask"]
+    assert mask.shape[1] > 2 * 8 + 1 and not bool(mask.all())  # longer than a local window; padded rows
+    s_cap, t_cap = LayerCapture(student.backbone, True), LayerCapture(teacher.model.backbone, True)
+    student(batch)
+    with torch.no_grad():
+        teacher.model(batch)
+    assert [a is None for a in s_cap.allowed(mask)] == [True, False]
+    assert [a is None for a in t_cap.allowed(mask)] == [True, False, False, True]
+    proj = losses.HiddenProjection(32, 32)
+    hid = losses.hidden_mse(s_cap.states(mask), t_cap.states(mask), plan.teacher_layers, mask, proj)
+    att = losses.attention_kl(s_cap.probs(mask), t_cap.probs(mask), plan.teacher_layers, mask,
+                              s_cap.allowed(mask), t_cap.allowed(mask))
+    assert torch.isfinite(hid) and torch.isfinite(att) and hid.item() > 0 and att.item() > 0
+    # the student's layer 0 is the teacher's, on the same input: its states and map match exactly
+    s_states, t_states = s_cap.states(mask), t_cap.states(mask)
+    assert losses.hidden_mse(s_states[:1], t_states, [0], mask, proj).item() == pytest.approx(0.0, abs=1e-12)
+    assert losses.attention_kl(s_cap.probs(mask)[:1], t_cap.probs(mask), [0], mask).item() == \
+        pytest.approx(0.0, abs=1e-6)
+    (hid + att).backward()
+    grad = student.backbone.layers[1].attn.Wqkv.weight.grad
+    assert grad is not None and grad.abs().sum() > 0

@@ -81,3 +81,13 @@ def wrong_varlen_window_attention(q, k, v, packing, *, half_window=None, dropout
 
     return sdpa_varlen_window_attention(q, k, v, packing, half_window=None, dropout_p=dropout_p, training=training,
                                         scale=scale)
+
+
+CALLS: list[str] = []  # the calls of counting_bdaln, in order
+
+
+def counting_bdaln(x, bias, residual, weight, ln_bias, *, p, training, eps):
+    """Correct; notes each call, so a test sees which layers ran it."""
+    CALLS.append("counting_bdaln")
+    return reference.reference_bias_dropout_add_layer_norm(x, bias, residual, weight, ln_bias, p=p,
+                                                           training=training, eps=eps)

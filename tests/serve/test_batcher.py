@@ -313,7 +313,9 @@ def test_bad_settings_are_refused():
         Batcher(Recorder(), max_queue=0)
     with pytest.raises(ValueError):
         Batcher(Recorder(), bucket_edges=(32, 16))
-    assert [length_bucket(n) for n in (1, 16, 17, 512, 513)] == [0, 0, 1, 5, 6]
+    with pytest.raises(ValueError, match="workers >= 1"):
+        Batcher(Recorder(), workers=0)
+    assert [length_bucket(n) for n in (1, 8, 9, 33, 512, 513)] == [0, 0, 1, 7, 22, 23]
 
 
 def test_requests_take_turns_and_a_batch_is_bounded_in_tokens():
@@ -342,3 +344,57 @@ def test_requests_take_turns_and_a_batch_is_bounded_in_tokens():
     assert model.batches[:4] == [["blocker"], ["big0", "s0", "s1", "s2"], ["long0"], ["big1", "big2", "big3", "big4"]]
     assert all(sum(30 if t.startswith("long") else 5 for t in b) <= 40 or len(b) == 1 for b in model.batches)
     assert ["long1"] in model.batches and ["long2"] in model.batches
+
+
+def test_workers_run_batches_at_once_and_drain_waits_for_all():
+    """With two workers a second batch starts while the first still runs (a barrier only two
+    concurrent runs can pass); draining waits for both."""
+    barrier, release = threading.Barrier(2, timeout=5), threading.Event()
+    model = Recorder()
+
+    def run_both(items):
+        out = model(items)
+        if len(model.batches) <= 2:
+            barrier.wait()  # BrokenBarrierError (a failed batch) unless another run is under way
+            assert release.wait(5)
+        return out
+
+    async def main():
+        b = await started(Batcher(run_both, max_batch_size=1, max_wait_ms=0, max_queue=64, workers=2))
+        tasks = [asyncio.ensure_future(b.submit(job(f"c{i}"))) for i in range(4)]
+        for _ in range(200):
+            if len(model.batches) == 2:
+                break
+            await asyncio.sleep(0.005)
+        in_flight = b.in_flight
+        release.set()
+        await b.drain()
+        return [t.result() for t in tasks], in_flight, b
+
+    answers, in_flight, b = run(main())
+    assert answers == [[f"out:c{i}"] for i in range(4)]
+    assert in_flight == 2 and b.in_flight == 0 and b.queue_depth == 0
+    assert len(model.threads) == 2, f"two workers ran on {model.threads}"
+
+
+def test_one_worker_never_runs_two_batches_at_once():
+    running, most = [0], [0]
+    lock = threading.Lock()
+
+    def run_one(items):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.002)
+        with lock:
+            running[0] -= 1
+        return [f"out:{it.tag}" for it in items]
+
+    async def main():
+        b = await started(Batcher(run_one, max_batch_size=2, max_wait_ms=0, max_queue=64, workers=1))
+        answers = await asyncio.gather(*(b.submit(job(f"o{i}", 3 + 20 * (i % 3))) for i in range(12)))
+        await b.drain()
+        return answers
+
+    assert run(main()) == [[f"out:o{i}"] for i in range(12)]
+    assert most[0] == 1

@@ -106,11 +106,76 @@ def test_a_torch_format_modernbert_exports_as_the_hf_one(tmp_path, pretrained, o
     assert np.abs(np.asarray(ja.finish(a.run(ja.items))) - np.asarray(jb.finish(b.run(jb.items)))).max() <= 1e-6
 
 
-def test_int8_of_a_modernbert_is_refused_not_half_made(tmp_path, finetuned, capsys):
-    rc = main(["export", str(finetuned / "model"), "--format", "onnx", "--out", str(tmp_path / "q"), "--quantize", "int8",
-               "--skip-metric-check"])
-    assert rc == 2 and "--quantize int8 is not supported for modernbert models yet" in capsys.readouterr().out
-    assert not (tmp_path / "q").exists()
+@pytest.mark.parametrize("mode", ["per-channel", "static"])
+def test_int8_of_a_modernbert_classifier_keeps_its_dev_accuracy(tmp_path, finetuned, onnx_dirs, mode):
+    """int8 of a ModernBERT classifier (two graph inputs, no token types) through the same gate as
+    BERT's: the SST-2 dev accuracy, on texts the fp32 model labelled itself, within 10 points; every
+    weight MatMul is quantised (the attention products, RoPE and GeGLU's gate are activations)."""
+    import onnx
+
+    from bertdist.serve.onnx_export import ExportOptions, export_onnx
+    from bertdist.serve.quantization import weight_matmuls
+    from tests.serve.conftest import self_labelled_sst2
+
+    dev = self_labelled_sst2(tmp_path, onnx_dirs["cls"])
+    card = export_onnx(finetuned / "model", tmp_path / "q", ExportOptions(
+        quantize="int8", int8_mode=mode, task="sst2", dev=str(dev), tolerance_points=10.0, calibration=32),
+        log=lambda *_: None)
+    p = card["parity"]["int8"]
+    assert p["metric"] == "accuracy" and p["fp32"] == 1.0 and p["examples"] == 64
+    assert p["within_tolerance"] and p["int8"] >= 0.9, p
+    assert card["quantization"]["mode"] == mode and card["quantization"]["kept_fp32"] == []
+    fp32 = onnx.load(str(tmp_path / "q" / "model.onnx"))
+    int8 = onnx.load(str(tmp_path / "q" / "model.int8.onnx"))
+    assert [i.name for i in int8.graph.input] == ["input_ids", "attention_mask"]
+    n = len(weight_matmuls(fp32))
+    assert n >= 4 * 3  # Wqkv, Wo, Wi and the MLP's Wo in each of the 3 layers
+    assert weight_matmuls(int8) == []  # none left in fp32
+    quantised = [x for x in int8.graph.node if x.op_type in ("MatMulInteger", "DynamicQuantizeMatMul")
+                 or (x.op_type == "MatMul" and mode == "static")]
+    assert len(quantised) >= n
+    # the served int8 model (two inputs fed) labels the dev texts as the gate measured
+    from bertdist.serve.runtime import load_served_model
+
+    texts = [ln.split("\t")[0] for ln in (dev / "dev.tsv").read_text().splitlines()[1:]]
+    labels = {}
+    for variant in ("fp32", "int8"):
+        m = load_served_model(tmp_path / "q", variant=variant)
+        job = m.prepare("predict", {"inputs": [[t] for t in texts]})
+        labels[variant] = [a[0]["label"] for a in job.finish(m.run(job.items))]
+    agree = sum(a == b for a, b in zip(labels["fp32"], labels["int8"])) / len(texts)
+    assert agree == pytest.approx(p["int8"], abs=1 / len(texts)) and agree >= 0.9
+
+
+def test_int8_of_a_modernbert_encoder_is_judged_by_its_embeddings(tmp_path, pretrained):
+    from bertdist.serve.onnx_export import ExportOptions, export_onnx
+
+    card = export_onnx(pretrained, tmp_path / "enc", ExportOptions(quantize="int8", calibration=16),
+                       log=lambda *_: None)
+    p = card["parity"]["int8"]
+    assert p["metric"] == "embedding_cosine_min" and p["min_cosine"] >= 0.98 and p["within_tolerance"], p
+
+
+def test_the_int8_fallback_measures_a_modernbert_graphs_nodes(tmp_path, finetuned):
+    """A tolerance no int8 model meets (a drop of -1 point) runs the fallback: it measures each
+    quantised node's error on the two-input graph, keeps the most sensitive in fp32, and refuses."""
+    from bertdist.serve.onnx_export import ExportOptions, export_onnx
+    from bertdist.serve.parity import ParityError
+
+    dev = tmp_path / "SST-2"
+    dev.mkdir()
+    (dev / "dev.tsv").write_text("sentence\tlabel\n" + "".join(f"{s}\t{int(i < 8)}\n" for i, s in enumerate(CORPUS[:16])))
+    logged = []
+    with pytest.raises(ParityError, match=r"keeping up to 2 of the most sensitive nodes in fp32 "
+                                          r"\(--int8-fallback-steps 2\)"):
+        export_onnx(finetuned / "model", tmp_path / "bad", ExportOptions(
+            quantize="int8", task="sst2", dev=str(dev), tolerance_points=-1.0, fallback_steps=2, calibration=16),
+            log=logged.append)
+    sens = next(line for line in logged if line.startswith("int8 sensitivity"))
+    assert "/model/layers." in sens and "MatMul" in sens, sens
+    assert [line.split(":")[0] for line in logged if line.startswith("int8 step ")] == \
+        ["int8 step 0", "int8 step 1", "int8 step 2"], logged
+    assert not (tmp_path / "bad").exists()
 
 
 def test_a_served_modernbert_ner_model_labels_whole_words(tmp_path, pretrained):

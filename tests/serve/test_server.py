@@ -356,7 +356,7 @@ def test_health_info_and_metrics_count_the_requests_sent(server, offline):
     assert {m["name"]: m["routes"] for m in info["models"]} == {"cls": ["predict"], "enc": ["embed", "similarity"],
                                                                "reg": ["predict", "rerank"]}
     assert info["batching"] == {"enabled": True, "max_batch_size": 8, "max_batch_tokens": 2048, "max_wait_ms": 10,
-                                "max_queue": 512}
+                                "workers": 1, "max_queue": 512}
 
     before = metric_values(server.port)
     for i in range(5):
@@ -509,6 +509,26 @@ def test_the_command_refuses_what_it_cannot_serve(tmp_path, model_dirs, capsys):
     assert "variant 'int8' was not exported" in capsys.readouterr().err
     assert main(["serve", str(model_dirs["cls"]), "--max-batch-size", "0"]) == 2
     assert "--max-batch-size 0: must be at least 1" in capsys.readouterr().err
+    assert main(["serve", str(model_dirs["cls"]), "--workers", "0"]) == 2
+    assert "--workers 0: must be at least 1" in capsys.readouterr().err
+
+
+def test_runs_at_once_default_to_the_cores_shared_among_the_models(monkeypatch, model_dirs, capsys):
+    import os
+
+    from bertdist.cli import serve
+    from bertdist.cli.main import main
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    assert serve.default_workers(1, 1) == 8 and serve.default_workers(2, 1) == 4
+    assert serve.default_workers(1, 3) == 2 and serve.default_workers(4, 3) == 1
+    settings = []
+    monkeypatch.setattr(serve, "_bind", lambda host, port: _listening_socket())
+    monkeypatch.setattr(serve, "_serve", lambda app, sock, limits: settings.append(app) or sock.close() or 0)
+    assert main(["serve", str(model_dirs["cls"]), "--threads", "2"]) == 0
+    assert "4 runs at once of 2 threads" in capsys.readouterr().out
+    assert main(["serve", str(model_dirs["cls"]), "--workers", "3"]) == 0
+    assert "3 runs at once of 1 thread," in capsys.readouterr().out
 
 
 def test_a_public_address_is_warned_about(monkeypatch, capsys, model_dirs):

@@ -125,3 +125,42 @@ def test_modernbert_plan_says_what_attention_backend_auto_can_choose_on_cpu():
            "cannot run: flex (FlexAttention has no backward on CPU" in text
     fixed = kernel_cases(load_train_config(tiny, ["model.attention_backend=sdpa"]), by_name("cpu"))
     assert (fixed["mode"], fixed["cases"]) == ("none", []) and "runs model.attention_backend sdpa" in fixed["why"]
+
+
+def test_modernbert_plan_shows_its_layer_split_window_and_packed_token_budget(tmp_path, packed_records,
+                                                                              small_bpe_tokenizer):
+    """The plan's ModernBERT lines: which layers are global and local with their RoPE θ and window,
+    the tokens and predictions of a micro-batch and a step, and the packing of the run's records
+    (read from their manifest), or why it is unknown."""
+    import json
+
+    tiny = REPO / "configs" / "pretrain" / "modernbert-tiny.yaml"
+    over = [f"data.train_manifest={packed_records}", f"data.vocab_file={small_bpe_tokenizer}",
+            "data.max_seq_length=1024", "model.max_position_embeddings=1024", "data.max_predictions_per_seq=308",
+            "model.global_rope_theta=160000"]
+    plan = launch_plan(load_train_config(tiny, over), 2, by_name("h100"))
+    lay = plan["model"]["layout"]
+    counts = json.loads(packed_records.read_text())["counts"]["packing"]["train"]
+    assert lay["global_layers"] == [0] and lay["local_layers"] == [1, 2] and lay["half_window"] == 16
+    assert lay["tokens"] == {"row": 1024, "micro_batch": 16 * 1024, "step": 32 * 1024}
+    assert lay["predicted"] == {"mask_prob": 0.3, "row": 308, "step": 308 * 32}
+    assert lay["records"]["packed"] and lay["records"]["rows"] == counts["rows"] and lay["unpad"]
+    text = format_launch_plan(plan)
+    assert ("  layers: 1 global (0): RoPE θ 160,000, every token sees its whole document; 2 local (1, 2): RoPE θ "
+            "10,000, a token sees itself and 16 tokens each side (local_attention 32)") in text
+    assert "  tokens: rows of 1,024; 16,384 a micro-batch, 32,768 a step; MLM at 0.3: up to 308 predicted a row, " \
+           "9,856 a step" in text
+    assert (f"  records: packed, {counts['documents']:,} documents ({counts['split_documents']:,} cut across rows) in "
+            f"{counts['rows']:,} rows, {counts['pieces'] / counts['rows']:.1f} a row, {counts['fill']:.1%} of the rows' "
+            "room filled; each document attends within itself; unpadded: padding never reaches the encoder") in text
+
+    base = launch_plan(load_train_config(MODERNBERT), 8, by_name("h100"))["model"]["layout"]
+    assert base["global_layers"] == list(range(0, 22, 3)) and len(base["local_layers"]) == 14
+    assert not base["records"]["known"] and "not found" in base["records"]["why"]
+    unpacked = tmp_path / "manifest.json"
+    unpacked.write_text(json.dumps({"records": {"columns": ["input_ids"]}, "counts": {"tokens": 10}}))
+    flat = launch_plan(load_train_config(tiny, [*over, f"data.train_manifest={unpacked}", "model.unpad=false"]), 2,
+                       by_name("h100"))
+    assert "holds one sequence a row, not packed documents" in format_launch_plan(flat)
+    assert "padded: the encoder runs the padding too (model.unpad: false)" in format_launch_plan(flat)
+    assert "layout" not in launch_plan(load_train_config(LARGE), 8, by_name("h100"))["model"]  # BERT's has none

@@ -12,11 +12,12 @@ from bertdist.train.config import LoaderConfig
 from bertdist.train.loader import LoaderState, PretrainingLoader, open_training_records
 
 
-def _loader(packed_records, tokenizer, **cfg):
+def _loader(packed_records, tokenizer, continuation=None, **cfg):
     source = open_training_records(str(packed_records), str(tokenizer), 1024)
     c = LoaderConfig(train_manifest=str(packed_records), vocab_file=str(tokenizer), max_seq_length=1024,
                      micro_batch_size=4, global_batch_size=8, prefetch_steps=0, **cfg)
-    return PretrainingLoader(source, c, rank=0, world_size=1, grad_accum=2, document_attention=True), source
+    return PretrainingLoader(source, c, rank=0, world_size=1, grad_accum=2, document_attention=True,
+                             continuation=continuation), source
 
 
 def test_bert_on_packed_records_is_refused_naming_the_format(packed_records, small_bpe_tokenizer):
@@ -71,9 +72,33 @@ def test_the_prediction_cap_follows_a_changed_rate(packed_records, small_bpe_tok
     assert _loader(packed_records, small_bpe_tokenizer, mask_prob=0.3)[0].max_predictions == 308  # the manifest's
 
 
-def test_whole_word_masking_with_a_byte_level_bpe_is_refused(packed_records, small_bpe_tokenizer):
-    with pytest.raises(ConfigError, match="needs word boundaries.*tokenizer.json.*word boundaries: False"):
+def test_whole_word_masking_of_byte_level_bpe_rows_masks_whole_words(packed_records, small_bpe_tokenizer):
+    """The byte-level BPE's word starts ('Ġ') give the loader its words: every word of a packed
+    row is predicted whole or not at all. Without the table, whole-word masking is refused."""
+    from bertdist.data import continuation_mask
+
+    with pytest.raises(ConfigError, match="needs word boundaries.*word starts such as a byte-level BPE's.*"
+                                          "tokenizer.json"):
         _loader(packed_records, small_bpe_tokenizer, masking_mode="whole_word")
+    table = continuation_mask(small_bpe_tokenizer)
+    assert table is not None and 0 < table.mean() < 1
+    loader, source = _loader(packed_records, small_bpe_tokenizer, continuation=table, masking_mode="whole_word")
+    sp = source.manifest["special_token_ids"]
+    words_seen = several = 0
+    for mb in loader.micro_batches(LoaderState()):
+        ids, labels = mb["input_ids"].numpy(), mb["labels"].numpy()
+        original = np.where(labels != IGNORE_INDEX, labels, ids)
+        chosen = labels != IGNORE_INDEX
+        maskable = mb["attention_mask"].numpy().astype(bool) & ~np.isin(original, [sp["cls"], sp["sep"], sp["pad"]])
+        for r in range(ids.shape[0]):
+            prev = np.concatenate([[False], maskable[r, :-1]])
+            word = np.cumsum(maskable[r] & (~table[original[r]] | ~prev))  # a start opens the next word
+            for k in range(1, word[-1] + 1):
+                w = np.flatnonzero(maskable[r] & (word == k))
+                assert chosen[r, w].all() or not chosen[r, w].any(), (r, w)
+                words_seen += 1
+                several += len(w) > 1 and chosen[r, w].all()
+    assert words_seen > 500 and several > 20  # multi-token words were masked whole
 
 
 def test_the_trainer_opens_records_of_a_tokenizer_json(packed_records, small_bpe_tokenizer, tmp_path):
@@ -89,7 +114,7 @@ def test_the_trainer_opens_records_of_a_tokenizer_json(packed_records, small_bpe
                             "data.max_seq_length=1024", "model.max_position_embeddings=1024"])
 
     records, cfg, continuation = _open_data(config(small_bpe_tokenizer))
-    assert cfg.model.vocab_size == records.manifest["vocab"]["size"] == 2005 and continuation is None
+    assert cfg.model.vocab_size == records.manifest["vocab"]["size"] == 2005 and continuation is not None
     other = train_bpe_tokenizer(tmp_path / "tokenizer.json", SAMPLES / "books" / "chesterton-thursday.txt")
     with pytest.raises(RecordsError, match="records were built with vocab sha256"):
         _open_data(config(other))

@@ -166,6 +166,11 @@ def test_pretrain_resumes_bitwise_exports_and_extends_the_context(tmp_path, trai
 
     hf = ModernBertForMaskedLM.from_pretrained(tmp_path / "hf")
     assert hf.config.max_position_embeddings == 128 and hf.config.local_attention == 32
+    # the export carries the WordPiece vocab the records were built with, as BERT tokenizer files
+    assert (tmp_path / "hf" / "vocab.txt").read_bytes() == small_vocab.read_bytes()
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf")("The King")["input_ids"][0] == hf.config.cls_token_id
 
     phase2 = ["phase=2", f"checkpoint.init_from={tmp_path / 'init'}", "checkpoint.init_load_optimizer=false",
               "schedule.total_steps=4", "schedule.warmup_steps=1", "eval.every_steps=0", "eval.at_end=false",
