@@ -2,8 +2,10 @@
 
 A request (a *job*) holds one or more items (tokenized texts). Items wait in a bounded queue,
 grouped by length bucket so that a batch pads little; a batch is one ``run`` call over up to
-``max_batch_size`` items of one bucket, on the model's single worker thread. A job's answer is
-``job.finish(outputs)`` once all its items are done, whichever batches they rode in.
+``max_batch_size`` items of one bucket, on one of the model's worker threads (``workers`` run
+at once). A job's answer is ``job.finish(outputs)`` once all its items are done, whichever
+batches they rode in. A worker takes its next batch itself as soon as it has handed over the
+last one's outputs; the event loop queues jobs and delivers answers.
 
 When a batch runs: a bucket is ready once it holds ``max_batch_size`` items, or its oldest item
 has waited ``max_wait_ms``, or the batcher is draining; among the ready buckets, the one whose
@@ -13,19 +15,19 @@ Requests take turns: a batch takes one item of each waiting request in turn (not
 request's items first), and the items left of the requests that rode in it wait for their next
 turn as long as their share of the batch takes to run (from the measured time per token) times
 the number of requests waiting, so that each request gets about an equal share of the model. A
-request of hundreds of long texts thus shares the model with small ones instead of holding it. A batch also holds at most ``max_batch_tokens`` tokens
-(at least one item), so one batch of long texts is no longer than a batch of short ones.
+request of hundreds of long texts thus shares the model with small ones instead of holding it. A
+batch also holds at most ``max_batch_tokens`` tokens (at least one item), so one batch of long
+texts is no longer than a batch of short ones.
 """
 from __future__ import annotations
 
 import asyncio
 import bisect
 import collections
-import functools
 import logging
 import math
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Protocol, Sequence
 
 log = logging.getLogger(__name__)
@@ -143,15 +145,19 @@ class Batcher:
         self._jobs: collections.deque[_Pending] = collections.deque()  # no batching: whole jobs
         self._queued = 0  # items waiting (not in flight)
         self._in_flight = 0  # items in the batches now running
-        self._running: set[asyncio.Task] = set()  # the batches now running
         self._batch_seconds = 0.05  # moving average of a batch's run, for Retry-After
         self._token_seconds = 1e-4  # moving average of a batch's run per token, for turns
         self._accepting = False
         self._closing = False
         self._no_wait = False  # stopping: run partial batches at once
-        self._wakeup: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
-        self._executor: ThreadPoolExecutor | None = None
+        # The queue is shared with the worker threads, which take their next batch themselves the
+        # moment they finish one, without waiting for the event loop's turn: under load the loop
+        # is busy, and a worker that waited for it would idle with work queued.
+        self._lock = threading.Condition()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._threads: list[threading.Thread] = []
+        self._alive = 0  # worker threads not yet returned
+        self._stopped: asyncio.Future | None = None  # done once every worker has returned
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -178,41 +184,38 @@ class Batcher:
     # -- life cycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Starts the worker threads and the batching task on the running event loop."""
-        if self._task is not None:
+        """Starts the worker threads, delivering to the running event loop."""
+        if self._loop is not None:
             raise RuntimeError(f"batcher {self.name!r} already started")
-        self._wakeup = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix=f"serve-{self.name}")
-        self._task = asyncio.get_running_loop().create_task(self._serve(), name=f"batcher-{self.name}")
-        self._task.add_done_callback(self._on_task_done)
+        self._loop = asyncio.get_running_loop()
+        self._stopped = self._loop.create_future()
+        self._alive = self.workers
+        for i in range(self.workers):
+            t = threading.Thread(target=self._work, name=f"serve-{self.name}_{i}", daemon=True)
+            self._threads.append(t)
+            t.start()
         self._accepting = True
 
     def stop_waiting(self) -> None:
         """Runs queued items without waiting for batches to fill, from now on: the server is
         stopping, no new connections will come, and accepted requests should not wait out
         ``max_wait_ms`` for company that cannot arrive. Jobs are still accepted."""
-        self._no_wait = True
-        if self._wakeup is not None:
-            self._wakeup.set()
+        with self._lock:
+            self._no_wait = True
+            self._lock.notify_all()
 
     async def drain(self) -> None:
         """Graceful stop: refuse new jobs at once, finish every queued and running one, then
         stop the worker threads."""
         self._accepting = False
-        self._closing = True
-        if self._task is None:
+        with self._lock:
+            self._closing = True
+            self._lock.notify_all()
+        if self._stopped is None:
             return
-        self._wakeup.set()
-        await asyncio.shield(self._task)
-        self._executor.shutdown(wait=True)
-
-    def _on_task_done(self, task: asyncio.Task) -> None:
-        # The loop only ends by draining; anything else is a bug, and no job may then hang.
-        self._accepting = False
-        if task.cancelled() or task.exception() is not None:
-            why = "was cancelled" if task.cancelled() else f"failed: {task.exception()!r}"
-            log.error("the batcher of model %s %s", self.name, why)
-            self._fail_all(BatchFailed(f"the batcher of model {self.name!r} {why}"))
+        await asyncio.shield(self._stopped)
+        for t in self._threads:
+            t.join()
 
     # -- submitting -----------------------------------------------------------------------------
 
@@ -250,16 +253,18 @@ class Batcher:
             pending.future.set_result(job.finish([]))
             return pending
         now = time.monotonic()
-        for i, enc in enumerate(job.items):
-            item = _Item(pending, i, enc, length_bucket(enc.length, self.bucket_edges), now)
-            pending.items.append(item)
+        items = [_Item(pending, i, enc, length_bucket(enc.length, self.bucket_edges), now)
+                 for i, enc in enumerate(job.items)]
+        pending.items = items
+        with self._lock:
             if self.batching:
-                self._buckets.setdefault(item.bucket, collections.deque()).append(item)
-        if not self.batching:
-            self._jobs.append(pending)
-        self._queued += n
+                for item in items:
+                    self._buckets.setdefault(item.bucket, collections.deque()).append(item)
+            else:
+                self._jobs.append(pending)
+            self._queued += n
+            self._lock.notify()
         self._report_depth()
-        self._wakeup.set()
         return pending
 
     def abandon(self, pending: _Pending) -> None:
@@ -273,6 +278,12 @@ class Batcher:
 
     def _withdraw(self, pending: _Pending) -> int:
         """Removes the job's still-queued items from the queue; returns how many."""
+        with self._lock:
+            removed = self._withdraw_locked(pending)
+        self._report_depth()
+        return removed
+
+    def _withdraw_locked(self, pending: _Pending) -> int:
         if self.batching:
             removed = 0
             for bucket in {it.bucket for it in pending.items}:
@@ -286,15 +297,15 @@ class Batcher:
             if removed:
                 self._jobs.remove(pending)
         self._queued -= removed
-        self._report_depth()
         return removed
 
     def _fail_all(self, err: Exception) -> None:
-        jobs = {id(it.pending): it.pending for q in self._buckets.values() for it in q}
-        jobs.update({id(p): p for p in self._jobs})
-        self._buckets.clear()
-        self._jobs.clear()
-        self._queued = 0
+        with self._lock:
+            jobs = {id(it.pending): it.pending for q in self._buckets.values() for it in q}
+            jobs.update({id(p): p for p in self._jobs})
+            self._buckets.clear()
+            self._jobs.clear()
+            self._queued = 0
         self._report_depth()
         for p in jobs.values():
             if not p.done:
@@ -302,38 +313,72 @@ class Batcher:
 
     # -- the batching loop ----------------------------------------------------------------------
 
-    async def _serve(self) -> None:
-        loop = asyncio.get_running_loop()
+    def _work(self) -> None:
+        """A worker thread: takes the next batch as soon as it is ready, runs it, and hands the
+        outputs to the event loop; returns once the batcher is draining and nothing is queued."""
         try:
             while True:
-                now = time.monotonic()
-                free = len(self._running) < self.workers
-                batch = self._take_batch(now) if free else None
-                if batch is not None:
-                    task = loop.create_task(self._run_batch(loop, batch, now))
-                    self._running.add(task)
-                    task.add_done_callback(functools.partial(self._on_batch_done, batch))
-                    continue
-                if self._closing and self._queued == 0 and not self._running:
-                    return
-                # Wake for a new job, a finished batch, or (with a worker free) a bucket's wait ending.
-                deadline = self._next_deadline() if free else None
-                self._wakeup.clear()
+                with self._lock:
+                    batch = self._next_batch()
+                    if batch is None:
+                        return
+                    self._in_flight += len(batch)
+                start = time.monotonic()
+                outputs, err = None, None
                 try:
-                    await asyncio.wait_for(self._wakeup.wait(),
-                                           None if deadline is None else max(0.0, deadline - now))
-                except asyncio.TimeoutError:
-                    pass
+                    outputs = self._run([it.encoded for it in batch])
+                    if len(outputs) != len(batch):
+                        raise RuntimeError(f"the model returned {len(outputs)} outputs for a batch of {len(batch)} items")
+                except Exception as e:  # noqa: BLE001 - one failed batch must not stop the model's service
+                    err = e
+                seconds = time.monotonic() - start
+                with self._lock:
+                    if err is not None:  # the failed jobs' other items leave the queue before the next take
+                        for pending in {id(it.pending): it.pending for it in batch}.values():
+                            self._withdraw_locked(pending)
+                    self._in_flight -= len(batch)
+                    self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * seconds
+                    tokens = sum(it.encoded.length for it in batch)
+                    if tokens:
+                        self._token_seconds = 0.8 * self._token_seconds + 0.2 * seconds / tokens
+                self._to_loop(self._deliver, batch, outputs, err, start, seconds)
+        except BaseException as e:  # a bug: no job may hang on it
+            self._to_loop(self._worker_failed, e)
+            raise
         finally:
-            for task in self._running:  # only when the loop itself fails: their jobs fail with it
-                task.cancel()
+            with self._lock:
+                self._alive -= 1
+                last = self._alive == 0
+            if last:
+                self._to_loop(self._all_stopped)
 
-    def _on_batch_done(self, batch: list[_Item], task: asyncio.Task) -> None:
-        self._running.discard(task)
-        self._wakeup.set()
-        if not task.cancelled() and task.exception() is not None:  # a bug: no job of the batch may hang
-            log.error("model %s: a batch of %d items failed: %r", self.name, len(batch), task.exception())
-            self._fail_batch(batch, BatchFailed(f"the batcher of model {self.name!r} failed: {task.exception()!r}"))
+    def _next_batch(self) -> list[_Item] | None:
+        """(Under the lock.) The next ready batch, waiting for one; None once draining with
+        nothing queued."""
+        while True:
+            now = time.monotonic()
+            batch = self._take_batch(now)
+            if batch is not None:
+                return batch
+            if self._closing and self._queued == 0:
+                return None
+            deadline = self._next_deadline()
+            self._lock.wait(None if deadline is None else max(0.0, deadline - now))
+
+    def _to_loop(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop has closed: nobody is left to answer
+            pass
+
+    def _worker_failed(self, e: BaseException) -> None:
+        self._accepting = False
+        log.error("a worker of the batcher of model %s failed: %r", self.name, e)
+        self._fail_all(BatchFailed(f"the batcher of model {self.name!r} failed: {e!r}"))
+
+    def _all_stopped(self) -> None:
+        if not self._stopped.done():
+            self._stopped.set_result(None)
 
     def _take_batch(self, now: float) -> list[_Item] | None:
         """The next batch to run, taken off the queue; None when no bucket is ready yet."""
@@ -401,31 +446,16 @@ class Batcher:
         heads = [q[0].queued_at for q in self._buckets.values() if q]
         return min(heads) + self.max_wait if heads else None
 
-    async def _run_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_Item], now: float) -> None:
-        self._in_flight += len(batch)
+    def _deliver(self, batch: list[_Item], outputs: list | None, err: Exception | None, start: float,
+                 seconds: float) -> None:
+        """(On the event loop.) A batch's outputs to their jobs, or its failure to every job in it."""
+        if self._observer is not None:
+            self._observer.observe_batch(self.name, len(batch), [start - it.queued_at for it in batch], seconds)
         self._report_depth()
-        start = time.monotonic()
-        try:
-            outputs = await loop.run_in_executor(self._executor, self._run, [it.encoded for it in batch])
-            if len(outputs) != len(batch):
-                raise RuntimeError(f"the model returned {len(outputs)} outputs for a batch of {len(batch)} items")
-        except Exception as e:  # noqa: BLE001 - one failed batch must not stop the model's service
-            log.warning("model %s: a batch of %d items failed: %s: %s", self.name, len(batch), type(e).__name__, e)
-            self._fail_batch(batch, BatchFailed(f"inference failed: {type(e).__name__}: {e}"))
+        if err is not None:
+            log.warning("model %s: a batch of %d items failed: %s: %s", self.name, len(batch), type(err).__name__, err)
+            self._fail_batch(batch, BatchFailed(f"inference failed: {type(err).__name__}: {err}"))
             return
-        except asyncio.CancelledError:
-            self._fail_batch(batch, BatchFailed(f"the batcher of model {self.name!r} was cancelled"))
-            raise
-        finally:
-            seconds = time.monotonic() - start
-            self._in_flight -= len(batch)
-            self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * seconds
-            tokens = sum(it.encoded.length for it in batch)
-            if tokens:
-                self._token_seconds = 0.8 * self._token_seconds + 0.2 * seconds / tokens
-            if self._observer is not None:
-                self._observer.observe_batch(self.name, len(batch), [start - it.queued_at for it in batch], seconds)
-            self._report_depth()
         for it, out in zip(batch, outputs):
             pending = it.pending
             if pending.done:  # withdrawn or failed meanwhile
@@ -435,7 +465,7 @@ class Batcher:
             if pending.left == 0:
                 try:
                     pending.future.set_result(pending.job.finish(pending.outputs))
-                except Exception as e:  # noqa: BLE001 - a bad answer fails its own request only
+                except Exception as e:  # noqa: BLE001 - a bad answer fails its own job only
                     log.warning("model %s: building an answer failed: %s: %s", self.name, type(e).__name__, e)
                     pending.future.set_exception(BatchFailed(f"building the answer failed: {type(e).__name__}: {e}"))
 

@@ -398,3 +398,23 @@ def test_one_worker_never_runs_two_batches_at_once():
 
     assert run(main()) == [[f"out:o{i}"] for i in range(12)]
     assert most[0] == 1
+
+
+def test_a_worker_takes_its_next_batch_while_the_event_loop_is_busy():
+    """A worker does not wait for the event loop between batches: three queued batches all run
+    while the loop is held up (answers are delivered once it is free again)."""
+    model = Recorder(sleep=0.01)
+
+    async def main():
+        b = await started(Batcher(model, max_batch_size=1, max_wait_ms=0, max_queue=64, workers=1))
+        tasks = [asyncio.ensure_future(b.submit(job(f"q{i}"))) for i in range(3)]
+        await asyncio.sleep(0)  # the jobs are queued
+        time.sleep(0.5)  # the loop is busy: nothing it would have to do for the worker gets done
+        ran_meanwhile = len(model.batches)
+        answers = await asyncio.gather(*tasks)
+        await b.drain()
+        return ran_meanwhile, answers
+
+    ran_meanwhile, answers = run(main())
+    assert ran_meanwhile == 3, f"only {ran_meanwhile} of 3 batches ran while the loop was busy"
+    assert answers == [["out:q0"], ["out:q1"], ["out:q2"]]
