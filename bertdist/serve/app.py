@@ -59,6 +59,9 @@ class ServeSettings:
     # core beats one run over all cores: the runs' threads never meet at an operator's end.
     workers: int = 1
     max_body_bytes: int = 1 << 20
+    # Bodies up to this size are parsed and tokenized on the event loop: bounded work (a few
+    # hundred tokens at most), cheaper than the hop to the preparing thread and back.
+    inline_body_bytes: int = 4096
     body_timeout: float = 30.0  # seconds for a request's body to arrive once its head has
     grace_seconds: float = 25.0  # from a stop signal to exit; Kubernetes' default grace period is 30 s
 
@@ -261,6 +264,13 @@ class ServeState:
                                  f"{self.served()}; use their routes or POST /models/NAME/ROUTE")
         return next(iter(self.models.values()))
 
+    async def prepare(self, fn, raw: bytes, *args):
+        """``fn(*args)``, which parses ``raw`` and tokenizes what it holds: on the event loop for a
+        small body, else on the preparing thread."""
+        if len(raw) <= self.settings.inline_body_bytes:
+            return fn(*args)
+        return await self.offload(fn, *args)
+
     async def offload(self, fn, *args):
         """Runs ``fn`` on the request-preparing thread: parsing and tokenizing stay off the event loop."""
         return await self.preparing.run(fn, *args)
@@ -318,10 +328,11 @@ class ServeState:
             label_model = model.name if model is not None else ""
             raw = await self.read_body(request)
             if api == "openai":
-                model, job = await self.offload(plan_openai, list(self.models.values()), raw, self.settings.max_queue)
+                model, job = await self.prepare(plan_openai, raw, list(self.models.values()), raw,
+                                                self.settings.max_queue)
                 label_model = model.name
             else:
-                job = await self.offload(plan_request, model, route or "root", raw, self.settings.max_queue)
+                job = await self.prepare(plan_request, raw, model, route or "root", raw, self.settings.max_queue)
             in_flight = self.metrics.child(self.metrics.in_flight, model.name)
             in_flight.inc()
             try:
@@ -473,6 +484,29 @@ def make_app(models: Sequence, settings: ServeSettings | None = None) -> Starlet
                Route("/health", health, methods=["GET"]),
                Route("/info", info, methods=["GET"]),
                Route("/metrics", metrics, methods=["GET"])]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_exception})
+    fast = {"/": (None, None), **{f"/{r}": (r, None) for r in ROUTES}}
+    app = ServeApp(fast, state.answer, routes=routes, lifespan=lifespan,
+                   exception_handlers={HTTPException: http_exception})
     app.state.serve = state
     return app
+
+
+class ServeApp(Starlette):
+    """Starlette, with the POSTs to the unprefixed model routes answered without its router and
+    middleware: ``answer`` turns every failure into its JSON response itself, and under load
+    the routing and middleware layers cost more than the rest of the HTTP handling together."""
+
+    def __init__(self, fast: dict[str, tuple], answer, **kwargs):
+        super().__init__(**kwargs)
+        self._fast = fast
+        self._answer = answer
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
+            target = self._fast.get(scope["path"])
+            if target is not None:
+                scope["app"] = self
+                response = await self._answer(Request(scope, receive), *target)
+                await response(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)

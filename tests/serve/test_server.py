@@ -3,6 +3,7 @@ metrics, and `bertdist serve` processes for overload, the length limit and a gra
 Every answer is compared with the same model's answer computed offline (prepare, run, finish)."""
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import queue
@@ -545,3 +546,26 @@ def test_a_public_address_is_warned_about(monkeypatch, capsys, model_dirs):
         assert ("warning: listening on " + host + ", reachable from other machines" in out) == warned, out
         assert "classification, optimized ONNX, max length 128: POST /predict" in out and "serving on http://" in out
     assert hosts == ["127.0.0.1", "localhost", "0.0.0.0", "::"]
+
+
+def test_small_bodies_are_prepared_on_the_loop_and_large_ones_on_the_preparing_thread(model_dirs):
+    """A small body is parsed and tokenized where it was read (no hop to another thread and
+    back); a larger one, whose work grows with it, goes to the preparing thread."""
+    from bertdist.serve.app import ServeSettings, make_app
+    from bertdist.serve.runtime import load_served_model
+
+    state = make_app([load_served_model(model_dirs["cls"])], ServeSettings(inline_body_bytes=64)).state.serve
+    where = []
+
+    def note():
+        where.append(threading.current_thread().name)
+        return "ok"
+
+    async def main():
+        try:
+            return [await state.prepare(note, b"x" * 64), await state.prepare(note, b"x" * 65)]
+        finally:
+            state.preparing.shutdown()
+
+    assert asyncio.run(main()) == ["ok", "ok"]
+    assert where[0] == threading.current_thread().name and where[1].startswith("serve-prepare"), where
