@@ -436,7 +436,8 @@ def main(argv=None) -> int:
     p.add_argument("--load-seconds", type=float, default=8.0)
     p.add_argument("--load-rounds", type=int, default=2)
     p.add_argument("--load-sentences", type=int, default=872)
-    p.add_argument("--max-wait-ms", type=float, default=5.0)
+    p.add_argument("--max-wait-ms", type=float, default=0.0,
+                   help="the batching server's wait (default: the server's own, 0)")
     p.add_argument("--serve-variant", default="int8")
     p.add_argument("--hostile-rounds", type=int, default=3, help="rounds of the hostile-client comparison (0: none)")
     args = p.parse_args(argv)
