@@ -90,6 +90,11 @@ class ModelFamily:
     nsp_head: bool = False  # has an NSP (or SOP) head, trained where the records carry the label
     hf_architecture: str = ""  # what `bertdist export` writes
     describe: Callable[[Any], str] = repr
+    # "module:function"(train config, device, run dir) -> the attention a run decides at its start
+    # (None: fixed by the config), and "module:function"(model, that decision) applying it once built;
+    # None: the family's attention comes with its kernel plan (``uses_kernels``)
+    decide_attention: str | None = None
+    apply_attention: str | None = None
 
     def build(self, config, device_type: str = "cpu", kernels=None):
         """The pretraining model of ``config`` (weights initialised from the global RNG)."""
@@ -99,6 +104,15 @@ class ModelFamily:
     def model_inputs(self, batch: dict) -> dict:
         """The loader's batch (on the device) as the model's forward takes it."""
         return batch if self.inputs is None else _resolve(self.inputs)(batch)
+
+    def choose_attention(self, cfg, device, run_dir):
+        """The attention a run of this family decided at its start, or None."""
+        return None if self.decide_attention is None else _resolve(self.decide_attention)(cfg, device, run_dir)
+
+    def use_attention(self, model, choice) -> None:
+        """Makes the built ``model`` run ``choice`` (from ``choose_attention``; None: nothing to do)."""
+        if choice is not None:
+            _resolve(self.apply_attention)(model, choice)
 
     def encoder_layer(self) -> type:
         return _resolve(self.layer_class)
@@ -158,7 +172,8 @@ FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (
         batch_flops="bertdist.model.flops:modernbert_batch_train_flops", hf_architecture="ModernBertForMaskedLM",
         plan_fields=("max_position_embeddings", "local_attention", "global_attn_every_n_layers", "global_rope_theta",
                      "local_rope_theta", "attention_backend"),
-        describe=_describe_modernbert),
+        describe=_describe_modernbert, decide_attention="bertdist.ops.attention_choice:decide_for_run",
+        apply_attention="bertdist.ops.attention_choice:apply_choice"),
 )}
 
 

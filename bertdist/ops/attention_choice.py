@@ -155,6 +155,21 @@ def decide_attention_backend(model_cfg, device: torch.device, *, batch: int, seq
     return AttentionChoice(chosen, plan, summary)
 
 
+def decide_for_run(cfg, device: torch.device, run_dir) -> AttentionChoice | None:
+    """A pretraining run's ``attention_backend: auto`` (``cfg`` a TrainConfig): the backend rank 0
+    measured for the run's shapes (every rank runs it), logged on rank 0 and copied to
+    ``run_dir``; None when the config names a backend."""
+    if cfg.model_config.attention_backend != "auto":
+        return None
+    return decide_attention_backend(cfg.model_config, device, batch=cfg.data.micro_batch_size,
+                                    seq=cfg.data.max_seq_length, precision=cfg.deepspeed.precision,
+                                    run_dir=str(run_dir))
+
+
+def apply_choice(model: torch.nn.Module, choice: AttentionChoice) -> None:
+    set_attention_backend(model, choice.backend)
+
+
 def set_attention_backend(model: torch.nn.Module, backend: str) -> int:
     """Make every ModernBERT attention module of ``model`` run ``backend``; returns how many."""
     from bertdist.model.modernbert import ModernBertAttention

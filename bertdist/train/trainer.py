@@ -106,18 +106,6 @@ def _check_device(cfg: TrainConfig, device) -> None:
         torch.use_deterministic_algorithms(True, warn_only=device.type == "cuda")
 
 
-def _decide_attention(cfg: TrainConfig, device, run_dir: Path):
-    """``attention_backend: auto``: the backend rank 0 measured for this run's shapes (every rank
-    runs it), logged on rank 0 and copied to ``run_dir``; None when the config names one."""
-    if getattr(cfg.model_config, "attention_backend", None) != "auto":
-        return None
-    from bertdist.ops.attention_choice import decide_attention_backend
-
-    return decide_attention_backend(cfg.model_config, device, batch=cfg.data.micro_batch_size,
-                                    seq=cfg.data.max_seq_length, precision=cfg.deepspeed.precision,
-                                    run_dir=str(run_dir))
-
-
 def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool = False) -> TrainResult:
     """Train one phase. ``resume``: None (fresh), "auto" (latest checkpoint if any) or a checkpoint path.
     ``overwrite``: a fresh run may replace the checkpoints of an earlier run in ``cfg.run_dir``."""
@@ -157,19 +145,17 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool
     # plan, so every rank runs the same kernels; a copy goes to run_dir. Before seeding: it may use the RNG.
     # The candidates are timed in a layer compiled as the run compiles its own.
     compiled = decide_compile(cfg.model.compile, device.type)
-    kernels = None  # a family without bertdist.ops kernels (ModernBERT) picks its attention in its config
-    if family_of(cfg.model_config).uses_kernels:
+    family = family_of(cfg.model_config)
+    kernels = None  # a family without bertdist.ops kernels (ModernBERT) decides its attention below
+    if family.uses_kernels:
         kernels = kernels_for_run(cfg.model.kernels, cfg.model, device, micro_batch=cfg.data.micro_batch_size,
                                   seq=cfg.data.max_seq_length, precision=cfg.deepspeed.precision,
                                   autocast=autocast_dtype(cfg.deepspeed.precision, cfg.weights) is not None,
                                   run_dir=str(run_dir), compiled=compiled.enabled)
-    attention = _decide_attention(cfg, device, run_dir)  # ModernBERT's attention_backend: auto, likewise
+    attention = family.choose_attention(cfg, device, run_dir)  # ModernBERT's attention_backend: auto, likewise
     built = build_engine(cfg, plan, world, grad_accum, device.type, kernels)
     engine = built.engine
-    if attention is not None:
-        from bertdist.ops.attention_choice import set_attention_backend
-
-        set_attention_backend(engine.module, attention.backend)
+    family.use_attention(engine.module, attention)
     cache_loaded = load_compile_cache(cfg.compile_cache) if compiled.enabled else None
     apply_compile(engine.module, compiled)  # in place: checkpoints and export see the same module
     if rank == 0:
@@ -181,7 +167,7 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool
 
     loader = PretrainingLoader(records, cfg.data, rank=rank, world_size=world, grad_accum=grad_accum,
                                continuation=continuation, pin_device=device,
-                               document_attention=family_of(cfg.model_config).attends_within_segments)
+                               document_attention=family.attends_within_segments)
     eval_set = _eval_set(cfg, continuation, rank, world, device)
     total = cfg.steps_to_run
     log = RunLogger(str(run_dir), rank == 0, cfg.logging.tensorboard, cfg.logging.progress, total, state.step)

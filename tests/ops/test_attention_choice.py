@@ -137,16 +137,19 @@ def test_the_gate_is_a_small_case_of_the_runs_shape():
 
 @pytest.mark.parametrize("backend", ["sdpa", "flex", "reference"])
 def test_a_named_backend_is_obeyed(backend):
-    from bertdist.train.trainer import _decide_attention
+    from bertdist.model.families import family_of
 
     cfg = _cfg(attention_backend=backend)
     model = ModernBertForMaskedLM(cfg)
     assert {m.backend for m in model.modules() if hasattr(m, "half_window")} == {backend}
 
-    class Run:  # what _decide_attention reads of a TrainConfig
+    class Run:  # what the family's attention decision reads of a TrainConfig
         model_config = cfg
 
-    assert _decide_attention(Run(), CPU, None) is None  # nothing measured, nothing replaced
+    family = family_of(cfg)
+    assert family.choose_attention(Run(), CPU, None) is None  # nothing measured, nothing replaced
+    family.use_attention(model, None)
+    assert {m.backend for m in model.modules() if hasattr(m, "half_window")} == {backend}
 
 
 def test_an_auto_model_runs_sdpa_until_given_its_decision_and_matches_the_reference():
@@ -215,3 +218,12 @@ def test_the_isolated_measurement_cuda_uses_decides_the_windowed_cases_too():
         assert all(m.status == "passed" and m.ms > 0 for m in d.measurements), d.measurements
     backend, summary = attention_choice.combine(plan, work)
     assert backend in ("sdpa", "flex") and summary.startswith(f"attention_backend: auto chose {backend}: forward of")
+
+
+def test_a_family_whose_kernel_plan_fixes_its_attention_decides_none_at_the_start():
+    from bertdist.model.config import BertConfig
+    from bertdist.model.families import family_of
+
+    bert = family_of(BertConfig.from_preset("tiny"))
+    assert bert.decide_attention is None and bert.choose_attention(object(), CPU, None) is None
+    assert family_of(_cfg()).decide_attention == "bertdist.ops.attention_choice:decide_for_run"
