@@ -316,8 +316,10 @@ class Batcher:
     def _work(self) -> None:
         """A worker thread: takes the next batch as soon as it is ready, runs it, and hands the
         outputs to the event loop; returns once the batcher is draining and nothing is queued."""
+        batch = None
         try:
             while True:
+                batch = None
                 with self._lock:
                     batch = self._next_batch()
                     if batch is None:
@@ -342,9 +344,8 @@ class Batcher:
                     if tokens:
                         self._token_seconds = 0.8 * self._token_seconds + 0.2 * seconds / tokens
                 self._to_loop(self._deliver, batch, outputs, err, start, seconds)
-        except BaseException as e:  # a bug: no job may hang on it
-            self._to_loop(self._worker_failed, e)
-            raise
+        except BaseException as e:  # a bug: no job may hang on it, queued or in this batch; logged there
+            self._to_loop(self._worker_failed, e, batch)
         finally:
             with self._lock:
                 self._alive -= 1
@@ -371,10 +372,13 @@ class Batcher:
         except RuntimeError:  # the loop has closed: nobody is left to answer
             pass
 
-    def _worker_failed(self, e: BaseException) -> None:
+    def _worker_failed(self, e: BaseException, batch: list[_Item] | None) -> None:
         self._accepting = False
-        log.error("a worker of the batcher of model %s failed: %r", self.name, e)
-        self._fail_all(BatchFailed(f"the batcher of model {self.name!r} failed: {e!r}"))
+        log.error("a worker of the batcher of model %s failed: %r", self.name, e, exc_info=e)
+        err = BatchFailed(f"the batcher of model {self.name!r} failed: {e!r}")
+        if batch:
+            self._fail_batch(batch, err)
+        self._fail_all(err)
 
     def _all_stopped(self) -> None:
         if not self._stopped.done():

@@ -418,3 +418,24 @@ def test_a_worker_takes_its_next_batch_while_the_event_loop_is_busy():
     ran_meanwhile, answers = run(main())
     assert ran_meanwhile == 3, f"only {ran_meanwhile} of 3 batches ran while the loop was busy"
     assert answers == [["out:q0"], ["out:q1"], ["out:q2"]]
+
+
+def test_a_worker_that_dies_fails_its_batch_and_the_queue_instead_of_leaving_them_hanging():
+    """Not an Exception (which fails its batch only): something that ends the worker thread."""
+    class Fatal(BaseException):
+        pass
+
+    def dies(items):
+        raise Fatal("the worker's end")
+
+    async def main():
+        b = await started(Batcher(dies, max_batch_size=1, max_wait_ms=0, max_queue=64, workers=1))
+        answers = await asyncio.wait_for(asyncio.gather(*(b.submit(job(f"d{i}")) for i in range(3)),
+                                                        return_exceptions=True), 5)
+        accepting = b.accepting
+        await b.drain()
+        return answers, accepting
+
+    answers, accepting = run(main())
+    assert all(isinstance(a, BatchFailed) and "the worker's end" in str(a) for a in answers), answers
+    assert not accepting
