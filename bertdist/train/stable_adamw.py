@@ -85,7 +85,11 @@ class StableAdamW(Optimizer):
         tmp = torch._foreach_mul(grads, grads)
         den = torch._foreach_clamp_min(vs, eps * eps)
         torch._foreach_div_(tmp, den)
-        rms = torch.stack([x.mean() for x in tmp]).sqrt()
+        # One multi-tensor reduction, not a launch per tensor: the entries are non-negative, so
+        # each tensor's L1 norm over its size is its mean.
+        means = torch._foreach_norm(tmp, 1)
+        torch._foreach_div_(means, [float(x.numel()) for x in tmp])
+        rms = torch.stack(means).sqrt()
         lrs = group["lr"] / rms.clamp(min=1.0)
         ws = [p.float() for p in params]  # p itself when fp32
         if wd:
