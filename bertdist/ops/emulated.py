@@ -3,10 +3,11 @@
 ``bertdist._C_emu`` is ``bertdist._C``'s bindings and CUDA kernel sources compiled by the host
 C++ compiler for the emulator: the same entry points, argument checks, launchers
 (``dispatch_layout``, tile choices) and kernels a GPU runs, executed thread by thread on the
-CPU. The ops here are ``fused``'s custom ops registered a second time, as
-``torch.ops.bertdist_emu.*`` over that module (``fused.define_ops``, and
-``fused_optim.define_optim_ops`` for the flat optimizer ops, in ``OPTIM``); the functions have the
-signatures of their twins in ``reference.py``. ``kernels: emulated`` gives them to the model.
+CPU. The ops here are ``fused``'s ops registered a second time, as ``torch.ops.bertdist_emu.*``
+over that module: the layer-norm family by the module itself from C++ (its emulated CUDA kernels
+under the CPU dispatch key), the others by ``fused.define_ops`` and, for the flat optimizer ops in
+``OPTIM``, ``fused_optim.define_optim_ops``; the functions have the signatures of their twins in
+``reference.py``. ``kernels: emulated`` gives them to the model.
 
 They exist to test the CUDA code where no GPU is: they are orders of magnitude slower than
 any other kernel set. What the emulator checks and what it cannot: ``csrc/emu/emu.h`` and the

@@ -1,9 +1,12 @@
 """Fused ops backed by the ``bertdist._C`` extension (C++ on CPU, CUDA kernels on GPU).
 
-Each op is a ``torch.library`` custom op (``torch.ops.bertdist.*``) with a fake (meta)
-implementation and a registered autograd formula, so autograd and ``torch.compile`` see one
-opaque, traceable op; the backward is itself a custom op. The public functions below have
-the same signatures as their twins in ``reference.py`` (the fallback and test oracle).
+Each op is a dispatcher op (``torch.ops.bertdist.*``) with a fake (meta) implementation and an
+autograd formula, so autograd and ``torch.compile`` see one opaque, traceable op; the backward is
+itself an op. The layer-norm family is registered from C++ by the extension when it loads
+(csrc/bindings.cpp: schema, CPU/CUDA, Meta, autocast and autograd kernels), so that a call runs no
+Python past the public function here; attention is a Python ``torch.library`` custom op. The
+public functions below have the same signatures as their twins in ``reference.py`` (the fallback
+and test oracle).
 
 Dropout is counter-based (Philox): the mask is a function of (seed, offset, element index),
 and CPU and CUDA kernels drop the same elements for the same seed and offset. An explicit
@@ -19,7 +22,8 @@ or a device type, meaning this machine's), and why not; ``bertdist.ops.dispatch`
 
 The ops are defined by ``define_ops(namespace, extension)``: here once as ``torch.ops.bertdist``
 over ``bertdist._C``, and by ``bertdist.ops.emulated`` as ``torch.ops.bertdist_emu`` over
-``bertdist._C_emu`` (the CUDA kernels, run on CPU tensors by the SIMT emulator).
+``bertdist._C_emu`` (the CUDA kernels, run on CPU tensors by the SIMT emulator; the C++
+registrations take their namespace from the build's BERTDIST_EMU macro).
 """
 from __future__ import annotations
 
@@ -128,123 +132,40 @@ class OpSet:
     varlen_attention: Callable
 
 
-# ---------------------------------------------------------------- layer norm
+# ---------------------------------------------------------------- the layer-norm family (registered from C++)
 
 
-def _define_layer_norm(namespace: str, extension: Callable[[], ModuleType]) -> Callable:
-    ops = getattr(torch.ops, namespace)
+class _CppOps:
+    """``torch.ops.<namespace>``, whose layer-norm ops ``extension()`` registers from C++ when it
+    loads: the public functions load it on their first eager call (raising why it cannot). A trace
+    skips that (it runs after the kernels were resolved, which loads the extension): loading is no
+    op torch.compile could trace."""
 
-    @torch.library.custom_op(f"{namespace}::layer_norm_fwd", mutates_args=())
-    def _layer_norm_fwd(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
-        y, mean, rstd = extension().layer_norm_fwd(x, weight, bias, eps)
-        return y, mean, rstd
+    def __init__(self, namespace: str, extension: Callable[[], ModuleType]):
+        self.ops = getattr(torch.ops, namespace)
+        self.loaded = False
+        self._extension = extension
 
-    @_layer_norm_fwd.register_fake
-    def _(x, weight, bias, eps):
-        rows = x.numel() // x.shape[-1]
-        return torch.empty_like(x), x.new_empty(rows, dtype=_acc_dtype(x)), x.new_empty(rows, dtype=_acc_dtype(x))
+    def load(self) -> None:
+        self._extension()
+        self.loaded = True
 
-    @torch.library.custom_op(f"{namespace}::layer_norm_bwd", mutates_args=())
-    def _layer_norm_bwd(
-        grad_out: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        dx, dw, db = extension().layer_norm_bwd(grad_out, x, mean, rstd, weight)
-        return dx, dw, db
 
-    @_layer_norm_bwd.register_fake
-    def _(grad_out, x, mean, rstd, weight):
-        return torch.empty_like(x), torch.empty_like(weight), torch.empty_like(weight)
-
-    def _layer_norm_setup(ctx, inputs, output):
-        x, weight, _bias, _eps = inputs
-        _y, mean, rstd = output
-        ctx.save_for_backward(x, weight, mean, rstd)
-
-    def _layer_norm_backward(ctx, grad_y, _grad_mean, _grad_rstd):
-        x, weight, mean, rstd = ctx.saved_tensors
-        dx, dw, db = ops.layer_norm_bwd(grad_y.contiguous(), x, mean, rstd, weight)
-        return dx, dw, db, None
-
-    _layer_norm_fwd.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup)
+def _define_layer_norm(cpp: _CppOps) -> Callable:
+    ops = cpp.ops
 
     def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
         """LayerNorm over the last dim, fp32 statistics; output in x's dtype."""
+        if not cpp.loaded and not torch.compiler.is_compiling():
+            cpp.load()
         y, _, _ = ops.layer_norm_fwd(x.contiguous(), weight, bias, float(eps))
         return y
 
     return layer_norm
 
 
-# ---------------------------------------------------------------- bias + dropout + residual + layer norm
-
-
-def _define_bias_dropout_add_layer_norm(namespace: str, extension: Callable[[], ModuleType]) -> Callable:
-    ops = getattr(torch.ops, namespace)
-
-    @torch.library.custom_op(f"{namespace}::bias_dropout_add_layer_norm_fwd", mutates_args=(), tags=_SEEDED)
-    def _bdaln_fwd(
-        x: Tensor,
-        bias: Optional[Tensor],
-        residual: Tensor,
-        weight: Tensor,
-        ln_bias: Tensor,
-        p: float,
-        eps: float,
-        seed: Optional[int],
-        offset: int,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        y, h, mean, rstd, rng_state = extension().bias_dropout_add_layer_norm_fwd(
-            x, bias, residual, weight, ln_bias, p, eps, seed, offset
-        )
-        return y, h, mean, rstd, rng_state
-
-    @_bdaln_fwd.register_fake
-    def _(x, bias, residual, weight, ln_bias, p, eps, seed, offset):
-        rows = x.numel() // x.shape[-1]
-        acc = _acc_dtype(x)
-        return (torch.empty_like(x), torch.empty_like(x), x.new_empty(rows, dtype=acc), x.new_empty(rows, dtype=acc),
-                _rng_state_like(x, p))
-
-    @torch.library.custom_op(f"{namespace}::bias_dropout_add_layer_norm_bwd", mutates_args=())
-    def _bdaln_bwd(
-        grad_out: Tensor,
-        h: Tensor,
-        mean: Tensor,
-        rstd: Tensor,
-        weight: Tensor,
-        has_bias: bool,
-        p: float,
-        rng_state: Tensor,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        dh, dx, dw, dlnb, dbias = extension().bias_dropout_add_layer_norm_bwd(grad_out, h, mean, rstd, weight, has_bias, p, rng_state)
-        return dh, dx, dw, dlnb, dbias
-
-    @_bdaln_bwd.register_fake
-    def _(grad_out, h, mean, rstd, weight, has_bias, p, rng_state):
-        # the dense bias's gradient: in the weights' dtype when they are h's bf16/fp16 (bf16 weights)
-        acc = h.dtype if weight.dtype == h.dtype and h.dtype in (torch.bfloat16, torch.float16) else _acc_dtype(h)
-        dx = torch.empty_like(h) if p > 0 else h.new_empty(0)
-        dbias = h.new_empty(h.shape[-1], dtype=acc) if has_bias else h.new_empty(0, dtype=acc)
-        return torch.empty_like(h), dx, torch.empty_like(weight), torch.empty_like(weight), dbias
-
-    def _bdaln_setup(ctx, inputs, output):
-        x, bias, _residual, weight, _ln_bias, p, _eps, _seed, _offset = inputs
-        _y, h, mean, rstd, rng_state = output
-        ctx.save_for_backward(h, weight, mean, rstd, rng_state)
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.p = p
-
-    def _bdaln_backward(ctx, grad_y, _grad_h, _grad_mean, _grad_rstd, _grad_rng_state):
-        h, weight, mean, rstd, rng_state = ctx.saved_tensors
-        has_bias = ctx.bias_dtype is not None
-        dh, dx, dw, dlnb, dbias = ops.bias_dropout_add_layer_norm_bwd(
-            grad_y.contiguous(), h, mean, rstd, weight, has_bias, ctx.p, rng_state
-        )
-        if ctx.p == 0:
-            dx = dh  # no dropout: x and the residual get the same gradient
-        return dx, (dbias.to(ctx.bias_dtype) if has_bias else None), dh, dw, dlnb, None, None, None, None
-
-    _bdaln_fwd.register_autograd(_bdaln_backward, setup_context=_bdaln_setup)
+def _define_bias_dropout_add_layer_norm(cpp: _CppOps) -> Callable:
+    ops = cpp.ops
 
     def bias_dropout_add_layer_norm(
         x: Tensor,
@@ -262,6 +183,8 @@ def _define_bias_dropout_add_layer_norm(namespace: str, extension: Callable[[], 
         """``LN(residual + dropout(x + bias))`` in one kernel; statistics in fp32. ``seed=None``
         draws the dropout seed (see the module docstring)."""
         p = float(p) if training else 0.0
+        if not cpp.loaded and not torch.compiler.is_compiling():
+            cpp.load()
         y, _, _, _, _ = ops.bias_dropout_add_layer_norm_fwd(
             x.contiguous(), bias, residual.contiguous(), weight, ln_bias, p, float(eps), _op_seed(x, p, seed), int(offset)
         )
@@ -449,22 +372,20 @@ def _define_varlen_attention(namespace: str, extension: Callable[[], ModuleType]
 
 
 def define_ops(namespace: str, extension: Callable[[], ModuleType]) -> OpSet:
-    """Registers the custom ops ``torch.ops.<namespace>.*`` (forward, backward, fake and autograd
-    formula of each) over ``extension()``, a module with ``bertdist._C``'s entry points, and
-    returns the public functions (the signatures of their twins in ``reference.py``)."""
-    ops = OpSet(
-        layer_norm=_define_layer_norm(namespace, extension),
-        bias_dropout_add_layer_norm=_define_bias_dropout_add_layer_norm(namespace, extension),
+    """The public functions (the signatures of their twins in ``reference.py``) over the ops
+    ``torch.ops.<namespace>.*`` of ``extension()``, a module with ``bertdist._C``'s entry points.
+
+    The layer-norm family is registered by the module itself, from C++, when it loads (schemas,
+    backend, Meta, autocast and autograd kernels: csrc/bindings.cpp), so that a call runs no Python
+    past the public function; the extension is loaded on the first call. The attention ops are
+    registered here as Python custom ops (forward, backward, fake and autograd formula of each)."""
+    cpp = _CppOps(namespace, extension)
+    return OpSet(
+        layer_norm=_define_layer_norm(cpp),
+        bias_dropout_add_layer_norm=_define_bias_dropout_add_layer_norm(cpp),
         attention=_define_attention(namespace, extension),
         varlen_attention=_define_varlen_attention(namespace, extension),
     )
-    # Under torch.autocast the layer norms run in fp32, as torch's own layer_norm does on CUDA: the
-    # inputs arrive in mixed dtypes there (a bf16 GEMM output beside an fp32 residual), which the
-    # kernels would otherwise reject.
-    for name in (f"{namespace}::layer_norm_fwd", f"{namespace}::bias_dropout_add_layer_norm_fwd"):
-        for device_type in ("cpu", "cuda"):
-            torch.library.register_autocast(name, device_type, torch.float32)
-    return ops
 
 
 _OPS = define_ops("bertdist", _C)

@@ -171,3 +171,24 @@ def test_column_sum_gradients_are_exact_with_and_without_rows(rows):
                 assert torch.equal(a, torch.zeros_like(a)), name
             else:
                 assert_close_rel(a, c, 1e-5, name)
+
+
+def test_registered_from_cpp_in_its_own_namespace():
+    """_C_emu registers the layer-norm family as bertdist_emu (its emulated CUDA kernels under the
+    CPU key, no CUDA kernel), beside _C's bertdist in the same process."""
+    emu()
+    ext()
+    for op in ("layer_norm_fwd", "layer_norm_bwd", "bias_dropout_add_layer_norm_fwd", "bias_dropout_add_layer_norm_bwd"):
+        name = f"bertdist_emu::{op}"
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU"), name
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "Meta"), name
+        assert not torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA"), name
+        assert torch._library.custom_ops._maybe_get_opdef(name) is None, name
+    assert torch.Tag.nondeterministic_seeded in torch.ops.bertdist_emu.bias_dropout_add_layer_norm_fwd.default.tags
+    x, w = torch.randn(4, 64, requires_grad=True), torch.ones(64, requires_grad=True)
+    y = emulated.layer_norm(x, w, w, 1e-5)
+    assert "LayerNormFunction" in y.grad_fn.name()
+    C = emu()
+    before = C.emulator_counts()
+    y.sum().backward()
+    assert launched(before, C.emulator_counts()) == {"ln_bwd_kernel", "column_sum_kernel"}
