@@ -166,7 +166,8 @@ def test_autocast_runs_the_layer_norms_in_fp32():
 
 @pytest.mark.parametrize("order", ["extension first", "custom ops first"])
 def test_cpp_and_python_registrations_of_one_namespace_load_in_either_order(order):
-    """The C++ fragment and the Python custom ops (attention, flat optimizer) share the namespace."""
+    """The C++ fragment and the Python custom ops (attention, flat optimizer) share the namespace;
+    torch.compile traces the ops before any eager call."""
     first = "import bertdist._C" if order == "extension first" else "from bertdist.ops import fused, fused_optim"
     code = textwrap.dedent(f"""
         import torch
@@ -175,6 +176,11 @@ def test_cpp_and_python_registrations_of_one_namespace_load_in_either_order(orde
         from bertdist.ops import _extension
         assert _extension.load()[0] is not None
         x, w = torch.randn(3, 64, requires_grad=True), torch.ones(64, requires_grad=True)
+        # traced before any eager call of the public function: the trace must not load anything
+        f = torch.compile(lambda x, w: fused.bias_dropout_add_layer_norm(
+            x, w, x, w, w, p=0.2, training=True, eps=1e-5, seed=5), backend="aot_eager", fullgraph=True)
+        assert torch.equal(f(x, w), fused.bias_dropout_add_layer_norm(x, w, x, w, w, p=0.2, training=True,
+                                                                      eps=1e-5, seed=5))
         fused.layer_norm(x, w, w, 1e-5).sum().backward()
         q = torch.randn(1, 1, 4, 32)
         fused.attention(q, q, q, None)
@@ -183,3 +189,20 @@ def test_cpp_and_python_registrations_of_one_namespace_load_in_either_order(orde
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "BERTDIST_JIT": "0"},
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "ok torch.Size([3, 64])" in r.stdout, r.stderr[-3000:]
+
+
+def test_compiled_with_dynamic_shapes_matches_eager_forward_and_backward():
+    ext()
+
+    def f(x, bias, res, w, b):
+        y = fused.bias_dropout_add_layer_norm(x, bias, res, w, b, p=0.25, training=True, eps=EPS, seed=11, offset=2)
+        return fused.layer_norm(y, w, b, EPS)
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True, dynamic=True)
+    for rows in (5, 9):
+        inputs = _inputs(rows, 128, torch.float32, seed=rows)
+        out, ref = compiled(*inputs), f(*inputs)
+        assert torch.equal(out, ref)
+        g = torch.randn_like(ref)
+        for a, c in zip(grads(out, inputs, g), grads(ref, inputs, g)):
+            assert torch.equal(a, c)
