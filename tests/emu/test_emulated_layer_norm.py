@@ -178,7 +178,8 @@ def test_registered_from_cpp_in_its_own_namespace():
     CPU key, no CUDA kernel), beside _C's bertdist in the same process."""
     emu()
     ext()
-    for op in ("layer_norm_fwd", "layer_norm_bwd", "bias_dropout_add_layer_norm_fwd", "bias_dropout_add_layer_norm_bwd"):
+    ops = [f"{op}_{way}" for op in ("layer_norm", "bias_dropout_add_layer_norm") for way in ("fwd", "bwd")]
+    for op in ops:
         name = f"bertdist_emu::{op}"
         assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU"), name
         assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "Meta"), name

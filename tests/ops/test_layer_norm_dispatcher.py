@@ -98,7 +98,8 @@ def test_gradients_match_the_reference_twin(p, dtypes):
     assert_close_rel(out, ref, tol, "y")
     g = torch.randn(rows, hidden)
     fused_grads = grads(out, inputs, g.to(dtype))
-    for name, t, a, c in zip(("x", "bias", "residual", "weight", "ln_bias"), inputs, fused_grads, grads(ref, ref_in, g)):
+    names = ("x", "bias", "residual", "weight", "ln_bias")
+    for name, t, a, c in zip(names, inputs, fused_grads, grads(ref, ref_in, g)):
         assert a.dtype == t.dtype, f"d{name}: {a.dtype}, input {t.dtype}"
         assert_close_rel(a, c, tol, f"d{name} p={p} {dtypes}")
     x, w, b = (leaf(inputs[i]) for i in (0, 3, 4))
