@@ -73,17 +73,27 @@ def compile_regions(module) -> list[tuple[object, bool]]:
     return out
 
 
-def apply_compile(module, decision: CompileDecision, backend: str = "inductor") -> list:
+def apply_compile(module, decision: CompileDecision, backend: str = "inductor", graphs: bool = False) -> list:
     """Compile ``module``'s regions in place when the decision says so (the whole module when it
-    has none); returns the compiled submodules. ``backend``: torch.compile's (tests use a cheaper one)."""
+    has none); returns the compiled submodules. ``backend``: torch.compile's (tests use a cheaper one).
+    ``graphs``: the regions with static shapes are captured in CUDA graphs (bertdist/train/cuda_graphs.py);
+    the dynamic ones never are, since a graph is recorded per shape."""
     if not decision.enabled:
         return []
+    static = {}
+    if graphs:
+        from bertdist.train.cuda_graphs import graph_options
+
+        static = {"options": graph_options()}
     regions = compile_regions(module)
     if not regions:
-        module.compile(backend=backend)
+        module.compile(backend=backend, **static)
         return [module]
     for region, dynamic in regions:
-        region.compile(backend=backend, dynamic=True if dynamic else None)
+        if dynamic:
+            region.compile(backend=backend, dynamic=True)
+        else:
+            region.compile(backend=backend, dynamic=None, **static)
     return [region for region, _ in regions]
 
 
