@@ -240,3 +240,22 @@ def test_the_plan_reports_both_decisions_and_refuses_like_the_run():
     assert not default["cuda_graphs"] and "not yet measured on cuda" in default["cuda_graphs_reason"]
     with pytest.raises(ConfigError, match="needs a CUDA device"):
         compile_plan(graphs, CPU)
+
+
+def test_a_run_reports_the_decision_and_refuses_true_on_cpu(tmp_path, train_records, small_vocab):
+    from tests.train.conftest import assert_ok, metrics, run_pretrain, tiny_args
+
+    res = run_pretrain(1, tiny_args(tmp_path / "graphs", train_records, small_vocab, "model.compile=true",
+                                    "model.cuda_graphs=true", "max_steps=1"))
+    assert res.returncode != 0 and "model.cuda_graphs=true needs a CUDA device; this run's device is cpu" in \
+        res.stdout + res.stderr, res.stderr[-3000:]
+    assert not list((tmp_path / "graphs").glob("checkpoints/step_*"))  # refused before the first step
+    run_dir = tmp_path / "auto"
+    res = run_pretrain(1, tiny_args(run_dir, train_records, small_vocab, "max_steps=1", "data.eval_split=null"))
+    assert_ok(res)
+    start = next(line for line in (res.stdout + res.stderr).splitlines() if "bertdist pretrain: phase" in line)
+    assert start.endswith("; model.cuda_graphs=auto: off: CUDA graphs are CUDA's only (device cpu)"), start
+    run = metrics(run_dir, "run")[0]
+    assert run["cuda_graphs"] is False and run["compile"] is False
+    assert run["cuda_graphs_reason"] == "model.cuda_graphs=auto: off: CUDA graphs are CUDA's only (device cpu)"
+    assert run["compile_reason"].startswith("model.compile=auto: eager")
