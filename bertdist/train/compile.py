@@ -16,6 +16,9 @@ resume and the Hugging Face export see the same module as without it. Graph brea
 so activation checkpointing applied from outside, or a kernel torch cannot trace, costs speed,
 not the run.
 
+``model.cuda_graphs`` (bertdist/train/cuda_graphs.py) decides whether the regions with static
+shapes are compiled in CUDA graph mode; the dynamic MLM head never is.
+
 ``compile_cache``: torch's compile cache artifacts (``torch.compiler.save_cache_artifacts``), a
 file loaded before the first step when it exists and written after the first step, so a second
 run on the same image (torch, GPU, shapes) starts warm. It holds compiled code and is trusted as
