@@ -231,11 +231,14 @@ def test_stable_grads_allocates_only_missing_buffers():
 
 def test_the_plan_reports_both_decisions_and_refuses_like_the_run():
     from bertdist.train.config import load_train_config
-    from bertdist.train.launch_plan import compile_plan
+    from bertdist.train.launch_plan import compile_plan, format_launch_plan, launch_plan
 
     graphs = load_train_config(LARGE, ["model.compile=true", "model.cuda_graphs=true"])
     assert compile_plan(graphs, H100) == {"compile": True, "compile_reason": "model.compile=true",
                                           "cuda_graphs": True, "cuda_graphs_reason": "model.cuda_graphs=true"}
+    plan = launch_plan(graphs, 8, H100)
+    assert plan["compile"]["cuda_graphs"] is True
+    assert "compile: model.compile=true; model.cuda_graphs=true" in format_launch_plan(plan).splitlines()
     default = compile_plan(load_train_config(LARGE), H100)
     assert not default["cuda_graphs"] and "not yet measured on cuda" in default["cuda_graphs_reason"]
     with pytest.raises(ConfigError, match="needs a CUDA device"):
