@@ -262,3 +262,18 @@ def test_a_run_reports_the_decision_and_refuses_true_on_cpu(tmp_path, train_reco
     assert run["cuda_graphs"] is False and run["compile"] is False
     assert run["cuda_graphs_reason"] == "model.cuda_graphs=auto: off: CUDA graphs are CUDA's only (device cpu)"
     assert run["compile_reason"].startswith("model.compile=auto: eager")
+
+
+def test_torch_takes_the_graph_options_and_a_skipped_capture_is_counted():
+    """The options are Inductor's own (torch checks every key); where a graph cannot be captured
+    (here: a CPU device) Inductor compiles without one, and ``skipped_graphs`` counts it."""
+    import torch._dynamo
+
+    assert torch._TorchCompileInductorWrapper(None, cuda_graphs.graph_options(), None).config == \
+        cuda_graphs.graph_options()
+    torch._dynamo.reset()
+    before = cuda_graphs.skipped_graphs()
+    m = torch.nn.Linear(4, 4)
+    m.compile(backend="inductor", options=cuda_graphs.graph_options())
+    m(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    assert cuda_graphs.skipped_graphs() > before and m.weight.grad is not None
