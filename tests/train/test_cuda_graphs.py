@@ -277,3 +277,19 @@ def test_torch_takes_the_graph_options_and_a_skipped_capture_is_counted():
     m.compile(backend="inductor", options=cuda_graphs.graph_options())
     m(torch.randn(2, 4, requires_grad=True)).sum().backward()
     assert cuda_graphs.skipped_graphs() > before and m.weight.grad is not None
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_after_the_first_step_the_run_counts_the_graphs_inductor_skipped(monkeypatch, graphs):
+    from bertdist.train.trainer import _Session
+
+    monkeypatch.setattr(cuda_graphs, "skipped_graphs", lambda: 2)
+    records, messages = [], []
+    session = object.__new__(_Session)
+    session.log = types.SimpleNamespace(record=lambda kind, step, values, tensorboard: records.append(values),
+                                        message=messages.append)
+    session.compile_pending = {"cache": None, "cache_loaded": None, "rank": 1, "cuda_graphs": graphs}
+    session._report_compile(1, 3.0)
+    assert session.compile_pending is None and records[0]["first_step_s"] == 3.0
+    assert records[0].get("cuda_graphs_skipped") == (2 if graphs else None)
+    assert ("CUDA graphs: 2 graphs Inductor did not capture (TORCH_LOGS=cudagraphs says why)" in messages[0]) is graphs
