@@ -30,8 +30,12 @@ $(STAMP): requirements.lock pyproject.toml setup.py $(wildcard csrc/* csrc/*/*)
 	MAX_JOBS=$(JOBS) $(PIP) install --no-build-isolation --no-deps -e .
 	touch $@
 
+# Two pytest workers (pytest-xdist): many tests wait on the processes they start, so one pytest
+# process leaves a core idle much of the time. A file's tests stay on one worker (module fixtures
+# are built once); the SLURM tests take the one-node test-bed in turn (tests/cluster/conftest.py).
+TEST_WORKERS ?= 2
 test: venv slurm
-	$(PY) -m pytest -q -p no:cacheprovider --durations=25 tests; rc=$$?; \
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=25 tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5): treated as failure"; exit 1; fi; \
 	exit $$rc
 

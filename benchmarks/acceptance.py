@@ -65,6 +65,8 @@ TARGET_VS_HF_COMPILE = 1.2
 TARGET_ELECTRA_STEP_RATIO = 1.35  # ELECTRA's step over an MLM step of the same discriminator
 # The trainer's own step, in the side-by-side benchmark (train_throughput's ours-trainer).
 TRAINER_VARIANT = "ours-trainer"
+# The same step with model.cuda_graphs=true: its time against ours-trainer's is what graphs' auto waits for.
+GRAPHS_VARIANT = "ours-trainer-graphs"
 MODEL_ONLY_VARIANT = "ours-reference-compile"  # the same model and compile, torch's AdamW, no trainer
 TARGET_TRAINER_VS_HF_COMPILE = 1.25
 TARGET_TRAINER_OVER_MODEL = 1.10  # the trainer's step time over the model-only step's, at most
@@ -579,6 +581,13 @@ def trainer_targets(runs: list[dict], dev: str | None, gpu: bool) -> list[tuple[
             out.append((f"{where}: bertdist pretrain's step <= {TARGET_TRAINER_OVER_MODEL}x the model-only step "
                         f"({MODEL_ONLY_VARIANT})", f"{over:.2f}x ({1e3 * t['step_s']:.1f} vs "
                         f"{1e3 * model['step_s']:.1f} ms)", judged(over <= TARGET_TRAINER_OVER_MODEL)))
+        plain = variants.get(TRAINER_VARIANT)
+        if name == GRAPHS_VARIANT and plain:  # no target: the measurement model.cuda_graphs: auto waits for
+            ratio = t["step_s"] / plain["step_s"]
+            out.append((f"{where}: step time with CUDA graphs / without ({TRAINER_VARIANT}); decides "
+                        "model.cuda_graphs: auto (bertdist/train/cuda_graphs.py)",
+                        f"{ratio:.2f}x ({1e3 * t['step_s']:.1f} vs {1e3 * plain['step_s']:.1f} ms)",
+                        ("faster" if ratio < 1 else "not faster") if gpu else "n/a (CPU: no GPU claim)"))
         if dev and r["preset"] == "large" and r["seq"] == 128:
             out.append((f"BERT-large seq 128 bf16, one {dev}: >= {TARGET_LARGE_128_MFU:.0%} MFU, {dev} peak "
                         f"(bertdist pretrain's step, train_throughput {name})", f"{t['mfu']:.1%} "

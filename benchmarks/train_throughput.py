@@ -23,6 +23,10 @@ Variants (``--variants``; default: all on CUDA, ours-optimized, ours-reference a
                    LAMB, torch's AdamW) in place of DeepSpeed's fused optimizer
   ours-trainer-flat  ours-trainer with ``optimizer.implementation: flat`` (bertdist's flat-buffer
                    kernels, clipping fused in)
+  ours-trainer-graphs  ours-trainer with ``model.cuda_graphs: true``: the compiled regions with static
+                   shapes captured in CUDA graphs (bertdist/train/cuda_graphs.py); against
+                   ours-trainer it is the measurement ``model.cuda_graphs: auto`` waits for. CUDA
+                   only: skipped, with the reason, on CPU
   hf-sdpa          transformers.BertForPreTraining, attn_implementation="sdpa" (dense MLM head)
   hf-sdpa-compile  the same under torch.compile (skipped, with the reason, if compiling fails)
 
@@ -96,15 +100,25 @@ import torch  # noqa: E402
 from bertdist.model import IGNORE_INDEX  # noqa: E402
 from bertdist.train.loader import batch_to_device, packing  # noqa: E402
 
-VARIANTS = ("ours-trainer", "ours-trainer-eager", "ours-trainer-torchopt", "ours-trainer-flat", "ours-optimized", "ours-torch", "ours-reference",
-            "ours-reference-compile", "hf-sdpa", "hf-sdpa-compile")
+VARIANTS = ("ours-trainer", "ours-trainer-eager", "ours-trainer-torchopt", "ours-trainer-flat", "ours-trainer-graphs",
+            "ours-optimized", "ours-torch", "ours-reference", "ours-reference-compile", "hf-sdpa", "hf-sdpa-compile")
 # trainer variant -> its overrides of the recipe
 TRAINER_VARIANTS = {
     "ours-trainer": ("model.compile=true",),
     "ours-trainer-eager": ("model.compile=false",),
     "ours-trainer-torchopt": ("model.compile=true", "optimizer.implementation=torch"),
     "ours-trainer-flat": ("model.compile=true", "optimizer.implementation=flat"),
+    "ours-trainer-graphs": ("model.compile=true", "model.cuda_graphs=true"),
 }
+# variant -> why it cannot run off CUDA
+CUDA_ONLY = {"ours-trainer-graphs": "CUDA graphs need a CUDA device (model.cuda_graphs=true)"}
+
+
+def unrunnable(name: str, device: torch.device) -> str | None:
+    """Why ``name`` cannot run on ``device`` (reported as a skip), or None."""
+    return CUDA_ONLY.get(name) if device.type != "cuda" else None
+
+
 RECIPES = Path(__file__).resolve().parents[1] / "configs" / "pretrain"
 TRAINER_RECIPE = RECIPES / "bert-large-phase1.yaml"
 
@@ -424,6 +438,7 @@ def build_trainer_variant(name: str, cfg, recipe: Path, device: torch.device, ba
     info = {"impl": "bertdist pretrain step", "recipe": recipe.name, "unpad": tc.model.unpad,
             "sparse_mlm_head": tc.model.sparse_mlm_head, "kernels": dict(module.bert.kernels.sources),
             "compile": tc.model.compile, "compile_reason": run.compile_reason, "overrides": TRAINER_VARIANTS[name],
+            "cuda_graphs": run.cuda_graphs, "cuda_graphs_reason": run.cuda_graphs_reason,
             "compiled_regions": run.compiled_regions, "optimizer": type(run.engine.optimizer).__name__,
             "optimizer_name": tc.optimizer.name, "gradient_clipping": tc.deepspeed.gradient_clipping,
             "optimizer_kernels": getattr(run.engine.optimizer, "kernel_source", None),
@@ -517,6 +532,9 @@ def run_interleaved(names: list[str], args, cfg, batches: list[Batch], device: t
     live, out = [], {"variants": {}, "skipped": {}, "failed": {}}
     cache = {"path": args.compile_cache, "loaded": load_compile_cache(args.compile_cache)}
     for name in names:
+        if unrunnable(name, device):
+            out["skipped"][name] = unrunnable(name, device)
+            continue
         print(f"  {name}: build and warm up ...", flush=True)
         try:
             t0, compiling = time.perf_counter(), compile_seconds()
@@ -742,7 +760,10 @@ def markdown(res: dict) -> str:
 
 
 def measure(name: str, args, cfg, batches, device, precision, steps, warmup, flops_per_batch, peak) -> dict:
-    """{"result": {...}} or {"skipped": reason}; compile failures and OOM are skips, anything else raises."""
+    """{"result": {...}} or {"skipped": reason}; compile failures, OOM and a variant the device cannot
+    run are skips, anything else raises."""
+    if unrunnable(name, device):
+        return {"skipped": unrunnable(name, device)}
     try:
         return {"result": run_variant(name, cfg, batches, device, precision, steps, warmup, args.compile,
                                       flops_per_batch, peak, Path(args.trainer_recipe or default_recipe(args.preset, args.seq)))}

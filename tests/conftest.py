@@ -25,6 +25,16 @@ def _cuda_available() -> bool:
         return False
 
 
+def pytest_configure(config):
+    # `make test` runs two pytest workers on the 2 cores: each worker's torch gets one thread, or
+    # the two OpenMP pools would spin against each other on every op. Processes a test starts
+    # choose their own threads.
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
     has_shared = SHARED_DATA.is_dir()
     has_cuda = _cuda_available()

@@ -63,6 +63,9 @@ class ModernBertConfig:
     # Wrap the model in torch.compile for training (bertdist.train.compile): true, false, or
     # auto, the measured choice per device type. Weights, checkpoints and export are unchanged.
     compile: Literal["auto", True, False] = "auto"
+    # Capture the compiled regions in CUDA graphs (bertdist.train.cuda_graphs; needs compile, CUDA
+    # only): true, false, or auto, the measured choice per device type.
+    cuda_graphs: Literal["auto", True, False] = "auto"
 
     def __post_init__(self) -> None:
         if self.preset not in MODERNBERT_PRESETS and self.preset != "custom":

@@ -16,6 +16,9 @@ resume and the Hugging Face export see the same module as without it. Graph brea
 so activation checkpointing applied from outside, or a kernel torch cannot trace, costs speed,
 not the run.
 
+``model.cuda_graphs`` (bertdist/train/cuda_graphs.py) decides whether the regions with static
+shapes are compiled in CUDA graph mode; the dynamic MLM head never is.
+
 ``compile_cache``: torch's compile cache artifacts (``torch.compiler.save_cache_artifacts``), a
 file loaded before the first step when it exists and written after the first step, so a second
 run on the same image (torch, GPU, shapes) starts warm. It holds compiled code and is trusted as
@@ -73,17 +76,27 @@ def compile_regions(module) -> list[tuple[object, bool]]:
     return out
 
 
-def apply_compile(module, decision: CompileDecision, backend: str = "inductor") -> list:
+def apply_compile(module, decision: CompileDecision, backend: str = "inductor", graphs: bool = False) -> list:
     """Compile ``module``'s regions in place when the decision says so (the whole module when it
-    has none); returns the compiled submodules. ``backend``: torch.compile's (tests use a cheaper one)."""
+    has none); returns the compiled submodules. ``backend``: torch.compile's (tests use a cheaper one).
+    ``graphs``: the regions with static shapes are captured in CUDA graphs (bertdist/train/cuda_graphs.py);
+    the dynamic ones never are, since a graph is recorded per shape."""
     if not decision.enabled:
         return []
+    static = {}
+    if graphs:
+        from bertdist.train.cuda_graphs import graph_options
+
+        static = {"options": graph_options()}
     regions = compile_regions(module)
     if not regions:
-        module.compile(backend=backend)
+        module.compile(backend=backend, **static)
         return [module]
     for region, dynamic in regions:
-        region.compile(backend=backend, dynamic=True if dynamic else None)
+        if dynamic:
+            region.compile(backend=backend, dynamic=True)
+        else:
+            region.compile(backend=backend, dynamic=None, **static)
     return [region for region, _ in regions]
 
 

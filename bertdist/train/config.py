@@ -362,6 +362,7 @@ class TrainConfig:
                 f"optimizer.implementation=flat needs deepspeed.zero_stage=0 and precision fp32 or bf16 (got "
                 f"zero_stage {self.deepspeed.zero_stage}, precision {self.deepspeed.precision}); use "
                 "implementation auto or torch there")
+        self._check_cuda_graphs()
         self.weights  # bf16_weights=bf16 where it cannot run: an error with the settings
         if self.optimizer.name == "stable_adamw" and (self.deepspeed.zero_stage > 0
                                                       or self.deepspeed.precision == "fp16"):
@@ -380,6 +381,29 @@ class TrainConfig:
                 "per-layer trust ratio needs whole parameter tensors, and ZeRO 1-3 hand the optimizer flat "
                 "partitions. Use zero_stage 0 with LAMB (NVIDIA's BERT recipe), or adamw with ZeRO."
             )
+
+    def _check_cuda_graphs(self) -> None:
+        """``model.cuda_graphs: true`` where no graph can be captured, refused at load (the device
+        type is checked when the run decides: bertdist/train/cuda_graphs.py)."""
+        m, d = self.model, self.deepspeed
+        if m.cuda_graphs is not True:
+            return
+        if m.compile is False:
+            raise ConfigError("model.cuda_graphs=true captures the compiled regions in CUDA graphs, and "
+                              "model.compile=false compiles none; set model.compile=true, or model.cuda_graphs=false "
+                              "(or auto)")
+        if d.zero_stage == 3:
+            # ZeRO-3 gathers each layer's weights into fresh memory at every forward; a graph replays
+            # fixed addresses, so every step would record its graphs again.
+            raise ConfigError(f"model.cuda_graphs=true needs deepspeed.zero_stage 0, 1 or 2 (got {d.zero_stage}): "
+                              "ZeRO-3 gathers the weights into new memory at every forward, which a CUDA graph "
+                              "cannot replay; set model.cuda_graphs=false (or auto)")
+        if d.activation_checkpointing != "none":
+            # The recomputed forwards run inside the backward, a capture pattern not tested here.
+            raise ConfigError(f"model.cuda_graphs=true with deepspeed.activation_checkpointing="
+                              f"{d.activation_checkpointing} is not supported (the layers' forwards are recomputed "
+                              "inside the backward); set deepspeed.activation_checkpointing=none or "
+                              "model.cuda_graphs=false (or auto)")
 
     @property
     def model_config(self) -> "BertConfig | ModernBertConfig":

@@ -17,12 +17,15 @@ class InProcessRun:
     engine: object  # deepspeed.DeepSpeedEngine
     compile_reason: str
     compiled_regions: int
+    cuda_graphs: bool = False
+    cuda_graphs_reason: str = ""
 
 
 def build_run(cfg: TrainConfig, device: torch.device, kernels=None) -> InProcessRun:
     """What ``run_pretraining`` builds before its first step, for a fresh start on one rank:
-    the engine (model, optimizer, schedule, DeepSpeed), the compile decision applied, the runner."""
+    the engine (model, optimizer, schedule, DeepSpeed), the compile and CUDA graph decisions applied, the runner."""
     from bertdist.train.compile import apply_compile, decide_compile
+    from bertdist.train.cuda_graphs import decide_cuda_graphs
     from bertdist.train.engine import build_engine
     from bertdist.train.restore import RestorePlan, new_state, restore
     from bertdist.train.step import StepRunner
@@ -31,5 +34,7 @@ def build_run(cfg: TrainConfig, device: torch.device, kernels=None) -> InProcess
     restore(built.engine, built.scheduler, RestorePlan("fresh"), cfg, 0, new_state(cfg, 1, 1))
     built.engine.train()
     decision = decide_compile(cfg.model.compile, device.type)
-    regions = apply_compile(built.engine.module, decision)
-    return InProcessRun(StepRunner.for_run(built.engine, cfg, device, 1), built.engine, decision.reason, len(regions))
+    graphs = decide_cuda_graphs(cfg.model.cuda_graphs, device.type, decision)
+    regions = apply_compile(built.engine.module, decision, graphs=graphs.enabled)
+    return InProcessRun(StepRunner.for_run(built.engine, cfg, device, 1, cuda_graphs=graphs.enabled), built.engine,
+                        decision.reason, len(regions), graphs.enabled, graphs.reason)

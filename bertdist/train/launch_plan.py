@@ -2,7 +2,8 @@
 profile, without starting it (no process group, no GPU, no data read).
 
 ``launch_plan`` returns a JSON-able dict: the resolved config, the batch arithmetic, the DeepSpeed
-JSON, the optimizer and why, the precision of each tensor class, the kernel cases that
+JSON, the optimizer and why, the precision of each tensor class, whether the model is compiled and
+captured in CUDA graphs and why, the kernel cases that
 ``kernels: auto`` will decide with their candidates, the FLOPs per sequence and the memory estimate
 (``memory.py``), both the model family's (bertdist/model/families.py).
 ``format_launch_plan`` prints it for a person.
@@ -100,6 +101,18 @@ def kernel_cases(cfg: TrainConfig, profile) -> dict[str, Any]:
             "broadcast to every rank", "cases": _case_rows(workload.cases("cuda"), profile)}
 
 
+def compile_plan(cfg: TrainConfig, profile) -> dict[str, Any]:
+    """Whether the run compiles its model and captures the compiled regions in CUDA graphs on
+    ``profile``, each with its reason (ConfigError where ``model.cuda_graphs: true`` cannot run there)."""
+    from bertdist.train.compile import decide_compile
+    from bertdist.train.cuda_graphs import decide_cuda_graphs
+
+    compiled = decide_compile(cfg.model.compile, profile.type)
+    graphs = decide_cuda_graphs(cfg.model.cuda_graphs, profile.type, compiled)
+    return {"compile": compiled.enabled, "compile_reason": compiled.reason, "cuda_graphs": graphs.enabled,
+            "cuda_graphs_reason": graphs.reason}
+
+
 def _records_packing(manifest_path: str) -> dict[str, Any]:
     """The packing counts of the run's training records, from their manifest (or why there are none)."""
     if not manifest_path:
@@ -188,6 +201,7 @@ def launch_plan(cfg: TrainConfig, world_size: int, profile) -> dict[str, Any]:
         "ds_config": ds,
         "optimizer": {"name": cfg.optimizer.name, **optimizer_choice(cfg, profile)},
         "precision": precision_policy(d.precision, profile.type, cfg.weights).to_dict(),
+        "compile": compile_plan(cfg, profile),
         "kernels": kernel_cases(cfg, profile),
         "flops": flops,
         "memory": memory,
@@ -256,6 +270,7 @@ def format_launch_plan(plan: dict[str, Any]) -> str:
               f"precision {p['precision']}: weights {p['weights']}, master weights {p['master_weights']}, compute "
               f"{p['compute']}, gradient accumulation {p['grad_accumulation']}, communication {p['communication']}, "
               f"loss scaling {p['loss_scaling']} ({p['how']})", "",
+              f"compile: {plan['compile']['compile_reason']}; {plan['compile']['cuda_graphs_reason']}", "",
               f"kernels: {k['mode']}: {k['why']}"]
     for c in k["cases"]:
         runs = [x["name"] for x in c["candidates"] if not x["unsupported"]]

@@ -21,6 +21,7 @@ from torch.profiler import record_function
 
 from bertdist.model import BertConfig
 from bertdist.model.families import family_of
+from bertdist.train import cuda_graphs as graphs
 from bertdist.train.loader import batch_to_device
 
 
@@ -117,11 +118,16 @@ class StepRunner:
     clip: float = 0.0
     # The optimizer computes the norm and clips inside its step (flat_optim): its norm is logged
     optimizer_norm: bool = False
+    # The compiled regions run as CUDA graphs (bertdist/train/cuda_graphs.py): each micro-batch is
+    # marked as a new step of the graphs, and gradients accumulate in buffers of their own
+    cuda_graphs: bool = False
 
     @classmethod
-    def for_run(cls, engine, cfg, device: torch.device, grad_accum: int, objective=None) -> "StepRunner":
+    def for_run(cls, engine, cfg, device: torch.device, grad_accum: int, objective=None,
+                cuda_graphs: bool = False) -> "StepRunner":
         """The runner of a TrainConfig's run: who computes the gradient norm and clips
-        (``precision.trainer_clips``) follows from its precision and ZeRO stage."""
+        (``precision.trainer_clips``) follows from its precision and ZeRO stage. ``cuda_graphs``:
+        the run's ``cuda_graphs.decide_cuda_graphs`` decision."""
         from bertdist.train.precision import trainer_clips
 
         by_optimizer = cfg.optimizer.clips_itself
@@ -132,7 +138,7 @@ class StepRunner:
             objective = MaskedLM(cfg)
         return cls(engine, device, grad_accum, cfg.deepspeed.precision, cfg.model_config, own_grad_norm=own,
                    objective=objective, clip=cfg.deepspeed.gradient_clipping if own else 0.0,
-                   optimizer_norm=by_optimizer)
+                   optimizer_norm=by_optimizer, cuda_graphs=cuda_graphs)
 
     def __post_init__(self):
         self.params = list({id(p): p for p in self.engine.module.parameters()}.values())
@@ -200,37 +206,53 @@ def _refuse_nonfinite(totals: dict[str, float], step: int, precision: str) -> No
             f"and check the records; then restart from the last good checkpoint with --resume auto")
 
 
-def launch_step(r: StepRunner, micro_batches: list[dict[str, torch.Tensor]], stop_requested: bool) -> PendingStep:
+def launch_step(r: StepRunner, micro_batches: list[dict[str, torch.Tensor]], stop_requested: bool,
+                step: int | None = None) -> PendingStep:
     """Forward, backward and optimizer step over ``grad_accum`` micro-batches, queued without
-    reading the device (``settle`` reads the result)."""
+    reading the device (``settle`` reads the result). ``step``: its number, for messages."""
     engine = r.engine
     skipped_before = engine.skipped_steps
     lr = engine.get_lr()[0]  # the scheduler moves on inside engine.step
     sums = DeviceSums(STEP_FIELDS, r.device)
+    if r.cuda_graphs and r.grad_accum > 1 and not r.optimizer_norm:
+        graphs.stable_grads(r.params)  # not graph outputs, which the next micro-batch overwrites
     for i, mb in enumerate(micro_batches):
-        last = i == r.grad_accum - 1
-        mb = batch_to_device(mb, r.device)
-        with record_function(REGIONS[0]):
-            res = r.forward(mb)
-        with torch.no_grad(), record_function(REGIONS[1]):
-            _accumulate(r, sums, res, mb)
-        with record_function(REGIONS[2]):
-            engine.backward(res.loss)
-            if r.optimizer_norm and not last:  # bf16 weights: this micro-batch's gradients into the fp32 sum
-                engine.optimizer.accumulate_grads()
-        with record_function(REGIONS[3]):
-            if last and r.own_grad_norm:  # gradients are reduced by now
-                sums.add("grad_norm", clip_gradients(r.params, r.clip).double())
-            engine.step()
-            if last and r.optimizer_norm:
-                sums.add("grad_norm", engine.optimizer.grad_norm)
-                # DeepSpeed dropped every .grad after its step: the flat optimizer's views of its
-                # gradient buffer come back, zeroed in one fill, before the next backward
-                engine.optimizer.zero_grad()
+        try:
+            _micro_step(r, sums, mb, last=i == r.grad_accum - 1)
+        except Exception as e:
+            if not (r.cuda_graphs and graphs.is_graph_failure(e)):
+                raise
+            graphs.raise_graph_failure(e, f"step {step if step is not None else '?'}, micro-batch {i + 1} "
+                                               f"of {r.grad_accum}")
     sums.add("stop", 1.0 if stop_requested else 0.0)
     gn = None if r.own_grad_norm or r.optimizer_norm else engine.get_global_grad_norm()
     return PendingStep(sums, lr, engine.skipped_steps - skipped_before,
                        None if gn is None else float(gn))
+
+
+def _micro_step(r: StepRunner, sums: DeviceSums, mb: dict[str, torch.Tensor], last: bool) -> None:
+    """One micro-batch's forward, sums and backward, and after the last the optimizer step."""
+    engine = r.engine
+    mb = batch_to_device(mb, r.device)
+    if r.cuda_graphs:  # a new generation of the graphs: this micro-batch's outputs may reuse the last one's memory
+        graphs.mark_step()
+    with record_function(REGIONS[0]):
+        res = r.forward(mb)
+    with torch.no_grad(), record_function(REGIONS[1]):
+        _accumulate(r, sums, res, mb)
+    with record_function(REGIONS[2]):
+        engine.backward(res.loss)
+        if r.optimizer_norm and not last:  # bf16 weights: this micro-batch's gradients into the fp32 sum
+            engine.optimizer.accumulate_grads()
+    with record_function(REGIONS[3]):
+        if last and r.own_grad_norm:  # gradients are reduced by now
+            sums.add("grad_norm", clip_gradients(r.params, r.clip).double())
+        engine.step()
+        if last and r.optimizer_norm:
+            sums.add("grad_norm", engine.optimizer.grad_norm)
+            # DeepSpeed dropped every .grad after its step: the flat optimizer's views of its
+            # gradient buffer come back, zeroed in one fill, before the next backward
+            engine.optimizer.zero_grad()
 
 
 def settle(pending: list[PendingStep], first_step: int, precision: str) -> list[StepResult]:
@@ -259,7 +281,7 @@ def settle(pending: list[PendingStep], first_step: int, precision: str) -> list[
 def train_step(r: StepRunner, micro_batches: list[dict[str, torch.Tensor]], step: int, stop_requested: bool
                ) -> StepResult:
     """One step, launched and settled at once; ``step`` is its number (1-based, for messages)."""
-    return settle([launch_step(r, micro_batches, stop_requested)], step, r.precision)[0]
+    return settle([launch_step(r, micro_batches, stop_requested, step)], step, r.precision)[0]
 
 
 def step_metrics(res: StepResult, seconds: float, world_size: int, peak_flops: float, loss_scale: float,
@@ -287,12 +309,13 @@ def step_metrics(res: StepResult, seconds: float, world_size: int, peak_flops: f
 
 @torch.no_grad()
 def evaluate(engine, batches: list[dict[str, torch.Tensor]], device: torch.device, objective=None,
-             model=None) -> dict[str, float]:
+             model=None, cuda_graphs: bool = False) -> dict[str, float]:
     """Held-out MLM loss / accuracy and NSP (or SOP) accuracy and loss, summed over all ranks; for
     ELECTRA the generator's MLM and the discriminator's loss, accuracy and replaced-token rate, with
     replacements drawn inside ``objective.evaluation()`` (a fixed seed per evaluation). The sums
     are the objective's (``eval_sums``; None: masked LM); ``model``: the model config, whose family
-    says how the model takes a batch (None: the module's ``config``, else as it is)."""
+    says how the model takes a batch (None: the module's ``config``, else as it is).
+    ``cuda_graphs``: each batch is a new step of the graphs, as a training micro-batch is."""
     import contextlib
 
     from bertdist.train.objective import mlm_eval_sums
@@ -304,9 +327,16 @@ def evaluate(engine, batches: list[dict[str, torch.Tensor]], device: torch.devic
     engine.eval()
     sums = DeviceSums(EVAL_FIELDS, device)
     with getattr(objective, "evaluation", contextlib.nullcontext)():
-        for mb in batches:
+        for i, mb in enumerate(batches):
             mb = batch_to_device(mb, device)
-            sums.add_all(eval_sums(engine(**inputs(mb)), mb))
+            try:
+                if cuda_graphs:
+                    graphs.mark_step()
+                sums.add_all(eval_sums(engine(**inputs(mb)), mb))
+            except Exception as e:
+                if not (cuda_graphs and graphs.is_graph_failure(e)):
+                    raise
+                graphs.raise_graph_failure(e, f"evaluation batch {i + 1} of {len(batches)}")
     engine.train()
     s = sums.all_reduce()
     res = {"mlm_loss": s["mlm_loss_sum"] / max(1.0, s["mlm_count"]),

@@ -114,6 +114,7 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool
     from bertdist.ops import kernels_for_run
     from bertdist.train.checkpoint import CheckpointManager, ensure_universal
     from bertdist.train.compile import apply_compile, decide_compile, load_compile_cache
+    from bertdist.train.cuda_graphs import decide_cuda_graphs
     from bertdist.train.distributed import init_distributed
     from bertdist.train.engine import build_engine, save_ds_config
     from bertdist.train.loader import LoaderState, PretrainingLoader
@@ -145,6 +146,7 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool
     # plan, so every rank runs the same kernels; a copy goes to run_dir. Before seeding: it may use the RNG.
     # The candidates are timed in a layer compiled as the run compiles its own.
     compiled = decide_compile(cfg.model.compile, device.type)
+    graphs = decide_cuda_graphs(cfg.model.cuda_graphs, device.type, compiled)  # refuses before the engine
     family = family_of(cfg.model_config)
     kernels = None  # a family without bertdist.ops kernels (ModernBERT) decides its attention below
     if family.uses_kernels:
@@ -157,7 +159,8 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool
     engine = built.engine
     family.use_attention(engine.module, attention)
     cache_loaded = load_compile_cache(cfg.compile_cache) if compiled.enabled else None
-    apply_compile(engine.module, compiled)  # in place: checkpoints and export see the same module
+    # in place: checkpoints and export see the same module
+    apply_compile(engine.module, compiled, graphs=graphs.enabled)
     if rank == 0:
         save_ds_config(built.ds_config, run_dir)
     # masked LM, general distillation (its frozen teacher outside the engine) or ELECTRA (its sampler)
@@ -176,23 +179,27 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool
                 f"({info.backend}, {device.type}), global batch {cfg.data.global_batch_size} = micro "
                 f"{cfg.data.micro_batch_size} x accum {grad_accum} x world {world}; {records.num_rows} train "
                 f"sequences, {loader.steps_per_epoch} steps/epoch ({loader.dropped_per_epoch} left over per epoch); "
-                f"MFU peak: {peak_note}; {compiled.reason}")
+                f"MFU peak: {peak_note}; {compiled.reason}; {graphs.reason}")
     log.record("run", state.step, {"mode": plan.mode, "world_size": world, "grad_accum": grad_accum,
                                    "peak_flops": peak, "peak_note": peak_note, "compile": compiled.enabled,
+                                   "compile_reason": compiled.reason, "cuda_graphs": graphs.enabled,
+                                   "cuda_graphs_reason": graphs.reason,
                                    "steps_per_epoch": loader.steps_per_epoch,
                                    "dropped_per_epoch": loader.dropped_per_epoch, "loader": state.loader},
                tensorboard=False)
     if attention is not None:  # its table and figures went to stderr at the decision; the choice goes here too
         log.record("attention", state.step, {"backend": attention.backend, "summary": attention.summary},
                    tensorboard=False)
-    runner = StepRunner.for_run(engine, cfg, device, grad_accum, objective)
+    runner = StepRunner.for_run(engine, cfg, device, grad_accum, objective, cuda_graphs=graphs.enabled)
     log.message(objective.describe())
     if objective.without_nsp and loader.has_nsp:
         log.message(f"the records carry NSP labels: {objective.without_nsp}, so they are not used")
     session = _Session(cfg, engine, ckpt, log, eval_set, device, world, state, objective,
                        StepProfiler(cfg.profiling, run_dir, rank, device))
+    session.cuda_graphs = graphs.enabled
     if compiled.enabled:
-        session.compile_pending = {"cache_loaded": cache_loaded, "cache": cfg.compile_cache, "rank": rank}
+        session.compile_pending = {"cache_loaded": cache_loaded, "cache": cfg.compile_cache, "rank": rank,
+                                   "cuda_graphs": graphs.enabled}
     stop = _Stop()
     if cfg.checkpoint.save_on_sigterm:
         stop.install()
@@ -220,6 +227,7 @@ class _Session:
         self.last_checkpoint: str | None = None
         self.consecutive_bad = 0  # steps in a row with a non-finite loss or an fp16 overflow
         self.compile_pending: dict | None = None  # compiled: reported (and its cache saved) after the first step
+        self.cuda_graphs = False  # the compiled regions run as CUDA graphs: evaluation marks its batches too
         self.final_eval: dict[str, float] | None = None
         self.stopped_by = "end" if cfg.steps_to_run == cfg.schedule.total_steps else "max_steps"
 
@@ -237,7 +245,8 @@ class _Session:
         if self.eval_set is None:
             return None
         t = time.time()
-        res = evaluate(self.engine, self.eval_set, self.device, self.objective)
+        res = evaluate(self.engine, self.eval_set, self.device, self.objective,
+                       cuda_graphs=self.cuda_graphs)
         res["seconds"] = time.time() - t
         self.log.record("eval", self.state.step, res)
         self.log.message(f"eval @ step {self.state.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in res.items()))
@@ -281,7 +290,7 @@ class _Session:
         while self.state.step < total:
             micro_batches, next_loader = next(steps)
             self.profiler.before(self.state.step + 1)
-            pending.append(launch_step(runner, micro_batches, stop.requested))
+            pending.append(launch_step(runner, micro_batches, stop.requested, self.state.step + 1))
             epochs.append(next_loader.epoch)
             self.state = dataclasses.replace(self.state, step=self.state.step + 1, loader=next_loader.to_dict())
             step = self.state.step
@@ -314,10 +323,16 @@ class _Session:
         saved = save_compile_cache(info["cache"]) if info["rank"] == 0 else None
         values = {"compile_s": compile_seconds(), "first_step_s": first_step_s,
                   "cache_loaded": info["cache_loaded"], "cache_saved": saved, "cache": info["cache"]}
+        if info["cuda_graphs"]:  # graphs on, yet Inductor may have kept some regions out of them
+            from bertdist.train.cuda_graphs import skipped_graphs
+
+            values["cuda_graphs_skipped"] = skipped_graphs()
         self.log.record("compile", step, values, tensorboard=False)
         self.log.message(f"torch.compile: {values['compile_s']:.1f} s compiling, first step {first_step_s:.1f} s"
                          + (f"; cache {info['cache']}: loaded {info['cache_loaded']}, saved {saved}"
-                            if info["cache"] else ""))
+                            if info["cache"] else "")
+                         + (f"; CUDA graphs: {values['cuda_graphs_skipped']} graphs Inductor did not capture "
+                            "(TORCH_LOGS=cudagraphs says why)" if info["cuda_graphs"] else ""))
 
     def _log_step(self, step: int, res, seconds: float, epoch: int, total: int, peak: float) -> None:
         """metrics.jsonl's row of one settled step (TensorBoard and progress at logging steps), and

@@ -263,3 +263,20 @@ def test_each_trainer_variant_is_judged_against_hf_compile_the_model_alone_and_m
     assert not [t for t in acceptance.targets(H200_ENV, [_throughput(855, 872, 1367)], None) if "pretrain's step" in t[0]]
     cpu = acceptance.targets(CPU_ENV, [run], None)
     assert all(v == "n/a (CPU: no GPU claim)" for t, _, v in cpu if "pretrain's step" in t)
+
+
+def test_the_graphs_variant_is_reported_against_the_same_step_without_graphs(acceptance):
+    """ours-trainer-graphs: judged like every trainer variant, and its step time against
+    ours-trainer's reported (not a target: the measurement model.cuda_graphs: auto waits for)."""
+    variants = {"ours-trainer": {"seq_per_s": 1500.0, "mfu": 0.37, "step_s": 0.0427},
+                "ours-trainer-graphs": {"seq_per_s": 1700.0, "mfu": 0.41, "step_s": 0.0376}}
+    run = {"preset": "large", "seq": 128, "batch": 64, "variants": variants, "skipped": {}}
+    rows = {t: (m, v) for t, m, v in acceptance.targets(H200_ENV, [run], None)}
+    graphs = [mv for t, mv in rows.items() if "with CUDA graphs / without (ours-trainer)" in t]
+    assert graphs == [("0.88x (37.6 vs 42.7 ms)", "faster")]
+    assert any("ours-trainer-graphs" in t and "45% MFU" in t for t in rows)
+    slower = dict(variants, **{"ours-trainer-graphs": {"seq_per_s": 1400.0, "mfu": 0.35, "step_s": 0.0457}})
+    rows = acceptance.targets(H200_ENV, [dict(run, variants=slower)], None)
+    assert [v for t, _, v in rows if "with CUDA graphs" in t] == ["not faster"]
+    assert [v for t, _, v in acceptance.targets(CPU_ENV, [run], None) if "with CUDA graphs" in t] == [
+        "n/a (CPU: no GPU claim)"]

@@ -119,6 +119,29 @@ def test_a_failing_variant_does_not_stop_the_interleaved_others(harness, sample_
     assert res["failed"] == {"hf-sdpa": "RuntimeError: no such model"}
 
 
+def test_the_graphs_variant_measures_cuda_graphs_and_is_a_skip_off_cuda(harness, sample_records):
+    """ours-trainer-graphs: ours-trainer with model.cuda_graphs=true, the measurement that
+    model.cuda_graphs: auto waits for; on CPU a skip with the reason, interleaved or not."""
+    from bertdist.device_profile import by_name
+    from bertdist.train.compile import decide_compile
+    from bertdist.train.cuda_graphs import BENCH_VARIANT, decide_cuda_graphs
+    from bertdist.train.config import load_train_config
+
+    assert BENCH_VARIANT in harness.VARIANTS
+    base, graphs = (set(harness.TRAINER_VARIANTS[n]) for n in ("ours-trainer", BENCH_VARIANT))
+    assert graphs - base == {"model.cuda_graphs=true"}  # the same step otherwise
+    tc = load_train_config(str(harness.TRAINER_RECIPE), list(harness.TRAINER_VARIANTS[BENCH_VARIANT]))
+    h100 = by_name("h100").type
+    assert decide_cuda_graphs(tc.model.cuda_graphs, h100, decide_compile(tc.model.compile, h100)).enabled
+    why = "CUDA graphs need a CUDA device (model.cuda_graphs=true)"
+    assert harness.measure(BENCH_VARIANT, None, None, None, torch.device("cpu"), "fp32", 1, 1, None, 0.0) == \
+        {"skipped": why}
+    res = harness.main(["--preset", "tiny", "--batch", "2", "--seq", "64", "--steps", "2", "--warmup", "1",
+                        "--num-batches", "1", "--lengths-from", str(sample_records), "--variants",
+                        f"ours-optimized,{BENCH_VARIANT}", "--interleave", "2"])
+    assert set(res["variants"]) == {"ours-optimized"} and res["skipped"] == {BENCH_VARIANT: why}
+
+
 @pytest.mark.slow  # builds two DeepSpeed engines and compiles the tiny model with inductor (about a minute)
 def test_the_trainers_own_step_runs_beside_hf_with_profiles_and_a_compile_cache(harness, sample_records, tmp_path):
     """ours-trainer*: the trainer's step (bertdist.train.step.launch_step on the engine a run builds

@@ -1,9 +1,12 @@
 """The `slurm_cluster` fixture: a real one-node SLURM started by the Makefile's script."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -14,12 +17,21 @@ REPO = Path(__file__).resolve().parents[2]
 SLURM_UP = REPO / "cluster" / "testbed" / "slurm_up.sh"
 
 
+@contextlib.contextmanager
+def _testbed_lock():
+    """The one-node test-bed to this pytest process alone (`make test` runs two workers)."""
+    with open(Path(tempfile.gettempdir()) / "bertdist-slurm-testbed.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster() -> str:
     """Starts (or checks) the local SLURM via cluster/testbed/slurm_up.sh; returns the node name."""
     if os.geteuid() != 0:
         pytest.skip("SLURM test-bed needs root (it installs slurm/munge and starts the daemons); run `make slurm` as root")
-    proc = subprocess.run(["bash", str(SLURM_UP)], capture_output=True, text=True, timeout=600)
+    with _testbed_lock():
+        proc = subprocess.run(["bash", str(SLURM_UP)], capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         # As root the test-bed must come up: a broken one fails here instead of hiding behind a skip.
         pytest.fail(f"could not start SLURM with {SLURM_UP}: {(proc.stderr or proc.stdout).strip()[-1500:]}")
@@ -39,6 +51,17 @@ def _job_processes() -> list[psutil.Process]:
         except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
             continue
     return found
+
+
+@pytest.fixture(autouse=True)
+def one_slurm_test_at_a_time(request):
+    """The test-bed is one node and `no_job_left_behind` cancels every job in its queue, so SLURM tests
+    in other pytest processes (`make test` runs two workers) wait for each other on a lock file."""
+    if "slurm_cluster" not in request.fixturenames:
+        yield
+        return
+    with _testbed_lock():  # released after the cleanup below
+        yield
 
 
 @pytest.fixture(autouse=True)

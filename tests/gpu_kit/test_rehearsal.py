@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -138,8 +139,17 @@ def test_a_run_killed_partway_leaves_the_report_of_the_stages_done(rehearsal):
                     break
             time.sleep(0.5)
     finally:
+        # The bench starts some children in sessions of their own (an extension build among them):
+        # the kill must reach them too, or they go on loading the machine after this test.
+        tree = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
         os.killpg(proc.pid, signal.SIGKILL)
+        for child in tree:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
         proc.wait()
+        psutil.wait_procs(tree, timeout=30)
     assert done, "the bench never reported a finished throughput stage"
     (report,) = out.glob("acceptance_*.json")
     rep = json.loads(report.read_text())
