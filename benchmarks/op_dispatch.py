@@ -48,27 +48,24 @@ def _child(calls: int, reps: int) -> dict:
                 x, bias, res, w, b, p=0.1, training=True, eps=1e-12).backward(dy),
         }
         for name, fn in cases.items():
-            for _ in range(3):
-                fn()
-            times = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    fn()
-                times.append((time.perf_counter() - t0) / n)
-            out["results"][f"{name} | {label}"] = statistics.median(times)
+            out["results"][f"{name} | {label}"] = _median_seconds(fn, n, reps)
         with torch.no_grad():  # inference: no autograd node
-            fn = lambda: fused.layer_norm(x, w, b, 1e-12)  # noqa: E731
-            for _ in range(3):
-                fn()
-            times = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    fn()
-                times.append((time.perf_counter() - t0) / n)
-            out["results"][f"layer_norm fwd, no_grad | {label}"] = statistics.median(times)
+            out["results"][f"layer_norm fwd, no_grad | {label}"] = _median_seconds(
+                lambda: fused.layer_norm(x, w, b, 1e-12), n, reps)
     return out
+
+
+def _median_seconds(fn, n: int, reps: int) -> float:
+    """Seconds per call of ``fn``: the median of ``reps`` batches of ``n`` calls, after 3 warm-up calls."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        times.append((time.perf_counter() - t0) / n)
+    return statistics.median(times)
 
 
 def main() -> int:
