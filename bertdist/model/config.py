@@ -48,6 +48,10 @@ class BertConfig:
     # Which implementation of layer norm / attention to use (bertdist.ops); emulated: the CUDA
     # kernels run on the CPU by the SIMT emulator (tests only: very slow).
     kernels: Literal["reference", "fused", "auto", "emulated"] = "auto"
+    # Seconds kernels: auto may spend measuring before the first step (null: no limit). Cases left
+    # when it is spent run the baseline (torch's kernels) and are not cached, so a later run
+    # measures them; a case that has started is finished.
+    kernels_budget_s: Optional[float] = 300.0
     # Project only masked positions to the vocabulary when MLM labels are given.
     sparse_mlm_head: bool = True
     # Run the encoder on real tokens only (varlen attention over packed sequences) when a
@@ -77,6 +81,9 @@ class BertConfig:
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"model.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.kernels_budget_s is not None and not self.kernels_budget_s >= 0:  # NaN fails too
+            raise ConfigError(f"model.kernels_budget_s must be >= 0 seconds or null (no limit), "
+                              f"got {self.kernels_budget_s}")
 
     @property
     def head_dim(self) -> int:
