@@ -227,17 +227,20 @@ def _distributed_world() -> int:
 
 
 def auto_kernels(workload, device: torch.device, *, cache=None, log: Callable[[str], None] | None = None,
-                 agree: bool = True, profile: "DeviceProfile | None" = None, measurer=None) -> KernelSet:
+                 agree: bool = True, profile: "DeviceProfile | None" = None, measurer=None,
+                 budget_s: float | None = None) -> KernelSet:
     """``kernels: auto`` for ``workload`` on ``device`` (described by ``profile``): the agreed,
     measured plan (rank 0 decides and broadcasts), or torch-native with a warning when the
-    decision fails. ``measurer``: see ``selection.decide``."""
+    decision fails. ``measurer``, ``budget_s`` (seconds the measuring may take): see
+    ``selection.decide``."""
     from bertdist.ops import selection
     from bertdist.ops.decision_cache import DecisionCache
 
     cache = DecisionCache() if cache is None else cache
 
     def make():
-        return selection.decide(workload, device, cache=cache or None, profile=profile, measurer=measurer)
+        return selection.decide(workload, device, cache=cache or None, profile=profile, measurer=measurer,
+                                budget_s=budget_s)
 
     try:
         plan = selection.agree_plan(make, device) if agree else make()
@@ -278,7 +281,7 @@ def resolve_kernels(mode: KernelMode, device_type: str = "cpu", *, model_config=
             return reference_set(device_type)
         device = torch.device("cuda", torch.cuda.current_device())
         return auto_kernels(default_workload(model_config, device_type, profile), device, agree=False,
-                            profile=profile)
+                            profile=profile, budget_s=getattr(model_config, "kernels_budget_s", None))
     status = {s.op: s for s in kernel_status(device_type, profile)}
     bad = [f"{s.op}: {s.reason}" for s in status.values() if not s.usable]
     if bad:
@@ -305,19 +308,21 @@ def _warn_fused_is_a_test_mode() -> None:
 def kernels_for_run(mode: KernelMode, model_config, device: torch.device, *, micro_batch: int, seq: int,
                     precision: str, autocast: bool = False, log: Callable[[str], None] | None = None,
                     run_dir: str | None = None, cache=None, profile: "DeviceProfile | None" = None,
-                    measurer=None, compiled: bool = False) -> KernelSet:
+                    measurer=None, compiled: bool = False, budget_s: float | None = None) -> KernelSet:
     """The KernelSet of a training run, the same on every rank. ``auto`` on CUDA: decided on
     rank 0 for this run's micro batch, sequence length and precision, broadcast, logged once,
     and copied to ``run_dir/kernel_decisions.json`` (rank 0). ``profile``: the device
     (default: this machine's); ``measurer``: see ``selection.decide``; ``compiled``: the run
-    compiles its layers (candidates are timed in a compiled layer)."""
+    compiles its layers (candidates are timed in a compiled layer); ``budget_s``: seconds the
+    measuring may take before the first step (``model.kernels_budget_s``; None: no limit)."""
     if mode != "auto" or device.type not in MEASURED_DEVICE_TYPES:
         return resolve_kernels(mode, device.type, profile=profile)
     from bertdist.ops import selection
 
     workload = selection.Workload.for_model(model_config, batch=micro_batch, seq=seq, precision=precision,
                                             autocast=autocast, compiled=compiled)
-    kernels = auto_kernels(workload, device, cache=cache, log=log, profile=profile, measurer=measurer)
+    kernels = auto_kernels(workload, device, cache=cache, log=log, profile=profile, measurer=measurer,
+                           budget_s=budget_s)
     if run_dir is not None and kernels.plan is not None and _rank() == 0:
         selection.plan_copy(kernels.plan, run_dir)
     return kernels

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -101,6 +102,55 @@ class Workload:
         return unique
 
 
+# ---------------------------------------------------------------- the time budget
+
+
+@dataclasses.dataclass
+class Budget:
+    """The seconds ``kernels: auto`` may spend measuring (``model.kernels_budget_s``), counted
+    on ``clock`` from ``start``. Checked before each case: a case that has started is finished."""
+
+    seconds: float
+    clock: Callable[[], float] = time.monotonic
+    start: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.seconds >= 0:
+            raise ValueError(f"kernels budget: seconds must be >= 0, got {self.seconds}")
+        if self.start is None:
+            self.start = self.clock()
+
+    @classmethod
+    def of(cls, seconds: float | None, clock: Callable[[], float] = time.monotonic) -> "Budget | None":
+        """A budget starting now, or None (no limit) for ``seconds`` None."""
+        return None if seconds is None else cls(seconds, clock)
+
+    def elapsed(self) -> float:
+        return self.clock() - self.start
+
+    def spent(self) -> bool:
+        return self.elapsed() >= self.seconds
+
+    def to_child(self) -> dict:
+        """What a measuring child needs (its own clock: the seconds already spent, not a time)."""
+        return {"seconds": self.seconds, "elapsed": self.elapsed()}
+
+    @classmethod
+    def from_child(cls, d: dict | None) -> "Budget | None":
+        if d is None:
+            return None
+        return cls(d["seconds"], time.monotonic, time.monotonic() - d["elapsed"])
+
+    def skipped(self, case: Case, candidates: list[Candidate]) -> "Decision":
+        """The decision for a case not measured: the baseline (what ``kernels: reference`` runs)."""
+        why = (f"not measured: the kernels budget ({self.seconds:g} s, model.kernels_budget_s) was spent after "
+               f"{self.elapsed():.0f} s; a later run measures it (decisions are cached)")
+        base = candidates[0]
+        ms = [Measurement(base.name, base.family, "not measured", why)]
+        ms += [Measurement(c.name, c.family, "not measured") for c in candidates[1:]]
+        return Decision(case, base.name, ms, [c.name for c in candidates], "budget")
+
+
 # ---------------------------------------------------------------- results
 
 
@@ -108,7 +158,7 @@ class Workload:
 class Measurement:
     name: str
     family: str
-    status: str  # "passed" | "failed" | "error" | "unsupported"
+    status: str  # "passed" | "failed" | "error" | "unsupported" | "not measured" (the budget was spent)
     reason: str = ""
     error: float | None = None  # the candidate's worst error (on ``tensor``)
     bound: float | None = None  # its bound on that tensor
@@ -123,7 +173,7 @@ class Decision:
     choice: str
     measurements: list[Measurement]
     candidates: list[str]  # every candidate considered (a changed list invalidates the cache)
-    origin: str = "measured"  # "measured" | "cache" | "fallback"
+    origin: str = "measured"  # "measured" | "cache" | "fallback" | "budget" (not measured: the baseline)
 
     def measurement(self, name: str) -> Measurement | None:
         return next((m for m in self.measurements if m.name == name), None)
@@ -190,7 +240,7 @@ def format_table(decisions: Iterable[Decision], environment: dict, note: str = "
             if m.reason and m.name != d.choice:
                 result += f" ({m.reason})"
             elif d.origin != "measured" and m.name == d.choice:
-                result += f" [{d.origin}]"
+                result += f" [{d.origin}{': ' + m.reason if m.reason else ''}]"
             lines.append(f"  {cols[0]:<28} {cols[1]:<9} {cols[2]:<8} {cols[3]:<40} {m.name:<22} {err:>9} {bound:>9} "
                          f"{ms:>9}  {result}")
         versus = inductor_versus_ours(d)
@@ -201,6 +251,12 @@ def format_table(decisions: Iterable[Decision], environment: dict, note: str = "
         lines.append(f"  {len(errors)} candidate measurement(s) skipped after an error: " + "; ".join(
             f"{m.name} for {d.case.op} {d.case.dtype}{' with dropout' if d.case.dropout else ''}: {m.reason}"
             for d, m in errors))
+    unmeasured = [d for d in decisions if d.origin == "budget"]
+    if unmeasured:
+        lines.append(f"  {len(unmeasured)} case(s) not measured, running the baseline (torch's kernels): "
+                     + "; ".join(f"{d.case.op} {d.case.dtype}{' with dropout' if d.case.dropout else ''}"
+                                 for d in unmeasured)
+                     + f": {unmeasured[0].measurements[0].reason}")
     return "\n".join(lines)
 
 

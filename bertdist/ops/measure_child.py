@@ -5,6 +5,10 @@ measurement in a child (``_child_main``, started with this interpreter) that wri
 per event (a candidate starting, a case decided, the device left unusable) and fsyncs it, so the
 parent knows which candidate was running when the child died. That candidate is recorded as an
 error and excluded, and the cases not yet decided are measured again in a fresh child without it.
+
+A time budget (``kernels_budget_s``) travels to the child as the seconds already spent; the child
+stops starting cases once it is spent and emits a ``budget`` event per case left, which the
+parent takes as decided (the baseline), not as a crash. No new child starts once it is spent.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import torch
 
 from bertdist.device_profile import DeviceProfile
 from bertdist.ops.candidates import Candidate, Case
-from bertdist.ops.kernel_plan import Decision, Measurement
+from bertdist.ops.kernel_plan import Budget, Decision, Measurement
 
 
 def _child_main(spec_path: str, out_path: str) -> int:
@@ -44,9 +48,12 @@ def _child_main(spec_path: str, out_path: str) -> int:
             f.flush()
             os.fsync(f.fileno())
 
+        def done(d):
+            emit({"budget" if d.origin == "budget" else "decision": d.to_dict()})
+
         try:
             measure(cases, device, on_start=lambda case, c: emit({"start": case.key, "candidate": c.name}),
-                    on_done=lambda d: emit({"decision": d.to_dict()}), profile=profile, decided=decided)
+                    on_done=done, profile=profile, decided=decided, budget=Budget.from_child(spec.get("budget")))
         except DeviceUnusable as e:
             emit({"unusable": e.candidate, "error": e.error})
             return 3
@@ -59,11 +66,12 @@ COMPILE_ALLOWANCE_S = 120.0  # more per candidate timed in a compiled layer (eac
 
 def measure_isolated(cases: list[tuple[Case, list[Candidate]]], device: torch.device, *,
                      timeout_s: float | None = None, profile: DeviceProfile | None = None,
-                     decided: list[tuple[Case, Candidate]] = ()) -> list[Decision]:
+                     decided: list[tuple[Case, Candidate]] = (), budget: Budget | None = None) -> list[Decision]:
     """``measure`` in child processes: a candidate that kills the child or the CUDA context is
     recorded as an error and excluded, and the remaining cases are measured again without it.
     ``timeout_s``: per child (default: ``TIMEOUT_S`` plus ``COMPILE_ALLOWANCE_S`` per compiled
-    candidate measurement). ``decided``: choices made before (cached), which the layers run."""
+    candidate measurement). ``decided``: choices made before (cached), which the layers run.
+    ``budget``: once spent, the cases not started get the baseline (``Budget.skipped``)."""
     if timeout_s is None:
         compiled = sum(len(cands) for case, cands in cases if case.layer is not None and case.layer.compiled)
         timeout_s = TIMEOUT_S + COMPILE_ALLOWANCE_S * compiled
@@ -74,9 +82,13 @@ def measure_isolated(cases: list[tuple[Case, list[Candidate]]], device: torch.de
                 for case, cands in cases if case.key not in done]
         if not todo:
             break
+        if budget is not None and budget.spent():  # no new child: the rest run the baseline
+            done.update((case.key, budget.skipped(case, cands)) for case, cands in todo)
+            break
         with tempfile.TemporaryDirectory(prefix="bertdist_select_") as tmp:
             spec, out = Path(tmp) / "spec.json", Path(tmp) / "events.jsonl"
             spec.write_text(json.dumps({"device": str(device), "sys_path": sys.path,
+                                        "budget": budget.to_child() if budget is not None else None,
                                         "profile": profile.to_dict() if profile else None, "cases": [
                 {"case": dataclasses.asdict(case), "candidates": [c.to_dict() for c in cands]} for case, cands in todo],
                 # a fresh child times its layers with the choices the earlier ones made
@@ -97,8 +109,9 @@ def measure_isolated(cases: list[tuple[Case, list[Candidate]]], device: torch.de
                 ev = json.loads(line)
                 if "start" in ev:
                     last_start = (ev["start"], ev["candidate"])
-                elif "decision" in ev:
-                    d = Decision.from_dict(ev["decision"], "measured")
+                elif "decision" in ev or "budget" in ev:
+                    d = (Decision.from_dict(ev["decision"], "measured") if "decision" in ev
+                         else Decision.from_dict(ev["budget"], "budget"))
                     done[d.case.key] = d
                     last_start = None
                 elif "unusable" in ev:

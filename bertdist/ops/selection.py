@@ -45,6 +45,7 @@ import math
 import os
 import statistics
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Callable, Iterable
@@ -53,7 +54,7 @@ import torch
 
 from bertdist.device_profile import DeviceProfile, for_device_type
 from bertdist.ops.candidates import OPS, WINDOW_OPS, Candidate, Case, baseline_name, candidates_for
-from bertdist.ops.kernel_plan import DTYPES, Decision, KernelPlan, Measurement, Workload, environment
+from bertdist.ops.kernel_plan import DTYPES, Budget, Decision, KernelPlan, Measurement, Workload, environment
 from bertdist.ops.layer_timing import layer_kernels, layer_step
 from bertdist.ops.measure_child import measure_isolated
 from bertdist.ops.numerics_gate import FLOORS, dropout_problem, make_problem, oracle_for, rel_err, unfused_twin
@@ -199,13 +200,17 @@ def choose(results: list[Measurement], *, oracle_baseline: bool = False) -> str:
 def measure(cases: list[tuple[Case, list[Candidate]]], device: torch.device, *, timer: Timer = default_timer,
             on_start: Callable[[Case, Candidate], None] | None = None,
             on_done: Callable[[Decision], None] | None = None, profile: DeviceProfile | None = None,
-            decided: Iterable[tuple[Case, Candidate]] = ()) -> list[Decision]:
-    """Decide ``cases`` in order; ``decided``: choices made before (another process's)."""
+            decided: Iterable[tuple[Case, Candidate]] = (), budget: Budget | None = None) -> list[Decision]:
+    """Decide ``cases`` in order; ``decided``: choices made before (another process's). Once
+    ``budget`` is spent, the cases not started get the baseline (``Budget.skipped``)."""
     out: list[Decision] = []
     decided = list(decided)  # what the layers of later cases run for the ops decided
     for case, cands in cases:
-        d = decide_case(case, cands, device, timer=timer, profile=profile, decided=decided,
-                        on_start=(lambda c, case=case: on_start(case, c)) if on_start else None)
+        if budget is not None and budget.spent():
+            d = budget.skipped(case, cands)
+        else:
+            d = decide_case(case, cands, device, timer=timer, profile=profile, decided=decided,
+                            on_start=(lambda c, case=case: on_start(case, c)) if on_start else None)
         out.append(d)
         decided.append((case, next(c for c in cands if c.name == d.choice)))
         if on_done is not None:
@@ -244,11 +249,16 @@ def _warn_without_fused_cuda(profile: DeviceProfile, cands: Iterable[Candidate])
 
 def decide(workload: Workload, device: torch.device, *, cache=None, timer: Timer | None = None,
            isolate: bool | None = None, extra: Iterable[Candidate] = (), include_test_only: bool = False,
-           profile: DeviceProfile | None = None, measurer: Measurer | None = None) -> KernelPlan:
+           profile: DeviceProfile | None = None, measurer: Measurer | None = None,
+           budget_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> KernelPlan:
     """The plan for ``workload`` on ``device`` (described by ``profile``; default: this
     machine's): cached decisions where the cache holds them for this environment and the same
     candidates, measured ones otherwise (then cached). ``measurer`` replaces the measurement
-    (default: in child processes on CUDA, ``isolate``; in this process with ``timer`` otherwise)."""
+    (default: in child processes on CUDA, ``isolate``; in this process with ``timer`` otherwise).
+    ``budget_s``: seconds the measuring may take (None: no limit), on ``clock``; the cases left
+    when it is spent run the baseline and are not cached. A custom ``measurer`` is not given the
+    budget: it is only not called when the budget is spent before it would start."""
+    budget = Budget.of(budget_s, clock)
     profile = profile or for_device_type(device.type)
     if profile.type != device.type:
         raise ValueError(f"device {device} is {device.type} but the profile {profile.name!r} is {profile.type}")
@@ -270,31 +280,55 @@ def decide(workload: Workload, device: torch.device, *, cache=None, timer: Timer
             todo.append((case, cands))
     if todo:
         isolate = device.type == "cuda" if isolate is None else isolate
-        if measurer is not None:
+        if budget is not None and budget.spent():  # nothing to start: no child, no measurer
+            measured = [budget.skipped(case, cands) for case, cands in todo]
+        elif measurer is not None:
             if timer is not None:
                 raise ValueError("give a measurer or a timer, not both")
             measured = measurer(todo, device, profile)
         elif timer is not None and isolate:
             raise ValueError("a custom timer runs in this process only (isolate=False)")
         else:
-            measured = (measure_isolated(todo, device, profile=profile, decided=prior) if isolate else
-                        measure(todo, device, timer=timer or default_timer, profile=profile, decided=prior))
+            measured = (measure_isolated(todo, device, profile=profile, decided=prior, budget=budget) if isolate else
+                        measure(todo, device, timer=timer or default_timer, profile=profile, decided=prior,
+                                budget=budget))
         for d in measured:
             decisions[d.case.key] = d
         missing = [case.key for case, _ in todo if case.key not in decisions]
         if missing:
             raise RuntimeError(f"kernel measurement decided {len(todo) - len(missing)} of {len(todo)} cases; "
                                f"undecided: {'; '.join(missing)}")
-        if cache is not None:
-            cache.store(env, {d.case.key: d.to_dict() for d in measured})
+        kept = {d.case.key: d.to_dict() for d in measured if d.origin != "budget"}  # the rest: a later run's
+        if cache is not None and kept:
+            cache.store(env, kept)
     chosen: dict[str, dict] = {}
     for case, cands in wanted:
         d = decisions[case.key]
         c = next(c for c in cands if c.name == d.choice)
         chosen.setdefault(case.op, {})[c.name] = c.to_dict()
-    origin = "measured" if todo and len(todo) == len(wanted) else ("cached" if not todo else "partly cached")
+    origin = _origin(len(wanted), len(wanted) - len(todo), sum(d.origin == "budget" for d in decisions.values()))
     where = f" ({cache.path})" if cache is not None else ""
-    return KernelPlan(env, {case.key: decisions[case.key] for case, _ in wanted}, chosen, f"{origin}{where}")
+    return KernelPlan(env, {case.key: decisions[case.key] for case, _ in wanted}, chosen,
+                      f"{origin}{where}{_budget_note(budget, decisions.values())}")
+
+
+def _origin(cases: int, cached: int, unmeasured: int) -> str:
+    """Where the plan's decisions came from, in a word or two for its note."""
+    if cached == cases:
+        return "cached"
+    if unmeasured == cases:
+        return "not measured"
+    if cached == 0 and unmeasured == 0:
+        return "measured"
+    return "partly cached" if cached else "partly measured"
+
+
+def _budget_note(budget: Budget | None, decisions: Iterable[Decision]) -> str:
+    """The plan note's word on the budget: what it was, and how many cases it left unmeasured."""
+    if budget is None:
+        return ""
+    left = sum(d.origin == "budget" for d in decisions)
+    return (f"; kernels budget {budget.seconds:g} s" + (f": {left} case(s) not measured (baseline)" if left else ""))
 
 
 def agree_plan(make_plan: Callable[[], KernelPlan], device: torch.device) -> KernelPlan:
@@ -336,5 +370,5 @@ def plan_copy(plan: KernelPlan, run_dir: str | os.PathLike, name: str = "kernel_
     return path
 
 
-__all__ = ["OPS", "Workload", "Measurement", "Decision", "KernelPlan", "Measurer", "decide", "decide_case", "survey",
+__all__ = ["OPS", "Workload", "Measurement", "Decision", "Budget", "KernelPlan", "Measurer", "decide", "decide_case", "survey",
            "agree_plan", "measure", "measure_isolated", "log_once", "plan_copy", "environment", "choose", "MIN_GAIN"]

@@ -296,3 +296,89 @@ def test_ranks_run_rank_zeros_choice(tmp_path):
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["own"] == ["torch"] and r1["own"] == ["same"]  # left alone, they would disagree
     assert r0["agreed"] == r1["agreed"] == ["torch"]
+
+
+# ---------------------------------------------------------------- the time budget (model.kernels_budget_s)
+
+
+def _two_case_workload():
+    return kernel_plan.Workload(batch=2, seq=8, hidden=16, heads=2, dtypes=("float32", "float64"), ops=("layer_norm",))
+
+
+def _stepping_clock(per_case, timer):
+    """A clock that advances ``per_case`` seconds each time ``timer`` times a baseline (one per case)."""
+    now = [0.0]
+
+    def timed(candidate, case, call, device):
+        if candidate.name == candidates_for(case.op, "cpu")[0].name:
+            now[0] += per_case
+        return timer(candidate, case, call, device)
+
+    return (lambda: now[0]), timed
+
+
+def test_without_a_budget_every_case_is_measured(tmp_path):
+    cache = DecisionCache(tmp_path / "kd.json")
+    plan = selection.decide(_two_case_workload(), CPU, cache=cache, timer=_fake_timer({}), budget_s=None)
+    assert [d.origin for d in plan.decisions.values()] == ["measured", "measured"]
+    assert len(cache.load(plan.environment)) == 2
+
+
+def test_a_spent_budget_measures_nothing_and_caches_nothing(tmp_path):
+    cache = DecisionCache(tmp_path / "kd.json")
+    timed = []
+    plan = selection.decide(_two_case_workload(), CPU, cache=cache, budget_s=0,
+                            timer=lambda cand, case, call, dev: timed.append(cand.name) or [1.0])
+    assert not timed
+    for d in plan.decisions.values():
+        assert d.origin == "budget" and d.choice == candidates_for(d.case.op, "cpu")[0].name
+        assert d.measurements[0].status == "not measured"
+    assert cache.load(plan.environment) == {}
+    table = plan.table()
+    assert "2 case(s) not measured" in table and "kernels budget (0 s" in table and "a later run measures" in table
+    assert "kernels budget 0 s: 2 case(s) not measured" in plan.note
+
+
+def test_a_budget_spent_after_one_case_decides_it_and_leaves_the_rest_to_a_later_run(tmp_path):
+    cache = DecisionCache(tmp_path / "kd.json")
+    clock, timer = _stepping_clock(10.0, _fake_timer({}))
+    plan = selection.decide(_two_case_workload(), CPU, cache=cache, timer=timer, budget_s=5.0, clock=clock)
+    first, second = plan.decisions.values()
+    assert (first.origin, second.origin) == ("measured", "budget")
+    assert "spent after 10 s" in second.measurements[0].reason
+    assert list(cache.load(plan.environment)) == [first.case.key]
+    timed = []
+    again = selection.decide(_two_case_workload(), CPU, cache=cache, budget_s=None,
+                             timer=lambda cand, case, call, dev: timed.append(case.key) or [1.0])
+    assert [d.origin for d in again.decisions.values()] == ["cache", "measured"]
+    assert set(timed) == {second.case.key}
+    assert len(cache.load(plan.environment)) == 2
+
+
+def test_a_spent_budget_starts_no_custom_measurer():
+    def measurer(todo, device, profile):
+        raise AssertionError("the budget was spent: nothing may be measured")
+
+    plan = selection.decide(_two_case_workload(), CPU, measurer=measurer, budget_s=0)
+    assert {d.origin for d in plan.decisions.values()} == {"budget"}
+
+
+@pytest.mark.slow  # an isolated measurement subprocess: a few seconds
+def test_an_isolated_measurement_stops_at_the_budget_without_calling_it_a_crash():
+    # "slow" sleeps 20 ms per call: the first case takes well over the 0.3 s budget; the second is not started
+    cases = [(c, candidates_for(c.op, "cpu", extra=[_cand("slow", "slow_layer_norm")], include_test_only=True))
+             for c in _two_case_workload().cases("cpu")]
+    budget = kernel_plan.Budget(0.3, clock=lambda: 0.0)  # the parent's clock: nothing spent before the child
+    first, second = measure_child.measure_isolated(cases, CPU, budget=budget)
+    assert first.origin == "measured" and first.measurement("slow").ms is not None
+    assert second.origin == "budget" and second.choice == cases[1][1][0].name
+    assert not [m for d in (first, second) for m in d.measurements if m.status == "error"]
+
+
+def test_an_isolated_measurement_starts_no_child_once_the_budget_is_spent(monkeypatch):
+    import subprocess
+
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("a child started after the budget was spent"))
+    cases = [(c, candidates_for(c.op, "cpu")) for c in _two_case_workload().cases("cpu")]
+    out = measure_child.measure_isolated(cases, CPU, budget=kernel_plan.Budget(0.0))
+    assert [d.origin for d in out] == ["budget", "budget"]
