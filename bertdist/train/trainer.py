@@ -153,7 +153,8 @@ def run_pretraining(cfg: TrainConfig, resume: str | None = None, overwrite: bool
         kernels = kernels_for_run(cfg.model.kernels, cfg.model, device, micro_batch=cfg.data.micro_batch_size,
                                   seq=cfg.data.max_seq_length, precision=cfg.deepspeed.precision,
                                   autocast=autocast_dtype(cfg.deepspeed.precision, cfg.weights) is not None,
-                                  run_dir=str(run_dir), compiled=compiled.enabled)
+                                  run_dir=str(run_dir), compiled=compiled.enabled,
+                                  budget_s=cfg.model.kernels_budget_s)
     attention = family.choose_attention(cfg, device, run_dir)  # ModernBERT's attention_backend: auto, likewise
     built = build_engine(cfg, plan, world, grad_accum, device.type, kernels)
     engine = built.engine
