@@ -38,6 +38,9 @@ def test_kernel_cases_only_where_auto_decides():
     assert {(c["op"], c["dtype"]) for c in cases} == {("layer_norm", "float32"),
                                                       ("bias_dropout_add_layer_norm", "float32"),
                                                       ("attention", "bfloat16")}
+    assert "at most 300 s (model.kernels_budget_s" in kernel_cases(cfg, by_name("h100"))["why"]
+    unlimited = load_train_config(LARGE, ["model.kernels_budget_s=null"])
+    assert "no time limit" in kernel_cases(unlimited, by_name("h100"))["why"]
     unpadded = load_train_config(LARGE, ["model.unpad=true"])
     assert "varlen_attention" in {c["op"] for c in kernel_cases(unpadded, by_name("h100"))["cases"]}
 
