@@ -97,7 +97,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bertdist.model import IGNORE_INDEX  # noqa: E402
+from bertdist.model import IGNORE_INDEX, BertConfig  # noqa: E402
 from bertdist.train.loader import batch_to_device, packing  # noqa: E402
 
 VARIANTS = ("ours-trainer", "ours-trainer-eager", "ours-trainer-torchopt", "ours-trainer-flat", "ours-trainer-graphs",
@@ -226,7 +226,7 @@ def ours_kernels(name: str, cfg, device: torch.device, batch: int | None, seq: i
     _, mode = OURS[name]
     if mode == "auto" and device.type == "cuda" and batch:
         return kernels_for_run(mode, cfg, device, micro_batch=batch, seq=seq, precision=precision,
-                               autocast=precision != "fp32", compiled=compiled)
+                               autocast=precision != "fp32", compiled=compiled, budget_s=cfg.kernels_budget_s)
     return None  # resolved by the model from cfg.kernels
 
 
@@ -405,7 +405,8 @@ def trainer_config(name: str, cfg, recipe: Path, batch: int, seq: int, precision
         f"model.hidden_dropout_prob={cfg.hidden_dropout_prob}",
         f"model.attention_probs_dropout_prob={cfg.attention_probs_dropout_prob}",
         f"data.max_seq_length={seq}", f"data.micro_batch_size={batch}", f"data.global_batch_size={batch}",
-        f"deepspeed.precision={precision}", "data.eval_split=null", "checkpoint.every_steps=0"])
+        f"deepspeed.precision={precision}", "data.eval_split=null", "checkpoint.every_steps=0",
+        f"model.kernels_budget_s={'null' if cfg.kernels_budget_s is None else cfg.kernels_budget_s}"])
     return dataclasses.replace(tc, model=tc.model.with_vocab(cfg.vocab_size))
 
 
@@ -422,7 +423,8 @@ def build_trainer_variant(name: str, cfg, recipe: Path, device: torch.device, ba
     tc = trainer_config(name, cfg, recipe, batch, seq, precision)
     kernels = kernels_for_run(tc.model.kernels, tc.model, device, micro_batch=batch, seq=seq, precision=precision,
                               autocast=autocast_dtype(precision) is not None,
-                              compiled=decide_compile(tc.model.compile, device.type).enabled)
+                              compiled=decide_compile(tc.model.compile, device.type).enabled,
+                              budget_s=tc.model.kernels_budget_s)
     run = build_run(tc, device, kernels)
     every, pending, loss_at = tc.logging.every_steps, [], STEP_FIELDS.index("loss")
 
@@ -796,6 +798,16 @@ def measure_in_subprocess(name: str, raw_argv: list[str]) -> dict:
         return json.loads(out.read_text())
 
 
+def _budget_seconds(text: str) -> float | None:
+    """--kernels-budget-s: seconds >= 0, or none (no limit)."""
+    if text.strip().lower() in ("none", "null"):
+        return None
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"--kernels-budget-s must be >= 0 seconds or none, got {text!r}")
+    return value
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="mini", choices=["tiny", "mini", "base", "large"])
@@ -836,6 +848,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--profile-steps", type=int, default=0, metavar="N",
                     help="with --interleave: after the timed rounds, each variant's next N steps under "
                          "torch.profiler (launches, host syncs, device-busy fraction, top kernels)")
+    ap.add_argument("--kernels-budget-s", type=_budget_seconds, default=BertConfig.kernels_budget_s,
+                    metavar="SECONDS", help="seconds kernels: auto may spend measuring, for ours-optimized and the "
+                    "trainer variants (model.kernels_budget_s; 'none': no limit; default %(default)s); cases left "
+                    "run torch's kernels and the kernel table says which")
     ap.add_argument("--keep-going", action="store_true",
                     help="a variant that raises is reported as failed and the others still run")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -868,7 +884,7 @@ def main(argv: list[str] | None = None) -> dict:
 def _main(args: argparse.Namespace, argv: list[str] | None) -> dict:
     import transformers
 
-    from bertdist.model import BertConfig, train_flops_per_sequence
+    from bertdist.model import train_flops_per_sequence
     from bertdist.train.metrics import device_peak_flops
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -883,7 +899,7 @@ def _main(args: argparse.Namespace, argv: list[str] | None) -> dict:
         raise SystemExit(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
     max_pred = args.max_predictions or default_max_predictions(args.seq)
     cfg = BertConfig.from_preset(args.preset, vocab_size=args.vocab_size, hidden_dropout_prob=0.1,
-                                 attention_probs_dropout_prob=0.1)
+                                 attention_probs_dropout_prob=0.1, kernels_budget_s=args.kernels_budget_s)
     isolate = (not gpu) if args.isolate is None else args.isolate
     peak, peak_note = device_peak_flops(device, precision, args.peak_tflops)
     if not gpu and not args.peak_tflops:
@@ -913,7 +929,7 @@ def _main(args: argparse.Namespace, argv: list[str] | None) -> dict:
         "precision": precision, "preset": args.preset, "model": {k: getattr(cfg, k) for k in (
             "num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")},
         "batch": args.batch, "seq": args.seq, "steps": steps, "warmup": warmup, "num_batches": num_batches,
-        "max_predictions": max_pred, "peak_flops": peak, "peak_note": peak_note,
+        "max_predictions": max_pred, "kernels_budget_s": args.kernels_budget_s, "peak_flops": peak, "peak_note": peak_note,
         "peak_mem_kind": PeakMemory(device).kind, "isolated_processes": isolate,
         "lengths": {"source": source, "mean_real_length": real_all / (num_batches * args.batch),
                     "padding_fraction": 1 - real_all / (num_batches * args.batch * args.seq),

@@ -169,3 +169,18 @@ def test_the_trainers_own_step_runs_beside_hf_with_profiles_and_a_compile_cache(
     saved = data["compile_cache"]["saved"]
     assert saved["bytes"] == cache.stat().st_size > 0
     assert "Profiled steps" in data["markdown"] and "one host sync every 10 steps" in data["markdown"]
+
+
+def test_the_kernels_budget_option_reaches_ours_and_the_trainer_variants(harness):
+    """--kernels-budget-s: the config's default, 'none' for no limit, and the trainer variants'
+    model.kernels_budget_s override."""
+    from bertdist.model import BertConfig
+
+    assert harness.parse_args([]).kernels_budget_s == BertConfig().kernels_budget_s
+    assert harness.parse_args(["--kernels-budget-s", "none"]).kernels_budget_s is None
+    with pytest.raises(SystemExit):
+        harness.parse_args(["--kernels-budget-s", "-1"])
+    for given in (60.0, None):
+        cfg = BertConfig.from_preset("tiny", kernels_budget_s=given)
+        tc = harness.trainer_config("ours-trainer", cfg, harness.TRAINER_RECIPE, 2, 64, "fp32")
+        assert tc.model.kernels_budget_s == given
