@@ -205,6 +205,29 @@ def stage_decisions(configs: list[tuple[str, int, int]], device_type: str, preci
     return out
 
 
+def _budget_arg(text: str) -> str:
+    """--kernels-budget-s as train_throughput takes it: seconds >= 0, or none; refused here, before any run."""
+    if text.strip().lower() in ("none", "null"):
+        return "none"
+    try:
+        ok = float(text) >= 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"--kernels-budget-s must be >= 0 seconds or none, got {text!r}")
+    return text
+
+
+def throughput_extra(args, preset: str, seq: int) -> tuple[str, ...]:
+    """The bench's options that train_throughput takes as they are, for one configuration."""
+    extra: tuple[str, ...] = ("--profile-steps", str(args.profile_steps)) if args.profile_steps else ()
+    if args.compile_cache_dir:
+        extra += ("--compile-cache", str(Path(args.compile_cache_dir).resolve() / f"compile_cache_{preset}_{seq}.bin"))
+    if args.kernels_budget_s is not None:
+        extra += ("--kernels-budget-s", args.kernels_budget_s)
+    return extra
+
+
 def stage_throughput(preset: str, seq: int, batch: int, manifest: str | None, variants: str, steps: int | None,
                      precision: str | None, rounds: int, deadline: Deadline, extra: tuple[str, ...] = ()) -> dict:
     """benchmarks/train_throughput.py in a child process (killed at the deadline): every variant
@@ -814,6 +837,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--profile-steps", type=int, default=0, metavar="N",
                     help="each throughput variant's next N steps under torch.profiler after its timed rounds: "
                          "launches, host syncs, device-busy fraction, top kernels")
+    ap.add_argument("--kernels-budget-s", metavar="SECONDS", type=_budget_arg,
+                    help="seconds kernels: auto may spend measuring in each throughput run (a number, or none: no "
+                         "limit; default: model.kernels_budget_s's default); cases left run torch's kernels")
     ap.add_argument("--compile-cache-dir", metavar="DIR",
                     help="torch's compile cache of each throughput configuration, loaded from and saved to "
                          "DIR/compile_cache_PRESET_SEQ.bin")
@@ -919,11 +945,8 @@ def main(argv: list[str] | None = None) -> dict:
         pool = lengths or manifests.get("static", {})
         manifest = pool.get(seq) or next(iter(pool.values()), None)
         failed_before = len(report["failed_stages"])
-        extra = (("--profile-steps", str(args.profile_steps)) if args.profile_steps else ()) + (
-            ("--compile-cache", str(Path(args.compile_cache_dir).resolve() / f"compile_cache_{preset}_{seq}.bin"))
-            if args.compile_cache_dir else ())
         r = timed("throughput", label, stage_throughput, preset, seq, batch, manifest, variants, steps, precision,
-                  rounds, deadline, extra)
+                  rounds, deadline, throughput_extra(args, preset, seq))
         if r is not None:
             report["throughput"].append(r)
         elif len(report["failed_stages"]) > failed_before:

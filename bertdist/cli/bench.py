@@ -47,6 +47,8 @@ def run(args) -> int:
         argv += ["--profile-steps", str(args.profile_steps)]
     if args.compile_cache_dir:
         argv += ["--compile-cache-dir", args.compile_cache_dir]
+    if args.kernels_budget_s is not None:
+        argv += ["--kernels-budget-s", args.kernels_budget_s]
     if args.lengths_from:
         argv += ["--lengths-from", *args.lengths_from]
     # 1 on a failed set-up step or GPU test (pytest's exit 5, nothing collected, included), a failed
@@ -81,6 +83,9 @@ def register(sub) -> None:
                    help="the last steps of every recipe run under torch.profiler: where each step's time goes")
     p.add_argument("--profile-steps", type=int, help="each throughput variant's next N steps under torch.profiler "
                                                       "(launches, host syncs, device busy, top kernels)")
+    p.add_argument("--kernels-budget-s", metavar="SECONDS",
+                   help="seconds kernels: auto may spend measuring in each throughput run (or none: no limit; "
+                        "default: model.kernels_budget_s's); cases left run torch's kernels, the kernel table says which")
     p.add_argument("--compile-cache-dir", help="load and save torch's compile cache of each throughput "
                                                "configuration here (DIR/compile_cache_PRESET_SEQ.bin)")
     p.add_argument("--skip", help="stages to skip: records,throughput,auto_vs_reference,recipes,tests,kernels,"

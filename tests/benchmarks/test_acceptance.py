@@ -280,3 +280,24 @@ def test_the_graphs_variant_is_reported_against_the_same_step_without_graphs(acc
     assert [v for t, _, v in rows if "with CUDA graphs" in t] == ["not faster"]
     assert [v for t, _, v in acceptance.targets(CPU_ENV, [run], None) if "with CUDA graphs" in t] == [
         "n/a (CPU: no GPU claim)"]
+
+
+def test_the_kernels_budget_travels_from_bertdist_bench_to_each_throughput_run(acceptance, monkeypatch):
+    """`bertdist bench --kernels-budget-s N` -> acceptance's option -> train_throughput's, per configuration."""
+    import argparse
+
+    from bertdist.cli import bench
+
+    seen = []
+    monkeypatch.setattr(bench, "acceptance_module",
+                        lambda: argparse.Namespace(main=lambda argv: seen.append(argv) or {"exit_status": 0}))
+    parser = argparse.ArgumentParser()
+    bench.register(parser.add_subparsers())
+    assert bench.run(parser.parse_args(["bench", "--kernels-budget-s", "60"])) == 0
+    args = acceptance.parse_args(seen[0])
+    assert args.kernels_budget_s == "60"
+    extra = acceptance.throughput_extra(args, "large", 128)
+    assert extra[extra.index("--kernels-budget-s") + 1] == "60"
+    assert "--kernels-budget-s" not in acceptance.throughput_extra(acceptance.parse_args([]), "large", 128)
+    with pytest.raises(SystemExit):
+        acceptance.parse_args(["--kernels-budget-s", "-5"])
