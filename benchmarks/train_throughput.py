@@ -929,7 +929,8 @@ def _main(args: argparse.Namespace, argv: list[str] | None) -> dict:
         "precision": precision, "preset": args.preset, "model": {k: getattr(cfg, k) for k in (
             "num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")},
         "batch": args.batch, "seq": args.seq, "steps": steps, "warmup": warmup, "num_batches": num_batches,
-        "max_predictions": max_pred, "kernels_budget_s": args.kernels_budget_s, "peak_flops": peak, "peak_note": peak_note,
+        "max_predictions": max_pred, "kernels_budget_s": args.kernels_budget_s,
+        "peak_flops": peak, "peak_note": peak_note,
         "peak_mem_kind": PeakMemory(device).kind, "isolated_processes": isolate,
         "lengths": {"source": source, "mean_real_length": real_all / (num_batches * args.batch),
                     "padding_fraction": 1 - real_all / (num_batches * args.batch * args.seq),

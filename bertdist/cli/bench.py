@@ -84,8 +84,9 @@ def register(sub) -> None:
     p.add_argument("--profile-steps", type=int, help="each throughput variant's next N steps under torch.profiler "
                                                       "(launches, host syncs, device busy, top kernels)")
     p.add_argument("--kernels-budget-s", metavar="SECONDS",
-                   help="seconds kernels: auto may spend measuring in each throughput run (or none: no limit; "
-                        "default: model.kernels_budget_s's); cases left run torch's kernels, the kernel table says which")
+                   help="seconds kernels: auto may spend measuring in each throughput run (or none: no "
+                        "limit; default: model.kernels_budget_s's); cases left run torch's kernels, the "
+                        "kernel table says which")
     p.add_argument("--compile-cache-dir", help="load and save torch's compile cache of each throughput "
                                                "configuration here (DIR/compile_cache_PRESET_SEQ.bin)")
     p.add_argument("--skip", help="stages to skip: records,throughput,auto_vs_reference,recipes,tests,kernels,"

@@ -370,5 +370,5 @@ def plan_copy(plan: KernelPlan, run_dir: str | os.PathLike, name: str = "kernel_
     return path
 
 
-__all__ = ["OPS", "Workload", "Measurement", "Decision", "Budget", "KernelPlan", "Measurer", "decide", "decide_case", "survey",
-           "agree_plan", "measure", "measure_isolated", "log_once", "plan_copy", "environment", "choose", "MIN_GAIN"]
+__all__ = ["OPS", "Workload", "Measurement", "Decision", "Budget", "KernelPlan", "Measurer", "decide", "decide_case",
+           "survey", "agree_plan", "measure", "measure_isolated", "log_once", "plan_copy", "environment", "choose", "MIN_GAIN"]

@@ -98,7 +98,8 @@ def kernel_cases(cfg: TrainConfig, profile) -> dict[str, Any]:
                                   autocast=autocast_dtype(cfg.deepspeed.precision, cfg.weights) is not None,
                                   compiled=decide_compile(cfg.model.compile, profile.type).enabled)
     budget = cfg.model.kernels_budget_s
-    limit = "no time limit" if budget is None else f"at most {budget:g} s (model.kernels_budget_s; cases left run torch's)"
+    limit = ("no time limit" if budget is None
+             else f"at most {budget:g} s (model.kernels_budget_s; cases left run torch's)")
     return {"mode": mode, "decides": True, "budget_s": budget, "why": "measured on rank 0 at the first start "
             f"({limit}; then cached), broadcast to every rank", "cases": _case_rows(workload.cases("cuda"), profile)}
 
