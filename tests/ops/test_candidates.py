@@ -103,6 +103,20 @@ def _recipe_kernels(recipe: Path, autocast: bool, measurer, cache):
                                 cache=cache, profile=H100, measurer=measurer)
 
 
+def test_a_spent_budget_runs_torchs_kernels_on_h100_without_measuring_or_caching(extension, tmp_path):
+    cfg = load_train_config(RECIPES[0])
+    cache = DecisionCache(tmp_path / "kd.json")
+
+    def measurer(todo, device, profile):
+        raise AssertionError("the budget was spent: nothing may be measured")
+
+    ks = kernels_for_run("auto", cfg.model, CUDA, micro_batch=cfg.data.micro_batch_size, seq=cfg.data.max_seq_length,
+                         precision=cfg.deepspeed.precision, cache=cache, profile=H100, measurer=measurer, budget_s=0)
+    assert ks.plan is not None and {d.origin for d in ks.plan.decisions.values()} == {"budget"}
+    assert {ks.sources[d.case.op] for d in ks.plan.decisions.values()} == {"torch"}, ks.sources
+    assert cache.load(ks.plan.environment) == {}
+
+
 @pytest.mark.parametrize("autocast", [False, True], ids=["plain", "autocast"])
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
 def test_each_recipe_plan_on_h100_decides_every_case(recipe, autocast, extension, tmp_path):
