@@ -206,15 +206,9 @@ def stage_decisions(configs: list[tuple[str, int, int]], device_type: str, preci
 
 
 def _budget_arg(text: str) -> str:
-    """--kernels-budget-s as train_throughput takes it: seconds >= 0, or none; refused here, before any run."""
-    if text.strip().lower() in ("none", "null"):
-        return "none"
-    try:
-        ok = float(text) >= 0
-    except ValueError:
-        ok = False
-    if not ok:
-        raise argparse.ArgumentTypeError(f"--kernels-budget-s must be >= 0 seconds or none, got {text!r}")
+    """--kernels-budget-s, checked here by train_throughput's own parser (before any run) and
+    passed on to it as given."""
+    _load("train_throughput")._budget_seconds(text)
     return text
 
 
