@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
 
 # Subcommand modules, in help order, with the commands each registers. Each later capability
 # adds its module here.
@@ -74,11 +75,38 @@ def _exit_now_if_asked(args, rc: int) -> None:
         os._exit(rc)
 
 
-def run() -> None:
+def end_program(rc: int) -> NoReturn:
+    """Exit the program with ``rc``.
+
+    A process that started a process group skips the interpreter's finalization. The backend's
+    worker threads (gloo's) outlive the group and can still be releasing a finished collective's
+    tensors; a native thread that re-enters Python while the interpreter finalizes aborts the
+    process ("terminate called without an active exception", SIGABRT) after all the work is done
+    and saved. So the group is destroyed, the atexit handlers run (logging, multiprocessing,
+    weakref finalizers), the streams are flushed, and the process ends with ``os._exit``."""
+    ours, dist = sys.modules.get("bertdist.train.distributed"), sys.modules.get("torch.distributed")
+    live = dist is not None and dist.is_available() and dist.is_initialized()
+    if not live and (ours is None or not ours.group_started()):
+        sys.exit(rc)
+    import atexit
+    import os
+
+    if live:
+        dist.destroy_process_group()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing more can reach it
+            pass
+    os._exit(rc)
+
+
+def run() -> NoReturn:
     """The ``bertdist`` program (console script and ``python -m bertdist.cli.main``)."""
     global _PROGRAM
     _PROGRAM = True
-    sys.exit(main())
+    end_program(main())
 
 
 if __name__ == "__main__":

@@ -116,4 +116,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from bertdist.cli.main import end_program
+
+    end_program(main())

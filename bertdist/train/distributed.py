@@ -29,6 +29,21 @@ class DistInfo:
     backend: str
 
 
+# Set once this process has started a process group. Its backend's worker threads outlive the
+# group's destruction, so the program ends through ``bertdist.cli.main.end_program``.
+_group_started = False
+
+
+def group_started() -> bool:
+    """Whether this process has started a process group (destroyed or not)."""
+    return _group_started
+
+
+def _note_group_started() -> None:
+    global _group_started
+    _group_started = True
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -81,6 +96,7 @@ def init_distributed(backend: str | None = None) -> DistInfo:
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+        _note_group_started()
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
 
 
@@ -102,6 +118,7 @@ def single_process_group(backend: str = "gloo") -> Iterator[bool]:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0", LOCAL_SIZE="1")
     dist.init_process_group(backend, rank=0, world_size=1)
+    _note_group_started()
     try:
         yield True
     finally:
@@ -152,6 +169,7 @@ def start_process_group(deepspeed: bool = False) -> bool:
         ds.init_distributed(dist_backend=backend)
     else:
         torch.distributed.init_process_group(backend)
+    _note_group_started()
     return True
 
 

@@ -63,7 +63,8 @@ def pretrain_cmd(nproc: int, *args: str, faults: list[str] | None = None, launch
 
 def proc_env() -> dict[str, str]:
     env = child_env()
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    # faulthandler: a rank that dies of a fatal signal prints every thread's Python stack
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", PYTHONFAULTHANDLER="1")
     return env
 
 

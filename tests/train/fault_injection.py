@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sys
 
 
 def main() -> int:
@@ -79,4 +78,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from bertdist.cli.main import end_program
+
+    end_program(main())

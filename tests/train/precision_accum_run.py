@@ -101,4 +101,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from bertdist.cli.main import end_program
+
     main()
+    end_program(0)
