@@ -67,12 +67,21 @@ def _exit_now_if_asked(args, rc: int) -> None:
     flushed first; atexit handlers are skipped, so a command opts in only when none matter."""
     if _PROGRAM and getattr(args, "fast_exit", False):
         import logging
-        import os
 
-        sys.stdout.flush()
-        sys.stderr.flush()
         logging.shutdown()
-        os._exit(rc)
+        _flush_and_exit(rc)
+
+
+def _flush_and_exit(rc: int) -> NoReturn:
+    """Flush the standard streams and end the process now, without the interpreter's teardown."""
+    import os
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing more can reach it
+            pass
+    os._exit(rc)
 
 
 def end_program(rc: int) -> NoReturn:
@@ -89,17 +98,11 @@ def end_program(rc: int) -> NoReturn:
     if not live and (ours is None or not ours.group_started()):
         sys.exit(rc)
     import atexit
-    import os
 
     if live:
         dist.destroy_process_group()
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe or stream: nothing more can reach it
-            pass
-    os._exit(rc)
+    _flush_and_exit(rc)
 
 
 def run() -> NoReturn:
