@@ -100,6 +100,8 @@ def end_program(rc: int) -> NoReturn:
     import atexit
 
     if live:
+        if ours is not None:  # a DeepSpeed engine built after the group started made one
+            ours.release_shm_workspace(wait_for_ranks=False)
         dist.destroy_process_group()
     atexit._run_exitfuncs()
     _flush_and_exit(rc)

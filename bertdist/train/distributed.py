@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import os
 import socket
+import sys
 from typing import Iterator
 
 import torch
@@ -42,6 +43,43 @@ def group_started() -> bool:
 def _note_group_started() -> None:
     global _group_started
     _group_started = True
+
+
+# DeepSpeed's CPU accelerator maps a shared-memory all-reduce workspace per rank (about 69 MB in
+# /dev/shm, when every rank is on one node) and never unlinks it. Its name, as DeepSpeed builds it:
+_SHM_NAME = "deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}"
+_SHM_DIR = "/dev/shm"
+_shm_released = False
+
+
+def release_shm_workspace(*, wait_for_ranks: bool = True) -> bool:
+    """Unlink this rank's DeepSpeed shared-memory workspace; returns whether one was unlinked.
+
+    Left alone, every run on CPU would leave its ranks' segments in RAM-backed /dev/shm until the
+    machine reboots. Unlinked, the mappings stay valid, so DeepSpeed's shared-memory all-reduce
+    still works, and the memory is freed when the ranks exit, however they exit. Each rank maps
+    the others' segments while its comm backend starts, so with ``wait_for_ranks`` every rank waits
+    at a barrier first: call it on every rank. Without it (a world of one, or the end of a program
+    whose ranks have since run collectives together) nothing waits."""
+    global _shm_released
+    comm = sys.modules.get("deepspeed.comm.comm")
+    backend = getattr(comm, "cdb", None)
+    if _shm_released or getattr(backend, "shm_comm_op", None) is None:
+        return False  # no DeepSpeed comm backend yet, or its workspace already unlinked
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return False
+    if wait_for_ranks and dist.get_world_size() > 1:
+        dist.barrier()
+    _shm_released = True
+    name = _SHM_NAME.format(uid=os.getuid(), addr=os.environ.get("MASTER_ADDR", ""),
+                            port=os.environ.get("MASTER_PORT", ""), rank=dist.get_rank())
+    try:
+        os.unlink(os.path.join(_SHM_DIR, name))
+    except FileNotFoundError:  # not every world maps one (ranks on several nodes)
+        return False
+    return True
 
 
 def _free_port() -> int:
@@ -97,6 +135,7 @@ def init_distributed(backend: str | None = None) -> DistInfo:
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
         _note_group_started()
+        release_shm_workspace()
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
 
 
@@ -122,6 +161,7 @@ def single_process_group(backend: str = "gloo") -> Iterator[bool]:
     try:
         yield True
     finally:
+        release_shm_workspace(wait_for_ranks=False)  # a DeepSpeed engine built inside made one
         from deepspeed.utils import groups
 
         # DeepSpeed caches a clone of the world group; once destroyed, a later engine in this process
@@ -167,6 +207,7 @@ def start_process_group(deepspeed: bool = False) -> bool:
         import deepspeed as ds
 
         ds.init_distributed(dist_backend=backend)
+        release_shm_workspace()
     else:
         torch.distributed.init_process_group(backend)
     _note_group_started()

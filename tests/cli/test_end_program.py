@@ -76,7 +76,7 @@ def test_without_a_process_group_the_program_exits_normally(monkeypatch):
     assert e.value.code == 5
 
 
-def test_each_way_of_starting_a_group_is_noted(monkeypatch):
+def test_a_world_of_one_torn_down_is_still_noted(monkeypatch):
     """``single_process_group`` (world of one, torn down) also leaves the backend's threads."""
     from bertdist.train import distributed
 
