@@ -40,9 +40,12 @@ def group_started() -> bool:
     return _group_started
 
 
-def _note_group_started() -> None:
+def _group_is_up() -> None:
+    """Called where a process group has just started: notes it, and unlinks DeepSpeed's workspace
+    when its comm backend started with the group."""
     global _group_started
     _group_started = True
+    release_shm_workspace()
 
 
 # DeepSpeed's CPU accelerator maps a shared-memory all-reduce workspace per rank (about 69 MB in
@@ -134,8 +137,7 @@ def init_distributed(backend: str | None = None) -> DistInfo:
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
-        _note_group_started()
-        release_shm_workspace()
+        _group_is_up()
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
 
 
@@ -157,7 +159,7 @@ def single_process_group(backend: str = "gloo") -> Iterator[bool]:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0", LOCAL_SIZE="1")
     dist.init_process_group(backend, rank=0, world_size=1)
-    _note_group_started()
+    _group_is_up()
     try:
         yield True
     finally:
@@ -207,10 +209,9 @@ def start_process_group(deepspeed: bool = False) -> bool:
         import deepspeed as ds
 
         ds.init_distributed(dist_backend=backend)
-        release_shm_workspace()
     else:
         torch.distributed.init_process_group(backend)
-    _note_group_started()
+    _group_is_up()
     return True
 
 
